@@ -1,0 +1,32 @@
+# sprout: every target builds .venv first, so a fresh clone needs only python3.
+PY      ?= python3
+VENV    := .venv
+PYBIN   := $(VENV)/bin/python
+MIRROR  ?= $(abspath ../shared/data)
+DEMO    ?= runs/demo
+
+.PHONY: venv test test-fast demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PYBIN) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PYBIN) -m pytest -q
+
+test-fast: venv
+	$(PYBIN) -m pytest -q -m "not slow"
+
+demo: venv
+	SPROUT_MIRROR=$(MIRROR) DEMO=$(DEMO) bash scripts/demo.sh
+
+bench: venv
+	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/prep_throughput.py
+	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/train_throughput.py
+	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/generate_throughput.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,29 @@
+"""User-facing errors: one line that names the file and what is wrong.
+
+Anything a user can cause (a bad path, a corrupted shard, a mismatched vocab) raises
+`SproutError`. Entry-point scripts wrap their `main` in `run_main`, which prints
+`error: <message>` on one line and exits with status 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+
+class SproutError(Exception):
+    """An error caused by the user's input, reported as a single line."""
+
+
+def run_main(main: Callable[[], int | None]) -> None:
+    """Run a script's `main`, turning `SproutError` into a one-line message and exit 2."""
+    try:
+        code = main()
+    except SproutError as exc:
+        msg = " ".join(str(exc).split())  # force one line
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(int(code or 0))
