@@ -16,12 +16,20 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 
+def _umask_mode() -> int:
+    """The mode an ordinary `open()` would give a new file (mkstemp uses 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside `path`; on clean exit fsync and rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.chmod(tmp, _umask_mode())
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -42,6 +50,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, _umask_mode())
     try:
         yield Path(tmp)
         with open(tmp, "rb+") as f:

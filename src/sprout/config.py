@@ -101,6 +101,11 @@ def from_dict(cls: type[T], data: dict, where: str = "config") -> T:
             kwargs[name] = from_dict(tp, value, f"{where}.{name}")
         elif tp is float and isinstance(value, int) and not isinstance(value, bool):
             kwargs[name] = float(value)
+        elif tp is float and isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+            try:
+                kwargs[name] = float(value)
+            except ValueError:
+                raise SproutError(f"{where}.{name}: expected a number, got {value!r}") from None
         elif tp is tuple and isinstance(value, list):
             kwargs[name] = tuple(value)
         else:

@@ -1,0 +1,83 @@
+"""Forward + backward tokens/s: sprout's Transformer against the nanoGPT-style reference.
+
+Same shape for both (default: d_model 256, 6 layers, 8 heads, vocab 4096, seq 256,
+batch 16), fp32, on this machine's CPU. The two are timed in alternation, several rounds,
+and the median per model is reported, so load from other processes hits both alike.
+This isolates the model (no optimizer, no loader); benchmarks/train_throughput.py times a
+whole optimizer step.
+
+At equal d_model, sprout's SwiGLU (3 matrices of d x 8/3 d, rounded up to a multiple of
+64) holds about the parameters of the reference's 4d GELU MLP (2 matrices of d x 4d).
+
+    .venv/bin/python benchmarks/model_throughput.py [--tie] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_gpt import ReferenceGPT  # noqa: E402
+
+from sprout.model import ModelConfig, Transformer  # noqa: E402
+
+
+def time_steps(step, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--n-layers", type=int, default=6)
+    ap.add_argument("--n-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="fwd+bwd steps per timed round")
+    ap.add_argument("--tie", action="store_true", help="tie sprout's embeddings, as the reference does")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    B, T = args.batch, args.seq_len
+    sprout = Transformer(ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers,
+                                     n_heads=args.n_heads, max_seq_len=T, tie_embeddings=args.tie))
+    ref = ReferenceGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, T)
+    x = torch.randint(0, args.vocab, (B, T))
+    y = torch.randint(0, args.vocab, (B, T))
+
+    def sprout_step():
+        loss = F.cross_entropy(sprout(x).view(-1, args.vocab), y.view(-1))
+        loss.backward()
+
+    def ref_step():
+        _, loss = ref(x, y)
+        loss.backward()
+
+    for step in (sprout_step, ref_step):  # warm up
+        step()
+    times = {"sprout": [], "reference": []}
+    for _ in range(args.rounds):
+        times["sprout"].append(time_steps(sprout_step, args.steps))
+        times["reference"].append(time_steps(ref_step, args.steps))
+    print(f"shape: B={B} T={T} d={args.d_model} L={args.n_layers} H={args.n_heads} V={args.vocab}, "
+          f"fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"params: sprout {sprout.num_params():,} (tied={args.tie}), reference {ref.num_params():,} (tied)")
+    rate = {k: B * T / statistics.median(v) for k, v in times.items()}
+    for k, v in rate.items():
+        print(f"{k:>9}: {v:10,.0f} tokens/s fwd+bwd (median of {args.rounds} rounds x {args.steps} steps)")
+    print(f"ratio sprout/reference: {rate['sprout'] / rate['reference']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

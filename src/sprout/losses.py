@@ -1,0 +1,30 @@
+"""Loss math shared by every trainer: pure functions of logits and targets.
+
+Losses are returned as *sums* together with the number of terms, never as means: the
+training loop (`sprout.train.loop`) divides by the number of targets in the whole
+accumulated global batch, across micro-batches and processes, so a run's gradient does
+not depend on how the batch was split (the normalisation nanoGPT-style loops get wrong
+when micro-batches hold different numbers of trained tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def token_nll_sum(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed negative log-likelihood (nats) of `targets` under `logits`, and the count.
+
+    logits [..., V] (any float dtype; computed in float32), targets [...] int64,
+    mask [...] (bool or 0/1) selects the positions that count; None means all of them.
+    Returns (nll_sum float32 scalar, n_targets int64 scalar).
+    """
+    vocab = logits.size(-1)
+    nll = F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), reduction="none")
+    if mask is None:
+        return nll.sum(), torch.tensor(nll.numel(), device=nll.device)
+    keep = mask.reshape(-1).bool()
+    return torch.where(keep, nll, torch.zeros_like(nll)).sum(), keep.sum()

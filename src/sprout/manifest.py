@@ -1,0 +1,131 @@
+"""`manifest.json`: what a folder of pretraining tokens holds and how it was made (DESIGN.md).
+
+Written last and atomically by the pipeline, so a folder without one is unfinished. Fields:
+    format            "sprout-pretrain-v1"
+    dataset           the shard name prefix
+    tokenizer         spec, name, vocab_size, eot_id, bos_id, fingerprint (sha256 of its files)
+    token_dtype       uint16 | uint32
+    shards            {"train": [{file, num_tokens, sha256}], "val": [...]}   (.bin outputs)
+    hdf5              {"train": {file, num_tokens, sha256, tokens_sha256}, "val": ...}  (.h5 outputs)
+    splits            {"train": {documents, tokens}, "val": {...}}
+    sources           per source: name, path, weight, share, documents read/kept/dropped,
+                      cleaning counts, tokens per split before and after resampling
+    split_rule        how validation was chosen (see sprout.mixture)
+    mixture           seed, run_tokens, train_tokens
+    doc_hashes        sidecar {file, sha256}: each split's dedup keys, to prove no overlap
+    command           the command line that produced it
+`read_manifest` validates the structure and names the file and field when it is wrong;
+`check_output_dir` refuses to write into a folder holding another dataset's outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from sprout.atomic import write_json_atomic
+from sprout.errors import SproutError
+
+FORMAT = "sprout-pretrain-v1"
+MANIFEST = "manifest.json"
+SIDECAR = "doc_hashes.npz"
+REQUIRED = {"format": str, "dataset": str, "tokenizer": dict, "token_dtype": str, "shards": dict,
+            "hdf5": dict, "splits": dict, "sources": list, "split_rule": dict, "doc_hashes": dict,
+            "command": list}
+TOKENIZER_REQUIRED = {"spec": str, "name": str, "vocab_size": int, "eot_id": int, "fingerprint": str}
+OUTPUT_FILE = re.compile(r"^(?P<dataset>.+)_(?P<split>train|val)(_\d{6}\.bin|\.h5)$")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_info(tok) -> dict:
+    return {"spec": tok.spec, "name": tok.name, "vocab_size": int(tok.vocab_size), "eot_id": int(tok.eot_id),
+            "bos_id": tok.bos_id, "pad_id": tok.pad_id, "fingerprint": tok.fingerprint()}
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
+    path = Path(directory) / MANIFEST
+    write_json_atomic(path, dict(manifest, format=FORMAT))
+    return path
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """Load and structurally validate `DIR/manifest.json`."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise SproutError(f"{path}: no manifest (unfinished or not a sprout token folder)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SproutError(f"{path}: line {exc.lineno}: invalid JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise SproutError(f"{path}: top level must be a JSON object")
+    _check_fields(path, data, REQUIRED, "")
+    _check_fields(path, data["tokenizer"], TOKENIZER_REQUIRED, "tokenizer.")
+    if data["format"] != FORMAT:
+        raise SproutError(f"{path}: format {data['format']!r}, expected {FORMAT!r}")
+    for split, entries in data["shards"].items():
+        if split not in ("train", "val") or not isinstance(entries, list):
+            raise SproutError(f"{path}: shards.{split} must be a list under train/val")
+        for i, entry in enumerate(entries):
+            _check_fields(path, entry, {"file": str, "num_tokens": int, "sha256": str}, f"shards.{split}[{i}].")
+    for split, entry in data["hdf5"].items():
+        _check_fields(path, entry, {"file": str, "num_tokens": int, "sha256": str}, f"hdf5.{split}.")
+    return data
+
+
+def _check_fields(path: Path, data, fields: dict, prefix: str) -> None:
+    if not isinstance(data, dict):
+        raise SproutError(f"{path}: {prefix.rstrip('.') or 'entry'} must be an object")
+    for key, tp in fields.items():
+        if key not in data:
+            raise SproutError(f"{path}: missing field {prefix}{key}")
+        if not isinstance(data[key], tp) or (tp is int and isinstance(data[key], bool)):
+            raise SproutError(f"{path}: field {prefix}{key} should be {tp.__name__}, got {type(data[key]).__name__}")
+
+
+def check_output_dir(directory: str | os.PathLike, dataset: str, fingerprint: str) -> None:
+    """Refuse a folder that holds another dataset: a manifest for a different dataset name or
+    tokenizer, or .bin/.h5 outputs under another name. Our own earlier outputs may be replaced."""
+    directory = Path(directory)
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise SproutError(f"{directory}: output path exists and is not a folder")
+    path = directory / MANIFEST
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+            name, fp = old.get("dataset"), old.get("tokenizer", {}).get("fingerprint")
+        except (json.JSONDecodeError, AttributeError):
+            raise SproutError(f"{path}: output folder holds an unreadable manifest; choose another --out") from None
+        if name != dataset or fp != fingerprint:
+            what = f"dataset {name!r}" if name != dataset else "a different tokenizer"
+            raise SproutError(f"{path}: output folder already holds {what}'s shards; choose another --out or remove them")
+    for p in sorted(directory.iterdir()):
+        if p.suffix in (".bin", ".h5"):
+            m = OUTPUT_FILE.match(p.name)
+            if not m or m.group("dataset") != dataset:
+                raise SproutError(f"{p}: output folder already holds another dataset's shards; choose another --out or remove them")
+
+
+def remove_stale(directory: str | os.PathLike, dataset: str, keep: set[str]) -> list[str]:
+    """Delete our dataset's earlier .bin/.h5 outputs that this run did not rewrite."""
+    removed = []
+    for p in sorted(Path(directory).iterdir()):
+        m = OUTPUT_FILE.match(p.name)
+        if m and m.group("dataset") == dataset and p.name not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+            removed.append(p.name)
+    return removed

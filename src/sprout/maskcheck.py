@@ -1,0 +1,244 @@
+"""The loss-mask checker behind `scripts/check_loss_mask.py`.
+
+A misaligned loss mask silently wrecks SFT, so every row of a packed SFT file
+(`sprout.sft_format`) is re-derived from its tokens and compared with what is stored:
+
+- layout: segment ids are 1, 2, ... k then 0-padding only at the end; position ids restart
+  at 0 for every document; padding holds `pad_id` and mask 0; mask values are 0/1; ids are
+  inside the vocabulary; column 0 of the mask (never a target) is 0;
+- each document parses back into turns with `sprout.chat.segment` (role headers, eot after
+  every turn, roles in order, no header inside a turn's content);
+- the stored mask equals the template's mask for those turns: 1 exactly on every assistant
+  turn's content and the eot that closes it, 0 on role headers, system and user tokens
+  (so every run of 1s is one assistant turn plus its eot, and every assistant turn is
+  covered). A mask shifted by one position (marking inputs instead of targets) is named as such;
+- a document may lack its final eot only when it fills its row to the last column (an
+  answer cut by `overlong: truncate`), and the number of such documents must equal the
+  `truncated_open` count the prep stored.
+
+Violations name the row and the position in the row. `format_row` and `rows_html` show
+rows with trained tokens highlighted (ANSI in the terminal, a page for `--html`).
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sprout.chat import ChatError, Template, mask_for, segment
+
+
+@dataclass
+class Violation:
+    row: int | None
+    position: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = "file" if self.row is None else f"row {self.row} position {self.position}"
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class Report:
+    rows: int = 0
+    positions: int = 0
+    docs: int = 0
+    tokens: int = 0  # non-padding
+    trained: int = 0
+    assistant_turns: int = 0
+    rows_without_trained: int = 0
+    truncated_open: int = 0
+    violations: list = field(default_factory=list)
+    more_violations: int = 0  # beyond the ones kept
+
+    def totals(self) -> dict:
+        return {"rows": self.rows, "documents": self.docs, "positions": self.positions,
+                "tokens": self.tokens, "trained_tokens": self.trained,
+                "trained_fraction": self.trained / self.positions if self.positions else 0.0,
+                "trained_fraction_of_tokens": self.trained / self.tokens if self.tokens else 0.0,
+                "packing_efficiency": self.tokens / self.positions if self.positions else 0.0,
+                "assistant_turns": self.assistant_turns, "rows_without_trained_token": self.rows_without_trained,
+                "truncated_documents": self.truncated_open,
+                "violations": len(self.violations) + self.more_violations}
+
+
+class _Collector:
+    def __init__(self, report: Report, limit: int):
+        self.report, self.limit = report, limit
+
+    def add(self, row, position, message) -> None:
+        if len(self.report.violations) < self.limit:
+            self.report.violations.append(Violation(None if row is None else int(row),
+                                                    None if position is None else int(position), message))
+        else:
+            self.report.more_violations += 1
+
+
+def _first(bad: np.ndarray):
+    """(row, col) of the first True in a 2-D boolean array, or None."""
+    hits = np.argwhere(bad)
+    return (int(hits[0][0]), int(hits[0][1]), len(hits)) if len(hits) else None
+
+
+def _check_layout(a: dict, pad_id: int, vocab_size: int, out: _Collector) -> None:
+    tokens, mask, seg, pos = a["tokens"], a["loss_mask"], a["segment_ids"], a["position_ids"]
+    n, length = tokens.shape
+    seg = seg.astype(np.int64)
+    checks = []
+    checks.append((mask > 1, "loss_mask value other than 0/1"))
+    checks.append((tokens >= vocab_size, f"token id outside the vocabulary (size {vocab_size})"))
+    nxt, prv = seg[:, 1:], seg[:, :-1]
+    ok = (nxt == prv) | ((nxt == prv + 1) & (prv > 0)) | (nxt == 0)
+    checks.append((np.c_[seg[:, :1] != 1, ~ok], "segment ids must run 1, 2, ... k then 0 padding"))
+    idx = np.broadcast_to(np.arange(length), seg.shape)
+    change = np.c_[np.ones((n, 1), bool), seg[:, 1:] != seg[:, :-1]]
+    expected_pos = idx - np.maximum.accumulate(np.where(change, idx, 0), axis=1)
+    expected_pos[seg == 0] = 0
+    checks.append((pos.astype(np.int64) != expected_pos, "position ids must restart at 0 for each document (0 on padding)"))
+    checks.append(((seg == 0) & (mask != 0), "trained token in padding"))
+    checks.append(((seg == 0) & (tokens != pad_id), f"padding token is not pad id {pad_id}"))
+    checks.append((np.c_[mask[:, :1] != 0, np.zeros((n, length - 1), bool)],
+                   "loss_mask[0] is 1 but position 0 is never a target (mask not aligned to targets)"))
+    for bad, message in checks:
+        hit = _first(bad)
+        if hit:
+            row, col, count = hit
+            out.add(row, col, f"{message}" + (f" ({count} positions in all)" if count > 1 else ""))
+
+
+def _describe(turns, p: int) -> str:
+    for k, t in enumerate(turns):
+        if t.start <= p < t.content_start:
+            return f"the {t.role} header of turn {k}"
+        if t.content_start <= p < t.end:
+            return f"{t.role} content of turn {k}"
+        if p == t.end and t.closed:
+            return f"the end-of-turn token closing {t.role} turn {k}"
+    return "a token outside every turn"
+
+
+def _check_document(ids, mask, row, start, fills_row, tpl, out: _Collector, report: Report) -> None:
+    try:
+        turns = segment(ids, tpl, allow_open_end=fills_row)
+    except ChatError as exc:
+        out.add(row, start + (exc.position or 0), exc.detail)
+        return
+    report.assistant_turns += sum(t.role == "assistant" for t in turns)
+    report.truncated_open += int(not turns[-1].closed)
+    expected = mask_for(turns, len(ids))
+    diff = np.flatnonzero(expected != mask)
+    if not diff.size:
+        return
+    p = int(diff[0])
+    if len(ids) > 1 and np.array_equal(mask[1:], expected[:-1]) and mask[0] == 0:
+        out.add(row, start + p, "loss_mask is shifted one position right (it marks inputs, not targets)")
+    elif len(ids) > 1 and np.array_equal(mask[:-1], expected[1:]):
+        out.add(row, start + p, "loss_mask is shifted one position left of the targets")
+    elif mask[p]:
+        out.add(row, start + p, f"loss_mask 1 on {_describe(turns, p)}")
+    else:
+        what = _describe(turns, p)
+        hint = " (end-of-turn token not supervised)" if "end-of-turn" in what else " (assistant turn not fully covered)"
+        out.add(row, start + p, f"loss_mask 0 on {what}{hint}")
+
+
+def check_arrays(arrays: dict, tpl: Template, pad_id: int, vocab_size: int,
+                 truncated_open: int | None = None, limit: int = 50) -> Report:
+    """Check every row of the four SFT arrays; returns totals and violations."""
+    tokens, mask, seg = arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"]
+    n, length = tokens.shape
+    report = Report(rows=n, positions=n * length)
+    out = _Collector(report, limit)
+    _check_layout(arrays, pad_id, vocab_size, out)
+    report.tokens = int((seg != 0).sum())
+    report.trained = int(mask.sum())
+    report.rows_without_trained = int((mask.sum(axis=1) == 0).sum())
+    for r in np.flatnonzero(mask.sum(axis=1) == 0):
+        out.add(r, 0, "row has no trained token")
+    for r in range(n):
+        s = seg[r]
+        starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+        ends = np.r_[starts[1:], length]
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            if s[a] == 0:
+                continue
+            report.docs += 1
+            _check_document(tokens[r, a:b], mask[r, a:b], r, a, b == length, tpl, out, report)
+    if truncated_open is not None and report.truncated_open != truncated_open:
+        out.add(None, None, f"{report.truncated_open} documents end without their end-of-turn token, "
+                            f"but the prep recorded {truncated_open} truncated answers")
+    report.violations.sort(key=lambda v: (-1, -1) if v.row is None else (v.row, v.position))
+    return report
+
+
+# ---- showing rows ------------------------------------------------------------------------
+
+PAD, HEADER, PROMPT, TRAINED = range(4)
+_ANSI = {PAD: "\x1b[2m", HEADER: "\x1b[1;34m", PROMPT: "", TRAINED: "\x1b[30;42m"}
+_CSS = {PAD: "pad", HEADER: "hdr", PROMPT: "prompt", TRAINED: "trained"}
+
+
+def _runs(tokens, mask, seg, tpl: Template, tok) -> list[tuple[int, int, str]]:
+    """(doc, kind, text) runs for one row; headers and eot shown by their marker names."""
+    names = {tpl.eot_id: "<|endoftext|>"}
+    kind = np.where(seg == 0, PAD, np.where(mask == 1, TRAINED, PROMPT))
+    for role, h in tpl.headers.items():  # mark header tokens
+        if len(h) == 1:
+            names[h[0]] = f"<|{role}|>"
+        if len(tokens) < len(h):
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(tokens, len(h))
+        for i in np.flatnonzero((windows == np.asarray(h)).all(axis=1)):
+            kind[i:i + len(h)] = np.where(kind[i:i + len(h)] == TRAINED, TRAINED, HEADER)
+    runs = []
+    cut = np.flatnonzero((np.diff(kind) != 0) | (np.diff(seg.astype(np.int64)) != 0)
+                         | np.isin(tokens[1:], list(names)) | np.isin(tokens[:-1], list(names))) + 1
+    for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(tokens)].tolist()):
+        piece = tokens[a:b]
+        if kind[a] == PAD:
+            text = f"<pad×{b - a}>"
+        elif len(piece) == 1 and int(piece[0]) in names:
+            text = names[int(piece[0])]
+        else:
+            text = tok.decode(piece.tolist())
+        runs.append((int(seg[a]), int(kind[a]), text))
+    return runs
+
+
+def format_row(arrays: dict, r: int, tpl: Template, tok, color: bool = True) -> str:
+    """One row as text, trained tokens highlighted (ANSI) or bracketed as [[...]] without color."""
+    lines = [f"── row {r} " + "─" * 40]
+    last_doc = None
+    for doc, kind, text in _runs(arrays["tokens"][r], arrays["loss_mask"][r], arrays["segment_ids"][r], tpl, tok):
+        if doc != last_doc and doc != 0:
+            lines.append(f"\n[doc {doc}] ")
+        last_doc = doc
+        if color:
+            lines.append(f"{_ANSI[kind]}{text}\x1b[0m" if _ANSI[kind] else text)
+        else:
+            lines.append(f"[[{text}]]" if kind == TRAINED else text)
+    return "".join(lines[:1]) + "".join(lines[1:]) + "\n"
+
+
+def rows_html(arrays: dict, rows, tpl: Template, tok, title: str, totals: dict) -> str:
+    """A self-contained HTML page showing `rows` with trained tokens highlighted."""
+    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>",
+             "body{font-family:sans-serif;margin:2em} .row{white-space:pre-wrap;font-family:monospace;"
+             "border:1px solid #ccc;padding:.5em;margin:1em 0} .trained{background:#b6f2b6}"
+             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .doc{color:#888;font-size:80%}</style>",
+             f"<h1>{html.escape(title)}</h1><p>Green: trained tokens (loss_mask = 1). Blue: role headers.</p><table>"]
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in totals.items()]
+    parts.append("</table>")
+    for r in rows:
+        parts.append(f"<h3>row {r}</h3><div class='row'>")
+        last_doc = None
+        for doc, kind, text in _runs(arrays["tokens"][r], arrays["loss_mask"][r], arrays["segment_ids"][r], tpl, tok):
+            if doc != last_doc and doc != 0:
+                parts.append(f"<span class='doc'>{'<br>' if last_doc else ''}[doc {doc}] </span>")
+            last_doc = doc
+            parts.append(f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>")
+        parts.append("</div>")
+    return "".join(parts) + "\n"

@@ -1,0 +1,295 @@
+"""The sprout model: a decoder-only transformer with Llama's parameter layout.
+
+Architecture (Touvron et al. 2023, "LLaMA"): pre-norm blocks with RMSNorm (Zhang &
+Sennrich 2019), rotary position embeddings (Su et al. 2021, RoFormer) in Hugging Face's
+`rotate_half` convention (the first and second halves of each head are the rotated
+pairs), a SwiGLU MLP (Shazeer 2020), no biases, optional grouped-query attention
+(Ainslie et al. 2023) and optional tied input/output embeddings.
+
+Module names map 1:1 onto Hugging Face `LlamaForCausalLM` (prefix `model.` on all but
+`lm_head`), so a checkpoint exports with equal logits:
+
+    embed_tokens                       -> model.embed_tokens
+    layers[i].input_layernorm          -> model.layers.i.input_layernorm
+    layers[i].self_attn.{q,k,v,o}_proj -> model.layers.i.self_attn.{q,k,v,o}_proj
+    layers[i].post_attention_layernorm -> model.layers.i.post_attention_layernorm
+    layers[i].mlp.{gate,up,down}_proj  -> model.layers.i.mlp.{gate,up,down}_proj
+    norm, lm_head                      -> model.norm, lm_head
+
+Attention is `F.scaled_dot_product_attention`: the `is_causal` fast path when there are
+no segment ids and no cache; otherwise a boolean mask that is causal AND block-diagonal
+over segment ids, so documents packed into one row never see each other (padding is a
+segment of its own, id 0 by convention, so no query row is ever fully masked).
+`position_ids` restart the rotary positions per packed document.
+
+KV cache (`KVCache`): preallocated per-layer keys/values plus, per slot, the segment id
+of the token stored there. A batch of prompts of different lengths is left-padded, the
+padding given segment 0 and the prompts segment 1, so cached padding is never attended
+to; the cache also keeps each row's next rotary position, so decode steps need no
+arguments beyond the new tokens. A padded row therefore computes the same function as
+the same prompt decoded alone.
+
+Initialisation (GPT-2, Radford et al. 2019; as in nanoGPT): every Linear and the
+embedding ~ N(0, init_std); the two projections that write into the residual stream
+(o_proj, down_proj) ~ N(0, init_std / sqrt(2 * n_layers)), since each layer adds two
+such terms to the residual and this keeps its variance independent of depth; RMSNorm
+weights = 1.
+
+FLOPs per token (training, forward + backward) follow Kaplan et al. 2020 (sec. 2.1) and
+PaLM (Chowdhery et al. 2022, appendix B): 6 * N_matmul + 12 * n_layers * d_model * seq_len,
+where N_matmul counts the weights used in matmuls (all layers and the lm_head, not the
+embedding lookup) and the second term is attention's QK^T and AV products (counted over
+the full square, as PaLM and nanochat do, although a causal kernel skips half).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sprout.errors import SproutError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None -> n_heads; fewer -> grouped-query attention
+    d_ff: int | None = None  # None -> SwiGLU hidden: smallest multiple of 64 >= 8/3 d_model
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise SproutError(f"model config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise SproutError(f"model config: head size {self.d_model // self.n_heads} must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads:
+            raise SproutError(f"model config: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        # 8/3 d keeps a SwiGLU's three matrices at about the parameters of a 4d GELU MLP.
+        return self.d_ff or 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019; HF LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim // 2] in fp32: angle(p, i) = p * theta^(-2i / head_dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by cos/sin broadcastable to [B, T, 1, D/2].
+
+    Equal to HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`, with fewer ops.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class KVCache:
+    """Per-layer keys/values [B, n_kv_heads, max_len, head_dim], filled left to right.
+
+    `segments[b, s]` is the segment id of the token in slot s (attention stays within a
+    segment), `next_pos[b]` the rotary position the next token of row b gets, `length`
+    the number of slots filled (the same for every row: prompts are left-padded).
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device, dtype):
+        shape = (batch_size, config.kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.segments = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.length = 0
+        self.segmented = False  # True once any segment ids were given (a mask is then needed)
+
+    def reserve(self, segment_ids: torch.Tensor | None, position_ids: torch.Tensor | None, T: int):
+        """Claim T slots for the next forward; returns (start, position_ids, attn_mask or None)."""
+        start, end = self.length, self.length + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} slots needed, {self.max_len} allocated")
+        B = self.segments.shape[0]
+        if position_ids is None:
+            position_ids = self.next_pos[:, None] + torch.arange(T, device=self.next_pos.device)
+        if segment_ids is None:
+            # New tokens continue each row's last segment (segment 0 in an empty cache).
+            last = self.segments[:, start - 1 : start] if start else self.segments[:, :1]
+            segment_ids = last.expand(B, T)
+        else:
+            self.segmented = True
+        self.segments[:, start:end] = segment_ids
+        self.next_pos = position_ids[:, -1] + 1
+        self.length = end
+        if not self.segmented and (T == 1 or start == 0):
+            return start, position_ids, None  # plain causal attention over the filled slots
+        slots = torch.arange(end, device=self.segments.device)
+        causal = slots[None, :] <= (start + torch.arange(T, device=slots.device))[:, None]  # [T, end]
+        same = segment_ids[:, :, None] == self.segments[:, None, :end]  # [B, T, end]
+        return start, position_ids, (same & causal)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        d, hd = config.d_model, config.head_dim
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, hd
+        self.q_proj = nn.Linear(d, config.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, config.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, config.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * hd, d, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, start: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # no-op in fp32; bf16 under autocast
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            ck[:, :, start : start + T] = k
+            cv[:, :, start : start + T] = v
+            k, v = ck[:, :, : start + T], cv[:, :, : start + T]
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:  # causal; with a cache only when it was empty or T == 1 (see reserve)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.ff_dim, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.ff_dim, bias=False)
+        self.down_proj = nn.Linear(config.ff_dim, config.d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, cache, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std); o_proj/down_proj scaled by 1/sqrt(2 n_layers); norms 1."""
+        std = self.config.init_std
+        resid_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, resid_std)
+            else:
+                p.normal_(0.0, std)
+
+    def hidden_states(self, input_ids, *, segment_ids=None, position_ids=None, cache: KVCache | None = None):
+        """Final normed hidden states [B, T, d_model] (the input of lm_head or a value head)."""
+        B, T = input_ids.shape
+        start, mask = 0, None
+        if cache is not None:
+            start, position_ids, mask = cache.reserve(segment_ids, position_ids, T)
+        elif segment_ids is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            mask = ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
+        if position_ids is None:
+            if T > self.config.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.config.max_seq_len}")
+            cos, sin = self.rope_cos[None, :T, None], self.rope_sin[None, :T, None]
+        else:
+            cos, sin = self.rope_cos[position_ids][:, :, None], self.rope_sin[position_ids][:, :, None]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, start)
+        return self.norm(x)
+
+    def forward(self, input_ids, *, segment_ids=None, position_ids=None, cache: KVCache | None = None,
+                return_hidden: bool = False):
+        """Logits [B, T, vocab] in float32; with return_hidden, (logits, hidden_states)."""
+        h = self.hidden_states(input_ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache)
+        logits = self.lm_head(h).float()
+        return (logits, h) if return_hidden else logits
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, max_len, p.device, dtype or p.dtype)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied matrix counts once); optionally without the input embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.embed_tokens.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N_matmul + 12 L d T (PaLM appendix B; see module doc)."""
+        c = self.config
+        n_matmul = self.num_params(exclude_embeddings=True)
+        if c.tie_embeddings:  # the shared matrix still does the lm_head matmul
+            n_matmul += self.lm_head.weight.numel()
+        return 6.0 * n_matmul + 12.0 * c.n_layers * c.d_model * seq_len

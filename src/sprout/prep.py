@@ -1,0 +1,412 @@
+"""The pretraining data pipeline: sources -> clean -> tokenize -> dedup -> split -> mixture -> shards.
+
+    manifest = prepare(PrepConfig(sources=[...], tokenizer="tiktoken:r50k_base", out="runs/data"))
+
+1. Read each source as a stream of documents (`sprout.sources`), in chunks.
+2. A process pool (about one worker per core) cleans each document (`sprout.clean`), computes
+   its dedup key and tokenizes it with end-of-text appended. Results come back in input order
+   with a bounded number in flight, and are spilled to one temporary token file per source,
+   so memory stays flat; only per-document counts and keys stay in memory.
+3. Dedup, split and mixture are decided on those per-document arrays (`sprout.mixture`);
+   nothing there depends on the number of workers, so the output bytes never do either.
+4. The planned runs are copied into `.bin` shards (`sprout.shards`) and/or one HDF5 file per
+   split (`sprout.h5tokens`), with a sidecar of each split's document keys; `manifest.json`
+   (`sprout.manifest`) is written last. Everything is written atomically, and the previous
+   manifest is removed first, so an interrupted run never leaves a folder that looks valid.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from sprout import manifest as mf
+from sprout.atomic import atomic_write
+from sprout.clean import CleanConfig, Cleaner, dedup_key
+from sprout.config import from_dict
+from sprout.errors import SproutError
+from sprout.h5tokens import H5TokenWriter, h5_name
+from sprout.mixture import SplitRule, first_occurrences, plan_split, token_targets, val_mask
+from sprout.shards import dtype_for_vocab, shard_name, write_shard
+from sprout.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
+from sprout.tokenizer import Tokenizer, load_tokenizer
+
+CHUNK_DOCS = 256
+CHUNK_CHARS = 1 << 20
+
+
+@dataclass
+class PrepConfig:
+    name: str = "pretrain"             # dataset name: <name>_train_000000.bin
+    sources: list = field(default_factory=list)  # "PATH[:WEIGHT]" strings or SourceSpec mappings
+    text_field: str = "text"
+    tokenizer: str = "tiktoken:r50k_base"
+    out: str = "runs/data"
+    mirror: str | None = None          # replaces ${SPROUT_MIRROR} in paths; default $SPROUT_MIRROR
+    val_frac: float = 0.01
+    val_docs: int | None = None        # per source; overrides val_frac
+    shard_tokens: int = 100_000_000
+    run_tokens: int = 1_000_000
+    train_tokens: int | None = None    # output train size when weights are given (default: natural total)
+    token_dtype: str = "auto"          # auto | uint16 | uint32
+    format: str = "bin"                # bin | hdf5 | both
+    workers: int = 0                   # 0 = one per core
+    seed: int = 0
+    strict: bool = False               # fail on an invalid JSON line instead of skipping it
+    clean: CleanConfig = field(default_factory=CleanConfig)
+
+
+# ---------------------------------------------------------------- worker side
+
+_STATE: dict = {}
+
+
+def _init_worker(spec: str, mirror: str | None, clean: dict, dtype: str) -> None:
+    _STATE["tok"] = load_tokenizer(spec, mirror)
+    _STATE["cleaner"] = Cleaner(CleanConfig(**clean))
+    _STATE["dtype"] = np.dtype(dtype)
+
+
+def _process_chunk(texts: list[str]):
+    """Clean, key and tokenize a chunk: (tokens, lengths, keys N x 16, counts)."""
+    cleaner, tok = _STATE["cleaner"], _STATE["tok"]
+    cleaner.counts = Counter()
+    kept = [t for t in map(cleaner, texts) if t is not None]
+    keys = np.frombuffer(b"".join(dedup_key(t) for t in kept), dtype=np.uint8).reshape(-1, 16)
+    tokens, lengths = tok.encode_docs(kept)
+    return tokens.astype(_STATE["dtype"], copy=False), lengths, keys, cleaner.counts
+
+
+def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
+    chunk, chars = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        chars += len(doc)
+        if len(chunk) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _ordered_map(pool, chunks: Iterator[list[str]], in_flight: int):
+    """pool.imap with back-pressure: at most `in_flight` chunks queued, results in order."""
+    if pool is None:
+        for chunk in chunks:
+            yield len(chunk), _process_chunk(chunk)
+        return
+    pending: collections.deque = collections.deque()
+    for chunk in chunks:
+        pending.append((len(chunk), pool.apply_async(_process_chunk, (chunk,))))
+        if len(pending) >= in_flight:
+            n, res = pending.popleft()
+            yield n, res.get()
+    while pending:
+        n, res = pending.popleft()
+        yield n, res.get()
+
+
+# ---------------------------------------------------------------- main side
+
+
+class _SourceStore:
+    """One source's tokens spilled to disk plus its per-document arrays."""
+
+    def __init__(self, tmpdir: Path, index: int, dtype: np.dtype) -> None:
+        self.path = tmpdir / f"source{index}.tokens"
+        self.dtype = dtype
+        self._f = open(self.path, "wb")
+        self._lengths, self._keys = [], []
+        self.counts: Counter = Counter()
+
+    def append(self, tokens, lengths, keys, counts) -> None:
+        self._f.write(tokens.tobytes())
+        self._lengths.append(lengths)
+        self._keys.append(keys)
+        self.counts.update(counts)
+
+    def finish(self) -> None:
+        self._f.close()
+        self.lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        self.keys = np.concatenate(self._keys) if self._keys else np.zeros((0, 16), np.uint8)
+        self.offsets = np.cumsum(self.lengths) - self.lengths
+        n = int(self.lengths.sum())
+        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens of documents `ids`, concatenated (vectorised)."""
+        lens = self.lengths[ids]
+        before = np.cumsum(lens) - lens
+        return self.tokens[np.repeat(self.offsets[ids] - before, lens) + np.arange(int(lens.sum()))]
+
+
+class _SplitWriter:
+    """Streams one split into fixed-size .bin shards and/or one HDF5 file."""
+
+    def __init__(self, out: Path, dataset: str, split: str, dtype: np.dtype, shard_tokens: int, fmt: str) -> None:
+        self.out, self.dataset, self.split, self.dtype = out, dataset, split, dtype
+        self.shard_tokens = shard_tokens
+        self.buf = np.empty(shard_tokens, dtype=dtype) if fmt in ("bin", "both") else None
+        self.fill, self.shards = 0, []
+        self.h5 = H5TokenWriter(out / h5_name(dataset, split), dtype) if fmt in ("hdf5", "both") else None
+        self.num_tokens = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        self.num_tokens += len(tokens)
+        if self.h5 is not None:
+            self.h5.append(tokens)
+        while self.buf is not None and len(tokens):
+            take = min(len(tokens), self.shard_tokens - self.fill)
+            self.buf[self.fill : self.fill + take] = tokens[:take]
+            self.fill += take
+            tokens = tokens[take:]
+            if self.fill == self.shard_tokens:
+                self._flush()
+
+    def _flush(self) -> None:
+        name = shard_name(self.dataset, self.split, len(self.shards))
+        sha = write_shard(self.out / name, self.buf[: self.fill], self.dtype)
+        self.shards.append({"file": name, "num_tokens": self.fill, "sha256": sha})
+        self.fill = 0
+
+    def close(self, attrs: dict) -> tuple[list, dict | None]:
+        if self.buf is not None and (self.fill or not self.shards):
+            self._flush()
+        h5 = None
+        if self.h5 is not None:
+            tokens_sha = self.h5.close(dict(attrs, split=self.split))
+            path = self.out / h5_name(self.dataset, self.split)
+            h5 = {"file": path.name, "num_tokens": self.num_tokens, "sha256": mf.file_sha256(path), "tokens_sha256": tokens_sha}
+        return self.shards, h5
+
+    def abort(self) -> None:
+        if self.h5 is not None:
+            self.h5.abort()
+
+
+def resolve_sources(cfg: PrepConfig, mirror: str | None) -> list[SourceSpec]:
+    """SourceSpecs with `${SPROUT_MIRROR}` expanded (the path as given is kept in `.given`)."""
+    specs = []
+    for i, item in enumerate(cfg.sources):
+        if isinstance(item, str):
+            spec = parse_source_arg(item)
+        elif isinstance(item, dict):
+            spec = from_dict(SourceSpec, item, f"sources[{i}]")
+        else:
+            raise SproutError(f"sources[{i}]: expected PATH[:WEIGHT] or a mapping, got {type(item).__name__}")
+        spec.given, spec.path = spec.path, expand_path(spec.path, mirror)
+        spec.name = source_name(spec)
+        specs.append(spec)
+    if not specs:
+        raise SproutError("no sources given (--source PATH or sources: in the config)")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise SproutError(f"source names must be unique, got {names}; set name: for each source")
+    return specs
+
+
+def prepare(
+    cfg: PrepConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
+    command: list[str] | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Run the whole pipeline; returns the manifest (also written to `cfg.out`)."""
+    mirror = cfg.mirror or os.environ.get("SPROUT_MIRROR")
+    if cfg.format not in ("bin", "hdf5", "both"):
+        raise SproutError(f"--format must be bin, hdf5 or both, got {cfg.format!r}")
+    if cfg.shard_tokens <= 0 or cfg.run_tokens <= 0:
+        raise SproutError("shard_tokens and run_tokens must be positive")
+    specs = resolve_sources(cfg, mirror)
+    tok = tokenizer or load_tokenizer(expand_path(cfg.tokenizer, mirror), mirror)
+    try:
+        dtype = dtype_for_vocab(tok.vocab_size, cfg.token_dtype)
+    except SproutError as exc:
+        raise SproutError(f"{tok.spec}: {exc}") from None
+    out = Path(cfg.out)
+    mf.check_output_dir(out, cfg.name, tok.fingerprint())
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    tmpdir = Path(tempfile.mkdtemp(prefix=".tmp-prep-", dir=out))
+    ok = False
+    try:
+        stores, stats = _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress)
+        result = _write_outputs(cfg, specs, tok, dtype, stores, stats, out, command or [])
+        ok = True
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        if not ok and created and not any(out.iterdir()):
+            out.rmdir()
+    log(summary_table(result))
+    return result
+
+
+def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
+    from tqdm import tqdm
+
+    workers = cfg.workers or os.cpu_count() or 1
+    clean = asdict(cfg.clean)
+    path = getattr(tok, "path", None)  # workers load a SentencePiece model by absolute path
+    spec_str = f"sentencepiece:{Path(path).resolve()}" if path else tok.spec
+    pool = None
+    if workers > 1:
+        pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec_str, mirror, clean, dtype.str))
+    else:  # one worker: this process, with the tokenizer already loaded
+        _STATE.update(tok=tok, cleaner=Cleaner(cfg.clean), dtype=dtype)
+    stores, stats = [], []
+    try:
+        for i, spec in enumerate(specs):
+            store, st = _SourceStore(tmpdir, i, dtype), ReadStats()
+            docs = iter_documents(spec, cfg.text_field, strict=cfg.strict, stats=st)
+            with tqdm(desc=f"{spec.name:>12}", unit="doc", disable=not progress, dynamic_ncols=True) as bar:
+                for n, res in _ordered_map(pool, _chunks(docs), 2 * workers + 2):
+                    store.append(*res)
+                    bar.update(n)
+            store.finish()
+            stores.append(store)
+            stats.append(st)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return stores, stats
+
+
+def _write_outputs(cfg, specs, tok, dtype, stores, stats, out, command) -> dict:
+    # dedup across all sources, in source order
+    keep = np.split(first_occurrences(np.concatenate([s.keys for s in stores])), np.cumsum([len(s.keys) for s in stores])[:-1])
+    rule = SplitRule(val_frac=cfg.val_frac, val_docs=cfg.val_docs)
+    train_ids, val_ids = [], []
+    for s, k in zip(stores, keep):
+        ids = np.flatnonzero(k)
+        is_val = val_mask(s.keys[ids], rule)
+        train_ids.append(ids[~is_val])
+        val_ids.append(ids[is_val])
+    lengths = [s.lengths for s in stores]
+    natural = [int(s.lengths[ids].sum()) for s, ids in zip(stores, train_ids)]
+    weights = [spec.weight for spec in specs]
+    targets = None
+    if any(w is not None for w in weights) or cfg.train_tokens is not None:
+        targets = token_targets(natural, weights, cfg.train_tokens)
+        for spec, want, have in zip(specs, targets, natural):
+            if want > 0 and have == 0:
+                raise SproutError(f"{spec.path}: weight asks for {want:,.0f} train tokens but the source has no training documents left")
+    if sum(len(t) for t in train_ids) == 0:
+        raise SproutError("no training documents left after cleaning, dedup and the validation split")
+
+    attrs = {"dataset": cfg.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+             "bos_id": -1 if tok.bos_id is None else tok.bos_id, "tokenizer_spec": tok.spec,
+             "tokenizer_name": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
+             "split_rule": rule.describe(), "seed": cfg.seed}
+    old = out / mf.MANIFEST
+    if old.exists():
+        old.unlink()  # the folder must not look valid while it is being rewritten
+    per_split, shards, h5 = {}, {}, {}
+    out_tokens = {"train": [0] * len(specs), "val": [0] * len(specs)}
+    out_docs = {"train": 0, "val": 0}
+    for split, ids, tg in (("train", train_ids, targets), ("val", val_ids, None)):
+        runs = plan_split(ids, lengths, tg, cfg.run_tokens, cfg.seed, split)
+        if split == "val" and not runs:
+            shards[split] = []
+            per_split[split] = {"documents": 0, "tokens": 0}
+            continue
+        writer = _SplitWriter(out, cfg.name, split, dtype, cfg.shard_tokens, cfg.format)
+        try:
+            for src, doc_ids in runs:
+                tokens = stores[src].gather(doc_ids)
+                writer.write(tokens)
+                out_tokens[split][src] += len(tokens)
+                out_docs[split] += len(doc_ids)
+            per_split[split] = {"documents": out_docs[split], "tokens": writer.num_tokens}
+            shards[split], h5_entry = writer.close(dict(attrs, num_documents=out_docs[split]))
+        except BaseException:
+            writer.abort()
+            raise
+        if h5_entry:
+            h5[split] = h5_entry
+
+    sidecar = out / mf.SIDECAR
+    train_keys = _sorted_keys(np.concatenate([s.keys[i] for s, i in zip(stores, train_ids)]))
+    val_keys = _sorted_keys(np.concatenate([s.keys[i] for s, i in zip(stores, val_ids)]))
+    with atomic_write(sidecar, "wb") as f:
+        np.savez(f, train=train_keys, val=val_keys)
+    written = {e["file"] for entries in shards.values() for e in entries} | {e["file"] for e in h5.values()}
+    mf.remove_stale(out, cfg.name, written)
+
+    sources = []
+    total_train = max(1, per_split["train"]["tokens"])
+    for i, (spec, s, st, k) in enumerate(zip(specs, stores, stats, keep)):
+        counts = dict(sorted(s.counts.items()))
+        sources.append({
+            "name": spec.name, "path": spec.given, "text_field": spec.text_field or cfg.text_field,
+            "weight": spec.weight, "files": st.files,
+            "documents_read": st.documents, "invalid_json": st.invalid_json, "unterminated": st.unterminated,
+            "too_short": counts.pop("too_short", 0), "non_ascii": counts.pop("non_ascii", 0),
+            "duplicates": int(len(k) - k.sum()), "documents_kept": int(k.sum()),
+            "train_documents": int(len(train_ids[i])), "val_documents": int(len(val_ids[i])),
+            "normalised": counts,
+            "tokens": {"train_natural": natural[i], "train": out_tokens["train"][i],
+                       "val": out_tokens["val"][i]},
+            "train_share": out_tokens["train"][i] / total_train,
+        })
+    manifest = {
+        "format": mf.FORMAT, "dataset": cfg.name, "tokenizer": mf.tokenizer_info(tok),
+        "token_dtype": dtype.name, "shards": shards, "hdf5": h5, "splits": per_split,
+        "sources": sources, "split_rule": rule.describe(),
+        "mixture": {"seed": cfg.seed, "run_tokens": cfg.run_tokens, "train_tokens": cfg.train_tokens,
+                    "weights": "share of output train tokens" if targets is not None else "natural (each document once)"},
+        "cleaning": asdict(cfg.clean),
+        "doc_hashes": {"file": mf.SIDECAR, "sha256": mf.file_sha256(sidecar)},
+        "command": command,
+    }
+    mf.write_manifest(out, manifest)
+    return manifest
+
+
+def _sorted_keys(keys: np.ndarray) -> np.ndarray:
+    if not len(keys):
+        return keys
+    flat = np.ascontiguousarray(keys).view(np.dtype("V16")).ravel()
+    return np.unique(flat).view(np.uint8).reshape(-1, 16)
+
+
+def summary_table(m: dict) -> str:
+    """The end-of-run table: documents in, drops per reason, duplicates, tokens per source and split."""
+    cols = ["source", "docs in", "bad json", "unterm.", "short", "non-ascii", "dups", "kept", "val docs",
+            "train tok", "(natural)", "share", "val tok"]
+    rows = []
+    for s in m["sources"]:
+        t = s["tokens"]
+        rows.append([s["name"], s["documents_read"], s["invalid_json"], s["unterminated"], s["too_short"],
+                     s["non_ascii"], s["duplicates"], s["documents_kept"], s["val_documents"],
+                     t["train"], t["train_natural"], f"{s['train_share']:.1%}", t["val"]])
+    tot = ["total"] + [sum(r[i] for r in rows) for i in range(1, 11)] + ["100.0%", sum(r[12] for r in rows)]
+    rows.append(tot)
+    cells = [[f"{c:,}" if isinstance(c, int) else str(c) for c in r] for r in [cols] + rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    lines = [fmt(cells[0]), "-" * len(fmt(cells[0]))] + [fmt(r) for r in cells[1:-1]]
+    lines += ["-" * len(fmt(cells[0])), fmt(cells[-1]), ""]
+    for s in m["sources"]:
+        if s["normalised"]:
+            fixes = ", ".join(f"{k.removeprefix('fixed_')} {v:,}" for k, v in s["normalised"].items())
+            lines.append(f"normalised in {s['name']}: {fixes} documents")
+    sp = m["splits"]
+    lines.append(f"train: {sp['train']['documents']:,} docs, {sp['train']['tokens']:,} tokens in "
+                 f"{len(m['shards'].get('train', []))} .bin shard(s)" + (" + HDF5" if "train" in m["hdf5"] else ""))
+    lines.append(f"val:   {sp['val']['documents']:,} docs, {sp['val']['tokens']:,} tokens in "
+                 f"{len(m['shards'].get('val', []))} .bin shard(s)" + (" + HDF5" if "val" in m["hdf5"] else ""))
+    lines.append(f"tokenizer {m['tokenizer']['spec']} (vocab {m['tokenizer']['vocab_size']:,}, eot {m['tokenizer']['eot_id']}), "
+                 f"{m['token_dtype']}; split {m['split_rule']['method']}")
+    return "\n".join(lines)

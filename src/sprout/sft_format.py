@@ -1,0 +1,176 @@
+"""The packed-SFT HDF5 contract (DESIGN.md "HDF5 (h5py)"): single source of truth.
+
+One file per split (`sft.h5` for train, `sft_val.h5` beside it for val), written
+atomically. Datasets, all shape (N, L) with L = `seq_len`, chunked by rows and
+fletcher32-checksummed so a flipped byte fails loudly on read:
+
+    tokens        uint16 (vocab <= 65,536) or uint32   packed token ids, `pad_id` in padding
+    loss_mask     uint8  0/1    1 = this token is a training target (assistant content + eot)
+    segment_ids   uint16        1..k for the k documents of the row, 0 on padding
+    position_ids  uint16        0.. within each document (restart per document), 0 on padding
+
+Attributes: `format` = "sprout-sft", `format_version` = 1, `split` ("train"|"val"),
+`seq_len`, `num_rows`, `tokenizer_spec`, `tokenizer_name`, `tokenizer_fingerprint`,
+`vocab_size`, `eot_id`, `pad_id`, `template_version`, `template` (JSON: role header ids,
+eot), `counts` (JSON: per-source reads, drops by reason, dedup, split, packing totals),
+`config` (JSON: the resolved prep config), `command`, and `sha256` (JSON: a sha256 per
+dataset over its C-order bytes, checked by `SFTFile.verify`).
+
+Models read row r as inputs `tokens[r, :-1]`, targets `tokens[r, 1:]`, loss mask
+`loss_mask[r, 1:]`, with `segment_ids[r, :-1]` and `position_ids[r, :-1]`.
+`SFTFile` refuses any file that is not this contract with an error naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from sprout.atomic import atomic_path
+from sprout.errors import SproutError
+
+FORMAT = "sprout-sft"
+FORMAT_VERSION = 1
+DATASETS = {"tokens": None, "loss_mask": np.dtype("uint8"),
+            "segment_ids": np.dtype("uint16"), "position_ids": np.dtype("uint16")}
+TOKEN_DTYPES = (np.dtype("uint16"), np.dtype("uint32"))
+REQUIRED_ATTRS = ("format", "format_version", "split", "seq_len", "num_rows", "tokenizer_spec",
+                  "tokenizer_name", "tokenizer_fingerprint", "vocab_size", "eot_id", "pad_id",
+                  "template_version", "template", "counts", "sha256")
+JSON_ATTRS = ("template", "counts", "config", "sha256")
+CHUNK_ROWS = 64
+
+
+class SFTFormatError(SproutError):
+    """A file that does not follow the SFT contract; the message names the file."""
+
+
+def val_path(path: str | os.PathLike) -> Path:
+    """`runs/x/sft.h5` -> `runs/x/sft_val.h5`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}_val{path.suffix}")
+
+
+def _sha256(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+def write_sft(path, arrays: dict, attrs: dict) -> None:
+    """Atomically write the four (N, L) arrays and `attrs` (dicts are stored as JSON)."""
+    path = Path(path)
+    shape = arrays["tokens"].shape
+    if len(shape) != 2 or any(arrays[k].shape != shape for k in DATASETS):
+        raise ValueError(f"all SFT arrays must share one (N, L) shape, got {[arrays[k].shape for k in DATASETS]}")
+    attrs = {**attrs, "format": FORMAT, "format_version": FORMAT_VERSION, "num_rows": shape[0],
+             "seq_len": shape[1], "sha256": {k: _sha256(arrays[k]) for k in DATASETS}}
+    with atomic_path(path) as tmp:
+        with h5py.File(tmp, "w") as f:
+            for name in DATASETS:
+                f.create_dataset(name, data=arrays[name], chunks=(min(CHUNK_ROWS, max(shape[0], 1)), shape[1]),
+                                 maxshape=(None, shape[1]), fletcher32=True)
+            for key, value in attrs.items():
+                if value is None:
+                    continue
+                f.attrs[key] = json.dumps(value) if key in JSON_ATTRS else value
+
+
+class SFTFile:
+    """Read-only, validated view of one SFT file. Use as a context manager or `close()`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SFTFormatError(f"{self.path}: SFT file not found")
+        try:
+            self._f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise SFTFormatError(f"{self.path}: not a readable HDF5 file ({exc})") from None
+        try:
+            self.attrs = self._read_attrs()
+            self._check_datasets()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _fail(self, what: str):
+        raise SFTFormatError(f"{self.path}: {what}")
+
+    def _read_attrs(self) -> dict:
+        raw = dict(self._f.attrs)
+        missing = [k for k in REQUIRED_ATTRS if k not in raw]
+        if raw.get("format") != FORMAT:
+            self._fail(f"not a sprout SFT file (format attr {raw.get('format')!r}, expected {FORMAT!r})")
+        if raw.get("format_version") != FORMAT_VERSION:
+            self._fail(f"unsupported SFT format version {raw.get('format_version')!r} (expected {FORMAT_VERSION})")
+        if missing:
+            self._fail(f"missing attribute(s) {', '.join(missing)}")
+        attrs = {}
+        for key, value in raw.items():
+            if isinstance(value, bytes):
+                value = value.decode()
+            if isinstance(value, np.generic):
+                value = value.item()
+            if key in JSON_ATTRS:
+                try:
+                    value = json.loads(value)
+                except (TypeError, json.JSONDecodeError):
+                    self._fail(f"attribute {key} is not valid JSON")
+            attrs[key] = value
+        return attrs
+
+    def _check_datasets(self) -> None:
+        n, length = self.attrs["num_rows"], self.attrs["seq_len"]
+        for name, dtype in DATASETS.items():
+            if name not in self._f or not isinstance(self._f[name], h5py.Dataset):
+                self._fail(f"missing dataset {name!r}")
+            ds = self._f[name]
+            if ds.shape != (n, length):
+                self._fail(f"dataset {name} has shape {ds.shape}, expected ({n}, {length}) from the attributes")
+            ok = ds.dtype in TOKEN_DTYPES if dtype is None else ds.dtype == dtype
+            if not ok:
+                self._fail(f"dataset {name} has dtype {ds.dtype}, expected {dtype or 'uint16/uint32'}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.attrs["num_rows"]
+
+    @property
+    def seq_len(self) -> int:
+        return self.attrs["seq_len"]
+
+    def read(self, rows=None) -> dict:
+        """The four arrays for `rows` (any order, repeats allowed; None = all rows)."""
+        out = {}
+        try:
+            if rows is None:
+                return {name: self._f[name][()] for name in DATASETS}
+            rows = np.asarray(rows, dtype=np.int64)
+            uniq, inverse = np.unique(rows, return_inverse=True)  # h5py wants increasing indices
+            for name in DATASETS:
+                ds = self._f[name]
+                out[name] = ds[uniq][inverse] if uniq.size else np.zeros((0, self.seq_len), ds.dtype)
+        except OSError as exc:  # fletcher32 mismatch, truncated file
+            raise SFTFormatError(f"{self.path}: corrupted data ({exc})") from None
+        return out
+
+    def verify(self) -> dict:
+        """Read everything and compare with the stored sha256 per dataset; returns the arrays."""
+        arrays = self.read()
+        for name in DATASETS:
+            if _sha256(arrays[name]) != self.attrs["sha256"].get(name):
+                self._fail(f"dataset {name} does not match its stored sha256 (corrupted or edited)")
+        return arrays
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "SFTFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

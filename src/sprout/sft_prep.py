@@ -1,0 +1,156 @@
+"""SFT data prep: sources -> conversations -> (ids, loss_mask) -> packed HDF5 rows.
+
+The steps `scripts/prepare_sft_data.py` runs, in order:
+
+1. read every source (`sprout.sft_sources`; `max_examples` records per source at most);
+2. validate each conversation with the chat template; invalid ones (empty content,
+   unknown role, bad role order, reserved marker text) are dropped and counted by reason;
+3. exact dedup across all sources on the conversation (roles and contents), first wins;
+4. val split decided by a hash of the conversation (`val_fraction`), so it is disjoint,
+   stable under re-runs and independent of `max_examples` and source order;
+5. mixture weights on the train split: a source of weight w contributes each example
+   floor(w) times plus a seeded random (w - floor(w)) share once more;
+6. render with `sprout.chat.render`, pack with `sprout.packing.pack` (best fit; the
+   `overlong` policy decides truncate/drop; prompts longer than the context and examples
+   without a trained token are dropped and counted);
+7. write `out` (train) and `out` with `_val` before the suffix (val) per `sprout.sft_format`,
+   with every count in the `counts` attribute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sprout.chat import TEMPLATE_VERSION, ChatError, render, template_for, validate
+from sprout.errors import SproutError
+from sprout.packing import OVERLONG_POLICIES, pack
+from sprout.sft_format import val_path, write_sft
+from sprout.sft_sources import SourceConfig, from_dict_source, read_source
+from sprout.shards import dtype_for_vocab
+
+
+@dataclass
+class SFTDataConfig:
+    tokenizer: str = "tiktoken:r50k_base"
+    out: str = "runs/demo/sft/sft.h5"
+    seq_len: int = 512
+    mirror: str | None = None
+    max_examples: int | None = None  # per source, for quick runs
+    seed: int = 0
+    val_fraction: float = 0.02
+    dedup: bool = True
+    overlong: str = "truncate"  # or "drop": what happens to examples longer than seq_len
+    sources: list = field(default_factory=list)  # SourceConfig fields, one mapping per source
+
+
+def conversation_key(messages) -> str:
+    """sha256 of the conversation's roles and contents: the dedup and split key."""
+    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+def is_val(key: str, val_fraction: float) -> bool:
+    return int(key[:16], 16) / 2**64 < val_fraction
+
+
+def weighted_indices(n: int, weight: float, rng: np.random.Generator) -> np.ndarray:
+    """Indices taking each of n items floor(weight) times plus a random (weight % 1) share."""
+    whole, frac = int(weight), weight - int(weight)
+    extra = rng.choice(n, size=int(round(frac * n)), replace=False) if n else np.zeros(0, np.int64)
+    return np.concatenate([np.tile(np.arange(n), whole), np.sort(extra)]).astype(np.int64)
+
+
+def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
+    if cfg.overlong not in OVERLONG_POLICIES:
+        raise SproutError(f"overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {cfg.overlong!r}")
+    if not 2 <= cfg.seq_len <= 65535:
+        raise SproutError(f"seq_len must be in 2..65535, got {cfg.seq_len}")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise SproutError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
+    if not cfg.sources:
+        raise SproutError("no sources configured (the config needs a `sources:` list)")
+    specs = [from_dict_source(s, i) for i, s in enumerate(cfg.sources)]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise SproutError(f"source names must be unique, got {names}")
+    return specs
+
+
+def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
+    """Run the whole prep; writes the train and val files and returns the counts."""
+    specs = _check_config(cfg)
+    t0 = time.perf_counter()
+    per_source = {s.name: Counter() for s in specs}
+    seen: set[str] = set()
+    train: dict[str, list] = {s.name: [] for s in specs}
+    val: list = []
+    first_drop: dict[str, str] = {}
+    for spec in specs:
+        c = per_source[spec.name]
+        for ex in read_source(spec, cfg.mirror, cfg.max_examples):
+            c["read"] += 1
+            try:
+                validate(ex.messages)
+            except ChatError as exc:
+                c[f"dropped_{exc.reason}"] += 1
+                first_drop.setdefault(f"{spec.name}/{exc.reason}", f"{ex.where}: {exc}")
+                continue
+            key = conversation_key(ex.messages)
+            if cfg.dedup and key in seen:
+                c["duplicates"] += 1
+                continue
+            seen.add(key)
+            if is_val(key, cfg.val_fraction):
+                c["val"] += 1
+                val.append(ex.messages)
+            else:
+                c["train"] += 1
+                train[spec.name].append(ex.messages)
+    for what, example in first_drop.items():
+        log(f"dropped ({what}), first at {example}")
+    t_read = time.perf_counter()
+
+    train_convs = []
+    for i, spec in enumerate(specs):
+        rng = np.random.default_rng([cfg.seed, i])
+        idx = weighted_indices(len(train[spec.name]), spec.weight, rng)
+        per_source[spec.name]["train_weighted"] = len(idx)
+        train_convs += [train[spec.name][j] for j in idx]
+
+    tpl = template_for(tok)
+    pad_id = tok.pad_id if tok.pad_id is not None else tok.eot_id
+    token_dtype = dtype_for_vocab(tok.vocab_size)
+    attrs = {"tokenizer_spec": tok.spec, "tokenizer_name": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
+             "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "pad_id": pad_id,
+             "template_version": TEMPLATE_VERSION, "template": tpl.to_json(),
+             "config": {k: v for k, v in vars(cfg).items()}, "command": command}
+    result = {"sources": {k: dict(v) for k, v in per_source.items()}}
+    cache: dict[int, tuple] = {}
+    for split, convs, path in (("train", train_convs, cfg.out), ("val", val, val_path(cfg.out))):
+        t1 = time.perf_counter()
+        examples, render_drops = [], Counter()
+        for conv in convs:
+            try:
+                if id(conv) not in cache:  # weighted copies share one rendering
+                    cache[id(conv)] = render(conv, tok)
+                examples.append(cache[id(conv)])
+            except ChatError as exc:
+                render_drops[f"dropped_{exc.reason}"] += 1
+        packed = pack(examples, cfg.seq_len, pad_id, cfg.overlong, token_dtype=token_dtype)
+        counts = {**dict(render_drops), **packed.counts}
+        result[split] = counts
+        arrays = {"tokens": packed.tokens, "loss_mask": packed.loss_mask,
+                  "segment_ids": packed.segment_ids, "position_ids": packed.position_ids}
+        write_sft(path, arrays, {**attrs, "split": split,
+                                 "counts": {"sources": result["sources"], "split": counts}})
+        log(f"{split}: {counts['rows']:,} rows x {cfg.seq_len} -> {path} "
+            f"({counts['examples_packed']:,} examples, {counts['trained_tokens']:,} trained tokens, "
+            f"packing efficiency {counts['packing_efficiency']:.3f}, {time.perf_counter() - t1:.1f}s)")
+    result["seconds"] = {"read": round(t_read - t0, 2), "total": round(time.perf_counter() - t0, 2)}
+    return result

@@ -1,0 +1,242 @@
+"""SFT sources: Alpaca, Dolly, GSM8K (and generic chat JSONL) -> conversations.
+
+Each reader yields `Example(source, messages, where)`; `messages` is the list of
+`{"role", "content"}` dicts that `sprout.chat.render` takes, `where` names the file and
+line (or the hub row) for messages and counts.
+
+Formats (field names as their publishers ship them):
+- `alpaca`  tatsu-lab/stanford_alpaca `alpaca_data.json`: one JSON array of
+            {"instruction", "input", "output"}; user = instruction, then a blank line and
+            the input when it is non-empty.
+- `dolly`   databricks-dolly-15k JSONL {"instruction", "context", "response", "category"},
+            or the reformatted {"prompt", "response"} rows of mosaicml/dolly_hhrlhf, whose
+            prompt is wrapped in the Alpaca template with the context appended to the
+            instruction after one newline. The wrapper is stripped; both schemas give the
+            same user text `instruction\\ncontext`. A prompt without the wrapper is kept as is.
+- `gsm8k`   openai/grade-school-math JSONL {"question", "answer"}; the answer's reasoning
+            loses its `<<expr=value>>` calculator annotations and becomes
+            `<think>reasoning</think><answer>N</answer>` with N the `#### N` gold,
+            normalised (`1,080` -> `1080`). An answer without `####` or with a non-numeric
+            gold is an error naming the file and line.
+- `chat`    JSONL {"messages": [{"role", "content"}, ...]} (already a conversation).
+
+Files may be `.json` (an array), `.jsonl` or `.jsonl.gz`. A line that is not UTF-8 or not
+JSON, or a row missing a field, is an error naming the file and line: these mean the file is
+not what the config says it is. Content-level problems (empty text, bad role order) are
+left to the chat template, whose errors prep scripts count as drops.
+
+A source is read from `mirror/path` when a mirror is given (a local folder holding the
+files the hub would give), else from the hub through `datasets.load_dataset(hub,
+hub_config, split=split)`; `hub` may also be a local folder that `datasets` can load.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from sprout.chat import format_reasoning, normalise_number
+from sprout.config import from_dict
+from sprout.errors import SproutError
+
+FORMATS = ("alpaca", "dolly", "gsm8k", "chat")
+
+
+@dataclass
+class SourceConfig:
+    name: str
+    format: str
+    path: str | None = None  # file, relative to the mirror (or absolute)
+    hub: str | None = None  # dataset id (or local folder) for `datasets.load_dataset`
+    hub_config: str | None = None
+    split: str = "train"
+    weight: float = 1.0  # examples taken per example read (train split): 0.5 halves, 2 doubles
+
+
+def from_dict_source(data, index: int) -> SourceConfig:
+    """A `SourceConfig` from one entry of a config's `sources:` list."""
+    spec = from_dict(SourceConfig, data, f"sources[{index}]")
+    if spec.format not in FORMATS:
+        raise SproutError(f"sources[{index}] ({spec.name}): unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
+    if spec.weight < 0:
+        raise SproutError(f"sources[{index}] ({spec.name}): weight must be >= 0, got {spec.weight}")
+    return spec
+
+
+@dataclass
+class Example:
+    source: str
+    messages: list
+    where: str
+
+
+# ---- reading records -----------------------------------------------------------------
+
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SproutError(f"{path}:{lineno}: not valid UTF-8 (byte {exc.start} of the line: {raw[exc.start:exc.start + 4]!r})") from None
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
+    """Yield `(where, record)` from a `.json` array, `.jsonl` or `.jsonl.gz` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SproutError(f"{path}: source file not found")
+    if path.suffix == ".json":
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            raise SproutError(f"{path}:{line}: not valid UTF-8 (byte offset {exc.start})") from None
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SproutError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+        if not isinstance(rows, list):
+            raise SproutError(f"{path}: expected a JSON array of records, got {type(rows).__name__}")
+        for i, row in enumerate(rows):
+            yield f"{path}[{i}]", row
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            text = _decode(raw, path, lineno)
+            if not text.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise SproutError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+
+
+def _field(row, key: str, where: str, optional: bool = False) -> str:
+    if not isinstance(row, dict):
+        raise SproutError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    value = row.get(key)
+    if value is None:
+        if optional:
+            return ""
+        raise SproutError(f"{where}: missing field {key!r} (has {', '.join(sorted(row)) or 'nothing'})")
+    if not isinstance(value, str):
+        raise SproutError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+# ---- one record -> one conversation --------------------------------------------------
+
+def _chat(user: str, assistant: str) -> list:
+    return [{"role": "user", "content": user.strip()}, {"role": "assistant", "content": assistant.strip()}]
+
+
+def alpaca_messages(row, where: str) -> list:
+    instruction = _field(row, "instruction", where).strip()
+    extra = _field(row, "input", where, optional=True).strip()
+    user = f"{instruction}\n\n{extra}" if extra else instruction
+    return _chat(user, _field(row, "output", where))
+
+
+_ALPACA_WRAPPER = re.compile(
+    r"Below is an instruction that describes a task(?:, paired with an input that provides further context)?\. "
+    r"Write a response that appropriately completes the request\.\s*"
+    r"### Instruction:\n(?P<instruction>.*?)(?:\n\n### Input:\n(?P<input>.*?))?\n\n### Response:\n?\s*",
+    re.DOTALL,
+)
+
+
+def strip_alpaca_wrapper(prompt: str) -> str:
+    """The instruction (plus input/context) inside an Alpaca-template prompt; the prompt
+    itself when it carries no wrapper."""
+    m = _ALPACA_WRAPPER.fullmatch(prompt.strip() + "\n")
+    if m is None:
+        return prompt.strip()
+    extra = (m.group("input") or "").strip()
+    instruction = m.group("instruction").strip()
+    return f"{instruction}\n\n{extra}" if extra else instruction
+
+
+def dolly_messages(row, where: str) -> list:
+    if isinstance(row, dict) and "prompt" in row and "instruction" not in row:
+        return _chat(strip_alpaca_wrapper(_field(row, "prompt", where)), _field(row, "response", where))
+    instruction = _field(row, "instruction", where).strip()
+    context = _field(row, "context", where, optional=True).strip()
+    user = f"{instruction}\n{context}" if context else instruction
+    return _chat(user, _field(row, "response", where))
+
+
+_CALC_RE = re.compile(r"<<[^<>]*>>")
+
+
+def gsm8k_gold(answer: str, where: str) -> str:
+    """The normalised number after `####`."""
+    if "####" not in answer:
+        raise SproutError(f"{where}: GSM8K answer has no '#### N' final answer")
+    gold = normalise_number(answer.rsplit("####", 1)[1])
+    if gold is None:
+        raise SproutError(f"{where}: GSM8K final answer {answer.rsplit('####', 1)[1].strip()!r} is not a number")
+    return gold
+
+
+def gsm8k_reasoning(answer: str) -> str:
+    """The worked solution before `####`, without `<<expr=value>>` annotations."""
+    return _CALC_RE.sub("", answer.rsplit("####", 1)[0]).strip()
+
+
+def gsm8k_messages(row, where: str) -> list:
+    answer = _field(row, "answer", where)
+    gold = gsm8k_gold(answer, where)
+    return _chat(_field(row, "question", where), format_reasoning(gsm8k_reasoning(answer), gold))
+
+
+def chat_messages(row, where: str) -> list:
+    msgs = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(msgs, list):
+        raise SproutError(f"{where}: missing list field 'messages'")
+    return msgs
+
+
+CONVERTERS = {"alpaca": alpaca_messages, "dolly": dolly_messages, "gsm8k": gsm8k_messages, "chat": chat_messages}
+
+
+# ---- sources ---------------------------------------------------------------------------
+
+def _hub_rows(spec: SourceConfig) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise SproutError("reading from the hub needs the `datasets` package") from None
+    try:
+        ds = datasets.load_dataset(spec.hub, spec.hub_config, split=spec.split)
+    except Exception as exc:  # network, missing split, bad folder: one line for the user
+        raise SproutError(f"{spec.hub}: cannot load dataset ({type(exc).__name__}: {exc}); "
+                          "pass --mirror DIR to read local files instead") from None
+    for i, row in enumerate(ds):
+        yield f"{spec.hub}[{spec.split}][{i}]", row
+
+
+def source_rows(spec: SourceConfig, mirror: str | os.PathLike | None) -> Iterator[tuple[str, dict]]:
+    """Raw records of one source: `mirror/path` when there is a mirror (or `path` is
+    absolute), else the hub."""
+    if spec.format not in CONVERTERS:
+        raise SproutError(f"source {spec.name}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
+    if spec.path and (mirror or Path(spec.path).is_absolute()):
+        return iter_records(Path(mirror or "/") / spec.path)
+    if spec.hub:
+        return _hub_rows(spec)
+    raise SproutError(f"source {spec.name}: no mirror given (--mirror DIR or SPROUT_MIRROR) and no hub id")
+
+
+def read_source(spec: SourceConfig, mirror=None, max_examples: int | None = None) -> Iterator[Example]:
+    """Conversations of one source, in file order; at most `max_examples` records."""
+    convert = CONVERTERS.get(spec.format)
+    for n, (where, row) in enumerate(source_rows(spec, mirror)):
+        if max_examples is not None and n >= max_examples:
+            break
+        yield Example(spec.name, convert(row, where), where)

@@ -1,0 +1,408 @@
+"""Tokenizers behind one spec string, and SentencePiece BPE training.
+
+    load_tokenizer("tiktoken:r50k_base")          # GPT-2's BPE (tiktoken), 50,257 ids
+    load_tokenizer("tiktoken:gpt2")                # same ranks as r50k_base
+    load_tokenizer("sentencepiece:PATH.model")     # a SentencePiece model (e.g. one trained here)
+
+tiktoken ranks load offline from a mirror folder (`mirror=` or $SPROUT_MIRROR) holding
+`tokenizers/gpt2.tiktoken`, which is byte-identical to r50k_base.tiktoken (sha256 pinned by
+tiktoken); without a mirror, `tiktoken.get_encoding` downloads them as usual.
+
+Every tokenizer exposes `byte_luts()`, three per-id tables for bits per byte (seed 002, the
+parameter-golf `build_sentencepiece_luts` method): bytes of the piece, whether the piece
+starts with SentencePiece's "▁", and whether the id is a boundary (control) token. A target
+token then covers `base[t] + (lead[t] & ~boundary[prev])` bytes (see `sprout.bpb`).
+Two refinements keep the count exact: a "▁" inside a piece counts as the one-byte space it
+decodes to (not the 3 UTF-8 bytes of U+2581), and for models trained without a dummy prefix
+(ours) every "▁" is a real space, so it is folded into the base bytes instead of being
+dropped after a boundary. tiktoken ids count their exact byte length.
+
+`train_sentencepiece` trains the BPE models the project uses (Sennrich et al. 2016 via
+Kudo & Richardson 2018): byte fallback, identity normalisation and no dummy prefix, so
+`decode(encode(text)) == text` and separately encoded pieces concatenate exactly, and the
+special pieces later stages need at fixed ids (`SPECIAL_PIECES`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from sprout.atomic import atomic_write
+from sprout.errors import SproutError
+
+EOT = "<|endoftext|>"
+# Pieces of every SentencePiece model trained by sprout, in id order (0..6).
+SPECIAL_PIECES = ("<|pad|>", "<unk>", "<|bos|>", EOT, "<|system|>", "<|user|>", "<|assistant|>")
+CONTROL_SYMBOLS = SPECIAL_PIECES[4:]
+
+R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+R50K_MIRROR_FILE = "tokenizers/gpt2.tiktoken"
+R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+TIKTOKEN_NAMES = ("r50k_base", "gpt2")  # gpt2 uses the same ranks as r50k_base
+
+
+def mirror_dir(mirror: str | os.PathLike | None = None) -> Path | None:
+    """The mirror folder: the argument, else $SPROUT_MIRROR, else None."""
+    value = mirror if mirror is not None else os.environ.get("SPROUT_MIRROR")
+    return Path(value) if value else None
+
+
+class Tokenizer:
+    """The surface every tokenizer kind shares (see the module docstring)."""
+
+    spec: str
+    name: str
+    vocab_size: int
+    eot_id: int
+    bos_id: int | None
+    pad_id: int | None
+
+    def __init__(self, spec: str, mirror: str | None) -> None:
+        self.spec = spec
+        self._mirror = mirror
+        self._luts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._fingerprint: str | None = None
+
+    def __reduce__(self):  # workers rebuild from the spec instead of pickling native objects
+        return (load_tokenizer, (self.spec, self._mirror))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def special_id(self, piece: str) -> int | None:
+        raise NotImplementedError
+
+    def encode_docs(self, texts: Sequence[str], append_eot: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Encode documents to one flat uint32 array (eot after each when asked) and the
+        per-document token counts (eot included)."""
+        lists = self.encode_batch(list(texts))
+        lengths = np.fromiter((len(x) + append_eot for x in lists), dtype=np.int64, count=len(lists))
+        flat = np.empty(int(lengths.sum()), dtype=np.uint32)
+        pos = 0
+        for ids, n in zip(lists, lengths):
+            flat[pos : pos + len(ids)] = ids
+            pos += int(n)
+            if append_eot:
+                flat[pos - 1] = self.eot_id
+        return flat, lengths
+
+    def byte_luts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._luts is None:
+            self._luts = self._build_luts()
+        return self._luts
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+
+class TiktokenTokenizer(Tokenizer):
+    """GPT-2 BPE through tiktoken; `<|endoftext|>` (50256) is the only special id."""
+
+    def __init__(self, spec: str, name: str, mirror: str | None) -> None:
+        super().__init__(spec, mirror)
+        import tiktoken
+
+        root = mirror_dir(mirror)
+        self.ranks_file: Path | None = None
+        if root is not None:
+            path = root / R50K_MIRROR_FILE
+            if not path.is_file():
+                raise SproutError(f"{path}: tiktoken ranks not found in mirror {root}")
+            ranks = _load_ranks(path)
+            self.ranks_file = path
+            self._enc = tiktoken.Encoding(
+                name=name, explicit_n_vocab=50257, pat_str=R50K_PAT,
+                mergeable_ranks=ranks, special_tokens={EOT: 50256},
+            )
+        else:
+            try:
+                self._enc = tiktoken.get_encoding(name)
+            except Exception as exc:  # network failure, cache problems
+                raise SproutError(
+                    f"tiktoken:{name}: cannot load ranks ({type(exc).__name__}: {exc}); "
+                    "pass --mirror DIR or set SPROUT_MIRROR to a folder with tokenizers/gpt2.tiktoken"
+                ) from None
+        self.name = name
+        self.vocab_size = self._enc.n_vocab
+        self.eot_id = self._enc.eot_token
+        self.bos_id = None
+        self.pad_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 8) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(texts, num_threads=num_threads)
+
+    def encode_docs(self, texts: Sequence[str], append_eot: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        # encode_to_numpy with no specials allowed or disallowed == encode_ordinary, without lists
+        arrays = [self._enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+        if append_eot:
+            eot = np.array([self.eot_id], dtype=np.uint32)
+            arrays = [a for arr in arrays for a in (arr, eot)]
+            lengths = np.fromiter((len(a) for a in arrays[::2]), dtype=np.int64, count=len(texts)) + 1
+        else:
+            lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(texts))
+        flat = np.concatenate(arrays).astype(np.uint32, copy=False) if arrays else np.zeros(0, np.uint32)
+        return flat, lengths
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+    def special_id(self, piece: str) -> int | None:
+        return self.eot_id if piece == EOT else None
+
+    def token_bytes_of(self, token_id: int) -> bytes:
+        return self._enc.decode_single_token_bytes(token_id)
+
+    def _build_luts(self):
+        v = self.vocab_size
+        base = np.zeros(v, dtype=np.int16)
+        boundary = np.zeros(v, dtype=bool)
+        for i in range(v):
+            if i == self.eot_id:
+                boundary[i] = True
+            else:
+                base[i] = len(self._enc.decode_single_token_bytes(i))
+        return base, np.zeros(v, dtype=bool), boundary
+
+    def _compute_fingerprint(self) -> str:
+        # sha256 of the ranks file, rebuilt from the ranks when they came from tiktoken's cache,
+        # so the same ranks fingerprint the same however they were loaded.
+        if self.ranks_file is not None:
+            return _sha256_file(self.ranks_file)
+        h = hashlib.sha256()
+        for i in range(self.vocab_size):
+            if i != self.eot_id:
+                h.update(base64.b64encode(self._enc.decode_single_token_bytes(i)) + b" %d\n" % i)
+        return h.hexdigest()
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model; `<|endoftext|>` if present (else the model's eos) is eot."""
+
+    def __init__(self, spec: str, path: Path, mirror: str | None) -> None:
+        super().__init__(spec, mirror)
+        import sentencepiece as spm
+
+        self.path = path
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as exc:
+            raise SproutError(f"{path}: not a valid SentencePiece model ({exc})") from None
+        sp = self._sp
+        self.name = path.stem
+        self.vocab_size = int(sp.get_piece_size())
+        eot = self.special_id(EOT)
+        self.eot_id = eot if eot is not None else int(sp.eos_id())
+        if self.eot_id < 0:
+            raise SproutError(f"{path}: model has neither an {EOT} piece nor an eos id")
+        bos, pad = self.special_id("<|bos|>"), self.special_id("<|pad|>")
+        self.bos_id = bos if bos is not None else (int(sp.bos_id()) if sp.bos_id() >= 0 else None)
+        self.pad_id = pad if pad is not None else (int(sp.pad_id()) if sp.pad_id() >= 0 else None)
+        first = sp.encode("a", out_type=str)
+        self.dummy_prefix = bool(first) and first[0].startswith("▁")
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return self._sp.encode(texts, num_threads=num_threads)
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def special_id(self, piece: str) -> int | None:
+        i = int(self._sp.piece_to_id(piece))
+        if i == self._sp.unk_id() and piece != self._sp.id_to_piece(i):
+            return None
+        return i
+
+    def _build_luts(self):
+        sp, v = self._sp, self.vocab_size
+        base = np.zeros(v, dtype=np.int16)
+        lead = np.zeros(v, dtype=bool)
+        boundary = np.ones(v, dtype=bool)
+        for i in range(v):
+            if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+                continue
+            boundary[i] = False
+            if sp.is_byte(i):
+                base[i] = 1
+                continue
+            piece = sp.id_to_piece(i)
+            if self.dummy_prefix and piece.startswith("▁"):
+                lead[i] = True
+                piece = piece[1:]
+            base[i] = len(piece.replace("▁", " ").encode("utf-8"))
+        return base, lead, boundary
+
+    def _compute_fingerprint(self) -> str:
+        return _sha256_file(self.path)
+
+
+
+def load_tokenizer(spec: str, mirror: str | None = None) -> Tokenizer:
+    """Build a tokenizer from its spec string; `mirror` falls back to $SPROUT_MIRROR."""
+    kind, sep, arg = spec.partition(":")
+    if not sep or not arg:
+        raise SproutError(f"tokenizer spec {spec!r}: expected tiktoken:NAME or sentencepiece:PATH.model")
+    if kind == "tiktoken":
+        if arg not in TIKTOKEN_NAMES:
+            raise SproutError(f"tokenizer spec {spec!r}: unknown tiktoken encoding (known: {', '.join(TIKTOKEN_NAMES)})")
+        return TiktokenTokenizer(spec, arg, mirror)
+    if kind == "sentencepiece":
+        path = Path(os.path.expandvars(arg))
+        root = mirror_dir(mirror)
+        if not path.is_file() and root is not None and (root / path).is_file():
+            path = root / path
+        if not path.is_file():
+            raise SproutError(f"{path}: SentencePiece model not found (tokenizer spec {spec!r})")
+        return SentencePieceTokenizer(spec, path, mirror)
+    raise SproutError(f"tokenizer spec {spec!r}: unknown kind {kind!r} (expected tiktoken or sentencepiece)")
+
+
+def _load_ranks(path: Path) -> dict[bytes, int]:
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != R50K_SHA256:
+        raise SproutError(f"{path}: sha256 {digest[:12]}… is not r50k_base's {R50K_SHA256[:12]}…; corrupted mirror file")
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _training_pieces(texts: Iterable[str], max_chars: int, max_piece: int) -> Iterator[str]:
+    """Documents for the trainer, long ones cut at newlines into pieces of <= max_piece chars."""
+    total = 0
+    for text in texts:
+        while text:
+            if len(text) <= max_piece:
+                piece, text = text, ""
+            else:
+                cut = text.rfind("\n", 0, max_piece)
+                cut = cut + 1 if cut > 0 else max_piece
+                piece, text = text[:cut], text[cut:]
+            yield piece
+            total += len(piece)
+            if max_chars and total >= max_chars:
+                return
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    out_prefix: str | os.PathLike,
+    vocab_size: int,
+    *,
+    max_chars: int = 200_000_000,
+    character_coverage: float = 0.9995,
+    num_threads: int | None = None,
+) -> Path:
+    """Train a SentencePiece BPE model on `texts`; writes PREFIX.model and PREFIX.vocab atomically.
+
+    Byte fallback, identity normalisation, no whitespace clean-up and no dummy prefix, so
+    decoding gives back the original bytes. Digits are split one per token.
+    """
+    import sentencepiece as spm
+
+    out_prefix = Path(out_prefix)
+    if vocab_size < len(SPECIAL_PIECES) + 256 + 1:
+        raise SproutError(f"vocab size {vocab_size} is too small: byte fallback alone needs {len(SPECIAL_PIECES) + 256} ids")
+    max_piece = 1 << 16
+    model = io.BytesIO()
+    pieces = _training_pieces(texts, max_chars, max_piece)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=pieces, model_writer=model, model_type="bpe", vocab_size=vocab_size,
+            byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
+            character_coverage=character_coverage, max_sentence_length=max_piece * 4,
+            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=SPECIAL_PIECES[0], unk_piece=SPECIAL_PIECES[1],
+            bos_piece=SPECIAL_PIECES[2], eos_piece=SPECIAL_PIECES[3], control_symbols=list(CONTROL_SYMBOLS),
+            num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
+        )
+    except RuntimeError as exc:
+        raise SproutError(f"{out_prefix}.model: SentencePiece training failed: {exc}") from None
+    proto = model.getvalue()
+    if not proto:
+        raise SproutError(f"{out_prefix}.model: SentencePiece training produced no model (no training text?)")
+    model_path = out_prefix.with_name(out_prefix.name + ".model")
+    with atomic_write(model_path, "wb") as f:
+        f.write(proto)
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    with atomic_write(out_prefix.with_name(out_prefix.name + ".vocab"), "w") as f:
+        for i in range(sp.get_piece_size()):
+            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n")
+    return model_path
+
+
+@dataclass
+class TokenizerTrainConfig:
+    sources: list = field(default_factory=list)  # "PATH" strings or SourceSpec mappings, as for prep
+    text_field: str = "text"
+    vocab_size: int = 4096
+    out: str = "runs/tokenizer/sp4096"           # writes OUT.model and OUT.vocab
+    mirror: str | None = None
+    max_chars: int = 200_000_000                 # training text cap (sources interleaved)
+    clean: bool = True                           # apply the pipeline's cleaning (sprout.clean) first
+    strict: bool = False
+
+
+def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
+    """Train `cfg.out`.model on the sources, interleaved document by document, cleaned like
+    the pretraining data (so the tokenizer sees the text it will encode)."""
+    from sprout.clean import CleanConfig, Cleaner
+    from sprout.config import from_dict
+    from sprout.sources import SourceSpec, expand_path, iter_documents, parse_source_arg
+
+    mirror = cfg.mirror or os.environ.get("SPROUT_MIRROR")
+    streams = []
+    for i, item in enumerate(cfg.sources):
+        spec = parse_source_arg(item) if isinstance(item, str) else from_dict(SourceSpec, item, f"sources[{i}]")
+        spec.path = expand_path(spec.path, mirror)
+        streams.append(iter_documents(spec, cfg.text_field, strict=cfg.strict))
+    if not streams:
+        raise SproutError("no sources given (--source PATH or sources: in the config)")
+    cleaner = Cleaner(CleanConfig()) if cfg.clean else None
+
+    def interleaved() -> Iterator[str]:
+        live = list(streams)
+        while live:
+            for stream in list(live):
+                text = next(stream, None)
+                if text is None:
+                    live.remove(stream)
+                elif cleaner is None or (text := cleaner(text)) is not None:
+                    yield text
+
+    return train_sentencepiece(interleaved(), cfg.out, cfg.vocab_size, max_chars=cfg.max_chars)

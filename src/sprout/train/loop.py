@@ -1,0 +1,354 @@
+"""The one training loop that every stage shares: pretrain, SFT, reward model, DPO, PPO, GRPO.
+
+Two layers, so that stages which do not read "a batch from a loader" still share it:
+
+`Trainer.step(micro_batches, loss_fn)` is one optimizer step over one global batch:
+  1. count the targets of every micro-batch on this process and all-reduce the count
+     (before any backward), giving N, the targets in the whole global batch;
+  2. for each micro-batch: forward, `loss_sum, n, metrics = loss_fn(model, batch)`, and
+     backward of `loss_sum * world_size / N` (DDP and FSDP average gradients over ranks,
+     so the world_size factor turns their mean into the sum we want); gradients are
+     synchronised only on the last micro-batch;
+  3. all-reduce the loss and metric sums for logging; a NaN/inf loss or gradient norm
+     stops the run before the weights change (`NonFiniteLoss`);
+  4. clip, set the scheduled lr, AdamW step.
+  The gradient is then d(sum of per-target losses)/N whatever the split into micro-batches
+  and processes, so 1 process with 2 micro-steps equals 2 processes with 1.
+
+`Trainer.fit(stage)` repeats steps, logs, evaluates, checkpoints and resumes. A stage is
+any object with:
+
+    name: str
+    next_micro_batches(step) -> list[dict[str, Tensor]] | None   # this rank's micro-batches; None = data exhausted
+    loss(model, batch) -> (loss_sum, n_targets, {name: sum})      # sums over targets, never means
+    evaluate(model) -> {"val_...": float}                         # reduced over ranks (see all_reduce_sums)
+    state_dict() -> dict ; load_state_dict(dict)                  # loader position, saved in meta.json
+    count_targets(batch) -> Tensor   (optional; default: loss_mask.sum() or targets.numel())
+
+An RL stage keeps a rollout buffer: when it is empty, next_micro_batches generates new
+rollouts with the current policy, then serves several optimizer steps' worth of
+micro-batches from them. Stages may also call `step`, `evaluate`, `save` themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from sprout.checkpoint import load_train_state, load_weights, read_meta, rng_state, save_rotating, set_rng_state
+from sprout.errors import SproutError
+from sprout.train.metrics import MetricsLogger, check_trackers, mfu, plot_loss_curve
+from sprout.train.schedule import chinchilla_steps, lr_at
+
+
+@dataclass
+class TrainConfig:
+    global_batch_tokens: int = 524288   # target tokens per optimizer step, all processes together
+    micro_batch_tokens: int = 16384     # tokens per forward/backward on one process
+    max_steps: int | None = None        # None: Chinchilla budget, chinchilla_ratio × params tokens
+    chinchilla_ratio: float = 20.0
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    schedule: str = "cosine"            # cosine | wsd | constant
+    wsd_decay_frac: float = 0.2
+    weight_decay: float = 0.1           # on matrices (ndim >= 2) only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
+    mixed_precision: str = "auto"       # auto: bf16 on a GPU, fp32 on CPU | bf16 | no
+    compile: bool = False
+    seed: int = 1337
+    log_every: int = 10
+    eval_every: int = 100               # 0: eval only before and after training
+    ckpt_every: int = 100               # 0: checkpoint only at the end
+    keep_checkpoints: int = 3
+    progress: bool = True               # tqdm bar on rank 0
+    trackers: list = field(default_factory=list)  # [] | [tensorboard] | [wandb]
+    peak_tflops: float = 0.0            # hardware peak per process for MFU; 0: MFU not logged
+
+
+# Training-length and logging knobs: changing them does not make a checkpoint incompatible.
+RESUME_FREE_KEYS = {"max_steps", "chinchilla_ratio", "log_every", "eval_every", "ckpt_every",
+                    "keep_checkpoints", "progress", "trackers", "peak_tflops", "compile"}
+
+
+class Stage(Protocol):
+    name: str
+
+    def next_micro_batches(self, step: int) -> list[dict[str, torch.Tensor]] | None: ...
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]: ...
+    def evaluate(self, model) -> dict[str, float]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class NonFiniteLoss(SproutError):
+    """The loss or gradient became NaN/inf; the weights were not updated."""
+
+
+def count_targets(batch: dict) -> torch.Tensor:
+    """Default target count of a micro-batch: its loss_mask, else every target position."""
+    if "loss_mask" in batch:
+        return batch["loss_mask"].bool().sum()
+    return torch.tensor(batch["targets"].numel(), device=batch["targets"].device)
+
+
+def micro_steps(global_size: int, micro_size: int, world_size: int, unit: str = "tokens") -> int:
+    """Micro-steps per optimizer step on each process: global / (world × micro), exactly."""
+    per_step = world_size * micro_size
+    if micro_size <= 0 or global_size % per_step:
+        raise SproutError(
+            f"global batch of {global_size} {unit} is not a multiple of {world_size} process(es) × "
+            f"micro-batch of {micro_size} {unit}; change train.global_batch_{unit} or train.micro_batch_{unit}"
+        )
+    return global_size // per_step
+
+
+def all_reduce_sums(accelerator: Accelerator, sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Sum scalars over all processes (one collective); every rank gets the same floats."""
+    names, dev = list(sums), accelerator.device
+    vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=dev).reshape(()) for k in names])
+    vec = accelerator.reduce(vec, "sum") if accelerator.num_processes > 1 else vec
+    return dict(zip(names, vec.tolist()))
+
+
+def make_accelerator(cfg: TrainConfig, out_dir: str | Path | None = None) -> Accelerator:
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    trackers = check_trackers(cfg.trackers)
+    # cpu=True without a GPU: under torchrun (or `accelerate launch --multi_gpu`) accelerate then
+    # sets up MULTI_CPU with the gloo backend instead of silently running single-process.
+    return Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available(), log_with=trackers or None,
+                       project_dir=str(out_dir) if out_dir else None)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (embeddings, projections); none on norms and biases."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+
+def resolve_max_steps(cfg: TrainConfig, num_params: int) -> int:
+    return cfg.max_steps or chinchilla_steps(num_params, cfg.global_batch_tokens, cfg.chinchilla_ratio)
+
+
+def lr_schedule(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    return functools.partial(lr_at, peak=cfg.lr, total_steps=total_steps, warmup_steps=cfg.warmup_steps,
+                             kind=cfg.schedule, min_ratio=cfg.min_lr_ratio, decay_frac=cfg.wsd_decay_frac)
+
+
+def config_hash(resume_config: dict) -> str:
+    return hashlib.sha256(json.dumps(resume_config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix.rstrip('.')} {a!r} != {b!r}"]
+
+
+class Trainer:
+    """Accelerate-backed step machinery; see the module docstring for the protocol."""
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer, schedule: Callable[[int], float],
+                 cfg: TrainConfig, *, out_dir: str | Path | None = None, meta: dict | None = None):
+        self.accelerator, self.cfg, self.schedule = accelerator, cfg, schedule
+        self.raw_model = model
+        if cfg.max_steps is None:
+            raise ValueError("cfg.max_steps must be resolved (resolve_max_steps) before building a Trainer")
+        if cfg.compile:
+            model.compile()  # compiles forward in place; parameter names stay unchanged
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.meta = dict(meta or {})
+        self.meta.setdefault("resume_config", {})
+        self.meta["config_hash"] = config_hash(self.meta["resume_config"])
+        self.steps_done, self.tokens_seen = 0, 0
+        self.resumed_from: int | None = None
+        self.last_checkpoint: Path | None = None
+        self.evals: list[dict] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def step(self, micro_batches: list[dict], loss_fn, count_fn: Callable = count_targets) -> dict:
+        acc, model, device = self.accelerator, self.model, self.accelerator.device
+        model.train()
+        batches = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
+                   for b in micro_batches]
+        n_local = torch.stack([torch.as_tensor(count_fn(b), device=device).long() for b in batches]).sum()
+        n_global = int(acc.reduce(n_local, "sum").item()) if self.world_size > 1 else int(n_local.item())
+        if n_global == 0:
+            raise SproutError(f"step {self.steps_done}: the global batch has no target tokens")
+        scale = self.world_size / n_global
+        sums: dict[str, torch.Tensor] = {"loss": 0.0, "n": 0.0, "tokens": 0.0}
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else acc.no_sync(model):
+                with acc.autocast():
+                    loss_sum, n, extra = loss_fn(model, batch)
+                acc.backward(loss_sum * scale)
+            sums["loss"] = sums["loss"] + loss_sum.detach().float()
+            sums["n"] = sums["n"] + n
+            sums["tokens"] = sums["tokens"] + (batch["input_ids"].numel() if "input_ids" in batch else n)
+            for k, v in extra.items():
+                sums[k] = sums.get(k, 0.0) + v.detach().float()
+        totals = all_reduce_sums(acc, sums)
+        if int(totals["n"]) != n_global:
+            raise RuntimeError(f"loss_fn counted {totals['n']} targets but count_fn counted {n_global}")
+        loss = totals.pop("loss") / n_global
+        last_ckpt = f"; last good checkpoint: {self.last_checkpoint}" if self.last_checkpoint else ""
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(f"loss is {loss} at step {self.steps_done + 1}; stopping without updating the weights{last_ckpt}")
+        grad_norm = float(acc.clip_grad_norm_(model.parameters(), self.cfg.grad_clip or float("inf")))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(f"gradient norm is {grad_norm} at step {self.steps_done + 1}; stopping without updating the weights{last_ckpt}")
+        lr = self.schedule(self.steps_done)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        self.tokens_seen += int(totals.pop("tokens"))
+        totals.pop("n")
+        seq_len = batches[0]["input_ids"].shape[-1] if "input_ids" in batches[0] else 0
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_global, "seq_len": seq_len,
+                **{k: v / n_global for k, v in totals.items()}}
+
+    # ---- eval, checkpoint, resume -----------------------------------------------------------
+    def evaluate(self, stage: Stage, logger: MetricsLogger | None = None) -> dict:
+        results = stage.evaluate(self.model)
+        record = {"step": self.steps_done, "tokens": self.tokens_seen, **results}
+        self.evals.append(record)
+        if logger is not None:
+            logger.log(record)
+        self.accelerator.print(f"eval step {self.steps_done}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        return record
+
+    def save(self, stage: Stage) -> Path | None:
+        """Checkpoint (all ranks call; rank 0 writes). Returns the path on rank 0."""
+        acc = self.accelerator
+        weights = acc.get_state_dict(self.model)  # a collective under FSDP
+        optim_state = self._optimizer_state()
+        rngs = gather_object([rng_state()])
+        path = None
+        if acc.is_main_process and self.out_dir is not None:
+            meta = {**self.meta, "stage": stage.name, "step": self.steps_done, "tokens_seen": self.tokens_seen,
+                    "loader_state": stage.state_dict(), "world_size": self.world_size}
+            path = save_rotating(self.out_dir / "checkpoints", self.steps_done, weights, meta=meta,
+                                 optimizer=optim_state, rng_states=rngs, keep=self.cfg.keep_checkpoints)
+        acc.wait_for_everyone()
+        if self.out_dir is not None:
+            self.last_checkpoint = self.out_dir / "checkpoints" / f"step_{self.steps_done:08d}"
+        return path
+
+    def _optimizer_state(self) -> dict:
+        if self.accelerator.distributed_type.name != "FSDP":
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=opts)
+
+    def resume(self, path: str | Path, stage: Stage) -> dict:
+        """Restore weights, optimizer, RNG, loader position and counters from a checkpoint."""
+        meta = read_meta(path)  # verifies the sha256 of every file
+        if meta.get("config_hash") != self.meta["config_hash"]:
+            diffs = _diff(meta.get("resume_config", {}), self.meta["resume_config"])
+            raise SproutError(f"{meta['path']}: checkpoint was made with a different config "
+                              f"({'; '.join(diffs[:4]) or 'config hash differs'}); refusing to resume")
+        if meta.get("stage") != stage.name:
+            raise SproutError(f"{meta['path']}: checkpoint is from stage {meta.get('stage')!r}, not {stage.name!r}")
+        load_weights(self.raw_model, meta["path"], meta)
+        state = load_train_state(meta["path"], meta)
+        if self.accelerator.distributed_type.name == "FSDP":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        rngs = state["rng"]
+        set_rng_state(rngs[self.accelerator.process_index] if len(rngs) == self.world_size else rngs[0])
+        stage.load_state_dict(meta["loader_state"])
+        self.steps_done, self.tokens_seen = int(meta["step"]), int(meta["tokens_seen"])
+        self.resumed_from = self.steps_done
+        self.last_checkpoint = Path(meta["path"])
+        self.accelerator.print(f"resumed from {meta['path']} at step {self.steps_done}")
+        return meta
+
+    # ---- the outer loop ----------------------------------------------------------------------
+    def fit(self, stage: Stage) -> dict:
+        cfg, acc = self.cfg, self.accelerator
+        logger = MetricsLogger(self.out_dir, acc, trackers=cfg.trackers, run_config=self.meta.get("config"),
+                               resume_step=self.resumed_from) if self.out_dir else None
+        count_fn = getattr(stage, "count_targets", count_targets)
+        flops_fn = getattr(self.raw_model, "flops_per_token", None)
+        bar = tqdm(total=cfg.max_steps, initial=self.steps_done, desc=stage.name, dynamic_ncols=True,
+                   disable=not (cfg.progress and acc.is_main_process))
+        try:
+            if self.steps_done == 0:
+                self.evaluate(stage, logger)
+            last_eval = last_save = self.steps_done
+            t0, tokens0, steps0 = time.perf_counter(), self.tokens_seen, self.steps_done
+            while self.steps_done < cfg.max_steps:
+                batches = stage.next_micro_batches(self.steps_done)
+                if all_reduce_sums(acc, {"out": float(batches is None)})["out"] > 0:
+                    break  # some rank ran out of data: every rank stops at the same step
+                m = self.step(batches, stage.loss, count_fn)
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
+                s, done = self.steps_done, self.steps_done == cfg.max_steps
+                if s % cfg.log_every == 0 or done:
+                    dt = time.perf_counter() - t0
+                    tps = (self.tokens_seen - tokens0) / dt if dt > 0 else 0.0
+                    record = {"step": s, "loss": m["loss"], "lr": m["lr"], "tokens": self.tokens_seen,
+                              "tokens_per_s": tps, "step_time_s": dt / max(1, s - steps0),
+                              **{k: v for k, v in m.items() if k not in ("loss", "lr")}}
+                    if cfg.peak_tflops > 0 and flops_fn and m["seq_len"]:
+                        record["mfu"] = mfu(flops_fn(m["seq_len"]), tps, cfg.peak_tflops * 1e12 * self.world_size)
+                    if logger:
+                        logger.log(record)
+                    t0, tokens0, steps0 = time.perf_counter(), self.tokens_seen, s
+                paused = time.perf_counter()
+                if (cfg.eval_every and s % cfg.eval_every == 0) or done:
+                    self.evaluate(stage, logger)
+                    last_eval = s
+                if (cfg.ckpt_every and s % cfg.ckpt_every == 0) or done:
+                    self.save(stage)
+                    last_save = s
+                t0 += time.perf_counter() - paused  # eval and checkpoint time is not training time
+            if last_eval != self.steps_done:  # stopped early (data exhausted)
+                self.evaluate(stage, logger)
+            if last_save != self.steps_done:
+                self.save(stage)
+        finally:
+            bar.close()
+            if logger:
+                logger.close()
+        if self.out_dir and acc.is_main_process:
+            plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+        return {"first_eval": self.evals[0] if self.evals else None,
+                "last_eval": self.evals[-1] if self.evals else None, "steps": self.steps_done,
+                "tokens": self.tokens_seen, "checkpoint": self.last_checkpoint}

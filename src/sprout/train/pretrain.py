@@ -1,0 +1,206 @@
+"""Pretraining: next-token prediction over token shards, as one stage of the shared loop.
+
+`PretrainStage` feeds the loop (`sprout.train.loop`) with micro-batches from
+`data_loader.tokens` (sequential per-rank spans, or nanoGPT random windows), shortens the
+sequences during the sequence-length warmup (the global batch stays fixed in tokens), and
+evaluates val loss and val bits per byte (`sprout.bpb`, seed 002) on a fixed slice of the
+val split. `run_pretrain(cfg, resume)` is everything `scripts/pretrain.py` does after
+parsing its arguments: check the data against the model before anything heavy starts,
+build model, optimizer, schedule and stage, resume if asked, train, report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate.utils import set_seed
+
+from data_loader.tokens import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
+from sprout.atomic import atomic_write
+from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
+from sprout.checkpoint import resolve_checkpoint
+from sprout.config import config_to_dict, dump_yaml
+from sprout.errors import SproutError
+from sprout.losses import token_nll_sum
+from sprout.model import ModelConfig, Transformer
+from sprout.train.loop import (RESUME_FREE_KEYS, TrainConfig, Trainer, all_reduce_sums, build_optimizer, lr_schedule,
+                               make_accelerator, micro_steps, resolve_max_steps)
+from sprout.train.schedule import seq_len_at, seq_len_stages
+
+
+@dataclass
+class DataConfig:
+    dir: str = ""                  # shard folder (*_train_*.bin, *_val_*.bin, manifest.json) or a *train*.h5 file
+    tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
+    sampler: str = "sequential"    # sequential (per-rank spans, seed 000) | random (nanoGPT windows)
+    seq_len: int | None = None     # None: model.max_seq_len
+    seq_len_start: int = 128       # sequence-length warmup: start here, double up to seq_len ...
+    seq_warmup_frac: float = 0.1   # ... over this fraction of the steps (0 disables)
+    eval_tokens: int = 262144      # val tokens scored at each eval (the first ones of the val split)
+
+
+@dataclass
+class PretrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    out: str = "runs/pretrain"
+
+
+class PretrainStage:
+    name = "pretrain"
+
+    def __init__(self, accelerator, loader, val_tokens: np.ndarray, *, seq_len: int, seq_len_fn,
+                 micro_batch_tokens: int, accum_steps: int, luts=None):
+        self.acc, self.loader, self.val_tokens = accelerator, loader, val_tokens
+        self.seq_len, self.seq_len_fn, self.luts = seq_len, seq_len_fn, luts
+        self.micro_batch_tokens, self.accum_steps = micro_batch_tokens, accum_steps
+
+    def next_micro_batches(self, step: int) -> list[dict]:
+        T = self.seq_len_fn(step)
+        rows = self.micro_batch_tokens // T
+        return [dict(zip(("input_ids", "targets"), self.loader.next_batch(rows, T))) for _ in range(self.accum_steps)]
+
+    def loss(self, model, batch):
+        nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"])
+        return nll, n, {}
+
+    @torch.no_grad()
+    def evaluate(self, model) -> dict:
+        dev, rows = self.acc.device, max(1, self.micro_batch_tokens // self.seq_len)
+        x, y = eval_rows(self.val_tokens, self.seq_len, self.acc.process_index, self.acc.num_processes)
+        sums = {"nll": torch.zeros((), device=dev), "n": torch.zeros((), device=dev), "bytes": torch.zeros((), device=dev)}
+        model.eval()
+        for i in range(0, len(x), rows):
+            xb, yb = x[i : i + rows].to(dev), y[i : i + rows].to(dev)
+            with self.acc.autocast():
+                nll, n = token_nll_sum(model(xb), yb)
+            sums["nll"] += nll
+            sums["n"] += n
+            if self.luts is not None:
+                sums["bytes"] += token_bytes(xb, yb, self.luts).sum()
+        model.train()
+        tot = all_reduce_sums(self.acc, sums)
+        if tot["n"] == 0:
+            raise SproutError(f"the val split has fewer than {self.seq_len + 1} tokens: nothing to evaluate")
+        out = {"val_loss": tot["nll"] / tot["n"]}
+        if self.luts is not None:
+            out["val_bpb"] = bits_per_byte(tot["nll"], int(tot["bytes"]))
+        return out
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
+def data_info(path: str | Path, sources) -> dict:
+    """Vocab size and tokenizer spec of a dataset: its manifest.json, HDF5 attrs, else the ids."""
+    path = Path(path)
+    manifest = (path if path.is_dir() else path.parent) / "manifest.json"
+    if manifest.is_file():
+        try:
+            tok = json.loads(manifest.read_text()).get("tokenizer", {})
+        except json.JSONDecodeError as exc:
+            raise SproutError(f"{manifest}: invalid JSON ({exc})") from None
+        if "vocab_size" in tok:
+            return {"vocab_size": int(tok["vocab_size"]), "tokenizer": tok.get("spec"), "where": str(manifest)}
+    attrs = getattr(sources[0], "attrs", {})
+    if "vocab_size" in attrs:  # HDF5 token files carry the manifest fields as attributes
+        return {"vocab_size": int(attrs["vocab_size"]), "tokenizer": attrs.get("tokenizer_spec"), "where": str(path)}
+    max_id = max(int(np.max(s[:])) for s in sources if len(s))
+    return {"vocab_size": None, "max_id": max_id, "tokenizer": None, "where": str(path)}
+
+
+def check_vocab(info: dict, model_vocab: int) -> None:
+    """The model's vocab must be the data's, or the data's padded up to a multiple of 64/128."""
+    if info["vocab_size"] is None:
+        if info["max_id"] >= model_vocab:
+            raise SproutError(f"{info['where']}: token id {info['max_id']} does not fit the model's vocab {model_vocab}")
+        return
+    v = info["vocab_size"]
+    allowed = {v, -(-v // 64) * 64, -(-v // 128) * 128}
+    if model_vocab not in allowed:
+        raise SproutError(f"{info['where']}: data vocab is {v} but model.vocab_size is {model_vocab} "
+                          f"(use {v} or a padded {sorted(allowed - {v})[0]})")
+
+
+def load_luts(spec: str | None, device):
+    """Byte tables for bits per byte, or None (with a note) when no tokenizer is known."""
+    if not spec:
+        return None
+    from sprout.tokenizer import load_tokenizer
+
+    return luts_to_torch(load_tokenizer(spec).byte_luts(), device)
+
+
+def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
+    """Check inputs, build everything, resume if asked, train; returns Trainer.fit's summary."""
+    out = Path(cfg.out)
+    if not cfg.data.dir:
+        raise SproutError("no training data: set data.dir in the config or pass --data DIR")
+    if cfg.data.sampler not in ("sequential", "random"):
+        raise SproutError(f"data.sampler must be sequential or random, not {cfg.data.sampler!r}")
+    train_src, val_src = open_token_sources(cfg.data.dir, "train"), open_token_sources(cfg.data.dir, "val")
+    info = data_info(cfg.data.dir, train_src + val_src)
+    check_vocab(info, cfg.model.vocab_size)
+    seq_len = cfg.data.seq_len or cfg.model.max_seq_len
+    if seq_len > cfg.model.max_seq_len:
+        raise SproutError(f"data.seq_len {seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
+    resume_path = None
+    if resume:
+        resume_path = resolve_checkpoint(out / "checkpoints" if resume == "latest" else resume)
+
+    acc = make_accelerator(cfg.train, out)
+    set_seed(cfg.train.seed)
+    model = Transformer(cfg.model)
+    train_cfg = dataclasses.replace(cfg.train, max_steps=resolve_max_steps(cfg.train, model.num_params()))
+    cfg = dataclasses.replace(cfg, train=train_cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
+    for T in seq_len_stages(seq_len, cfg.data.seq_len_start if cfg.data.seq_warmup_frac > 0 else seq_len):
+        if train_cfg.micro_batch_tokens % T:
+            raise SproutError(f"train.micro_batch_tokens {train_cfg.micro_batch_tokens} is not a multiple of sequence length {T}")
+    accum = micro_steps(train_cfg.global_batch_tokens, train_cfg.micro_batch_tokens, acc.num_processes)
+
+    def seq_len_fn(step: int) -> int:
+        return seq_len_at(step, total_steps=train_cfg.max_steps, final=seq_len, start=cfg.data.seq_len_start,
+                          warmup_frac=cfg.data.seq_warmup_frac)
+
+    rank, world = acc.process_index, acc.num_processes
+    loader = (DistributedTokenLoader(train_src, rank, world) if cfg.data.sampler == "sequential"
+              else RandomWindowSampler(train_src, train_cfg.seed, rank, world))
+    spec = cfg.data.tokenizer or info["tokenizer"]
+    luts = load_luts(spec, acc.device)
+    if luts is None:
+        acc.print("note: no tokenizer spec (data.tokenizer or manifest); val_bpb will not be reported")
+    stage = PretrainStage(acc, loader, read_tokens(val_src, cfg.data.eval_tokens + 1), seq_len=seq_len,
+                          seq_len_fn=seq_len_fn, micro_batch_tokens=train_cfg.micro_batch_tokens,
+                          accum_steps=accum, luts=luts)
+    data_resume = {k: v for k, v in config_to_dict(cfg.data).items() if k not in ("dir", "eval_tokens")}
+    train_resume = {k: v for k, v in config_to_dict(train_cfg).items() if k not in RESUME_FREE_KEYS}
+    meta = {"model_config": config_to_dict(cfg.model), "tokenizer": spec, "config": config_to_dict(cfg),
+            "resume_config": {"model": config_to_dict(cfg.model), "data": data_resume, "train": train_resume}}
+    trainer = Trainer(acc, model, build_optimizer(model, train_cfg), lr_schedule(train_cfg, train_cfg.max_steps),
+                      train_cfg, out_dir=out, meta=meta)
+    if resume_path is not None:
+        trainer.resume(resume_path, stage)
+
+    acc.print(dump_yaml(cfg), end="")
+    if acc.is_main_process:
+        with atomic_write(out / "config.yaml", "w") as f:
+            f.write(dump_yaml(cfg))
+    acc.print(f"model {model.num_params():,} params | {world} process(es) × {accum} micro-steps | "
+              f"{train_cfg.max_steps} steps × {train_cfg.global_batch_tokens:,} tokens "
+              f"= {train_cfg.max_steps * train_cfg.global_batch_tokens:,} tokens")
+    result = trainer.fit(stage)
+    first, last = result["first_eval"], result["last_eval"]
+    for label, rec in (("before", first), ("after", last)):
+        if rec is not None:
+            acc.print(f"{label} training (step {rec['step']}): " + "  ".join(
+                f"{k} {rec[k]:.4f}" for k in ("val_loss", "val_bpb") if k in rec))
+    return result

@@ -1,0 +1,221 @@
+"""The loss-mask checker catches each kind of misaligned mask, and corrupted files fail loudly."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from sft_fixtures import source_list, tiny_sentencepiece, write_sources
+
+from sprout.chat import segment, template_for
+from sprout.errors import SproutError
+from sprout.maskcheck import check_arrays, format_row, rows_html
+from sprout.sft_format import SFTFile, write_sft
+from sprout.sft_prep import SFTDataConfig, prepare
+from sprout.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def r50k(mirror):
+    return load_tokenizer("tiktoken:r50k_base", mirror=str(mirror))
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory):
+    return tiny_sentencepiece(tmp_path_factory.mktemp("sp"))
+
+
+@pytest.fixture(params=["r50k", "sp"])
+def tok(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def clean(tok, tmp_path):
+    """A packed file (several documents per row) and its arrays and attrs."""
+    sources = source_list(write_sources(tmp_path / "src"))
+    out = tmp_path / "clean.h5"
+    prepare(SFTDataConfig(tokenizer=tok.spec, out=str(out), seq_len=160, sources=sources, val_fraction=0.0),
+            tok, log=lambda *_: None)
+    with SFTFile(out) as f:
+        return out, f.verify(), f.attrs
+
+
+def check(arrays, attrs, tok):
+    return check_arrays(arrays, template_for(tok), attrs["pad_id"], attrs["vocab_size"],
+                        attrs["counts"]["split"]["truncated_open"])
+
+
+def first_doc_with_user_turn(arrays, tok, row_min_docs=2):
+    """(row, doc start, turns) of a document in a row holding at least two documents."""
+    for r in range(len(arrays["tokens"])):
+        seg = arrays["segment_ids"][r]
+        if seg.max() >= row_min_docs:
+            cols = np.flatnonzero(seg == 1)
+            return r, int(cols[0]), int(cols[-1]) + 1, segment(arrays["tokens"][r, cols], template_for(tok))
+    raise AssertionError("fixture has no row with two documents")
+
+
+def test_clean_file_passes(clean, tok):
+    _, arrays, attrs = clean
+    report = check(arrays, attrs, tok)
+    assert report.violations == []
+    t = report.totals()
+    assert t["rows"] == len(arrays["tokens"]) and t["documents"] == 6 and t["rows_without_trained_token"] == 0
+    assert 0 < t["trained_fraction"] < 1 and t["trained_tokens"] == int(arrays["loss_mask"].sum())
+    text = format_row(arrays, 0, template_for(tok), tok, color=True)
+    assert "\x1b[30;42m" in text and "<|assistant|>" in text
+    assert "[[" in format_row(arrays, 0, template_for(tok), tok, color=False)
+
+
+def test_catches_shifted_mask(clean, tok):
+    _, arrays, attrs = clean
+    cols = np.flatnonzero(arrays["segment_ids"][0] == 1)
+    first_answer = next(t for t in segment(arrays["tokens"][0, cols], template_for(tok)) if t.role == "assistant")
+    arrays["loss_mask"] = np.roll(arrays["loss_mask"], 1, axis=1)
+    arrays["loss_mask"][:, 0] = 0
+    report = check(arrays, attrs, tok)
+    shifted = [v for v in report.violations if "shifted one position right" in v.message]
+    assert shifted[0].row == 0 and shifted[0].position == cols[0] + first_answer.content_start
+    assert report.violations[0] == shifted[0]  # reported in row order
+
+
+def test_catches_masked_user_token(clean, tok):
+    _, arrays, attrs = clean
+    r, start, _, turns = first_doc_with_user_turn(arrays, tok)
+    user = next(t for t in turns if t.role == "user")
+    pos = start + user.content_start + 1
+    arrays["loss_mask"][r, pos] = 1
+    report = check(arrays, attrs, tok)
+    assert [(v.row, v.position) for v in report.violations] == [(r, pos)]
+    assert "loss_mask 1 on user content" in report.violations[0].message
+
+
+def test_catches_unsupervised_eot(clean, tok):
+    _, arrays, attrs = clean
+    r, start, _, turns = first_doc_with_user_turn(arrays, tok)
+    eot = start + turns[-1].end
+    assert arrays["tokens"][r, eot] == tok.eot_id
+    arrays["loss_mask"][r, eot] = 0
+    report = check(arrays, attrs, tok)
+    assert [(v.row, v.position) for v in report.violations] == [(r, eot)]
+    assert "end-of-turn token not supervised" in report.violations[0].message
+
+
+def test_catches_missing_eot_token(clean, tok):
+    _, arrays, attrs = clean
+    r, start, end, turns = first_doc_with_user_turn(arrays, tok)
+    arrays["tokens"][r, end - 1] = tok.encode("x")[0]  # the answer's eot replaced by a text token
+    report = check(arrays, attrs, tok)
+    assert report.violations and report.violations[0].row == r and report.violations[0].position == end - 1
+    assert "not closed by the end-of-turn token" in report.violations[0].message
+    # an eot lost between a user turn and the answer: the assistant header lands inside the user turn
+    _, arrays2, _ = clean
+    user = next(t for t in turns if t.role == "user")
+    arrays2 = {k: v.copy() for k, v in arrays2.items()}
+    arrays2["tokens"][r, start + user.end] = tok.encode("x")[0]
+    report = check(arrays2, attrs, tok)
+    assert "header inside a user turn" in report.violations[0].message
+
+
+def test_catches_layout_errors(clean, tok):
+    _, arrays, attrs = clean
+    a = {k: v.copy() for k, v in arrays.items()}
+    pad = np.argwhere(a["segment_ids"] == 0)
+    assert len(pad), "fixture needs padding"
+    r, c = pad[0]
+    a["loss_mask"][r, c] = 1
+    assert any("trained token in padding" in v.message and (v.row, v.position) == (r, c) for v in check(a, attrs, tok).violations)
+    b = {k: v.copy() for k, v in arrays.items()}
+    b["position_ids"][0, 5] += 1
+    assert any("position ids" in v.message and (v.row, v.position) == (0, 5) for v in check(b, attrs, tok).violations)
+    c2 = {k: v.copy() for k, v in arrays.items()}
+    c2["segment_ids"][0, 0] = 2
+    assert any("segment ids" in v.message for v in check(c2, attrs, tok).violations)
+
+
+def _rewrite(path, arrays, attrs):
+    write_sft(path, arrays, attrs)
+    return path
+
+
+def test_cli_exit_codes_and_html(clean, tok, mirror, tmp_path):
+    path, arrays, attrs = clean
+    run = lambda *a: subprocess.run([sys.executable, "scripts/check_loss_mask.py", *map(str, a), "--mirror", str(mirror)],  # noqa: E731
+                                    cwd=ROOT, capture_output=True, text=True)
+    ok = run(path, "--show", "1", "--html", tmp_path / "v.html")
+    assert ok.returncode == 0, ok.stderr
+    assert "rows_without_trained_token" in ok.stdout and "trained_fraction" in ok.stdout
+    page = (tmp_path / "v.html").read_text()
+    assert "class='trained'" in page and "row 0" in page
+    bad = {k: v.copy() for k, v in arrays.items()}
+    r, start, _, turns = first_doc_with_user_turn(bad, tok)
+    bad["loss_mask"][r, start] = 1  # the first header token of the document
+    fail = run(_rewrite(tmp_path / "bad.h5", bad, attrs))
+    assert fail.returncode == 1
+    assert f"row {r} position {start}: loss_mask 1 on the" in fail.stderr and "header" in fail.stderr
+
+
+def test_corrupted_files_fail_loudly(clean, tmp_path, mirror):
+    path, arrays, attrs = clean
+    # 1. a flipped byte inside a data chunk: the fletcher32 checksum fails on read
+    flipped = tmp_path / "flipped.h5"
+    flipped.write_bytes(path.read_bytes())
+    with h5py.File(flipped, "r") as f:
+        offset = f["loss_mask"].id.get_chunk_info(0).byte_offset
+    data = bytearray(flipped.read_bytes())
+    data[offset + 3] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(SproutError, match="flipped.h5: corrupted data"):
+        SFTFile(flipped).verify()
+    run = subprocess.run([sys.executable, "scripts/check_loss_mask.py", str(flipped), "--mirror", str(mirror)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.startswith("error:") and "flipped.h5" in run.stderr
+    # 2. an edit through HDF5 (valid chunk checksums) no longer matches the stored sha256
+    edited = tmp_path / "edited.h5"
+    edited.write_bytes(path.read_bytes())
+    with h5py.File(edited, "r+") as f:
+        f["loss_mask"][0, 0] = 1
+    with pytest.raises(SproutError, match="loss_mask does not match its stored sha256"):
+        SFTFile(edited).verify()
+    # 3. truncated file, text file, HDF5 without the contract, wrong dtype
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(SproutError, match="cut.h5"):
+        SFTFile(cut).verify()
+    (tmp_path / "text.h5").write_text("hello")
+    with pytest.raises(SproutError, match="text.h5: not a readable HDF5 file"):
+        SFTFile(tmp_path / "text.h5")
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["tokens"] = np.zeros(4)
+    with pytest.raises(SproutError, match="other.h5: not a sprout SFT file"):
+        SFTFile(tmp_path / "other.h5")
+    wrong = {**arrays, "loss_mask": arrays["loss_mask"].astype(np.int32)}
+    _rewrite(tmp_path / "dtype.h5", wrong, attrs)
+    with pytest.raises(SproutError, match="dtype.h5: dataset loss_mask has dtype int32"):
+        SFTFile(tmp_path / "dtype.h5")
+
+
+def test_html_escapes_text(clean, tok):
+    _, arrays, attrs = clean
+    page = rows_html(arrays, [0], template_for(tok), tok, "t<1>", {"rows": 1})
+    assert "t&lt;1&gt;" in page and "&lt;|assistant|&gt;" in page
+
+
+def test_truncated_answers_pass_only_when_recorded(tok, tmp_path):
+    sources = source_list(write_sources(tmp_path / "src"))
+    out = tmp_path / "short.h5"
+    result = prepare(SFTDataConfig(tokenizer=tok.spec, out=str(out), seq_len=40, sources=sources, val_fraction=0.0),
+                     tok, log=lambda *_: None)
+    assert result["train"]["truncated_open"] >= 1
+    with SFTFile(out) as f:
+        arrays, attrs = f.verify(), f.attrs
+    report = check(arrays, attrs, tok)
+    assert report.violations == [] and report.truncated_open == result["train"]["truncated_open"]
+    report = check_arrays(arrays, template_for(tok), attrs["pad_id"], attrs["vocab_size"], truncated_open=0)
+    assert [v.row for v in report.violations] == [None]
+    assert "end without their end-of-turn token" in report.violations[0].message
