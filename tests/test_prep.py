@@ -169,7 +169,8 @@ def bad_input_cases(d: Path):
     gz = gzip.compress(raw)
     (d / "cut.jsonl.gz").write_bytes(gz[: len(gz) // 2])
     (d / "cut.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw)[:-20])
-    (d / "bad.jsonl").write_bytes(raw[:300] + b"\n{oops\n" + raw[300:])
+    lines = raw.decode().splitlines(keepends=True)
+    (d / "bad.jsonl").write_text(lines[0] + "{oops\n" + "".join(lines[1:]))
     (d / "nofield.jsonl").write_text(json.dumps({"text": WEB[0]}) + "\n" + json.dumps({"body": WEB[1]}) + "\n")
     (d / "empty.jsonl").write_text("")
     return {

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -193,8 +193,8 @@ class _SplitWriter:
             self.h5.abort()
 
 
-def resolve_sources(cfg: PrepConfig, mirror: str | None) -> list[SourceSpec]:
-    """SourceSpecs with `${SPROUT_MIRROR}` expanded (the path as given is kept in `.given`)."""
+def resolve_sources(cfg: PrepConfig, mirror: str | None) -> list[tuple[str, SourceSpec]]:
+    """(path as given, SourceSpec with `${SPROUT_MIRROR}` expanded and a name) per source."""
     specs = []
     for i, item in enumerate(cfg.sources):
         if isinstance(item, str):
@@ -203,12 +203,13 @@ def resolve_sources(cfg: PrepConfig, mirror: str | None) -> list[SourceSpec]:
             spec = from_dict(SourceSpec, item, f"sources[{i}]")
         else:
             raise SproutError(f"sources[{i}]: expected PATH[:WEIGHT] or a mapping, got {type(item).__name__}")
-        spec.given, spec.path = spec.path, expand_path(spec.path, mirror)
+        given = spec.path
+        spec = replace(spec, path=expand_path(spec.path, mirror))
         spec.name = source_name(spec)
-        specs.append(spec)
+        specs.append((given, spec))
     if not specs:
         raise SproutError("no sources given (--source PATH or sources: in the config)")
-    names = [s.name for s in specs]
+    names = [spec.name for _, spec in specs]
     if len(set(names)) != len(names):
         raise SproutError(f"source names must be unique, got {names}; set name: for each source")
     return specs
@@ -228,7 +229,7 @@ def prepare(
         raise SproutError(f"--format must be bin, hdf5 or both, got {cfg.format!r}")
     if cfg.shard_tokens <= 0 or cfg.run_tokens <= 0:
         raise SproutError("shard_tokens and run_tokens must be positive")
-    specs = resolve_sources(cfg, mirror)
+    given, specs = zip(*resolve_sources(cfg, mirror))
     tok = tokenizer or load_tokenizer(expand_path(cfg.tokenizer, mirror), mirror)
     try:
         dtype = dtype_for_vocab(tok.vocab_size, cfg.token_dtype)
@@ -242,7 +243,7 @@ def prepare(
     ok = False
     try:
         stores, stats = _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress)
-        result = _write_outputs(cfg, specs, tok, dtype, stores, stats, out, command or [])
+        result = _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out, command or [])
         ok = True
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -283,7 +284,7 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
     return stores, stats
 
 
-def _write_outputs(cfg, specs, tok, dtype, stores, stats, out, command) -> dict:
+def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out, command) -> dict:
     # dedup across all sources, in source order
     keep = np.split(first_occurrences(np.concatenate([s.keys for s in stores])), np.cumsum([len(s.keys) for s in stores])[:-1])
     rule = SplitRule(val_frac=cfg.val_frac, val_docs=cfg.val_docs)
@@ -349,7 +350,7 @@ def _write_outputs(cfg, specs, tok, dtype, stores, stats, out, command) -> dict:
     for i, (spec, s, st, k) in enumerate(zip(specs, stores, stats, keep)):
         counts = dict(sorted(s.counts.items()))
         sources.append({
-            "name": spec.name, "path": spec.given, "text_field": spec.text_field or cfg.text_field,
+            "name": spec.name, "path": given[i], "text_field": spec.text_field or cfg.text_field,
             "weight": spec.weight, "files": st.files,
             "documents_read": st.documents, "invalid_json": st.invalid_json, "unterminated": st.unterminated,
             "too_short": counts.pop("too_short", 0), "non_ascii": counts.pop("non_ascii", 0),

@@ -6,6 +6,7 @@ Checks, each failure reported as one line naming the file:
   (`sprout.shards.read_header`), the dtype the manifest names, the token count and sha256
   the manifest lists; each .h5 file: the `sprout.h5tokens` contract, sha256, attributes;
 - every id is below the vocab size; end-of-text occurs (rate > 0) and ends each split;
+- when both formats are present, the .bin shards and the .h5 file hold the same tokens;
 - zero train/val overlap, twice: the documents found between end-of-text tokens in the val
   output never occur in the train output (an independent check on the tokens themselves),
   and the sidecar of dedup keys (`doc_hashes.npz`) holds no key in both splits.
@@ -39,6 +40,7 @@ class _Scan:
     eots: int = 0
     overlaps: int = 0
     last: int | None = None
+    sha: object = field(default_factory=hashlib.sha256)  # of the ids, to compare bin with hdf5
     _carry: list = field(default_factory=list)
 
     def feed(self, arr: np.ndarray, where: str, failures: list[str]) -> None:
@@ -64,6 +66,7 @@ class _Scan:
             start = int(end) + 1
         if start < len(arr):
             self._carry.append(arr[start:].tobytes())
+        self.sha.update(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
         self.tokens += len(arr)
         self.eots += len(ends)
         self.last = int(arr[-1])
@@ -85,6 +88,7 @@ def verify_dir(directory: str | Path) -> tuple[list[str], list[str]]:
         if p.suffix in (".bin", ".h5") and p.name not in listed:
             failures.append(f"{p}: not listed in {directory / mf.MANIFEST} (another dataset's or a stale file)")
 
+    digests: dict = {}
     for kind in ("bin", "hdf5"):
         val_scan = _Scan(eot, vocab)
         for split in ("val", "train"):  # val first: train is then checked against its documents
@@ -97,6 +101,10 @@ def verify_dir(directory: str | Path) -> tuple[list[str], list[str]]:
                 check(directory / entry["file"], entry, man, dtype, scan, failures)
             first = directory / entries[0]["file"]
             _check_split(first, split, kind, man, scan, failures, notes)
+            digests.setdefault(split, {})[kind] = (first, scan.sha.hexdigest())
+    for split, by_kind in digests.items():
+        if len(by_kind) == 2 and by_kind["bin"][1] != by_kind["hdf5"][1]:
+            failures.append(f"{by_kind['hdf5'][0]}: holds different {split} tokens than the .bin shards")
     _check_sidecar(directory, man, failures)
     return failures, notes
 

@@ -1,0 +1,171 @@
+"""Pretraining-data prep throughput against raw tiktoken, and peak memory against input size.
+
+Input: the mirror's pretraining samples (TinyStories, FineWeb, C4/Dolma web text, arXiv,
+Shakespeare), cleaned once so every document survives the pipeline's filters, then repeated
+into a JSONL file of at least --mb MB; each copy carries a "(copy k)" line so exact dedup
+keeps it. Both sides see the same documents:
+
+    raw    tiktoken r50k_base `encode_ordinary_batch` on the documents already in memory
+           (num_threads=1 against one prep worker, num_threads=N against N workers)
+    prep   `sprout.prep.prepare` end to end: read JSONL, clean, dedup, split, tokenize in a
+           process pool, mixture, write .bin shards + manifest (eot tokens not counted)
+
+Raw and prep are timed alternately for --rounds rounds and the median is reported, so load
+from other processes hits both alike. Peak RSS is measured in fresh child processes on the
+1x and 10x inputs (main process, and the largest worker).
+
+    SPROUT_MIRROR=../shared/data .venv/bin/python benchmarks/prep_throughput.py [--mb 50] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sprout.clean import CleanConfig, Cleaner, dedup_key
+from sprout.prep import PrepConfig, prepare
+from sprout.sources import SourceSpec, iter_documents
+from sprout.tokenizer import load_tokenizer
+
+SAMPLES = [
+    ("pretrain/tinystories/tinystories_sample.txt", {}),
+    ("pretrain/fineweb/fineweb_subset.json", {}),
+    ("pretrain/web/*.json*.gz", {}),
+    ("pretrain/web/arxiv.jsonl", {}),
+    ("pretrain/tinyshakespeare/input.txt", {"separator": ""}),
+]
+
+
+def base_documents(mirror: Path) -> list[str]:
+    cleaner = Cleaner(CleanConfig())
+    docs, seen = [], set()
+    for rel, extra in SAMPLES:
+        for text in iter_documents(SourceSpec(path=str(mirror / rel), **extra)):
+            if (text := cleaner(text)) is not None and (key := dedup_key(text)) not in seen:
+                seen.add(key)
+                docs.append(text)
+    return docs
+
+
+def write_input(path: Path, docs: list[str], min_bytes: int, keep: bool = True) -> list[str]:
+    """Write copies of `docs` until the file holds min_bytes; return the texts written (if `keep`)."""
+    written, size, k = [], 0, 0
+    with open(path, "w") as f:
+        while size < min_bytes:
+            for doc in docs:
+                text = f"{doc}\n\n(copy {k})"
+                line = json.dumps({"text": text}) + "\n"
+                f.write(line)
+                size += len(line.encode())
+                if keep:
+                    written.append(text)
+            k += 1
+    return written
+
+
+def prep_config(src: Path, out: Path, workers: int) -> PrepConfig:
+    return PrepConfig(name="bench", sources=[str(src)], tokenizer="tiktoken:r50k_base", out=str(out),
+                      workers=workers, val_frac=0.005, shard_tokens=50_000_000, format="bin")
+
+
+def time_prep(src: Path, workdir: Path, workers: int) -> tuple[float, int]:
+    out = workdir / f"out-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    m = prepare(prep_config(src, out, workers), progress=False, log=lambda s: None)
+    elapsed = time.perf_counter() - start
+    tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
+    docs = m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"]
+    shutil.rmtree(out, ignore_errors=True)
+    return elapsed, tokens - docs  # eot tokens are not text tokens
+
+
+def time_raw(enc, texts: list[str], threads: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    ids = enc.encode_ordinary_batch(texts, num_threads=threads)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(x) for x in ids)
+
+
+def child_rss(src: Path, workdir: Path, workers: int) -> dict:
+    """Run prep in a fresh process; its peak RSS and its largest worker's, in MiB."""
+    code = ("import json, resource, sys; sys.path.insert(0, sys.argv[1]);"
+            "from prep_throughput import prep_config; from sprout.prep import prepare; from pathlib import Path;"
+            "prepare(prep_config(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])), progress=False, log=lambda s: None);"
+            "print(json.dumps({'main': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,"
+            " 'worker': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
+    out = workdir / "out-rss"
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(src), str(out), str(workers)],
+                         check=True, capture_output=True, text=True)
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    result["seconds"] = time.perf_counter() - start
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=50.0, help="input size for the throughput runs")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="'all workers' count")
+    parser.add_argument("--scale", type=int, default=10, help="RSS: compare 1x with this multiple of the input")
+    parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
+    args = parser.parse_args()
+    mirror = Path(os.environ.get("SPROUT_MIRROR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    if not (mirror / "MANIFEST.md").is_file():
+        print(f"no data mirror at {mirror}; set SPROUT_MIRROR", file=sys.stderr)
+        return 2
+    os.environ["SPROUT_MIRROR"] = str(mirror)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="prep-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        docs = base_documents(mirror)
+        src = workdir / "input.jsonl"
+        texts = write_input(src, docs, int(args.mb * 1e6))
+        enc = load_tokenizer("tiktoken:r50k_base")._enc
+        print(f"input: {src.stat().st_size / 1e6:.1f} MB, {len(texts):,} documents ({len(docs):,} distinct after "
+              f"cleaning and dedup, repeated); {os.cpu_count()} CPUs; rounds={args.rounds}", flush=True)
+        rows = []
+        for workers in sorted({1, args.workers}):
+            raw_s, prep_s = [], []
+            for r in range(args.rounds):
+                t, raw_tokens = time_raw(enc, texts, workers)
+                raw_s.append(t)
+                t, prep_tokens = time_prep(src, workdir, workers)
+                prep_s.append(t)
+                print(f"  workers={workers} round {r}: raw {raw_tokens / raw_s[-1] / 1e6:.2f} M tok/s, "
+                      f"prep {prep_tokens / prep_s[-1] / 1e6:.2f} M tok/s", flush=True)
+            assert raw_tokens == prep_tokens, (raw_tokens, prep_tokens)
+            raw_rate, prep_rate = raw_tokens / statistics.median(raw_s), prep_tokens / statistics.median(prep_s)
+            rows.append((workers, raw_rate, prep_rate))
+        print(f"\n{'workers':>7}  {'raw M tok/s':>11}  {'prep M tok/s':>12}  {'prep/raw':>8}")
+        for workers, raw_rate, prep_rate in rows:
+            print(f"{workers:>7}  {raw_rate / 1e6:>11.2f}  {prep_rate / 1e6:>12.2f}  {prep_rate / raw_rate:>8.2f}x")
+
+        big = workdir / "input-big.jsonl"
+        write_input(big, docs, int(args.scale * args.mb * 1e6), keep=False)  # each copy still unique
+        small_rss = child_rss(src, workdir, args.workers)
+        big_rss = child_rss(big, workdir, args.workers)
+        print(f"\npeak RSS (MiB), workers={args.workers}: main {small_rss['main']:.0f} at 1x "
+              f"({src.stat().st_size / 1e6:.0f} MB, {small_rss['seconds']:.0f}s) vs {big_rss['main']:.0f} at {args.scale}x "
+              f"({big.stat().st_size / 1e6:.0f} MB, {big_rss['seconds']:.0f}s) = {big_rss['main'] / small_rss['main']:.2f}x; "
+              f"largest worker {small_rss['worker']:.0f} vs {big_rss['worker']:.0f} = "
+              f"{big_rss['worker'] / small_rss['worker']:.2f}x")
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
