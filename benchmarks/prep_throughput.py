@@ -13,6 +13,7 @@ keeps it. Both sides see the same documents:
 Raw and prep are timed alternately for --rounds rounds and the median is reported, so load
 from other processes hits both alike. Peak RSS is measured in fresh child processes on the
 1x and 10x inputs (main process, and the largest worker).
+The shard size (50M tokens) exceeds the 1x output, so a shard buffer would show up here.
 
     SPROUT_MIRROR=../shared/data .venv/bin/python benchmarks/prep_throughput.py [--mb 50] [--rounds 3]
 """
@@ -96,21 +97,33 @@ def time_raw(enc, texts: list[str], threads: int) -> tuple[float, int]:
 
 
 def child_rss(src: Path, workdir: Path, workers: int) -> dict:
-    """Run prep in a fresh process; its peak RSS and its largest worker's, in MiB."""
-    code = ("import json, resource, sys; sys.path.insert(0, sys.argv[1]);"
+    """Run prep in a fresh process; peak RSS in MiB of its main process (VmHWM, exact) and of
+    its largest worker (sampled every 20 ms). ru_maxrss would not do: Linux keeps it across
+    fork+exec, so the child would inherit this process's peak."""
+    import psutil
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
             "from prep_throughput import prep_config; from sprout.prep import prepare; from pathlib import Path;"
             "prepare(prep_config(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])), progress=False, log=lambda s: None);"
-            "print(json.dumps({'main': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,"
-            " 'worker': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
+            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
     out = workdir / "out-rss"
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(src), str(out), str(workers)],
-                         check=True, capture_output=True, text=True)
-    result = json.loads(res.stdout.strip().splitlines()[-1])
-    result["seconds"] = time.perf_counter() - start
+    proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), str(src), str(out), str(workers)],
+                            stdout=subprocess.PIPE, text=True)
+    parent, worker_peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            for child in parent.children(recursive=True):
+                worker_peak = max(worker_peak, child.memory_info().rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    stdout = proc.stdout.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"prep child failed with exit code {proc.returncode}")
     shutil.rmtree(out, ignore_errors=True)
-    return result
+    return {"main": int(stdout.split()[-1]) / 1024, "worker": worker_peak / 2**20, "seconds": time.perf_counter() - start}
 
 
 def main() -> int:

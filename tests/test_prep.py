@@ -90,7 +90,8 @@ def test_byte_identical_output_for_one_and_two_workers(tok, corpus, tmp_path):
     for name in names:
         if name != "manifest.json":
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    assert {**ma, "command": None} == {**mb, "command": None}
+    assert {**ma, "command": None, "config": None} == {**mb, "command": None, "config": None}
+    assert (ma["config"]["workers"], mb["config"]["workers"]) == (1, 2)
 
 
 def test_mixture_weights_honoured(tok, corpus, tmp_path):

@@ -179,6 +179,8 @@ def test_empty_inputs_and_bad_paths(tmp_path):
         read(tmp_path / "allbad.jsonl")
     with pytest.raises(SproutError, match="nowhere.jsonl: no such file"):
         read(tmp_path / "nowhere.jsonl")
+    with pytest.raises(SproutError, match="data/typo.jsonl: no such file"):  # a relative path, not a hub id
+        read("data/typo.jsonl")
     with pytest.raises(SproutError, match="no files match"):
         read(tmp_path / "nothing-*.jsonl")
     (tmp_path / "u.txt").write_bytes(b"fine text\n\xff\xfe broken")

@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import hashlib
 import multiprocessing as mp
 import os
 import shutil
@@ -36,7 +38,7 @@ from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.h5tokens import H5TokenWriter, h5_name
 from sprout.mixture import SplitRule, first_occurrences, plan_split, token_targets, val_mask
-from sprout.shards import dtype_for_vocab, shard_name, write_shard
+from sprout.shards import dtype_for_vocab, encode_header, shard_name
 from sprout.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
 from sprout.tokenizer import Tokenizer, load_tokenizer
 
@@ -139,24 +141,34 @@ class _SourceStore:
         self.lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         self.keys = np.concatenate(self._keys) if self._keys else np.zeros((0, 16), np.uint8)
         self.offsets = np.cumsum(self.lengths) - self.lengths
-        n = int(self.lengths.sum())
-        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
-        """Tokens of documents `ids`, concatenated (vectorised)."""
+        """Tokens of documents `ids`, concatenated (vectorised). The file is mapped afresh for
+        each call, so pages read once do not stay in this process's RSS."""
         lens = self.lengths[ids]
         before = np.cumsum(lens) - lens
-        return self.tokens[np.repeat(self.offsets[ids] - before, lens) + np.arange(int(lens.sum()))]
+        index = np.repeat(self.offsets[ids] - before, lens) + np.arange(int(lens.sum()))
+        if not len(index):
+            return np.zeros(0, self.dtype)
+        tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(int(self.lengths.sum()),))
+        out = tokens[index]
+        del tokens
+        return out
 
 
 class _SplitWriter:
-    """Streams one split into fixed-size .bin shards and/or one HDF5 file."""
+    """Streams one split into .bin shards of `shard_tokens` (the last one shorter) and/or one
+    HDF5 file. The split's total is known from the plan, so each shard's header is written
+    first and its payload streamed after it: memory does not grow with the shard size."""
 
-    def __init__(self, out: Path, dataset: str, split: str, dtype: np.dtype, shard_tokens: int, fmt: str) -> None:
+    def __init__(self, out: Path, dataset: str, split: str, dtype: np.dtype, shard_tokens: int, fmt: str,
+                 total_tokens: int) -> None:
         self.out, self.dataset, self.split, self.dtype = out, dataset, split, dtype
-        self.shard_tokens = shard_tokens
-        self.buf = np.empty(shard_tokens, dtype=dtype) if fmt in ("bin", "both") else None
-        self.fill, self.shards = 0, []
+        n_shards = -(-total_tokens // shard_tokens) if fmt in ("bin", "both") else 0
+        self.sizes = [min(shard_tokens, total_tokens - i * shard_tokens) for i in range(n_shards)]
+        self.shards: list[dict] = []
+        self._ctx = self._file = self._sha = None
+        self._left = 0
         self.h5 = H5TokenWriter(out / h5_name(dataset, split), dtype) if fmt in ("hdf5", "both") else None
         self.num_tokens = 0
 
@@ -164,23 +176,36 @@ class _SplitWriter:
         self.num_tokens += len(tokens)
         if self.h5 is not None:
             self.h5.append(tokens)
-        while self.buf is not None and len(tokens):
-            take = min(len(tokens), self.shard_tokens - self.fill)
-            self.buf[self.fill : self.fill + take] = tokens[:take]
-            self.fill += take
+        while self.sizes and len(tokens):
+            if self._file is None:
+                self._open_shard()
+            take = min(len(tokens), self._left)
+            payload = tokens[:take].astype(self.dtype, copy=False).tobytes()
+            self._file.write(payload)
+            self._sha.update(payload)
+            self._left -= take
             tokens = tokens[take:]
-            if self.fill == self.shard_tokens:
-                self._flush()
+            if self._left == 0:
+                self._ctx.__exit__(None, None, None)  # fsync + rename into place
+                self.shards[-1]["sha256"] = self._sha.hexdigest()
+                self._ctx = self._file = None
 
-    def _flush(self) -> None:
-        name = shard_name(self.dataset, self.split, len(self.shards))
-        sha = write_shard(self.out / name, self.buf[: self.fill], self.dtype)
-        self.shards.append({"file": name, "num_tokens": self.fill, "sha256": sha})
-        self.fill = 0
+    def _open_shard(self) -> None:
+        index = len(self.shards)
+        if index >= len(self.sizes):
+            raise RuntimeError(f"{self.split}: more tokens than planned")
+        name = shard_name(self.dataset, self.split, index)
+        self._left = self.sizes[index]
+        self._ctx = atomic_write(self.out / name, "wb")
+        self._file = self._ctx.__enter__()
+        header = encode_header(self._left, self.dtype)
+        self._file.write(header)
+        self._sha = hashlib.sha256(header)
+        self.shards.append({"file": name, "num_tokens": self._left, "sha256": None})
 
     def close(self, attrs: dict) -> tuple[list, dict | None]:
-        if self.buf is not None and (self.fill or not self.shards):
-            self._flush()
+        if self._file is not None or len(self.shards) != len(self.sizes):
+            raise RuntimeError(f"{self.split}: fewer tokens than planned")
         h5 = None
         if self.h5 is not None:
             tokens_sha = self.h5.close(dict(attrs, split=self.split))
@@ -189,6 +214,9 @@ class _SplitWriter:
         return self.shards, h5
 
     def abort(self) -> None:
+        if self._ctx is not None:
+            with contextlib.suppress(RuntimeError):
+                self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)  # removes the temp file
         if self.h5 is not None:
             self.h5.abort()
 
@@ -284,9 +312,21 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
     return stores, stats
 
 
-def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out, command) -> dict:
-    # dedup across all sources, in source order
-    keep = np.split(first_occurrences(np.concatenate([s.keys for s in stores])), np.cumsum([len(s.keys) for s in stores])[:-1])
+@dataclass
+class _Plan:
+    """Which documents survive dedup, which go to val, and how many train tokens each source gets."""
+
+    keep: list[np.ndarray]
+    train_ids: list[np.ndarray]
+    val_ids: list[np.ndarray]
+    natural: list[int]                 # train tokens per source before resampling
+    targets: list[float] | None        # None: every train document once
+    rule: SplitRule
+
+
+def _plan(cfg: PrepConfig, specs, stores: list[_SourceStore]) -> _Plan:
+    sizes = np.cumsum([len(s.keys) for s in stores])[:-1]
+    keep = np.split(first_occurrences(np.concatenate([s.keys for s in stores])), sizes)  # across sources, in order
     rule = SplitRule(val_frac=cfg.val_frac, val_docs=cfg.val_docs)
     train_ids, val_ids = [], []
     for s, k in zip(stores, keep):
@@ -294,7 +334,8 @@ def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out, command) -
         is_val = val_mask(s.keys[ids], rule)
         train_ids.append(ids[~is_val])
         val_ids.append(ids[is_val])
-    lengths = [s.lengths for s in stores]
+    if sum(len(t) for t in train_ids) == 0:
+        raise SproutError("no training documents left after cleaning, dedup and the validation split")
     natural = [int(s.lengths[ids].sum()) for s, ids in zip(stores, train_ids)]
     weights = [spec.weight for spec in specs]
     targets = None
@@ -303,72 +344,83 @@ def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out, command) -
         for spec, want, have in zip(specs, targets, natural):
             if want > 0 and have == 0:
                 raise SproutError(f"{spec.path}: weight asks for {want:,.0f} train tokens but the source has no training documents left")
-    if sum(len(t) for t in train_ids) == 0:
-        raise SproutError("no training documents left after cleaning, dedup and the validation split")
+    return _Plan(keep, train_ids, val_ids, natural, targets, rule)
 
-    attrs = {"dataset": cfg.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
-             "bos_id": -1 if tok.bos_id is None else tok.bos_id, "tokenizer_spec": tok.spec,
-             "tokenizer_name": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
-             "split_rule": rule.describe(), "seed": cfg.seed}
-    old = out / mf.MANIFEST
-    if old.exists():
-        old.unlink()  # the folder must not look valid while it is being rewritten
-    per_split, shards, h5 = {}, {}, {}
-    out_tokens = {"train": [0] * len(specs), "val": [0] * len(specs)}
-    out_docs = {"train": 0, "val": 0}
-    for split, ids, tg in (("train", train_ids, targets), ("val", val_ids, None)):
-        runs = plan_split(ids, lengths, tg, cfg.run_tokens, cfg.seed, split)
-        if split == "val" and not runs:
-            shards[split] = []
-            per_split[split] = {"documents": 0, "tokens": 0}
-            continue
-        writer = _SplitWriter(out, cfg.name, split, dtype, cfg.shard_tokens, cfg.format)
-        try:
-            for src, doc_ids in runs:
-                tokens = stores[src].gather(doc_ids)
-                writer.write(tokens)
-                out_tokens[split][src] += len(tokens)
-                out_docs[split] += len(doc_ids)
-            per_split[split] = {"documents": out_docs[split], "tokens": writer.num_tokens}
-            shards[split], h5_entry = writer.close(dict(attrs, num_documents=out_docs[split]))
-        except BaseException:
-            writer.abort()
-            raise
-        if h5_entry:
-            h5[split] = h5_entry
 
-    sidecar = out / mf.SIDECAR
-    train_keys = _sorted_keys(np.concatenate([s.keys[i] for s, i in zip(stores, train_ids)]))
-    val_keys = _sorted_keys(np.concatenate([s.keys[i] for s, i in zip(stores, val_ids)]))
-    with atomic_write(sidecar, "wb") as f:
-        np.savez(f, train=train_keys, val=val_keys)
-    written = {e["file"] for entries in shards.values() for e in entries} | {e["file"] for e in h5.values()}
-    mf.remove_stale(out, cfg.name, written)
+def _write_split(cfg: PrepConfig, split: str, runs, stores, dtype, out: Path, attrs: dict):
+    """Copy the planned runs into the split's outputs: (shards, h5 entry, tokens per source, documents)."""
+    per_source, docs = [0] * len(stores), 0
+    total = sum(int(stores[src].lengths[ids].sum()) for src, ids in runs)
+    writer = _SplitWriter(out, cfg.name, split, dtype, cfg.shard_tokens, cfg.format, total)
+    try:
+        for src, doc_ids in runs:
+            tokens = stores[src].gather(doc_ids)
+            writer.write(tokens)
+            per_source[src] += len(tokens)
+            docs += len(doc_ids)
+        shards, h5 = writer.close(dict(attrs, num_documents=docs))
+    except BaseException:
+        writer.abort()
+        raise
+    return shards, h5, per_source, docs
 
-    sources = []
-    total_train = max(1, per_split["train"]["tokens"])
-    for i, (spec, s, st, k) in enumerate(zip(specs, stores, stats, keep)):
+
+def _source_reports(cfg, specs, given, stores, stats, plan: _Plan, out_tokens: dict) -> list[dict]:
+    reports = []
+    total_train = max(1, sum(out_tokens["train"]))
+    for i, (spec, s, st, k) in enumerate(zip(specs, stores, stats, plan.keep)):
         counts = dict(sorted(s.counts.items()))
-        sources.append({
+        reports.append({
             "name": spec.name, "path": given[i], "text_field": spec.text_field or cfg.text_field,
             "weight": spec.weight, "files": st.files,
             "documents_read": st.documents, "invalid_json": st.invalid_json, "unterminated": st.unterminated,
             "too_short": counts.pop("too_short", 0), "non_ascii": counts.pop("non_ascii", 0),
             "duplicates": int(len(k) - k.sum()), "documents_kept": int(k.sum()),
-            "train_documents": int(len(train_ids[i])), "val_documents": int(len(val_ids[i])),
+            "train_documents": len(plan.train_ids[i]), "val_documents": len(plan.val_ids[i]),
             "normalised": counts,
-            "tokens": {"train_natural": natural[i], "train": out_tokens["train"][i],
-                       "val": out_tokens["val"][i]},
+            "tokens": {"train_natural": plan.natural[i], "train": out_tokens["train"][i], "val": out_tokens["val"][i]},
             "train_share": out_tokens["train"][i] / total_train,
         })
+    return reports
+
+
+def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out: Path, command) -> dict:
+    plan = _plan(cfg, specs, stores)
+    attrs = {"dataset": cfg.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+             "bos_id": -1 if tok.bos_id is None else tok.bos_id, "tokenizer_spec": tok.spec,
+             "tokenizer_name": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
+             "sources": [{"name": sp.name, "path": g, "weight": sp.weight} for sp, g in zip(specs, given)],
+             "split_rule": plan.rule.describe(), "cleaning": asdict(cfg.clean), "seed": cfg.seed}
+    with contextlib.suppress(FileNotFoundError):
+        (out / mf.MANIFEST).unlink()  # the folder must not look valid while it is being rewritten
+    shards, h5, splits = {"train": [], "val": []}, {}, {}
+    out_tokens = {"train": [0] * len(stores), "val": [0] * len(stores)}
+    lengths = [s.lengths for s in stores]
+    for split, ids, targets in (("train", plan.train_ids, plan.targets), ("val", plan.val_ids, None)):
+        runs = plan_split(ids, lengths, targets, cfg.run_tokens, cfg.seed, split)
+        splits[split] = {"documents": 0, "tokens": 0}
+        if not runs:  # an empty val split writes nothing
+            continue
+        shards[split], h5_entry, out_tokens[split], docs = _write_split(cfg, split, runs, stores, dtype, out, attrs)
+        splits[split] = {"documents": docs, "tokens": sum(out_tokens[split])}
+        if h5_entry:
+            h5[split] = h5_entry
+
+    sidecar = out / mf.SIDECAR
+    with atomic_write(sidecar, "wb") as f:
+        np.savez(f, **{split: _sorted_keys(np.concatenate([s.keys[i] for s, i in zip(stores, ids)]))
+                       for split, ids in (("train", plan.train_ids), ("val", plan.val_ids))})
+    mf.remove_stale(out, cfg.name, {e["file"] for e in shards["train"] + shards["val"]} | {e["file"] for e in h5.values()})
     manifest = {
         "format": mf.FORMAT, "dataset": cfg.name, "tokenizer": mf.tokenizer_info(tok),
-        "token_dtype": dtype.name, "shards": shards, "hdf5": h5, "splits": per_split,
-        "sources": sources, "split_rule": rule.describe(),
+        "token_dtype": dtype.name, "shards": shards, "hdf5": h5, "splits": splits,
+        "sources": _source_reports(cfg, specs, given, stores, stats, plan, out_tokens),
+        "split_rule": plan.rule.describe(),
         "mixture": {"seed": cfg.seed, "run_tokens": cfg.run_tokens, "train_tokens": cfg.train_tokens,
-                    "weights": "share of output train tokens" if targets is not None else "natural (each document once)"},
+                    "weights": "share of output train tokens" if plan.targets is not None else "natural (each document once)"},
         "cleaning": asdict(cfg.clean),
         "doc_hashes": {"file": mf.SIDECAR, "sha256": mf.file_sha256(sidecar)},
+        "config": asdict(cfg),
         "command": command,
     }
     mf.write_manifest(out, manifest)

@@ -121,22 +121,25 @@ def iter_documents(
     stats = stats if stats is not None else ReadStats()
     fld = spec.text_field or default_field
     path = spec.path
-    if spec.format == "hf" or (spec.format == "auto" and not _exists(path) and HUB_ID.match(path)):
+    looks_like_hub_id = bool(HUB_ID.match(path)) and _kind(Path(path)) is None and not _exists(path)
+    if spec.format == "hf" or (spec.format == "auto" and looks_like_hub_id):
         gen = _iter_hf(path, fld, spec)
         stats.files.append(path)
     else:
         files = _resolve_files(path)
         stats.files.extend(str(f) for f in files)
         gen = _iter_files(files, fld, spec, strict, stats, warn)
+    n = 0
     try:
         for text in gen:
-            if spec.max_docs is not None and stats.documents >= spec.max_docs:
+            if spec.max_docs is not None and n >= spec.max_docs:
                 break
+            n += 1
             stats.documents += 1
             yield text
     finally:
         gen.close()
-    if stats.documents == 0:
+    if n == 0:
         raise SproutError(f"{path}: empty input, no documents found")
 
 

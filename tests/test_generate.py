@@ -1,0 +1,112 @@
+import math
+
+import pytest
+import torch
+
+from sprout.errors import SproutError
+from sprout.generate import generate, process_logits, sample_next
+from sprout.model import ModelConfig, Transformer
+
+PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 8], [11, 12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    return m
+
+
+def greedy_by_recomputation(model, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_kv_cache_greedy_equals_full_recomputation(model):
+    out = generate(model, PROMPTS, 12, temperature=0)
+    assert out.tokens == [greedy_by_recomputation(model, p, 12) for p in PROMPTS]
+    assert out.logprobs == [[0.0] * 12] * 3 and out.finished == [False] * 3
+
+
+def test_left_padded_batch_equals_each_row_alone(model):
+    g = torch.Generator().manual_seed(1)
+    batch = generate(model, PROMPTS, 10, temperature=0)
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, [p], 10, temperature=0)
+        assert batch.tokens[i] == alone.tokens[0]
+    # sampling too: the same draws give the same tokens when each row's distribution is unchanged
+    sampled = generate(model, PROMPTS, 10, temperature=0.8, top_k=1, generator=g)
+    assert sampled.tokens == batch.tokens and all(lp == 0.0 for row in sampled.logprobs for lp in row)
+
+
+def test_stop_ids_are_honoured_per_row(model):
+    free = generate(model, PROMPTS, 12, temperature=0).tokens
+    stop_ids = {free[0][2], free[1][6]}
+
+    def cut(row):
+        for i, t in enumerate(row):
+            if t in stop_ids:
+                return row[: i + 1], True
+        return row, False
+
+    out = generate(model, PROMPTS, 12, temperature=0, stop_ids=stop_ids)
+    expected = [cut(row) for row in free]
+    assert out.tokens == [e[0] for e in expected]
+    assert out.finished == [e[1] for e in expected]
+    assert out.finished[0] and len(out.tokens[0]) <= 3
+    assert [len(lp) for lp in out.logprobs] == [len(t) for t in out.tokens]
+
+
+def test_logprobs_are_those_of_the_processed_distribution(model):
+    g = torch.Generator().manual_seed(0)
+    settings = dict(temperature=0.7, top_k=20, top_p=0.9)
+    out = generate(model, PROMPTS, 8, generator=g, **settings)
+    for prompt, toks, lps in zip(PROMPTS, out.tokens, out.logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + toks]))[0, len(prompt) - 1 : -1]
+        expected = process_logits(logits, **settings).log_softmax(-1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lps), expected, rtol=0, atol=1e-5)
+        raw = logits.log_softmax(-1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        assert not torch.allclose(torch.tensor(lps), raw)  # not the unprocessed distribution
+
+
+def test_top_k_and_top_p_hand_checked():
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
+    logits = probs.log()
+    kept = lambda **kw: torch.isfinite(process_logits(logits, **kw))[0].nonzero()[:, 0].tolist()  # noqa: E731
+    assert kept(top_k=2) == [0, 1]
+    assert kept(top_p=0.4) == [0]  # 0.5 alone reaches 0.4
+    assert kept(top_p=0.6) == [0, 1]  # 0.5 < 0.6 <= 0.7
+    assert kept(top_p=0.8) == [0, 1, 2]  # 0.7 < 0.8 <= 0.85
+    assert kept(top_p=1.0) == [0, 1, 2, 3, 4]
+    # top-k first, then top-p on the renormalised survivors: [0.5, 0.2, 0.15] / 0.85
+    assert kept(top_k=3, top_p=0.8) == [0, 1]  # 0.588 < 0.8 <= 0.824
+    p = process_logits(logits, temperature=0.5, top_k=2).softmax(-1)[0]
+    torch.testing.assert_close(p, torch.tensor([0.25, 0.04, 0, 0, 0]) / 0.29)  # p^(1/T), renormalised
+    # the sampler's log-prob is taken under the kept, renormalised distribution
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample_next(logits.expand(1000, 5), top_k=2, generator=g)
+    assert set(tok.tolist()) == {0, 1}
+    torch.testing.assert_close(lp[tok == 0][0], torch.tensor(math.log(0.5 / 0.7)))
+    assert abs((tok == 0).float().mean().item() - 0.5 / 0.7) < 0.05
+
+
+def test_seeded_sampling_is_reproducible(model):
+    run = lambda seed: generate(model, PROMPTS, 16, temperature=1.0, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    a, b, c = run(3), run(3), run(4)
+    assert a == b
+    assert a.tokens != c.tokens
+
+
+def test_context_limits(model):
+    with pytest.raises(SproutError, match="longer than the context"):
+        generate(model, [[1] * 65], 4)
+    out = generate(model, [[1] * 60, [2, 3]], 10, temperature=0)
+    assert [len(t) for t in out.tokens] == [4, 4]  # stops when the longest row fills the context

@@ -1,0 +1,162 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sprout.errors import SproutError
+from sprout.model import ModelConfig, Transformer, apply_rope, rope_tables
+
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+
+
+def tiny(**kw) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**TINY, **kw})).eval()
+    with torch.no_grad():  # larger weights than init so that every test is sensitive
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    model = tiny()
+    x = torch.randint(0, 64, (2, 20))
+    y = x.clone()
+    y[:, 12:] = (y[:, 12:] + 1) % 64
+    lx, ly = model(x), model(y)
+    torch.testing.assert_close(lx[:, :12], ly[:, :12], rtol=0, atol=1e-5)
+    assert (lx[:, 12:] - ly[:, 12:]).abs().max() > 1e-2  # the change is seen from position 12 on
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": True}])
+def test_kv_cache_decoding_equals_full_forward(kw):
+    model = tiny(**kw)
+    x = torch.randint(0, 64, (3, 24))
+    full = model(x)
+    cache = model.new_cache(3, 24)
+    steps = [model(x[:, :8], cache=cache), model(x[:, 8:13], cache=cache)]  # prefill, then a chunk
+    steps += [model(x[:, t : t + 1], cache=cache) for t in range(13, 24)]  # then one token at a time
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+    assert cache.length == 24 and cache.next_pos.tolist() == [24, 24, 24]
+
+
+def test_kv_cache_left_padding_matches_each_row_alone():
+    model = tiny(n_kv_heads=2)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 8], [11, 12, 13, 14]]
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    seg = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    pos = (torch.cumsum(seg, 1) - 1).clamp(min=0)
+    cache = model.new_cache(3, P + 4)
+    first = model(ids, segment_ids=seg, position_ids=pos, cache=cache)[:, -1]
+    assert cache.next_pos.tolist() == [6, 2, 4]  # each row continues at its own length
+    nxt = torch.tensor([[20], [21], [22]])
+    out = [first] + [model(nxt + i, cache=cache)[:, -1] for i in range(4)]
+    for b, p in enumerate(prompts):
+        alone = model(torch.tensor([p + [20 + b + i for i in range(4)]]))[0, len(p) - 1 :]
+        torch.testing.assert_close(torch.stack([o[b] for o in out]), alone, rtol=0, atol=1e-5)
+
+
+def test_segment_mask_isolates_packed_documents():
+    model = tiny()
+    docs = [torch.randint(1, 64, (n,)) for n in (5, 9, 4)]
+    pad = 3
+    ids = torch.cat(docs + [torch.zeros(pad, dtype=torch.long)])[None]
+    seg = torch.cat([torch.full((len(d),), i + 1) for i, d in enumerate(docs)] + [torch.zeros(pad, dtype=torch.long)])[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs] + [torch.arange(pad)])[None]
+    packed = model(ids, segment_ids=seg, position_ids=pos)
+    start = 0
+    for d in docs:
+        alone = model(d[None])
+        torch.testing.assert_close(packed[:, start : start + len(d)], alone, rtol=0, atol=1e-5)
+        start += len(d)
+    # without the mask the second document would see the first one
+    leaky = model(ids, position_ids=pos)
+    assert (leaky[:, 5:14] - packed[:, 5:14]).abs().max() > 1e-2
+
+
+def test_default_positions_and_hidden_hook():
+    model = tiny()
+    x = torch.randint(0, 64, (2, 10))
+    logits, hidden = model(x, return_hidden=True)
+    assert hidden.shape == (2, 10, 32) and logits.dtype == torch.float32
+    torch.testing.assert_close(model.lm_head(hidden), logits)
+    torch.testing.assert_close(model(x, position_ids=torch.arange(10).expand(2, 10)), logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(x, segment_ids=torch.ones(2, 10, dtype=torch.long)), logits, rtol=0, atol=1e-5)
+
+
+def test_rope_is_hf_rotate_half_convention():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 3, 16)
+    cos, sin = rope_tables(16, 7, 10000.0)
+    # HF LlamaRotaryEmbedding / apply_rotary_pos_emb, written out
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    emb = torch.cat([torch.outer(torch.arange(7).float(), inv)] * 2, dim=-1)
+    rotate_half = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+    hf = x * emb.cos()[None, :, None] + rotate_half * emb.sin()[None, :, None]
+    torch.testing.assert_close(apply_rope(x, cos[None, :, None], sin[None, :, None]), hf)
+
+
+def test_gqa_and_tied_variants():
+    gqa = tiny(n_kv_heads=1)
+    assert gqa.layers[0].self_attn.k_proj.weight.shape == (8, 32)
+    assert gqa(torch.randint(0, 64, (2, 9))).shape == (2, 9, 64)
+    tied = tiny(tie_embeddings=True)
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    assert tied(torch.randint(0, 64, (2, 9))).shape == (2, 9, 64)
+    assert "lm_head.weight" not in dict(tied.named_parameters())  # counted once
+
+
+def test_param_count_and_flops_hand_checked():
+    cfg = dict(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16)
+    m = Transformer(ModelConfig(**cfg))
+    # per layer: q 8*8 + k 8*4 + v 8*4 + o 8*8 + gate/up/down 3*8*16 + two norms 2*8 = 592
+    per_layer = 64 + 32 + 32 + 64 + 3 * 128 + 16
+    assert per_layer == 592
+    assert m.num_params() == 10 * 8 + 2 * per_layer + 8 + 8 * 10  # embed, layers, norm, lm_head
+    assert m.num_params(exclude_embeddings=True) == 2 * per_layer + 8 + 80
+    assert m.flops_per_token(16) == 6 * (2 * per_layer + 8 + 80) + 12 * 2 * 8 * 16
+    t = Transformer(ModelConfig(**cfg, tie_embeddings=True))
+    assert t.num_params() == 80 + 2 * per_layer + 8
+    assert t.flops_per_token(16) == m.flops_per_token(16)  # the lm_head matmul is still done
+    assert ModelConfig(d_model=256).ff_dim == 704 and ModelConfig(d_model=768).ff_dim == 2048
+
+
+def test_bad_config_is_a_one_line_error():
+    with pytest.raises(SproutError, match="n_heads"):
+        ModelConfig(d_model=30, n_heads=4)
+    with pytest.raises(SproutError, match="n_kv_heads"):
+        ModelConfig(n_heads=8, n_kv_heads=3)
+
+
+def test_init_statistics():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=4096, d_model=256, n_layers=6, n_heads=8))
+    std = lambda t: t.detach().std().item()  # noqa: E731
+    assert abs(std(m.embed_tokens.weight) - 0.02) < 0.001
+    assert abs(std(m.lm_head.weight) - 0.02) < 0.001
+    assert abs(std(m.layers[0].self_attn.q_proj.weight) - 0.02) < 0.001
+    assert abs(std(m.layers[0].mlp.gate_proj.weight) - 0.02) < 0.001
+    resid = 0.02 / math.sqrt(12)
+    assert abs(std(m.layers[3].self_attn.o_proj.weight) - resid) < 0.0005
+    assert abs(std(m.layers[5].mlp.down_proj.weight) - resid) < 0.0005
+    assert all((m.layers[i].input_layernorm.weight == 1).all() for i in range(6)) and (m.norm.weight == 1).all()
+    with torch.no_grad():  # final hidden has unit RMS, so logits ~ N(0, 0.02^2 d): loss ~ ln V + var / 2
+        x = torch.randint(0, 4096, (2, 64))
+        loss = F.cross_entropy(m(x)[:, :-1].reshape(-1, 4096), x[:, 1:].reshape(-1))
+    assert abs(loss.item() - (math.log(4096) + 0.5 * 0.02**2 * 256)) < 0.02
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, max_seq_len=32))
+    x = torch.randint(0, 64, (4, 33))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(50):
+        loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05, loss.item()
