@@ -133,6 +133,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="'all workers' count")
     parser.add_argument("--scale", type=int, default=10, help="RSS: compare 1x with this multiple of the input")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
+    parser.add_argument("--rss-only", action="store_true", help="skip the throughput rounds")
     args = parser.parse_args()
     mirror = Path(os.environ.get("SPROUT_MIRROR", Path(__file__).resolve().parents[2] / "shared" / "data"))
     if not (mirror / "MANIFEST.md").is_file():
@@ -149,7 +150,7 @@ def main() -> int:
         print(f"input: {src.stat().st_size / 1e6:.1f} MB, {len(texts):,} documents ({len(docs):,} distinct after "
               f"cleaning and dedup, repeated); {os.cpu_count()} CPUs; rounds={args.rounds}", flush=True)
         rows = []
-        for workers in sorted({1, args.workers}):
+        for workers in [] if args.rss_only else sorted({1, args.workers}):
             raw_s, prep_s = [], []
             for r in range(args.rounds):
                 t, raw_tokens = time_raw(enc, texts, workers)

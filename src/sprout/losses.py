@@ -22,9 +22,9 @@ def token_nll_sum(
     mask [...] (bool or 0/1) selects the positions that count; None means all of them.
     Returns (nll_sum float32 scalar, n_targets int64 scalar).
     """
-    vocab = logits.size(-1)
-    nll = F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), reduction="none")
+    logits, targets = logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
     if mask is None:
-        return nll.sum(), torch.tensor(nll.numel(), device=nll.device)
+        return F.cross_entropy(logits, targets, reduction="sum"), torch.tensor(targets.numel(), device=logits.device)
+    nll = F.cross_entropy(logits, targets, reduction="none")
     keep = mask.reshape(-1).bool()
     return torch.where(keep, nll, torch.zeros_like(nll)).sum(), keep.sum()

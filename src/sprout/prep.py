@@ -143,16 +143,17 @@ class _SourceStore:
         self.offsets = np.cumsum(self.lengths) - self.lengths
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
-        """Tokens of documents `ids`, concatenated (vectorised). The file is mapped afresh for
-        each call, so pages read once do not stay in this process's RSS."""
-        lens = self.lengths[ids]
-        before = np.cumsum(lens) - lens
-        index = np.repeat(self.offsets[ids] - before, lens) + np.arange(int(lens.sum()))
-        if not len(index):
-            return np.zeros(0, self.dtype)
-        tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(int(self.lengths.sum()),))
-        out = tokens[index]
-        del tokens
+        """Tokens of documents `ids`, concatenated. One positioned read per document straight
+        into the output array: a memory map here would keep every page it faulted in (and
+        its read-around) in this process's RSS, which then grows with the input."""
+        lens, starts = self.lengths[ids], self.offsets[ids]
+        out = np.empty(int(lens.sum()), dtype=self.dtype)
+        view, item, pos = memoryview(out).cast("B"), self.dtype.itemsize, 0
+        with open(self.path, "rb", buffering=0) as f:
+            for start, n in zip(starts.tolist(), lens.tolist()):
+                if os.preadv(f.fileno(), [view[pos * item : (pos + n) * item]], start * item) != n * item:
+                    raise SproutError(f"{self.path}: temporary token file is shorter than expected")
+                pos += n
         return out
 
 

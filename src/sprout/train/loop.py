@@ -71,6 +71,7 @@ class TrainConfig:
     grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
     mixed_precision: str = "auto"       # auto: bf16 on a GPU, fp32 on CPU | bf16 | no
     compile: bool = False
+    cpu_threads: int = 0                # torch threads per process on CPU; 0: torch's default
     seed: int = 1337
     log_every: int = 10
     eval_every: int = 100               # 0: eval only before and after training
@@ -83,7 +84,7 @@ class TrainConfig:
 
 # Training-length and logging knobs: changing them does not make a checkpoint incompatible.
 RESUME_FREE_KEYS = {"max_steps", "chinchilla_ratio", "log_every", "eval_every", "ckpt_every",
-                    "keep_checkpoints", "progress", "trackers", "peak_tflops", "compile"}
+                    "keep_checkpoints", "progress", "trackers", "peak_tflops", "compile", "cpu_threads"}
 
 
 class Stage(Protocol):
@@ -131,6 +132,8 @@ def make_accelerator(cfg: TrainConfig, out_dir: str | Path | None = None) -> Acc
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     trackers = check_trackers(cfg.trackers)
+    if cfg.cpu_threads > 0 and not torch.cuda.is_available():
+        torch.set_num_threads(cfg.cpu_threads)
     # cpu=True without a GPU: under torchrun (or `accelerate launch --multi_gpu`) accelerate then
     # sets up MULTI_CPU with the gloo backend instead of silently running single-process.
     return Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available(), log_with=trackers or None,

@@ -128,7 +128,7 @@ def check_vocab(info: dict, model_vocab: int) -> None:
     allowed = {v, -(-v // 64) * 64, -(-v // 128) * 128}
     if model_vocab not in allowed:
         raise SproutError(f"{info['where']}: data vocab is {v} but model.vocab_size is {model_vocab} "
-                          f"(use {v} or a padded {sorted(allowed - {v})[0]})")
+                          f"(use {' or '.join(map(str, sorted(allowed)))})")
 
 
 def load_luts(spec: str | None, device):

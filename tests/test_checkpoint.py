@@ -1,0 +1,94 @@
+"""Checkpoints: round trip, rotation, atomicity, and refusal of corrupted or unsafe files."""
+
+import json
+
+import pytest
+import torch
+
+from sprout.checkpoint import (STATE, WEIGHTS, load_model, load_train_state, read_meta, resolve_checkpoint,
+                               save_checkpoint, save_rotating, sha256_file)
+from sprout.errors import SproutError
+from sprout.model import ModelConfig, Transformer
+
+
+def tiny(tie=False):
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, tie_embeddings=tie))
+
+
+def trained_optimizer(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_round_trip_weights_meta_and_optimizer(tmp_path, tie):
+    model = tiny(tie)
+    opt = trained_optimizer(model)
+    path = save_checkpoint(tmp_path / "ck", model, meta={"model_config": model.config, "step": 7, "stage": "pretrain"},
+                           optimizer=opt, extra_state={"note": torch.arange(3)})
+    loaded, meta = load_model(path)
+    x = torch.randint(0, 64, (2, 10))
+    assert torch.equal(loaded(x), model.eval()(x))
+    assert meta["step"] == 7 and meta["model_config"]["tie_embeddings"] is tie
+    assert set(meta["files"]) == {WEIGHTS, STATE}
+    state = load_train_state(path)
+    fresh = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    fresh.load_state_dict(state["optimizer"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(state["extra"]["note"], torch.arange(3))
+    assert len(state["rng"]) == 1 and isinstance(state["rng"][0]["torch"], torch.Tensor)
+
+
+def test_rotation_keeps_last_k_and_latest_points_at_newest(tmp_path):
+    model = tiny()
+    for step in (10, 20, 30, 40):
+        save_rotating(tmp_path / "run" / "checkpoints", step, model, keep=2, meta={"model_config": model.config, "step": step})
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000030", "step_00000040"]
+    for where in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "step_00000040"):
+        assert resolve_checkpoint(where).name == "step_00000040"
+    with pytest.raises(SproutError, match="no such checkpoint"):
+        resolve_checkpoint(tmp_path / "missing")
+
+
+def test_failed_save_leaves_nothing_behind(tmp_path):
+    class Broken:
+        def state_dict(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        save_checkpoint(tmp_path / "ck", tiny(), meta={}, optimizer=Broken())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupted_files_are_refused_naming_the_file(tmp_path):
+    model = tiny()
+    path = save_checkpoint(tmp_path / "ck", model, meta={"model_config": model.config})
+    weights = path / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(SproutError, match=f"{weights}.*sha256"):
+        load_model(path)
+    (path / "meta.json").write_text("{not json")
+    with pytest.raises(SproutError, match="meta.json"):
+        read_meta(path)
+
+
+def test_pickled_code_in_train_state_is_refused(tmp_path):
+    model = tiny()
+    path = save_checkpoint(tmp_path / "ck", model, meta={"model_config": model.config})
+    torch.save({"optimizer": None, "rng": [], "payload": Exploit()}, path / STATE)  # hand-made, hash updated
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"][STATE] = sha256_file(path / STATE)
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SproutError, match=f"{path / STATE}"):
+        load_train_state(path)
+
+
+class Exploit:
+    def __reduce__(self):
+        return (print, ("unpickled!",))

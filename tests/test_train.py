@@ -1,0 +1,313 @@
+"""The shared loop and the pretraining stage: schedules, normalisation, learning, exact resume,
+bad input, NaN handling, and 1 vs 2 processes (slow)."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sprout.errors import SproutError
+from sprout.model import ModelConfig
+from sprout.shards import shard_name, write_shard
+from sprout.train.loop import NonFiniteLoss, TrainConfig, Trainer, make_accelerator, micro_steps
+from sprout.train.metrics import read_metrics
+from sprout.train.pretrain import DataConfig, PretrainConfig, PretrainStage, run_pretrain
+from sprout.train.schedule import chinchilla_steps, lr_at, seq_len_at, seq_len_stages
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 256
+
+
+def write_data(folder: Path) -> Path:
+    """A learnable corpus: one fixed 97-token pattern repeated, 10% of tokens replaced by noise."""
+    rng = np.random.default_rng(0)
+    pattern = rng.integers(0, V, size=97)
+
+    def text(n, seed):
+        r = np.random.default_rng(seed)
+        t = np.resize(pattern, n)
+        noise = r.random(n) < 0.1
+        t[noise] = r.integers(0, V, size=int(noise.sum()))
+        return t
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_shard(folder / shard_name("toy", "train", 0), text(30000, 1), np.uint16)
+    write_shard(folder / shard_name("toy", "train", 1), text(20000, 2), np.uint16)
+    write_shard(folder / shard_name("toy", "val", 0), text(4000, 3), np.uint16)
+    (folder / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": V}}))
+    return folder
+
+
+def tiny_cfg(data: Path, out: Path, **train) -> PretrainConfig:
+    t = dict(global_batch_tokens=2048, micro_batch_tokens=1024, max_steps=16, warmup_steps=2, lr=3e-3,
+             log_every=1, eval_every=8, ckpt_every=8, progress=False)
+    t.update(train)
+    return PretrainConfig(model=ModelConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
+                          data=DataConfig(dir=str(data), seq_len_start=16, seq_warmup_frac=0.25, eval_tokens=2048),
+                          train=TrainConfig(**t), out=str(out))
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def run_a(data, tmp_path_factory):
+    """One uninterrupted 16-step run, checkpoints at 8 and 16."""
+    out = tmp_path_factory.mktemp("run_a")
+    result = run_pretrain(tiny_cfg(data, out))
+    return out, result
+
+
+# ---- schedules -------------------------------------------------------------------------------
+def test_lr_warmup_cosine_wsd():
+    kw = dict(peak=1.0, total_steps=100, warmup_steps=10, min_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(55, **kw) == pytest.approx(0.55)  # cosine midpoint: halfway between peak and min
+    assert lr_at(100, **kw) == pytest.approx(0.1)
+    assert lr_at(50, kind="wsd", decay_frac=0.2, **kw) == 1.0  # stable phase
+    assert lr_at(89, kind="wsd", decay_frac=0.2, **kw) == pytest.approx(0.55)  # linear decay over 80..99
+    assert lr_at(99, kind="wsd", decay_frac=0.2, **kw) == pytest.approx(0.1)
+    with pytest.raises(SproutError):
+        lr_at(0, kind="linear", **kw)
+
+
+def test_seq_len_warmup_and_chinchilla():
+    assert seq_len_stages(512, 128) == [128, 256, 512]
+    got = [seq_len_at(s, total_steps=100, final=512) for s in range(12)]
+    assert got == [128] * 5 + [256] * 5 + [512] * 2  # 128 -> 256 -> 512 over the first 10%
+    assert seq_len_at(0, total_steps=100, final=512, warmup_frac=0) == 512
+    assert chinchilla_steps(124_000_000, 524288) == math.ceil(20 * 124e6 / 524288)
+
+
+def test_micro_steps_follow_world_size():
+    assert micro_steps(8192, 1024, 1) == 8 and micro_steps(8192, 1024, 2) == 4
+    with pytest.raises(SproutError, match="not a multiple"):
+        micro_steps(8192, 1024, 3)
+
+
+# ---- one step: normalisation over the whole global batch -------------------------------------
+class Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(11, 11)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+def masked_loss(model, batch):
+    from sprout.losses import token_nll_sum
+
+    nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], batch["loss_mask"])
+    return nll, n, {"correct": ((model(batch["input_ids"]).argmax(-1) == batch["targets"]) & batch["loss_mask"]).sum()}
+
+
+def sgd_trainer(model, lr=1.0):
+    cfg = TrainConfig(max_steps=10, grad_clip=0, progress=False)
+    return Trainer(make_accelerator(cfg), model, torch.optim.SGD(model.parameters(), lr=lr), lambda s: lr, cfg)
+
+
+def test_loss_is_normalised_over_the_global_batch_not_per_micro_batch():
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(0, 11, (4, 6), generator=g), torch.randint(0, 11, (4, 6), generator=g)
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[0, :5] = True  # micro-batch 1: 5 targets; micro-batch 2: 1 target
+    mask[3, 2] = True
+    split = [{"input_ids": ids[:2], "targets": tgt[:2], "loss_mask": mask[:2]},
+             {"input_ids": ids[2:], "targets": tgt[2:], "loss_mask": mask[2:]}]
+    whole = [{"input_ids": ids, "targets": tgt, "loss_mask": mask}]
+
+    ref = Linear()  # hand-made: mean over the 6 trained targets, one SGD step of lr 1
+    logp = torch.log_softmax(ref(ids), -1).gather(-1, tgt[..., None])[..., 0]
+    (-(logp[mask]).sum() / 6).backward()
+    expected = ref.emb.weight.detach() - ref.emb.weight.grad
+
+    a, b = Linear(), Linear()
+    ma = sgd_trainer(a).step(split, masked_loss)
+    mb = sgd_trainer(b).step(whole, masked_loss)
+    assert ma["targets"] == mb["targets"] == 6
+    assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-6)
+    assert ma["correct"] == pytest.approx(mb["correct"])
+    torch.testing.assert_close(a.emb.weight.detach(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.emb.weight.detach(), expected, rtol=0, atol=1e-6)
+
+
+def test_nan_loss_stops_before_the_weights_change():
+    model = Linear()
+    before = model.emb.weight.detach().clone()
+    batch = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "targets": torch.zeros(1, 2, dtype=torch.long)}
+
+    def nan_loss(m, b):
+        return m(b["input_ids"]).sum() * float("nan"), torch.tensor(2), {}
+
+    with pytest.raises(NonFiniteLoss, match="loss is nan at step 1"):
+        sgd_trainer(model).step([batch], nan_loss)
+    assert torch.equal(model.emb.weight, before)
+
+
+# ---- the pretraining stage end to end (in-process, tiny) ---------------------------------------
+def test_pretraining_learns_and_writes_metrics(run_a):
+    out, result = run_a
+    first, last = result["first_eval"], result["last_eval"]
+    assert first["step"] == 0 and last["step"] == 16
+    assert last["val_loss"] < first["val_loss"] - 1.0  # from ~ln 256 = 5.5 to well below
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 17))
+    assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm"} <= set(train[0])
+    assert train[-1]["tokens"] == 16 * 2048
+    assert [r["seq_len"] for r in train[:5]] == [16, 16, 32, 32, 64]  # warmup over the first 25%
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 8, 16]
+    assert (out / "loss.png").stat().st_size > 1000 and (out / "config.yaml").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000008", "step_00000016"]
+
+
+def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, tmp_path):
+    out_a, _ = run_a
+    out_b = tmp_path / "run_b"  # a run stopped at step 8: its state is exactly A's step-8 checkpoint
+    shutil.copytree(out_a / "checkpoints" / "step_00000008", out_b / "checkpoints" / "step_00000008")
+    (out_b / "checkpoints" / "latest").write_text("step_00000008\n")
+    run_pretrain(tiny_cfg(data, out_b), resume="latest")
+    a, b = losses(out_a), losses(out_b)
+    assert sorted(b) == list(range(9, 17))
+    assert [b[s] for s in b] == [a[s] for s in b]  # exact float equality
+
+
+def test_random_window_sampler_resume_is_exact(data, tmp_path):
+    kw = dict(max_steps=6, eval_every=0, ckpt_every=3)
+    cfg = tiny_cfg(data, tmp_path / "a", **kw)
+    cfg.data.sampler = "random"
+    run_pretrain(cfg)
+    cfg_b = tiny_cfg(data, tmp_path / "b", **kw)
+    cfg_b.data.sampler = "random"
+    run_pretrain(cfg_b, resume=str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b)
+
+
+def test_val_bpb_hand_computed():
+    """Uniform logits -> loss ln V per token; 2 bytes per token -> bpb = log2(V) / 2."""
+
+    class Uniform(torch.nn.Module):
+        def forward(self, ids):
+            return torch.zeros(*ids.shape, 16)
+
+    acc = make_accelerator(TrainConfig())
+    luts = (torch.full((16,), 2, dtype=torch.int16), torch.zeros(16, dtype=torch.bool), torch.zeros(16, dtype=torch.bool))
+    stage = PretrainStage(acc, None, np.arange(33) % 16, seq_len=8, seq_len_fn=lambda s: 8, micro_batch_tokens=16,
+                          accum_steps=1, luts=luts)
+    res = stage.evaluate(Uniform())
+    assert res["val_loss"] == pytest.approx(math.log(16))
+    assert res["val_bpb"] == pytest.approx(4 / 2)
+
+
+# ---- bad input: clear errors before training -----------------------------------------------------
+def test_vocab_mismatch_is_refused(data, tmp_path):
+    cfg = tiny_cfg(data, tmp_path / "x")
+    cfg.model.vocab_size = 512
+    with pytest.raises(SproutError, match=r"manifest.json: data vocab is 256 but model.vocab_size is 512"):
+        run_pretrain(cfg)
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_missing_shard_dir_is_refused(tmp_path):
+    with pytest.raises(SproutError, match="shard directory does not exist"):
+        run_pretrain(tiny_cfg(tmp_path / "nope", tmp_path / "x"))
+
+
+def test_resume_from_a_different_config_is_refused(run_a, data, tmp_path):
+    out_a, _ = run_a
+    cfg = tiny_cfg(data, tmp_path / "x")
+    cfg.model.n_layers = 3
+    with pytest.raises(SproutError, match="different config.*model.n_layers 2 != 3"):
+        run_pretrain(cfg, resume=str(out_a))
+    cfg = tiny_cfg(data, tmp_path / "y", max_steps=40)  # a longer run is fine
+    assert cfg.train.max_steps != 16
+
+
+def test_corrupted_checkpoint_is_refused_by_the_cli(run_a, data, tmp_path):
+    out_a, _ = run_a
+    ck = tmp_path / "ck"
+    shutil.copytree(out_a / "checkpoints" / "step_00000008", ck)
+    with open(ck / "model.safetensors", "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x00\x01\x02")
+    cmd = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(tmp_path / "o"),
+           "--resume", str(ck), "--model.vocab_size", str(V), "--model.d_model", "64", "--model.n_layers", "2",
+           "--model.n_heads", "4", "--model.max_seq_len", "64"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert f"error: {ck / 'model.safetensors'}: sha256 does not match" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_nan_during_fit_keeps_the_last_good_checkpoint(data, tmp_path):
+    cfg = tiny_cfg(data, tmp_path / "nan", max_steps=6, ckpt_every=2, eval_every=0)
+    calls = {"n": 0}
+    original = PretrainStage.loss
+
+    def flaky(self, model, batch):
+        calls["n"] += 1
+        nll, n, m = original(self, model, batch)
+        return (nll * float("inf") if calls["n"] > 6 else nll), n, m  # step 4 (2 micro-steps each) blows up
+
+    PretrainStage.loss = flaky
+    try:
+        with pytest.raises(NonFiniteLoss, match=r"step 4.*last good checkpoint: .*step_00000002"):
+            run_pretrain(cfg)
+    finally:
+        PretrainStage.loss = original
+    assert (tmp_path / "nan" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+# ---- multi-process -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_gloo_processes_match_one(run_a, data, tmp_path):
+    out_a, _ = run_a  # 1 process × 2 micro-steps of 1024 tokens
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29531",
+           str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(out),
+           "--model.vocab_size", str(V), "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+           "--model.max_seq_len", "64", "--data.seq_len_start", "16", "--data.seq_warmup_frac", "0.25",
+           "--data.eval_tokens", "2048", "--train.global_batch_tokens", "2048", "--train.micro_batch_tokens", "1024",
+           "--train.max_steps", "16", "--train.warmup_steps", "2", "--train.lr", "3e-3", "--train.log_every", "1",
+           "--train.eval_every", "8", "--train.ckpt_every", "8", "--train.progress", "false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) × 1 micro-steps" in proc.stdout
+    a, b = losses(out_a), losses(out)
+    assert sorted(b) == sorted(a)
+    diff = max(abs(a[s] - b[s]) for s in a)
+    print(f"1 vs 2 processes: max |loss diff| over {len(a)} steps = {diff:.3g}")
+    assert diff < 1e-5
+    norms = [{r["step"]: r["grad_norm"] for r in read_metrics(o / "metrics.jsonl") if "loss" in r} for o in (out_a, out)]
+    assert all(norms[1][s] == pytest.approx(norms[0][s], rel=1e-4) for s in norms[0])  # same gradient, not just same Adam step
+    va = [r["val_loss"] for r in read_metrics(out_a / "metrics.jsonl") if "val_loss" in r]
+    vb = [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+    assert np.allclose(va, vb, atol=1e-5)
