@@ -16,6 +16,7 @@ Setup (issue 4): batch 16, mixed prompt lengths, 256 new tokens, the demo-sized 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -76,7 +77,7 @@ def main() -> None:
     full_rate = args.batch * N / total
 
     print(f"model: d_model 256, 6 layers, vocab 4096, {model.num_params():,} params, fp32, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
     print(f"batch {args.batch}, prompt lengths {lengths.min()}..{lengths.max()} (mean {lengths.mean():.0f}), "
           f"{N} new tokens per row")
     print(f"KV cache:          {kv_rate:9,.0f} new tokens/s  ({min(kv_times):.2f} s for {args.batch * N} tokens, "

@@ -1,20 +1,22 @@
 """Forward + backward tokens/s: sprout's Transformer against the nanoGPT-style reference.
 
 Same shape for both (default: d_model 256, 6 layers, 8 heads, vocab 4096, seq 256,
-batch 16), fp32, on this machine's CPU. The two are timed in alternation, several rounds,
-and the median per model is reported, so load from other processes hits both alike.
+batch 16), fp32, on this machine's CPU. The models take one step each in turn, for
+several rounds, so load from other processes hits all alike; the best step per model
+gives the ratio (the least disturbed run) and the median is printed beside it.
 This isolates the model (no optimizer, no loader); benchmarks/train_throughput.py times a
 whole optimizer step.
 
 At equal d_model, sprout's SwiGLU (3 matrices of d x 8/3 d, rounded up to a multiple of
 64) holds about the parameters of the reference's 4d GELU MLP (2 matrices of d x 4d).
 
-    .venv/bin/python benchmarks/model_throughput.py [--tie] [--rounds 5]
+    .venv/bin/python benchmarks/model_throughput.py [--tie] [--compile] [--rounds 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -29,11 +31,10 @@ from reference_gpt import ReferenceGPT  # noqa: E402
 from sprout.model import ModelConfig, Transformer  # noqa: E402
 
 
-def time_steps(step, n: int) -> float:
+def timed(step) -> float:
     t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - t0) / n
+    step()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -44,9 +45,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="fwd+bwd steps per timed round")
+    ap.add_argument("--rounds", type=int, default=8, help="timed fwd+bwd steps per model")
     ap.add_argument("--tie", action="store_true", help="tie sprout's embeddings, as the reference does")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile(sprout)")
     args = ap.parse_args()
     torch.manual_seed(0)
     B, T = args.batch, args.seq_len
@@ -56,27 +57,37 @@ def main() -> None:
     x = torch.randint(0, args.vocab, (B, T))
     y = torch.randint(0, args.vocab, (B, T))
 
-    def sprout_step():
-        loss = F.cross_entropy(sprout(x).view(-1, args.vocab), y.view(-1))
+    def sprout_step(model=sprout):
+        loss = F.cross_entropy(model(x).view(-1, args.vocab), y.view(-1))
         loss.backward()
 
     def ref_step():
         _, loss = ref(x, y)
         loss.backward()
 
-    for step in (sprout_step, ref_step):  # warm up
+    steps = {"sprout": sprout_step, "reference": ref_step}
+    if args.compile:
+        compiled = torch.compile(sprout)
+        t0 = time.perf_counter()
+        sprout_step(compiled)
+        print(f"torch.compile warm-up: {time.perf_counter() - t0:.0f} s")
+        steps["sprout compiled"] = lambda: sprout_step(compiled)
+    for step in steps.values():  # warm up
         step()
-    times = {"sprout": [], "reference": []}
+    times = {k: [] for k in steps}
     for _ in range(args.rounds):
-        times["sprout"].append(time_steps(sprout_step, args.steps))
-        times["reference"].append(time_steps(ref_step, args.steps))
-    print(f"shape: B={B} T={T} d={args.d_model} L={args.n_layers} H={args.n_heads} V={args.vocab}, "
-          f"fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+        for k, step in steps.items():
+            times[k].append(timed(step))
+    print(f"shape: B={B} T={T} d={args.d_model} L={args.n_layers} H={args.n_heads} V={args.vocab}, fp32, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
     print(f"params: sprout {sprout.num_params():,} (tied={args.tie}), reference {ref.num_params():,} (tied)")
-    rate = {k: B * T / statistics.median(v) for k, v in times.items()}
-    for k, v in rate.items():
-        print(f"{k:>9}: {v:10,.0f} tokens/s fwd+bwd (median of {args.rounds} rounds x {args.steps} steps)")
-    print(f"ratio sprout/reference: {rate['sprout'] / rate['reference']:.3f}x")
+    best = {k: B * T / min(v) for k, v in times.items()}
+    for k, v in times.items():
+        print(f"{k:>16}: {best[k]:8,.0f} tokens/s fwd+bwd best, {B * T / statistics.median(v):8,.0f} median "
+              f"({args.rounds} steps)")
+    for k in steps:
+        if k != "reference":
+            print(f"ratio {k}/reference: {best[k] / best['reference']:.3f}x")
 
 
 if __name__ == "__main__":

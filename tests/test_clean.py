@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from sprout.clean import CleanConfig, Cleaner, dedup_key, non_ascii_count
-from sprout.mixture import first_occurrences
+from sprout.mixture import first_occurrences, key_halves
 
 MESSY = ("\u201cCan we go to the park?\u201d asked Lily.\u00a0\u00a0Mom smiled \u2014 \u201cYes\u2026 but first, lunch!\u201d"
          "\r\n\r\n\r\nThey ate quickly and ran outside.")
@@ -66,6 +66,17 @@ def test_dedup_keys_and_counts():
     keys = np.stack([np.frombuffer(dedup_key(d), np.uint8) for d in docs])
     assert dedup_key(docs[0]) == dedup_key(docs[1])      # case-insensitive
     assert dedup_key(docs[0]) != dedup_key(docs[2])      # a near-duplicate is a different document
-    keep = first_occurrences(keys)
+    keep = first_occurrences(key_halves(keys)[0], lambda idx: keys[idx])
     assert keep.tolist() == [True, False, True, False]   # the first occurrence survives
     assert int((~keep).sum()) == 2
+
+
+def test_dedup_is_exact_when_first_halves_collide():
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 256, size=(1000, 16), dtype=np.uint8)
+    keys[10:20, :8] = keys[5, :8]     # same first half, different full keys: all distinct
+    keys[500] = keys[7]               # true duplicates, in order 7 < 500 < 900
+    keys[900] = keys[7]
+    keep = first_occurrences(key_halves(keys)[0], lambda idx: keys[idx])
+    assert np.flatnonzero(~keep).tolist() == [500, 900]
+    assert first_occurrences(np.zeros(0, np.uint64), lambda idx: keys[idx]).tolist() == []

@@ -99,7 +99,9 @@ def test_top_k_and_top_p_hand_checked():
 
 
 def test_seeded_sampling_is_reproducible(model):
-    run = lambda seed: generate(model, PROMPTS, 16, temperature=1.0, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    def run(seed):
+        return generate(model, PROMPTS, 16, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+
     a, b, c = run(3), run(3), run(4)
     assert a == b
     assert a.tokens != c.tokens

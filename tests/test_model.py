@@ -64,7 +64,8 @@ def test_segment_mask_isolates_packed_documents():
     docs = [torch.randint(1, 64, (n,)) for n in (5, 9, 4)]
     pad = 3
     ids = torch.cat(docs + [torch.zeros(pad, dtype=torch.long)])[None]
-    seg = torch.cat([torch.full((len(d),), i + 1) for i, d in enumerate(docs)] + [torch.zeros(pad, dtype=torch.long)])[None]
+    seg = torch.cat([torch.full((len(d),), i + 1) for i, d in enumerate(docs)] + [torch.zeros(pad, dtype=torch.long)])
+    seg = seg[None]
     pos = torch.cat([torch.arange(len(d)) for d in docs] + [torch.arange(pad)])[None]
     packed = model(ids, segment_ids=seg, position_ids=pos)
     start = 0

@@ -1,7 +1,7 @@
 """Deduplication, train/val split and source mixture over per-document arrays.
 
-Everything here works on small per-document arrays (token counts and 16-byte dedup keys),
-never on text or tokens, so it is vectorised and independent of how documents were
+Everything here works on small per-document arrays (token counts and halves of the 16-byte
+dedup keys), never on text or tokens, so it is vectorised and independent of how documents were
 tokenised (any number of workers gives the same plan).
 
 - Dedup: the first occurrence of each key, in source order then document order, survives.
@@ -22,12 +22,13 @@ tokenised (any number of workers gives the same plan).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from sprout.errors import SproutError
 
-KEY_BYTES = 16
+KEY_DTYPE = np.dtype([("hi", ">u8"), ("lo", ">u8")])  # a 16-byte dedup key as two big-endian halves
 
 
 @dataclass(frozen=True)
@@ -43,33 +44,47 @@ class SplitRule:
                 "key": "md5(lower(cleaned text)), last 8 bytes big-endian; < val_frac * 2^64 goes to val"}
 
 
-def first_occurrences(keys: np.ndarray) -> np.ndarray:
-    """Bool mask over rows of `keys` (N x 16 uint8): True for the first row with each key."""
-    keep = np.zeros(len(keys), dtype=bool)
-    if len(keys):
-        flat = np.ascontiguousarray(keys, dtype=np.uint8).view(np.dtype(f"V{KEY_BYTES}")).ravel()
-        _, first = np.unique(flat, return_index=True)
-        keep[first] = True
+def key_halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) uint64 halves of N x 16 uint8 keys."""
+    pairs = np.ascontiguousarray(keys, dtype=np.uint8).view(KEY_DTYPE).ravel()
+    return pairs["hi"].astype(np.uint64), pairs["lo"].astype(np.uint64)
+
+
+def first_occurrences(hi: np.ndarray, full_keys: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Bool mask over documents: True for the first document with each 16-byte key.
+
+    Documents are sorted by the keys' first halves `hi` only (8 bytes a document); those
+    sharing a first half are then compared on their full keys, fetched by `full_keys(indices)`
+    (rows of 16 bytes), so the answer is exact while memory stays small.
+    """
+    keep = np.ones(len(hi), dtype=bool)
+    if len(hi) < 2:
+        return keep
+    order = np.argsort(hi, kind="stable")
+    same = hi[order[1:]] == hi[order[:-1]]
+    if not same.any():
+        return keep
+    pairs = np.flatnonzero(same)
+    members = np.unique(np.concatenate([order[pairs], order[pairs + 1]]))  # ascending document index
+    rows = np.ascontiguousarray(full_keys(members), dtype=np.uint8).view(np.dtype("V16")).ravel()
+    _, first = np.unique(rows, return_index=True)  # first occurrence among the candidates
+    keep[members] = False
+    keep[members[first]] = True
     return keep
 
 
-def split_numbers(keys: np.ndarray) -> np.ndarray:
-    """The uint64 each document's split is decided by (last 8 key bytes, big-endian)."""
-    return np.ascontiguousarray(keys[:, 8:16]).view(">u8").ravel().astype(np.uint64)
-
-
-def val_mask(keys: np.ndarray, rule: SplitRule) -> np.ndarray:
-    """Which documents of ONE source (already deduplicated) go to validation."""
-    nums = split_numbers(keys)
-    mask = np.zeros(len(nums), dtype=bool)
+def val_mask(lo: np.ndarray, rule: SplitRule) -> np.ndarray:
+    """Which documents of ONE source (already deduplicated) go to validation, from the
+    second halves `lo` of their keys."""
+    mask = np.zeros(len(lo), dtype=bool)
     if rule.val_docs is not None:
-        mask[np.argsort(nums, kind="stable")[: rule.val_docs]] = True
+        mask[np.argsort(lo, kind="stable")[: rule.val_docs]] = True
         return mask
     frac = float(rule.val_frac or 0.0)
     if not 0.0 <= frac < 1.0:
         raise SproutError(f"val_frac must be in [0, 1), got {frac}")
     threshold = np.uint64(min(int(frac * 2.0**64), 2**64 - 1))
-    return nums < threshold
+    return lo < threshold
 
 
 def token_targets(natural: list[int], weights: list[float | None], total: int | None) -> list[float]:
@@ -86,24 +101,30 @@ def token_targets(natural: list[int], weights: list[float | None], total: int | 
     return [w / wsum * total for w in weights]
 
 
-def sample_documents(lengths: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:
-    """Indices of documents (repeats allowed) whose token counts add up closest to `target`."""
-    n = len(lengths)
-    total = int(lengths.sum())
-    if n == 0 or target <= 0 or total == 0:
-        return np.zeros(0, dtype=np.int64)
+def _shuffled(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    out = ids.copy()
+    rng.shuffle(out)  # in place: no int64 permutation beside a compact id array
+    return out
+
+
+def sample_documents(ids: np.ndarray, lengths: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:
+    """Documents from `ids` in random order (repeats allowed when up-sampling) whose token
+    counts (`lengths[id]`) add up closest to `target`."""
+    total = int(lengths[ids].sum(dtype=np.int64))
+    if len(ids) == 0 or target <= 0 or total == 0:
+        return ids[:0]
     reps = int(target // total)
     rest = target - reps * total
-    parts = [rng.permutation(n) for _ in range(reps)]
-    perm = rng.permutation(n)
-    cum = np.cumsum(lengths[perm])
+    parts = [_shuffled(ids, rng) for _ in range(reps)]
+    last = _shuffled(ids, rng)
+    cum = np.cumsum(lengths[last], dtype=np.int64)
     k = int(np.searchsorted(cum, rest))  # cum[k] >= rest
-    if k < n:
+    if k < len(ids):
         below = cum[k - 1] if k > 0 else 0
         if cum[k] - rest < rest - below:
             k += 1
-    parts.append(perm[:k])
-    return np.concatenate(parts).astype(np.int64)
+    parts.append(last[:k])
+    return np.concatenate(parts)
 
 
 def cut_runs(lengths: np.ndarray, run_tokens: int) -> list[tuple[int, int]]:
@@ -111,7 +132,7 @@ def cut_runs(lengths: np.ndarray, run_tokens: int) -> list[tuple[int, int]]:
     n = len(lengths)
     if n == 0:
         return []
-    cum = np.cumsum(lengths)
+    cum = np.cumsum(lengths, dtype=np.int64)
     marks = np.arange(run_tokens, int(cum[-1]), run_tokens)
     cuts = np.searchsorted(cum, marks, side="left") + 1
     bounds = np.unique(np.concatenate([[0], cuts, [n]]))
@@ -145,7 +166,7 @@ def plan_split(
     for s, ids in enumerate(doc_ids):
         rng = np.random.default_rng([seed, salt, s])
         if targets is None:
-            selections.append(ids[rng.permutation(len(ids))])
+            selections.append(_shuffled(ids, rng))
         else:
-            selections.append(ids[sample_documents(lengths[s][ids], targets[s], rng)])
+            selections.append(sample_documents(ids, lengths[s], targets[s], rng))
     return plan_runs(selections, lengths, run_tokens, np.random.default_rng([seed, salt, 1 << 20]))

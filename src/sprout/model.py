@@ -37,9 +37,10 @@ weights = 1.
 
 FLOPs per token (training, forward + backward) follow Kaplan et al. 2020 (sec. 2.1) and
 PaLM (Chowdhery et al. 2022, appendix B): 6 * N_matmul + 12 * n_layers * d_model * seq_len,
-where N_matmul counts the weights used in matmuls (all layers and the lm_head, not the
-embedding lookup) and the second term is attention's QK^T and AV products (counted over
-the full square, as PaLM and nanochat do, although a causal kernel skips half).
+where N_matmul is every parameter but the input embedding table (a lookup, not a matmul;
+the lm_head counts even when tied to it; the RMSNorm weights are in, negligibly) and the
+second term is attention's QK^T and AV products (over the full square, as PaLM and
+nanochat count it, although a causal kernel skips half).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise SproutError(f"model config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
-            raise SproutError(f"model config: head size {self.d_model // self.n_heads} must be even for rotary embeddings")
+            raise SproutError(f"model config: head size {self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.kv_heads:
             raise SproutError(f"model config: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
 

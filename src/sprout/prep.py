@@ -5,10 +5,11 @@
 1. Read each source as a stream of documents (`sprout.sources`), in chunks.
 2. A process pool (about one worker per core) cleans each document (`sprout.clean`), computes
    its dedup key and tokenizes it with end-of-text appended. Results come back in input order
-   with a bounded number in flight, and are spilled to one temporary token file per source,
-   so memory stays flat; only per-document counts and keys stay in memory.
-3. Dedup, split and mixture are decided on those per-document arrays (`sprout.mixture`);
-   nothing there depends on the number of workers, so the output bytes never do either.
+   with a bounded number in flight, and are spilled to temporary files (tokens, per-document
+   token counts and keys: `sprout.prep_store`), so memory stays flat while reading.
+3. Dedup, split and mixture are decided on per-document arrays (`sprout.mixture`), a few
+   bytes per document; nothing there depends on the number of workers, so the output bytes
+   never do either.
 4. The planned runs are copied into `.bin` shards (`sprout.shards`) and/or one HDF5 file per
    split (`sprout.h5tokens`), with a sidecar of each split's document keys; `manifest.json`
    (`sprout.manifest`) is written last. Everything is written atomically, and the previous
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import multiprocessing as mp
 import os
 import shutil
@@ -32,13 +32,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 from sprout import manifest as mf
-from sprout.atomic import atomic_write
 from sprout.clean import CleanConfig, Cleaner, dedup_key
 from sprout.config import from_dict
 from sprout.errors import SproutError
-from sprout.h5tokens import H5TokenWriter, h5_name
 from sprout.mixture import SplitRule, first_occurrences, plan_split, token_targets, val_mask
-from sprout.shards import dtype_for_vocab, encode_header, shard_name
+from sprout.prep_store import SourceStore, SplitWriter, write_key_sidecar
+from sprout.shards import dtype_for_vocab
 from sprout.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
 from sprout.tokenizer import Tokenizer, load_tokenizer
 
@@ -120,108 +119,6 @@ def _ordered_map(pool, chunks: Iterator[list[str]], in_flight: int):
 # ---------------------------------------------------------------- main side
 
 
-class _SourceStore:
-    """One source's tokens spilled to disk plus its per-document arrays."""
-
-    def __init__(self, tmpdir: Path, index: int, dtype: np.dtype) -> None:
-        self.path = tmpdir / f"source{index}.tokens"
-        self.dtype = dtype
-        self._f = open(self.path, "wb")
-        self._lengths, self._keys = [], []
-        self.counts: Counter = Counter()
-
-    def append(self, tokens, lengths, keys, counts) -> None:
-        self._f.write(tokens.tobytes())
-        self._lengths.append(lengths)
-        self._keys.append(keys)
-        self.counts.update(counts)
-
-    def finish(self) -> None:
-        self._f.close()
-        self.lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
-        self.keys = np.concatenate(self._keys) if self._keys else np.zeros((0, 16), np.uint8)
-        self.offsets = np.cumsum(self.lengths) - self.lengths
-
-    def gather(self, ids: np.ndarray) -> np.ndarray:
-        """Tokens of documents `ids`, concatenated. One positioned read per document straight
-        into the output array: a memory map here would keep every page it faulted in (and
-        its read-around) in this process's RSS, which then grows with the input."""
-        lens, starts = self.lengths[ids], self.offsets[ids]
-        out = np.empty(int(lens.sum()), dtype=self.dtype)
-        view, item, pos = memoryview(out).cast("B"), self.dtype.itemsize, 0
-        with open(self.path, "rb", buffering=0) as f:
-            for start, n in zip(starts.tolist(), lens.tolist()):
-                if os.preadv(f.fileno(), [view[pos * item : (pos + n) * item]], start * item) != n * item:
-                    raise SproutError(f"{self.path}: temporary token file is shorter than expected")
-                pos += n
-        return out
-
-
-class _SplitWriter:
-    """Streams one split into .bin shards of `shard_tokens` (the last one shorter) and/or one
-    HDF5 file. The split's total is known from the plan, so each shard's header is written
-    first and its payload streamed after it: memory does not grow with the shard size."""
-
-    def __init__(self, out: Path, dataset: str, split: str, dtype: np.dtype, shard_tokens: int, fmt: str,
-                 total_tokens: int) -> None:
-        self.out, self.dataset, self.split, self.dtype = out, dataset, split, dtype
-        n_shards = -(-total_tokens // shard_tokens) if fmt in ("bin", "both") else 0
-        self.sizes = [min(shard_tokens, total_tokens - i * shard_tokens) for i in range(n_shards)]
-        self.shards: list[dict] = []
-        self._ctx = self._file = self._sha = None
-        self._left = 0
-        self.h5 = H5TokenWriter(out / h5_name(dataset, split), dtype) if fmt in ("hdf5", "both") else None
-        self.num_tokens = 0
-
-    def write(self, tokens: np.ndarray) -> None:
-        self.num_tokens += len(tokens)
-        if self.h5 is not None:
-            self.h5.append(tokens)
-        while self.sizes and len(tokens):
-            if self._file is None:
-                self._open_shard()
-            take = min(len(tokens), self._left)
-            payload = tokens[:take].astype(self.dtype, copy=False).tobytes()
-            self._file.write(payload)
-            self._sha.update(payload)
-            self._left -= take
-            tokens = tokens[take:]
-            if self._left == 0:
-                self._ctx.__exit__(None, None, None)  # fsync + rename into place
-                self.shards[-1]["sha256"] = self._sha.hexdigest()
-                self._ctx = self._file = None
-
-    def _open_shard(self) -> None:
-        index = len(self.shards)
-        if index >= len(self.sizes):
-            raise RuntimeError(f"{self.split}: more tokens than planned")
-        name = shard_name(self.dataset, self.split, index)
-        self._left = self.sizes[index]
-        self._ctx = atomic_write(self.out / name, "wb")
-        self._file = self._ctx.__enter__()
-        header = encode_header(self._left, self.dtype)
-        self._file.write(header)
-        self._sha = hashlib.sha256(header)
-        self.shards.append({"file": name, "num_tokens": self._left, "sha256": None})
-
-    def close(self, attrs: dict) -> tuple[list, dict | None]:
-        if self._file is not None or len(self.shards) != len(self.sizes):
-            raise RuntimeError(f"{self.split}: fewer tokens than planned")
-        h5 = None
-        if self.h5 is not None:
-            tokens_sha = self.h5.close(dict(attrs, split=self.split))
-            path = self.out / h5_name(self.dataset, self.split)
-            h5 = {"file": path.name, "num_tokens": self.num_tokens, "sha256": mf.file_sha256(path), "tokens_sha256": tokens_sha}
-        return self.shards, h5
-
-    def abort(self) -> None:
-        if self._ctx is not None:
-            with contextlib.suppress(RuntimeError):
-                self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)  # removes the temp file
-        if self.h5 is not None:
-            self.h5.abort()
-
-
 def resolve_sources(cfg: PrepConfig, mirror: str | None) -> list[tuple[str, SourceSpec]]:
     """(path as given, SourceSpec with `${SPROUT_MIRROR}` expanded and a name) per source."""
     specs = []
@@ -297,7 +194,7 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
     stores, stats = [], []
     try:
         for i, spec in enumerate(specs):
-            store, st = _SourceStore(tmpdir, i, dtype), ReadStats()
+            store, st = SourceStore(tmpdir, i, dtype), ReadStats()
             docs = iter_documents(spec, cfg.text_field, strict=cfg.strict, stats=st)
             with tqdm(desc=f"{spec.name:>12}", unit="doc", disable=not progress, dynamic_ncols=True) as bar:
                 for n, res in _ordered_map(pool, _chunks(docs), 2 * workers + 2):
@@ -325,14 +222,22 @@ class _Plan:
     rule: SplitRule
 
 
-def _plan(cfg: PrepConfig, specs, stores: list[_SourceStore]) -> _Plan:
-    sizes = np.cumsum([len(s.keys) for s in stores])[:-1]
-    keep = np.split(first_occurrences(np.concatenate([s.keys for s in stores])), sizes)  # across sources, in order
+def _plan(cfg: PrepConfig, specs, stores: list[SourceStore]) -> _Plan:
+    """Dedup across all sources (in source order), split by key, and the mixture targets."""
+    hi = np.concatenate([s.key_half("hi") for s in stores])
+    bounds = np.cumsum([0] + [s.n_docs for s in stores])
+
+    def full_keys(ids: np.ndarray) -> np.ndarray:  # ids ascending, across sources
+        src = np.searchsorted(bounds, ids, side="right") - 1
+        return np.concatenate([stores[i].key_rows(ids[src == i] - bounds[i]) for i in range(len(stores))])
+
+    keep = np.split(first_occurrences(hi, full_keys), bounds[1:-1])
+    del hi
     rule = SplitRule(val_frac=cfg.val_frac, val_docs=cfg.val_docs)
     train_ids, val_ids = [], []
     for s, k in zip(stores, keep):
-        ids = np.flatnonzero(k)
-        is_val = val_mask(s.keys[ids], rule)
+        ids = np.flatnonzero(k).astype(np.int32 if s.n_docs < 2**31 else np.int64)  # 4 bytes a document
+        is_val = val_mask(s.key_half("lo")[ids], rule)
         train_ids.append(ids[~is_val])
         val_ids.append(ids[is_val])
     if sum(len(t) for t in train_ids) == 0:
@@ -352,7 +257,7 @@ def _write_split(cfg: PrepConfig, split: str, runs, stores, dtype, out: Path, at
     """Copy the planned runs into the split's outputs: (shards, h5 entry, tokens per source, documents)."""
     per_source, docs = [0] * len(stores), 0
     total = sum(int(stores[src].lengths[ids].sum()) for src, ids in runs)
-    writer = _SplitWriter(out, cfg.name, split, dtype, cfg.shard_tokens, cfg.format, total)
+    writer = SplitWriter(out, cfg.name, split, dtype, cfg.shard_tokens, cfg.format, total)
     try:
         for src, doc_ids in runs:
             tokens = stores[src].gather(doc_ids)
@@ -408,9 +313,7 @@ def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out: Path, comm
             h5[split] = h5_entry
 
     sidecar = out / mf.SIDECAR
-    with atomic_write(sidecar, "wb") as f:
-        np.savez(f, **{split: _sorted_keys(np.concatenate([s.keys[i] for s, i in zip(stores, ids)]))
-                       for split, ids in (("train", plan.train_ids), ("val", plan.val_ids))})
+    write_key_sidecar(sidecar, stores, {"train": plan.train_ids, "val": plan.val_ids})
     mf.remove_stale(out, cfg.name, {e["file"] for e in shards["train"] + shards["val"]} | {e["file"] for e in h5.values()})
     manifest = {
         "format": mf.FORMAT, "dataset": cfg.name, "tokenizer": mf.tokenizer_info(tok),
@@ -426,13 +329,6 @@ def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out: Path, comm
     }
     mf.write_manifest(out, manifest)
     return manifest
-
-
-def _sorted_keys(keys: np.ndarray) -> np.ndarray:
-    if not len(keys):
-        return keys
-    flat = np.ascontiguousarray(keys).view(np.dtype("V16")).ravel()
-    return np.unique(flat).view(np.uint8).reshape(-1, 16)
 
 
 def summary_table(m: dict) -> str:
