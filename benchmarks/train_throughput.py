@@ -8,7 +8,8 @@ fp32 on CPU by default) on the same random tokens:
 - reference: `benchmarks/reference_gpt.py` (nanoGPT: learned positions, LayerNorm, GELU)
   with nanoGPT's own step: forward with loss, backward, clip, AdamW step.
 A third row runs sprout's model under the plain loop (no Trainer), which separates the
-cost of the model from the cost of the loop. Steps alternate between the rows (ABCABC...) so that load from other processes hits both
+cost of the model from the cost of the loop. Steps alternate between the rows (ABCABC...)
+so that load from other processes hits all of them
 alike; tokens/s is the median over the timed steps. MFU = FLOPs per token (6 N_matmul +
 12 L d T, PaLM appendix B, for both models) × tokens/s ÷ the fp32 matmul peak measured
 at the start of this same run.
@@ -109,8 +110,10 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
 
     ref_flops = reference_flops_per_token(ref, args.layers, args.d_model, T)
-    flops = {"sprout": model.flops_per_token(T), "reference": ref_flops, "sprout model, plain loop": model.flops_per_token(T)}
-    params = {"sprout": model.num_params(), "reference": ref.num_params(), "sprout model, plain loop": plain.num_params()}
+    flops = {"sprout": model.flops_per_token(T), "reference": ref_flops,
+             "sprout model, plain loop": plain.flops_per_token(T)}
+    params = {"sprout": model.num_params(), "reference": ref.num_params(),
+              "sprout model, plain loop": plain.num_params()}
     print(f"shape: d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
           f"seq {T}, batch {B} ({tokens:,} tokens/step), fp32, {torch.get_num_threads()} threads"
           + (", sprout compiled" if args.compile else ""))
@@ -123,7 +126,8 @@ def main() -> None:
         print(f"{name:26s} {params[name]:>10,} {flops[name] / 1e6:>10.1f} {step * 1e3:>9.1f} {tps[name]:>10,.0f} "
               f"{flops[name] * tps[name] / peak:>6.1%}")
     print(f"sprout / reference tokens/s: {tps['sprout'] / tps['reference']:.2f}x; "
-          f"loop overhead (plain loop / Trainer on sprout's model): {tps['sprout model, plain loop'] / tps['sprout']:.3f}x")
+          f"Trainer overhead (plain loop / Trainer, sprout's model): "
+          f"{tps['sprout model, plain loop'] / tps['sprout']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -178,7 +178,8 @@ def _check_kind(kind: str, state: dict) -> None:
         raise SproutError(f"loader state is for a {state.get('kind')!r} loader, this run uses {kind!r}")
 
 
-def eval_rows(tokens: np.ndarray, seq_len: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def eval_rows(tokens: np.ndarray, seq_len: int, rank: int = 0, world_size: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-overlapping eval windows of a token array, this rank's contiguous share of them.
 
     Row i covers inputs tokens[i*T : (i+1)*T] and targets one to the right; ranks take

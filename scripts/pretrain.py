@@ -20,7 +20,7 @@ from sprout.train.pretrain import PretrainConfig, run_pretrain
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (configs/*/pretrain.yaml)")
-    p.add_argument("--data", help="shard directory (or *train*.h5 file); overrides data.dir")
+    p.add_argument("--data", help="shard directory (or a <dataset>_train.h5 file); overrides data.dir")
     p.add_argument("--out", help="run directory; overrides out")
     p.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
                    help="continue from a checkpoint (default: the latest in --out)")

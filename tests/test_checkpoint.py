@@ -5,15 +5,25 @@ import json
 import pytest
 import torch
 
-from sprout.checkpoint import (STATE, WEIGHTS, load_model, load_train_state, read_meta, resolve_checkpoint,
-                               save_checkpoint, save_rotating, sha256_file)
+from sprout.checkpoint import (
+    STATE,
+    WEIGHTS,
+    load_model,
+    load_train_state,
+    read_meta,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_rotating,
+    sha256_file,
+)
 from sprout.errors import SproutError
 from sprout.model import ModelConfig, Transformer
 
 
 def tiny(tie=False):
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, tie_embeddings=tie))
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, tie_embeddings=tie)
+    return Transformer(cfg)
 
 
 def trained_optimizer(model):
@@ -44,11 +54,12 @@ def test_round_trip_weights_meta_and_optimizer(tmp_path, tie):
 
 def test_rotation_keeps_last_k_and_latest_points_at_newest(tmp_path):
     model = tiny()
+    root = tmp_path / "run" / "checkpoints"
     for step in (10, 20, 30, 40):
-        save_rotating(tmp_path / "run" / "checkpoints", step, model, keep=2, meta={"model_config": model.config, "step": step})
-    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+        save_rotating(root, step, model, keep=2, meta={"model_config": model.config, "step": step})
+    names = sorted(p.name for p in root.iterdir())
     assert names == ["latest", "step_00000030", "step_00000040"]
-    for where in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "step_00000040"):
+    for where in (tmp_path / "run", root, root / "step_00000040"):
         assert resolve_checkpoint(where).name == "step_00000040"
     with pytest.raises(SproutError, match="no such checkpoint"):
         resolve_checkpoint(tmp_path / "missing")

@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 
 from sprout.clean import CleanConfig, Cleaner, dedup_key, non_ascii_count
 from sprout.mixture import first_occurrences, key_halves

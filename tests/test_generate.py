@@ -110,5 +110,7 @@ def test_seeded_sampling_is_reproducible(model):
 def test_context_limits(model):
     with pytest.raises(SproutError, match="longer than the context"):
         generate(model, [[1] * 65], 4)
+    with pytest.raises(SproutError, match="top_p"):
+        generate(model, [[1]], 4, top_p=0.0)
     out = generate(model, [[1] * 60, [2, 3]], 10, temperature=0)
     assert [len(t) for t in out.tokens] == [4, 4]  # stops when the longest row fills the context

@@ -4,8 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from data_loader.tokens import (DistributedTokenLoader, RandomWindowSampler, TokenStream, eval_rows,
-                                open_token_sources, read_tokens)
+from data_loader.tokens import (
+    DistributedTokenLoader,
+    RandomWindowSampler,
+    TokenStream,
+    eval_rows,
+    open_token_sources,
+    read_tokens,
+)
 from sprout.errors import SproutError
 from sprout.h5tokens import H5TokenWriter
 from sprout.shards import shard_name, write_shard
@@ -76,7 +82,7 @@ def test_random_windows_seeded_contiguous_and_rank_split(shards):
     assert torch.all(full[:, 1:] - full[:, :-1] == 1)
     # 2 ranks × 3 rows == 1 process drawing 3 rows twice
     one = RandomWindowSampler(src, seed=3)
-    r0, r1 = RandomWindowSampler(src, seed=3, rank=0, world_size=2), RandomWindowSampler(src, seed=3, rank=1, world_size=2)
+    r0, r1 = (RandomWindowSampler(src, seed=3, rank=r, world_size=2) for r in range(2))
     assert torch.equal(one.next_batch(3, 10)[0], r0.next_batch(3, 10)[0])
     assert torch.equal(one.next_batch(3, 10)[0], r1.next_batch(3, 10)[0])
 

@@ -1,6 +1,5 @@
 import gzip
 import json
-import os
 import runpy
 import sys
 from pathlib import Path

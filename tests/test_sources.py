@@ -2,7 +2,6 @@ import gzip
 import json
 import tracemalloc
 
-import numpy as np
 import pytest
 import zstandard
 

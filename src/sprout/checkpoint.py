@@ -210,7 +210,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -81,6 +81,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     """Sample up to max_new_tokens per prompt, all rows in one batch through the KV cache."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SproutError("generate: every prompt needs at least one token")
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise SproutError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1 "
+                          f"(got {temperature}, {top_k}, {top_p})")
     context = model.config.max_seq_len
     longest = max(len(p) for p in prompts)
     if longest > context:

@@ -28,3 +28,25 @@ def token_nll_sum(
     nll = F.cross_entropy(logits, targets, reduction="none")
     keep = mask.reshape(-1).bool()
     return torch.where(keep, nll, torch.zeros_like(nll)).sum(), keep.sum()
+
+
+def masked_correct_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """How many masked positions the argmax of `logits` gets right (token accuracy × count).
+
+    logits [..., V], targets [...], mask [...] (bool or 0/1). Ties go to the lowest id
+    (torch.argmax). Returns an int64 scalar; divide by the mask count for the accuracy.
+    """
+    keep = mask.reshape(-1).bool()
+    hits = logits.reshape(-1, logits.size(-1))[keep].argmax(dim=-1) == targets.reshape(-1)[keep]
+    return hits.sum()
+
+
+def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over masked positions of the entropy (nats) of softmax(logits), in float32.
+
+    Only the masked rows are materialised, so padding and prompt positions cost nothing.
+    A confident model has entropy near 0; a uniform one over V ids has ln V.
+    """
+    keep = mask.reshape(-1).bool()
+    logp = logits.reshape(-1, logits.size(-1))[keep].float().log_softmax(dim=-1)
+    return torch.special.entr(logp.exp()).sum()

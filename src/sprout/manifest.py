@@ -43,7 +43,7 @@ OUTPUT_FILE = re.compile(r"^(?P<dataset>.+)_(?P<split>train|val)(_\d{6}\.bin|\.h
 def file_sha256(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
+        for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 

@@ -61,7 +61,9 @@ def first_occurrences(hi: np.ndarray, full_keys: Callable[[np.ndarray], np.ndarr
     if len(hi) < 2:
         return keep
     order = np.argsort(hi, kind="stable")
-    same = hi[order[1:]] == hi[order[:-1]]
+    sorted_hi = hi[order]
+    same = sorted_hi[1:] == sorted_hi[:-1]
+    del sorted_hi
     if not same.any():
         return keep
     pairs = np.flatnonzero(same)

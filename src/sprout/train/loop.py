@@ -219,14 +219,11 @@ class Trainer:
         if int(totals["n"]) != n_global:
             raise RuntimeError(f"loss_fn counted {totals['n']} targets but count_fn counted {n_global}")
         loss = totals.pop("loss") / n_global
-        last_ckpt = f"; last good checkpoint: {self.last_checkpoint}" if self.last_checkpoint else ""
         if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLoss(f"loss is {loss} at step {self.steps_done + 1}; stopping without updating the weights{last_ckpt}")
+            self._stop_non_finite(f"loss is {loss}")
         grad_norm = float(acc.clip_grad_norm_(model.parameters(), self.cfg.grad_clip or float("inf")))
         if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLoss(f"gradient norm is {grad_norm} at step {self.steps_done + 1}; stopping without updating the weights{last_ckpt}")
+            self._stop_non_finite(f"gradient norm is {grad_norm}")
         lr = self.schedule(self.steps_done)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -238,6 +235,11 @@ class Trainer:
         seq_len = batches[0]["input_ids"].shape[-1] if "input_ids" in batches[0] else 0
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_global, "seq_len": seq_len,
                 **{k: v / n_global for k, v in totals.items()}}
+
+    def _stop_non_finite(self, what: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        kept = f"; last good checkpoint: {self.last_checkpoint}" if self.last_checkpoint else "; no checkpoint yet"
+        raise NonFiniteLoss(f"{what} at step {self.steps_done + 1}; stopped without updating the weights{kept}")
 
     # ---- eval, checkpoint, resume -----------------------------------------------------------
     def evaluate(self, stage: Stage, logger: MetricsLogger | None = None) -> dict:

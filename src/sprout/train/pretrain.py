@@ -18,18 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate.utils import set_seed
 
 from data_loader.tokens import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
-from sprout.atomic import atomic_write
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
-from sprout.checkpoint import resolve_checkpoint
-from sprout.config import config_to_dict, dump_yaml
 from sprout.errors import SproutError
 from sprout.losses import token_nll_sum
 from sprout.model import ModelConfig, Transformer
-from sprout.train.loop import (RESUME_FREE_KEYS, TrainConfig, Trainer, all_reduce_sums, build_optimizer, lr_schedule,
-                               make_accelerator, micro_steps, resolve_max_steps)
+from sprout.train.loop import TrainConfig, all_reduce_sums, micro_steps
+from sprout.train.run import resolve_resume, start_run, train_stage, with_max_steps
 from sprout.train.schedule import seq_len_at, seq_len_stages
 
 
@@ -74,7 +70,7 @@ class PretrainStage:
     def evaluate(self, model) -> dict:
         dev, rows = self.acc.device, max(1, self.micro_batch_tokens // self.seq_len)
         x, y = eval_rows(self.val_tokens, self.seq_len, self.acc.process_index, self.acc.num_processes)
-        sums = {"nll": torch.zeros((), device=dev), "n": torch.zeros((), device=dev), "bytes": torch.zeros((), device=dev)}
+        sums = {k: torch.zeros((), device=dev) for k in ("nll", "n", "bytes")}
         model.eval()
         for i in range(0, len(x), rows):
             xb, yb = x[i : i + rows].to(dev), y[i : i + rows].to(dev)
@@ -122,7 +118,7 @@ def check_vocab(info: dict, model_vocab: int) -> None:
     """The model's vocab must be the data's, or the data's padded up to a multiple of 64/128."""
     if info["vocab_size"] is None:
         if info["max_id"] >= model_vocab:
-            raise SproutError(f"{info['where']}: token id {info['max_id']} does not fit the model's vocab {model_vocab}")
+            raise SproutError(f"{info['where']}: token id {info['max_id']} does not fit model.vocab_size {model_vocab}")
         return
     v = info["vocab_size"]
     allowed = {v, -(-v // 64) * 64, -(-v // 128) * 128}
@@ -142,7 +138,6 @@ def load_luts(spec: str | None, device):
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     """Check inputs, build everything, resume if asked, train; returns Trainer.fit's summary."""
-    out = Path(cfg.out)
     if not cfg.data.dir:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
     if cfg.data.sampler not in ("sequential", "random"):
@@ -153,54 +148,30 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     seq_len = cfg.data.seq_len or cfg.model.max_seq_len
     if seq_len > cfg.model.max_seq_len:
         raise SproutError(f"data.seq_len {seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
-    resume_path = None
-    if resume:
-        resume_path = resolve_checkpoint(out / "checkpoints" if resume == "latest" else resume)
-
-    acc = make_accelerator(cfg.train, out)
-    set_seed(cfg.train.seed)
-    model = Transformer(cfg.model)
-    train_cfg = dataclasses.replace(cfg.train, max_steps=resolve_max_steps(cfg.train, model.num_params()))
-    cfg = dataclasses.replace(cfg, train=train_cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
+    micro = cfg.train.micro_batch_tokens
     for T in seq_len_stages(seq_len, cfg.data.seq_len_start if cfg.data.seq_warmup_frac > 0 else seq_len):
-        if train_cfg.micro_batch_tokens % T:
-            raise SproutError(f"train.micro_batch_tokens {train_cfg.micro_batch_tokens} is not a multiple of sequence length {T}")
-    accum = micro_steps(train_cfg.global_batch_tokens, train_cfg.micro_batch_tokens, acc.num_processes)
+        if micro % T:
+            raise SproutError(f"train.micro_batch_tokens {micro} is not a multiple of sequence length {T}")
+    resume_path = resolve_resume(resume, cfg.out)
+
+    acc = start_run(cfg.train, cfg.out)
+    accum = micro_steps(cfg.train.global_batch_tokens, micro, acc.num_processes)
+    model = Transformer(cfg.model)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
+    cfg = with_max_steps(cfg, model.num_params())
+    total, data = cfg.train.max_steps, cfg.data
 
     def seq_len_fn(step: int) -> int:
-        return seq_len_at(step, total_steps=train_cfg.max_steps, final=seq_len, start=cfg.data.seq_len_start,
-                          warmup_frac=cfg.data.seq_warmup_frac)
+        return seq_len_at(step, total_steps=total, final=seq_len, start=data.seq_len_start,
+                          warmup_frac=data.seq_warmup_frac)
 
     rank, world = acc.process_index, acc.num_processes
-    loader = (DistributedTokenLoader(train_src, rank, world) if cfg.data.sampler == "sequential"
-              else RandomWindowSampler(train_src, train_cfg.seed, rank, world))
-    spec = cfg.data.tokenizer or info["tokenizer"]
+    loader = (DistributedTokenLoader(train_src, rank, world) if data.sampler == "sequential"
+              else RandomWindowSampler(train_src, cfg.train.seed, rank, world))
+    spec = data.tokenizer or info["tokenizer"]
     luts = load_luts(spec, acc.device)
     if luts is None:
         acc.print("note: no tokenizer spec (data.tokenizer or manifest); val_bpb will not be reported")
-    stage = PretrainStage(acc, loader, read_tokens(val_src, cfg.data.eval_tokens + 1), seq_len=seq_len,
-                          seq_len_fn=seq_len_fn, micro_batch_tokens=train_cfg.micro_batch_tokens,
-                          accum_steps=accum, luts=luts)
-    data_resume = {k: v for k, v in config_to_dict(cfg.data).items() if k not in ("dir", "eval_tokens")}
-    train_resume = {k: v for k, v in config_to_dict(train_cfg).items() if k not in RESUME_FREE_KEYS}
-    meta = {"model_config": config_to_dict(cfg.model), "tokenizer": spec, "config": config_to_dict(cfg),
-            "resume_config": {"model": config_to_dict(cfg.model), "data": data_resume, "train": train_resume}}
-    trainer = Trainer(acc, model, build_optimizer(model, train_cfg), lr_schedule(train_cfg, train_cfg.max_steps),
-                      train_cfg, out_dir=out, meta=meta)
-    if resume_path is not None:
-        trainer.resume(resume_path, stage)
-
-    acc.print(dump_yaml(cfg), end="")
-    if acc.is_main_process:
-        with atomic_write(out / "config.yaml", "w") as f:
-            f.write(dump_yaml(cfg))
-    acc.print(f"model {model.num_params():,} params | {world} process(es) × {accum} micro-steps | "
-              f"{train_cfg.max_steps} steps × {train_cfg.global_batch_tokens:,} tokens "
-              f"= {train_cfg.max_steps * train_cfg.global_batch_tokens:,} tokens")
-    result = trainer.fit(stage)
-    first, last = result["first_eval"], result["last_eval"]
-    for label, rec in (("before", first), ("after", last)):
-        if rec is not None:
-            acc.print(f"{label} training (step {rec['step']}): " + "  ".join(
-                f"{k} {rec[k]:.4f}" for k in ("val_loss", "val_bpb") if k in rec))
-    return result
+    stage = PretrainStage(acc, loader, read_tokens(val_src, data.eval_tokens + 1), seq_len=seq_len,
+                          seq_len_fn=seq_len_fn, micro_batch_tokens=micro, accum_steps=accum, luts=luts)
+    return train_stage(acc, model, stage, cfg, resume=resume_path, tokenizer=spec, micro_steps=accum)

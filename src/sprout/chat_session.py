@@ -1,0 +1,109 @@
+"""A multi-turn chat with a checkpoint: history -> chat template -> KV-cache sampling -> reply.
+
+`ChatSession` keeps the conversation as messages and, for every user message, renders the
+whole history with `sprout.chat.render(..., add_generation_prompt=True)` (the same
+template the SFT data was made with), samples the answer with `sprout.generate.generate`
+until the end-of-turn token, and appends the decoded answer to the history. So the model
+sees at inference exactly the token layout it was fine-tuned on.
+
+- Stop tokens: the end-of-turn id, plus the role headers when they are single control ids
+  (SentencePiece models trained here), in case a model starts a new turn without closing
+  its own. With plain-text markers (tiktoken) a reply is cut at the first marker text.
+- Context: when the rendered history leaves no room for an answer, the oldest exchanges
+  are dropped (the system message stays); a single message that does not fit raises
+  `ChatError`, as does a message the template refuses (e.g. one containing marker text),
+  and the history is left as it was.
+- An empty answer (the model closed its turn at once) is returned but not kept, since the
+  template refuses empty turns.
+
+`load_chat_model` opens a checkpoint with the tokenizer its meta names and checks that it
+was fine-tuned with this template version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sprout.chat import RESERVED, TEMPLATE_VERSION, ChatError, render, template_for
+from sprout.checkpoint import load_model
+from sprout.errors import SproutError
+from sprout.generate import generate
+from sprout.tokenizer import load_tokenizer
+
+
+@dataclass
+class Reply:
+    text: str          # the answer, without the end-of-turn token
+    tokens: list[int]  # the sampled ids, stop token included
+    finished: bool     # False when max_new_tokens or the context ran out before end-of-turn
+
+
+def load_chat_model(path, device="cpu", tokenizer: str | None = None):
+    """(model, tokenizer, meta) of a checkpoint; `tokenizer` overrides the spec in its meta."""
+    model, meta = load_model(path, device)
+    spec = tokenizer or meta.get("tokenizer")
+    if not spec:
+        raise SproutError(f"{meta['path']}/meta.json: no tokenizer recorded; pass --tokenizer SPEC")
+    tok = load_tokenizer(spec)
+    want = meta.get("tokenizer_fingerprint")
+    if want and tok.fingerprint() != want:
+        raise SproutError(f"{spec}: tokenizer fingerprint differs from the one {meta['path']}/meta.json was trained with")
+    version = meta.get("template_version")
+    if version is not None and version != TEMPLATE_VERSION:
+        raise SproutError(f"{meta['path']}/meta.json: trained with chat template {version!r}, this sprout "
+                          f"renders {TEMPLATE_VERSION!r}")
+    if tok.vocab_size > model.config.vocab_size:
+        raise SproutError(f"{spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
+    return model, tok, meta
+
+
+class ChatSession:
+    """Conversation state plus sampling settings; `send(text)` returns the model's `Reply`."""
+
+    def __init__(self, model, tok, *, system: str | None = None, max_new_tokens: int = 256,
+                 temperature: float = 0.7, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None):
+        self.model, self.tok = model, tok
+        self.system = system
+        self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
+        device = next(model.parameters()).device
+        self.generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+        tpl = template_for(tok)
+        self.stop_ids = {tpl.eot_id} | ({h[0] for h in tpl.headers.values()} if tpl.kind == "special" else set())
+        self.messages: list[dict] = []
+        if system is not None:
+            self.messages.append({"role": "system", "content": system})
+            render(self.messages + [{"role": "user", "content": "x"}], tok, add_generation_prompt=True)  # check it now
+
+    def reset(self) -> None:
+        self.messages = self.messages[:1] if self.system is not None else []
+
+    def _prompt(self, messages: list[dict]) -> list[int]:
+        """Rendered history ending with the assistant header; drops the oldest exchanges to fit."""
+        context = self.model.config.max_seq_len
+        first = 1 if self.system is not None else 0
+        while True:
+            ids, _ = render(messages, self.tok, add_generation_prompt=True)
+            if len(ids) < context:
+                return ids
+            if len(messages) - first <= 1:
+                raise ChatError(f"message too long: the prompt is {len(ids)} tokens and the context "
+                                f"is {context}", "prompt_too_long")
+            messages = messages[:first] + messages[first + 2:]
+
+    def send(self, text: str) -> Reply:
+        """Add a user message, sample the answer, keep both in the history (unless refused or empty)."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        prompt = self._prompt(messages)  # raises ChatError, history untouched
+        gen = generate(self.model, [prompt], self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                       top_p=self.top_p, stop_ids=self.stop_ids, generator=self.generator)
+        tokens, finished = gen.tokens[0], gen.finished[0]
+        vocab = self.tok.vocab_size  # a padded model vocab has ids no tokenizer can decode
+        answer = self.tok.decode([t for t in (tokens[:-1] if finished else tokens) if t < vocab])
+        cut = min((i for i in (answer.find(m) for m in RESERVED) if i >= 0), default=len(answer))
+        answer = answer[:cut].strip()
+        if answer:
+            self.messages = messages + [{"role": "assistant", "content": answer}]
+        return Reply(answer, tokens, finished)

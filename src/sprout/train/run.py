@@ -1,0 +1,92 @@
+"""What every stage's script does around the loop: resume checks, config, fit, report.
+
+A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`), the
+model and its `Stage`, then hands over to `train_stage`, which
+  - records in each checkpoint the config and the part of it a resume must match
+    (`resume_config`: everything except run length, logging and paths),
+  - resumes when asked (refusing a checkpoint made with a different config),
+  - prints the resolved config and saves it as <out>/config.yaml (rank 0),
+  - runs `Trainer.fit` and prints the eval before and after training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from sprout.atomic import atomic_write
+from sprout.checkpoint import resolve_checkpoint
+from sprout.config import config_to_dict, dump_yaml
+from sprout.train.loop import (
+    RESUME_FREE_KEYS,
+    TrainConfig,
+    Trainer,
+    build_optimizer,
+    lr_schedule,
+    make_accelerator,
+    resolve_max_steps,
+)
+
+# Config keys that may change between a run and its resume (besides train.RESUME_FREE_KEYS).
+RESUME_FREE_PATHS = {"out", "data.dir", "data.eval_tokens"}
+
+
+def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
+    """The accelerator for a run, with every process seeded alike (same initial weights)."""
+    acc = make_accelerator(train_cfg, out)
+    set_seed(train_cfg.seed)
+    return acc
+
+
+def with_max_steps(cfg, num_params: int):
+    """`cfg` (with a `train` section) with train.max_steps resolved (Chinchilla when null)."""
+    steps = resolve_max_steps(cfg.train, num_params)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+
+
+def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
+    """--resume PATH, or `latest` for the newest checkpoint in the run's own folder."""
+    if not resume:
+        return None
+    return resolve_checkpoint(Path(out) / "checkpoints" if resume == "latest" else resume)
+
+
+def resume_config(cfg, free: set[str] = frozenset()) -> dict:
+    """The config minus the keys a resume may change (run length, logging, paths)."""
+    free = RESUME_FREE_PATHS | {f"train.{k}" for k in RESUME_FREE_KEYS} | set(free)
+
+    def keep(node: dict, prefix: str) -> dict:
+        return {k: keep(v, f"{prefix}{k}.") if isinstance(v, dict) else v
+                for k, v in node.items() if f"{prefix}{k}" not in free}
+
+    return keep(config_to_dict(cfg), "")
+
+
+def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = None, tokenizer: str | None = None,
+                micro_steps: int | None = None, free_keys: set[str] = frozenset()) -> dict:
+    """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report."""
+    train_cfg, out = cfg.train, Path(cfg.out)
+    meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
+            "resume_config": resume_config(cfg, free_keys)}
+    trainer = Trainer(acc, model, build_optimizer(model, train_cfg), lr_schedule(train_cfg, train_cfg.max_steps),
+                      train_cfg, out_dir=out, meta=meta)
+    if resume is not None:
+        trainer.resume(resume, stage)
+    acc.print(dump_yaml(cfg), end="")
+    if acc.is_main_process:
+        with atomic_write(out / "config.yaml", "w") as f:
+            f.write(dump_yaml(cfg))
+    acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es)"
+              + (f" × {micro_steps} micro-steps" if micro_steps else "")
+              + f" | {train_cfg.max_steps} steps × {train_cfg.global_batch_tokens:,} tokens")
+    result = trainer.fit(stage)
+    first, last = result["first_eval"], result["last_eval"]
+    for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
+                       ("after training", last)):
+        if rec is not None:
+            values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_"))
+            acc.print(f"{label} (step {rec['step']}): {values}")
+    return result

@@ -1,0 +1,241 @@
+"""Supervised fine-tuning (SFT): masked next-token loss on packed chat rows, as one stage of the shared loop.
+
+`SFTStage` feeds the loop (`sprout.train.loop`) with micro-batches of rows from
+`data_loader.sft.SFTLoader`: conversations rendered by `sprout.chat` and packed several to
+a row by `sprout.sft_prep` (format: `sprout.sft_format`). For each micro-batch (`sft_loss`):
+
+- attention stays inside each packed conversation (`segment_ids`) and rotary positions
+  restart per conversation (`position_ids`), so a row computes what each conversation
+  would alone;
+- the loss is the cross-entropy summed over the *trained* targets only: `loss_mask` marks
+  assistant content and the end-of-turn token that closes it (DESIGN.md "Chat template and
+  loss mask"). The loop divides by the trained targets of the whole global batch (all
+  micro-batches, all processes), so every trained token weighs the same however the
+  answers fall into micro-batches (TRL's SFTTrainer with `average_tokens_across_devices`);
+- metrics, per trained target: token accuracy (argmax == target) and mean entropy of the
+  predicted distribution; the loop also logs `targets`, the trained tokens of the step.
+
+Eval: masked loss and token accuracy over every row of the val file (`sft_val.h5`), rows
+split across processes and the sums reduced over them.
+
+`run_sft(cfg, resume)` is what `scripts/train_sft.py` does after parsing its arguments:
+start from a base checkpoint (`init`; the model config comes from its meta), refuse SFT data
+made with another tokenizer, chat template or a longer context than the model's, then
+train with the same loop, checkpoints, resume and multi-process support as pretraining.
+Each checkpoint's meta carries the tokenizer spec and fingerprint, the chat-template version
+and the base checkpoint it started from, which `scripts/chat.py` and later stages read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from data_loader.sft import SFTLoader
+from sprout.atomic import atomic_write
+from sprout.chat import TEMPLATE_VERSION
+from sprout.checkpoint import load_weights, read_meta
+from sprout.config import config_to_dict, dump_yaml
+from sprout.errors import SproutError
+from sprout.losses import masked_correct_sum, masked_entropy_sum, token_nll_sum
+from sprout.model import ModelConfig, Transformer
+from sprout.sft_format import SFTFile, val_path
+from sprout.train.loop import TrainConfig, Trainer, all_reduce_sums, build_optimizer, lr_schedule, micro_steps
+from sprout.train.run import resolve_resume, resume_config, start_run
+
+
+@dataclass
+class DataConfig:
+    path: str = ""                # packed train rows from scripts/prepare_sft_data.py (sft.h5)
+    val_path: str | None = None   # None: the `_val` file beside it (sft_val.h5)
+    epochs: float = 1.0           # sets train.max_steps when that is null
+
+
+def _sft_train_defaults() -> TrainConfig:
+    return TrainConfig(global_batch_tokens=65536, micro_batch_tokens=8192, lr=3e-5, warmup_steps=10,
+                       weight_decay=0.0, eval_every=50, ckpt_every=100)
+
+
+@dataclass
+class SFTConfig:
+    init: str = ""                # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=_sft_train_defaults)  # *_tokens = rows × row length
+    out: str = "runs/sft"
+
+
+# Config keys a resume may change besides run.RESUME_FREE_PATHS / loop.RESUME_FREE_KEYS: paths
+# (the loader checks the row count and global batch) and the epochs that only set max_steps.
+SFT_RESUME_FREE = {"init", "data.path", "data.val_path", "data.epochs"}
+
+
+def sft_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked next-token loss of one micro-batch: (nll sum, trained targets, metric sums)."""
+    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+    targets, mask = batch["targets"], batch["loss_mask"]
+    nll, n = token_nll_sum(logits, targets, mask)
+    with torch.no_grad():
+        metrics = {"accuracy": masked_correct_sum(logits, targets, mask), "entropy": masked_entropy_sum(logits, mask)}
+    return nll, n, metrics
+
+
+class SFTStage:
+    name = "sft"
+
+    def __init__(self, accelerator, loader: SFTLoader, val: SFTLoader, accum_steps: int):
+        self.acc, self.loader, self.val, self.accum_steps = accelerator, loader, val, accum_steps
+
+    def next_micro_batches(self, step: int) -> list[dict]:
+        """One loader batch (this rank's share of the global batch) cut into accum_steps micro-batches."""
+        batch = self.loader.next_batch()
+        rows = self.loader.batch_size // self.accum_steps
+        parts = {k: v.split(rows) for k, v in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(self.accum_steps)]
+
+    loss = staticmethod(sft_loss)
+
+    @torch.no_grad()
+    def evaluate(self, model) -> dict:
+        dev, val = self.acc.device, self.val
+        # Every rank runs the same number of forwards (FSDP gathers weights in each one): a
+        # rank with fewer rows repeats its last batch with nothing trained.
+        rows_per_rank = -(-val.num_rows // val.world_size)
+        n_batches = -(-rows_per_rank // val.batch_size)
+        sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in ("nll", "correct", "n")}
+        batches, batch = val.eval_batches(), None
+        model.eval()
+        for _ in range(n_batches):
+            nxt = next(batches, None)
+            batch = nxt if nxt is not None else {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+            with self.acc.autocast():
+                nll, n, m = sft_loss(model, {k: v.to(dev) for k, v in batch.items()})
+            sums["nll"] += nll
+            sums["n"] += n
+            sums["correct"] += m["accuracy"]
+        model.train()
+        tot = all_reduce_sums(self.acc, sums)
+        if tot["n"] == 0:
+            raise SproutError(f"{val.path}: the val file has no trained tokens; nothing to evaluate")
+        return {"val_loss": tot["nll"] / tot["n"], "val_accuracy": tot["correct"] / tot["n"]}
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
+# ---- checks before anything heavy starts ----------------------------------------------------
+def _fingerprint(spec: str | None) -> str | None:
+    """The fingerprint of the tokenizer behind `spec`, or None when it cannot be loaded here."""
+    if not spec:
+        return None
+    from sprout.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(spec).fingerprint()
+    except SproutError:
+        return None
+
+
+def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, val: Path, val_attrs: dict) -> None:
+    """Refuse SFT files that the base checkpoint cannot train on, naming the files."""
+    ckpt = Path(base["path"]) / "meta.json"
+    for key in ("tokenizer_fingerprint", "template_version", "seq_len", "vocab_size"):
+        if val_attrs[key] != attrs[key]:
+            raise SproutError(f"{val}: {key} {val_attrs[key]!r} differs from the train file {data} ({attrs[key]!r})")
+    if attrs["template_version"] != TEMPLATE_VERSION:
+        raise SproutError(f"{data}: rendered with chat template {attrs['template_version']!r}, but this sprout "
+                          f"renders {TEMPLATE_VERSION!r} at inference; prepare the SFT data again")
+    spec, fp = attrs["tokenizer_spec"], attrs["tokenizer_fingerprint"]
+    base_spec, base_fp = base.get("tokenizer"), base.get("tokenizer_fingerprint")
+    if base_fp is None and base_spec is not None and base_spec != spec:
+        base_fp = _fingerprint(base_spec)
+    same = base_fp == fp if base_fp else base_spec in (None, spec)
+    if not same:
+        raise SproutError(f"{data}: SFT data was tokenized with {spec} (fingerprint {fp[:12]}) but the base "
+                          f"checkpoint {ckpt} with {base_spec} (fingerprint {(base_fp or 'unavailable')[:12]}); "
+                          f"prepare the SFT data with --tokenizer {base_spec}")
+    v, mv = attrs["vocab_size"], model_cfg.vocab_size
+    if not v <= mv <= -(-v // 128) * 128:  # the model's vocab may be the tokenizer's padded for matmuls
+        raise SproutError(f"{data}: data vocab is {v} but the base checkpoint {ckpt} has vocab_size {mv}")
+    if attrs["seq_len"] - 1 > model_cfg.max_seq_len:
+        raise SproutError(f"{data}: rows of {attrs['seq_len']} tokens (inputs of {attrs['seq_len'] - 1}) exceed "
+                          f"max_seq_len {model_cfg.max_seq_len} of the base checkpoint {ckpt}; prepare the SFT "
+                          f"data with --seq-len {model_cfg.max_seq_len}")
+
+
+def _attrs(path: Path) -> dict:
+    with SFTFile(path) as f:
+        return f.attrs
+
+
+# ---- the run ---------------------------------------------------------------------------------
+def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
+    """Check inputs, load the base model, build everything, resume if asked, train; returns Trainer.fit's summary."""
+    if not cfg.init:
+        raise SproutError("no base model: set init in the config or pass --init CHECKPOINT")
+    if not cfg.data.path:
+        raise SproutError("no SFT data: set data.path in the config or pass --data FILE.h5")
+    base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
+    model_cfg = ModelConfig(**base["model_config"])
+    data, val = Path(cfg.data.path), Path(cfg.data.val_path or val_path(cfg.data.path))
+    attrs = _attrs(data)
+    check_sft_data(base, model_cfg, data, attrs, val, _attrs(val))
+    row_len, micro = attrs["seq_len"], cfg.train.micro_batch_tokens
+    if micro % row_len:
+        raise SproutError(f"train.micro_batch_tokens {micro} is not a multiple of the row length {row_len} of {data}")
+    resume_path = resolve_resume(resume, cfg.out)
+
+    acc = start_run(cfg.train, cfg.out)
+    accum = micro_steps(cfg.train.global_batch_tokens, micro, acc.num_processes)
+    rows, rank, world = micro // row_len, acc.process_index, acc.num_processes
+    loader = SFTLoader(data, rows * accum, seed=cfg.train.seed, rank=rank, world_size=world)
+    if loader.steps_per_epoch == 0:
+        raise SproutError(f"{data}: {loader.num_rows} rows cannot fill one global batch of "
+                          f"{loader.global_batch} rows (train.global_batch_tokens / {row_len})")
+    val_loader = SFTLoader(val, rows, rank=rank, world_size=world, shuffle=False)
+    if val_loader.num_rows < world:
+        raise SproutError(f"{val}: {val_loader.num_rows} val rows for {world} processes")
+    model = Transformer(model_cfg)
+    if resume_path is None:
+        load_weights(model, base["path"], base)
+    steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * loader.steps_per_epoch))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+    acc.print(f"sft: {data} ({loader.num_rows:,} rows of {row_len}, {loader.steps_per_epoch} steps per epoch), "
+              f"val {val} ({val_loader.num_rows:,} rows); base {base['path']} (step {base.get('step')})")
+    stage = SFTStage(acc, loader, val_loader, accum)
+    provenance = {"tokenizer_fingerprint": attrs["tokenizer_fingerprint"], "template_version": attrs["template_version"],
+                  "template": attrs["template"], "init": {"path": base["path"], "stage": base.get("stage"),
+                                                          "step": base.get("step")}}
+    return _train(acc, model, stage, cfg, resume_path, tokenizer=attrs["tokenizer_spec"], extra_meta=provenance,
+                  micro_steps=accum)
+
+
+def _train(acc, model, stage, cfg, resume, *, tokenizer, extra_meta, micro_steps) -> dict:
+    """`sprout.train.run.train_stage` plus `extra_meta` in every checkpoint's meta (duplicated; see report)."""
+    train_cfg, out = cfg.train, Path(cfg.out)
+    meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
+            "resume_config": resume_config(cfg, SFT_RESUME_FREE), **extra_meta}
+    trainer = Trainer(acc, model, build_optimizer(model, train_cfg), lr_schedule(train_cfg, train_cfg.max_steps),
+                      train_cfg, out_dir=out, meta=meta)
+    if resume is not None:
+        trainer.resume(resume, stage)
+    acc.print(dump_yaml(cfg), end="")
+    if acc.is_main_process:
+        with atomic_write(out / "config.yaml", "w") as f:
+            f.write(dump_yaml(cfg))
+    acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es) × {micro_steps} "
+              f"micro-steps | {train_cfg.max_steps} steps × {train_cfg.global_batch_tokens:,} tokens")
+    result = trainer.fit(stage)
+    first, last = result["first_eval"], result["last_eval"]
+    for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
+                       ("after training", last)):
+        if rec is not None:
+            values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_"))
+            acc.print(f"{label} (step {rec['step']}): {values}")
+    return result
