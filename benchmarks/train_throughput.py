@@ -1,20 +1,20 @@
 """Training throughput: sprout's trainer against a plain nanoGPT-style loop, in one run.
 
-Both train the same shape (d_model 256, 6 layers, 8 heads, vocab 4096, seq 256, batch 16,
-fp32 on CPU by default) on the same random tokens:
-- sprout: `Transformer` (tied embeddings, so the parameter count matches the reference's)
-  driven by `Trainer.step`, i.e. the real loop: target counting, loss normalisation,
-  clipping, lr schedule, fused AdamW, metrics;
+All rows train the same shape (d_model 256, 6 layers, 8 heads, vocab 4096, seq 256,
+batch 16, fp32 on CPU by default) on the same random tokens:
+- sprout Trainer: `Transformer` (tied embeddings, so the parameter count matches the
+  reference's) driven by `Trainer.step`, the real loop: target counting, loss
+  normalisation, clipping, lr schedule, fused AdamW; eagerly, and under torch.compile;
 - reference: `benchmarks/reference_gpt.py` (nanoGPT: learned positions, LayerNorm, GELU)
-  with nanoGPT's own step: forward with loss, backward, clip, AdamW step.
-A third row runs sprout's model under the plain loop (no Trainer), which separates the
-cost of the model from the cost of the loop. Steps alternate between the rows (ABCABC...)
-so that load from other processes hits all of them
-alike; tokens/s is the median over the timed steps. MFU = FLOPs per token (6 N_matmul +
-12 L d T, PaLM appendix B, for both models) × tokens/s ÷ the fp32 matmul peak measured
-at the start of this same run.
+  with nanoGPT's own step: forward with loss, backward, clip, AdamW step;
+- sprout model, plain loop: sprout's eager model under the reference's step, which
+  separates the cost of the model from the cost of the Trainer.
+Steps alternate between the rows (ABCD ABCD ...) so that load from other processes hits
+all of them alike; tokens/s is the median over the timed steps. MFU = FLOPs per token
+(6 N_matmul + 12 L d T, PaLM appendix B, for both models) × tokens/s ÷ the best fp32
+matmul FLOP/s measured at the start of this same run.
 
-    python benchmarks/train_throughput.py [--steps 20] [--batch 16] [--threads N] [--compile]
+    python benchmarks/train_throughput.py [--steps 10] [--threads N] [--no-compile]
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ def reference_flops_per_token(model: ReferenceGPT, n_layers: int, d_model: int, 
     return 6.0 * n_matmul + 12.0 * n_layers * d_model * seq_len
 
 
+def sprout_loss(model, batch):
+    nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"])
+    return nll, n, {}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=256)
@@ -49,85 +54,78 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per model")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per row (compilation happens here)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--compile", action="store_true", help="torch.compile sprout's model")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    T, B = args.seq, args.batch
+    T, B, V = args.seq, args.batch, args.vocab
     tokens = B * T
-
     peak = max(measure_matmul_flops(n, seconds=1.5) for n in (512, 1024, 2048))
 
-    cfg = TrainConfig(global_batch_tokens=tokens, micro_batch_tokens=tokens, max_steps=10**6, warmup_steps=0,
-                      schedule="constant", lr=6e-4, compile=args.compile, progress=False)
-    model = Transformer(ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
-                                    n_heads=args.heads, max_seq_len=T, tie_embeddings=True))
-    trainer = Trainer(make_accelerator(cfg), model, build_optimizer(model, cfg), lambda s: cfg.lr, cfg)
+    def sprout_model() -> Transformer:
+        torch.manual_seed(0)
+        return Transformer(ModelConfig(vocab_size=V, d_model=args.d_model, n_layers=args.layers,
+                                       n_heads=args.heads, max_seq_len=T, tie_embeddings=True))
 
-    def sprout_loss(m, batch):
-        nll, n = token_nll_sum(m(batch["input_ids"]), batch["targets"])
-        return nll, n, {}
+    def trainer_step(compile_: bool):
+        cfg = TrainConfig(global_batch_tokens=tokens, micro_batch_tokens=tokens, max_steps=10**6, warmup_steps=0,
+                          schedule="constant", lr=6e-4, compile=compile_, progress=False)
+        model = sprout_model()
+        trainer = Trainer(make_accelerator(cfg), model, build_optimizer(model, cfg), lambda s: cfg.lr, cfg)
+        return model, lambda x, y: trainer.step([{"input_ids": x, "targets": y}], sprout_loss)
 
-    ref = ReferenceGPT(args.vocab, args.d_model, args.layers, args.heads, T)
+    def plain_step(model, optimizer, forward_loss):
+        def step(x, y):
+            loss = forward_loss(model, x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+        return step
+
+    torch.manual_seed(0)
+    ref = ReferenceGPT(V, args.d_model, args.layers, args.heads, T)
+    plain = sprout_model()
+    rows = {"sprout Trainer": trainer_step(False)}
+    if not args.no_compile:
+        rows["sprout Trainer, compiled"] = trainer_step(True)
     ref_opt = ref.configure_optimizers(weight_decay=0.1, learning_rate=6e-4)
+    rows["reference (nanoGPT)"] = (ref, plain_step(ref, ref_opt, lambda m, x, y: m(x, y)[1]))
+    rows["sprout model, plain loop"] = (plain, plain_step(
+        plain, build_optimizer(plain, TrainConfig()),
+        lambda m, x, y: torch.nn.functional.cross_entropy(m(x).view(-1, V), y.view(-1))))
 
-    def ref_step(x, y):
-        _, loss = ref(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    plain = Transformer(ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
-                                    n_heads=args.heads, max_seq_len=T, tie_embeddings=True))
-    if args.compile:
-        plain.compile()
-    plain_opt = build_optimizer(plain, cfg)
-
-    def plain_step(x, y):
-        loss = torch.nn.functional.cross_entropy(plain(x).view(-1, args.vocab), y.view(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        plain_opt.step()
-        plain_opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    steps = {"sprout": lambda x, y: trainer.step([{"input_ids": x, "targets": y}], sprout_loss),
-             "reference": ref_step, "sprout model, plain loop": plain_step}
-    data = torch.randint(0, args.vocab, (args.warmup + args.steps, B, T + 1))
-    times = {name: [] for name in steps}
+    data = torch.randint(0, V, (args.warmup + args.steps, B, T + 1))
+    times = {name: [] for name in rows}
     for i in range(args.warmup + args.steps):
         x, y = data[i, :, :-1].contiguous(), data[i, :, 1:].contiguous()
-        for name, step in steps.items():
+        for name, (_, step) in rows.items():
             t0 = time.perf_counter()
             step(x, y)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
 
-    ref_flops = reference_flops_per_token(ref, args.layers, args.d_model, T)
-    flops = {"sprout": model.flops_per_token(T), "reference": ref_flops,
-             "sprout model, plain loop": plain.flops_per_token(T)}
-    params = {"sprout": model.num_params(), "reference": ref.num_params(),
-              "sprout model, plain loop": plain.num_params()}
-    print(f"shape: d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
-          f"seq {T}, batch {B} ({tokens:,} tokens/step), fp32, {torch.get_num_threads()} threads"
-          + (", sprout compiled" if args.compile else ""))
+    print(f"shape: d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab {V}, seq {T}, "
+          f"batch {B} ({tokens:,} tokens/step), fp32, {torch.get_num_threads()} thread(s)")
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s")
     print(f"{'':26s} {'params':>10s} {'MFLOP/tok':>10s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>6s}")
     tps = {}
-    for name in steps:
+    for name, (model, _) in rows.items():
+        flops = (reference_flops_per_token(model, args.layers, args.d_model, T) if model is ref
+                 else model.flops_per_token(T))
         step = statistics.median(times[name])
         tps[name] = tokens / step
-        print(f"{name:26s} {params[name]:>10,} {flops[name] / 1e6:>10.1f} {step * 1e3:>9.1f} {tps[name]:>10,.0f} "
-              f"{flops[name] * tps[name] / peak:>6.1%}")
-    print(f"sprout / reference tokens/s: {tps['sprout'] / tps['reference']:.2f}x; "
-          f"Trainer overhead (plain loop / Trainer, sprout's model): "
-          f"{tps['sprout model, plain loop'] / tps['sprout']:.3f}x")
+        print(f"{name:26s} {model.num_params():>10,} {flops / 1e6:>10.1f} {step * 1e3:>9.1f} {tps[name]:>10,.0f} "
+              f"{flops * tps[name] / peak:>6.1%}")
+    ref_tps = tps["reference (nanoGPT)"]
+    for name in [n for n in rows if n.startswith("sprout Trainer")]:
+        print(f"{name} / reference tokens/s: {tps[name] / ref_tps:.2f}x")
+    print(f"Trainer overhead (plain loop / Trainer, same eager model): "
+          f"{tps['sprout model, plain loop'] / tps['sprout Trainer']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -197,16 +197,16 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, tmp_path):
     assert [b[s] for s in b] == [a[s] for s in b]  # exact float equality
 
 
-def test_random_window_sampler_resume_is_exact(data, tmp_path):
-    kw = dict(max_steps=6, eval_every=0, ckpt_every=3)
-    cfg = tiny_cfg(data, tmp_path / "a", **kw)
+def test_resume_in_place_rewrites_metrics_from_the_checkpoint(data, tmp_path):
+    """Random-window sampler; resume in the same run folder: the metrics read as one run."""
+    cfg = tiny_cfg(data, tmp_path / "a", max_steps=6, eval_every=0, ckpt_every=3)
     cfg.data.sampler = "random"
     run_pretrain(cfg)
-    cfg_b = tiny_cfg(data, tmp_path / "b", **kw)
-    cfg_b.data.sampler = "random"
-    run_pretrain(cfg_b, resume=str(tmp_path / "a" / "checkpoints" / "step_00000003"))
-    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b)
+    before = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    run_pretrain(cfg, resume=str(tmp_path / "a" / "checkpoints" / "step_00000003"))
+    after = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    assert [r["step"] for r in after if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in after if "loss" in r] == [r["loss"] for r in before if "loss" in r]
 
 
 def test_val_bpb_hand_computed():
@@ -283,6 +283,18 @@ def test_nan_during_fit_keeps_the_last_good_checkpoint(data, tmp_path):
     finally:
         PretrainStage.loss = original
     assert (tmp_path / "nan" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_trackers_are_checked_before_training():
+    import importlib.util
+
+    from sprout.train.metrics import check_trackers
+
+    with pytest.raises(SproutError, match="unknown tracker 'mlflow'"):
+        check_trackers(["mlflow"])
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(SproutError, match="'tensorboard' package is not installed"):
+            check_trackers(["tensorboard"])
 
 
 # ---- multi-process -------------------------------------------------------------------------------

@@ -168,7 +168,12 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 
 
 class Trainer:
-    """Accelerate-backed step machinery; see the module docstring for the protocol."""
+    """Accelerate-backed step machinery; see the module docstring for the protocol.
+
+    `schedule(step) -> lr`; `cfg.max_steps` must already be resolved. `meta` holds the static
+    fields of every checkpoint's meta.json (model_config, tokenizer, config, resume_config);
+    the hash of `resume_config` is what a resume must match. Only rank 0 writes to `out_dir`.
+    """
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer, schedule: Callable[[int], float],
                  cfg: TrainConfig, *, out_dir: str | Path | None = None, meta: dict | None = None):
