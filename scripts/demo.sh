@@ -17,3 +17,24 @@ $PY scripts/prepare_pretrain_data.py --config configs/demo/pretrain_data.yaml \
 
 step "3. verify the shards"
 $PY scripts/verify_shards.py "$DEMO/data"
+
+step "4. pretrain the demo base model (val loss and bits per byte before and after)"
+$PY scripts/pretrain.py --config configs/demo/pretrain.yaml --data "$DEMO/data" --out "$DEMO/base" \
+    --train.progress false
+
+step "5. prepare the SFT data (Alpaca + Dolly + GSM8K) and check its loss mask"
+$PY scripts/prepare_sft_data.py --config configs/demo/sft_data.yaml \
+    --tokenizer "sentencepiece:$DEMO/tokenizer/sp4096.model" --out "$DEMO/sft/sft.h5"
+$PY scripts/check_loss_mask.py "$DEMO/sft/sft.h5" --show 1 --html "$DEMO/sft/loss_mask.html"
+
+step "6. supervised fine-tuning from the base model"
+$PY scripts/train_sft.py --config configs/demo/sft.yaml --init "$DEMO/base" --data "$DEMO/sft/sft.h5" \
+    --out "$DEMO/sft_model" --train.progress false
+
+step "7. a few answers from the fine-tuned model (greedy)"
+for q in "What is the capital of France?" "Give three tips for staying healthy." \
+         "Tom has 3 apples and buys 5 more. How many apples does he have?"; do
+  printf '\n> %s\n' "$q"
+  $PY scripts/chat.py "$DEMO/sft_model" --prompt "$q" --temperature 0 --max-new-tokens 96
+done
+printf '\nDemo finished: outputs in %s (metrics.jsonl and loss.png in each run folder).\n' "$DEMO"

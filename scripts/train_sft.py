@@ -21,7 +21,8 @@ from sprout.train.sft import SFTConfig, run_sft
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (configs/*/sft.yaml)")
-    p.add_argument("--data", metavar="FILE.h5", help="packed SFT rows (scripts/prepare_sft_data.py); overrides data.path")
+    p.add_argument("--data", metavar="FILE.h5",
+                   help="packed SFT rows (scripts/prepare_sft_data.py); overrides data.path")
     p.add_argument("--init", metavar="CKPT", help="base checkpoint, or its run dir; overrides init")
     p.add_argument("--out", help="run directory; overrides out")
     p.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",

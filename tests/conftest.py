@@ -13,3 +13,12 @@ def mirror() -> Path:
     if not (path / "MANIFEST.md").is_file():
         pytest.skip(f"no data mirror at {path}")
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Test models are tiny: one intra-op thread is faster than two fighting over small ops."""
+    import torch
+
+    torch.set_num_threads(1)
+    yield

@@ -182,7 +182,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, sft_file, base, 
 # ---- refused inputs: one line naming the files, nothing written -----------------------------------------
 @pytest.mark.parametrize("case, pattern", [
     ("fingerprint", r"sft.h5: SFT data was tokenized with sentencepiece:.* but the base checkpoint .*meta.json"),
-    ("spec", (r"sft.h5: SFT data was tokenized with .* but the base checkpoint .*meta.json with "
+    ("spec", (r"sft.h5: SFT data was tokenized with .* but the base checkpoint .*meta.json was trained with "
               r"sentencepiece:/nonexistent/other.model")),
     ("vocab", r"sft.h5: data vocab is 512 but the base checkpoint .*meta.json has vocab_size 1024"),
     ("context", r"sft.h5: rows of 64 tokens \(inputs of 63\) exceed max_seq_len 32 .*--seq-len 32"),

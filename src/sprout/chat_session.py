@@ -49,7 +49,7 @@ def load_chat_model(path, device="cpu", tokenizer: str | None = None):
     tok = load_tokenizer(spec)
     want = meta.get("tokenizer_fingerprint")
     if want and tok.fingerprint() != want:
-        raise SproutError(f"{spec}: tokenizer fingerprint differs from the one {meta['path']}/meta.json was trained with")
+        raise SproutError(f"{spec}: not the tokenizer {meta['path']}/meta.json was trained with (fingerprint differs)")
     version = meta.get("template_version")
     if version is not None and version != TEMPLATE_VERSION:
         raise SproutError(f"{meta['path']}/meta.json: trained with chat template {version!r}, this sprout "

@@ -253,7 +253,8 @@ class Trainer:
         self.evals.append(record)
         if logger is not None:
             logger.log(record)
-        self.accelerator.print(f"eval step {self.steps_done}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        if self.accelerator.is_main_process:  # tqdm.write keeps the progress bar intact
+            tqdm.write(f"eval step {self.steps_done}: " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
         return record
 
     def save(self, stage: Stage) -> Path | None:

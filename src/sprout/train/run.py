@@ -66,11 +66,16 @@ def resume_config(cfg, free: set[str] = frozenset()) -> dict:
 
 
 def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = None, tokenizer: str | None = None,
-                micro_steps: int | None = None, free_keys: set[str] = frozenset()) -> dict:
-    """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report."""
+                micro_steps: int | None = None, free_keys: set[str] = frozenset(),
+                extra_meta: dict | None = None) -> dict:
+    """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report.
+
+    `free_keys`: dotted config keys a resume may also change; `extra_meta`: more fields for
+    every checkpoint's meta.json (e.g. the chat-template version of an SFT run).
+    """
     train_cfg, out = cfg.train, Path(cfg.out)
     meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
-            "resume_config": resume_config(cfg, free_keys)}
+            "resume_config": resume_config(cfg, free_keys), **(extra_meta or {})}
     trainer = Trainer(acc, model, build_optimizer(model, train_cfg), lr_schedule(train_cfg, train_cfg.max_steps),
                       train_cfg, out_dir=out, meta=meta)
     if resume is not None:

@@ -157,8 +157,9 @@ def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, 
         base_fp = _fingerprint(base_spec)
     same = base_fp == fp if base_fp else base_spec in (None, spec)
     if not same:
+        base_fp = (base_fp or "unavailable")[:12]
         raise SproutError(f"{data}: SFT data was tokenized with {spec} (fingerprint {fp[:12]}) but the base "
-                          f"checkpoint {ckpt} with {base_spec} (fingerprint {(base_fp or 'unavailable')[:12]}); "
+                          f"checkpoint {ckpt} was trained with {base_spec} (fingerprint {base_fp}); "
                           f"prepare the SFT data with --tokenizer {base_spec}")
     v, mv = attrs["vocab_size"], model_cfg.vocab_size
     if not v <= mv <= -(-v // 128) * 128:  # the model's vocab may be the tokenizer's padded for matmuls
@@ -209,9 +210,9 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     acc.print(f"sft: {data} ({loader.num_rows:,} rows of {row_len}, {loader.steps_per_epoch} steps per epoch), "
               f"val {val} ({val_loader.num_rows:,} rows); base {base['path']} (step {base.get('step')})")
     stage = SFTStage(acc, loader, val_loader, accum)
-    provenance = {"tokenizer_fingerprint": attrs["tokenizer_fingerprint"], "template_version": attrs["template_version"],
-                  "template": attrs["template"], "init": {"path": base["path"], "stage": base.get("stage"),
-                                                          "step": base.get("step")}}
+    provenance = {"tokenizer_fingerprint": attrs["tokenizer_fingerprint"],
+                  "template_version": attrs["template_version"], "template": attrs["template"],
+                  "init": {"path": base["path"], "stage": base.get("stage"), "step": base.get("step")}}
     return _train(acc, model, stage, cfg, resume_path, tokenizer=attrs["tokenizer_spec"], extra_meta=provenance,
                   micro_steps=accum)
 
