@@ -30,14 +30,6 @@ WORDS = ["apple", "river", "stone", "cloud", "green", "tiger", "music", "bread",
 ROW = 64  # row length of the tiny SFT file; the tiny base model has max_seq_len 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def sp(tmp_path_factory):
     return tiny_sentencepiece(tmp_path_factory.mktemp("sp"))

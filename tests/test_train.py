@@ -58,15 +58,6 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("data"))

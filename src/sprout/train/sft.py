@@ -36,16 +36,14 @@ from pathlib import Path
 import torch
 
 from data_loader.sft import SFTLoader
-from sprout.atomic import atomic_write
 from sprout.chat import TEMPLATE_VERSION
 from sprout.checkpoint import load_weights, read_meta
-from sprout.config import config_to_dict, dump_yaml
 from sprout.errors import SproutError
 from sprout.losses import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model import ModelConfig, Transformer
 from sprout.sft_format import SFTFile, val_path
-from sprout.train.loop import TrainConfig, Trainer, all_reduce_sums, build_optimizer, lr_schedule, micro_steps
-from sprout.train.run import resolve_resume, resume_config, start_run
+from sprout.train.loop import TrainConfig, all_reduce_sums, micro_steps
+from sprout.train.run import resolve_resume, start_run, train_stage
 
 
 @dataclass
@@ -213,30 +211,5 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     provenance = {"tokenizer_fingerprint": attrs["tokenizer_fingerprint"],
                   "template_version": attrs["template_version"], "template": attrs["template"],
                   "init": {"path": base["path"], "stage": base.get("stage"), "step": base.get("step")}}
-    return _train(acc, model, stage, cfg, resume_path, tokenizer=attrs["tokenizer_spec"], extra_meta=provenance,
-                  micro_steps=accum)
-
-
-def _train(acc, model, stage, cfg, resume, *, tokenizer, extra_meta, micro_steps) -> dict:
-    """`sprout.train.run.train_stage` plus `extra_meta` in every checkpoint's meta (duplicated; see report)."""
-    train_cfg, out = cfg.train, Path(cfg.out)
-    meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
-            "resume_config": resume_config(cfg, SFT_RESUME_FREE), **extra_meta}
-    trainer = Trainer(acc, model, build_optimizer(model, train_cfg), lr_schedule(train_cfg, train_cfg.max_steps),
-                      train_cfg, out_dir=out, meta=meta)
-    if resume is not None:
-        trainer.resume(resume, stage)
-    acc.print(dump_yaml(cfg), end="")
-    if acc.is_main_process:
-        with atomic_write(out / "config.yaml", "w") as f:
-            f.write(dump_yaml(cfg))
-    acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es) × {micro_steps} "
-              f"micro-steps | {train_cfg.max_steps} steps × {train_cfg.global_batch_tokens:,} tokens")
-    result = trainer.fit(stage)
-    first, last = result["first_eval"], result["last_eval"]
-    for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
-                       ("after training", last)):
-        if rec is not None:
-            values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_"))
-            acc.print(f"{label} (step {rec['step']}): {values}")
-    return result
+    return train_stage(acc, model, stage, cfg, resume=resume_path, tokenizer=attrs["tokenizer_spec"],
+                       micro_steps=accum, free_keys=SFT_RESUME_FREE, extra_meta=provenance)
