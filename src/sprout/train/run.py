@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
@@ -94,4 +95,13 @@ def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = No
         if rec is not None:
             values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_"))
             acc.print(f"{label} (step {rec['step']}): {values}")
+    end_processes(acc)
     return result
+
+
+def end_processes(acc: Accelerator) -> None:
+    """Barrier, then tear down the process group: gloo's threads left running at
+    interpreter exit abort the process ("terminate called without an active exception")."""
+    acc.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
