@@ -22,3 +22,24 @@ def _one_torch_thread():
 
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(scope="session")
+def r50k(mirror):
+    """tiktoken r50k_base, loaded offline from the mirror's ranks."""
+    from sprout.tokenizer import load_tokenizer
+
+    return load_tokenizer("tiktoken:r50k_base", mirror=str(mirror))
+
+
+@pytest.fixture(scope="session")
+def sp(tmp_path_factory):
+    """A tiny SentencePiece model with the chat control tokens, trained by sprout itself."""
+    from sft_fixtures import tiny_sentencepiece
+
+    return tiny_sentencepiece(tmp_path_factory.mktemp("sp"))
+
+
+@pytest.fixture(params=["r50k", "sp"])
+def tok(request):
+    return request.getfixturevalue(request.param)

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
-from sft_fixtures import tiny_sentencepiece
+
 
 from sprout.chat import (TEMPLATE_VERSION, ChatError, format_reasoning, mask_for, normalise_number,
                          parse_answer, render, segment, template_for)
-from sprout.tokenizer import load_tokenizer
 
 CONV = [
     {"role": "system", "content": "You are terse."},
@@ -15,21 +14,6 @@ CONV = [
     {"role": "user", "content": "And 3+3?"},
     {"role": "assistant", "content": "6"},
 ]
-
-
-@pytest.fixture(scope="module")
-def r50k(mirror):
-    return load_tokenizer("tiktoken:r50k_base", mirror=str(mirror))
-
-
-@pytest.fixture(scope="module")
-def sp(tmp_path_factory):
-    return tiny_sentencepiece(tmp_path_factory.mktemp("sp"))
-
-
-@pytest.fixture(params=["r50k", "sp"])
-def tok(request):
-    return request.getfixturevalue(request.param)
 
 
 def test_template_version_is_a_string():

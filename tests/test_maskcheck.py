@@ -7,31 +7,15 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from sft_fixtures import source_list, tiny_sentencepiece, write_sources
+from sft_fixtures import source_list, write_sources
 
 from sprout.chat import segment, template_for
 from sprout.errors import SproutError
 from sprout.maskcheck import check_arrays, format_row, rows_html
 from sprout.sft_format import SFTFile, write_sft
 from sprout.sft_prep import SFTDataConfig, prepare
-from sprout.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def r50k(mirror):
-    return load_tokenizer("tiktoken:r50k_base", mirror=str(mirror))
-
-
-@pytest.fixture(scope="module")
-def sp(tmp_path_factory):
-    return tiny_sentencepiece(tmp_path_factory.mktemp("sp"))
-
-
-@pytest.fixture(params=["r50k", "sp"])
-def tok(request):
-    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture

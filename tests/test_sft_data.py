@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sft_fixtures import ALPACA, DOLLY_ORIGINAL, GSM8K, source_list, tiny_sentencepiece, write_jsonl, write_sources
+from sft_fixtures import ALPACA, DOLLY_ORIGINAL, GSM8K, source_list, write_jsonl, write_sources
 
 from data_loader.sft import SFTLoader
 from sprout.chat import parse_answer, template_for
@@ -18,19 +18,8 @@ from sprout.maskcheck import check_arrays
 from sprout.sft_format import SFTFile, val_path
 from sprout.sft_prep import SFTDataConfig, is_val, conversation_key, prepare, weighted_indices
 from sprout.sft_sources import SourceConfig, iter_records, read_source, strip_alpaca_wrapper
-from sprout.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def r50k(mirror):
-    return load_tokenizer("tiktoken:r50k_base", mirror=str(mirror))
-
-
-@pytest.fixture(scope="module")
-def sp(tmp_path_factory):
-    return tiny_sentencepiece(tmp_path_factory.mktemp("sp"))
 
 
 @pytest.fixture

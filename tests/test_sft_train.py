@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sft_fixtures import tiny_sentencepiece
+
 
 from data_loader.sft import SFTLoader
 from sprout.chat import TEMPLATE_VERSION, ChatError, render
@@ -28,11 +28,6 @@ from sprout.train.sft import DataConfig, SFTConfig, run_sft, sft_loss
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["apple", "river", "stone", "cloud", "green", "tiger", "music", "bread", "light", "horse", "paper", "ocean"]
 ROW = 64  # row length of the tiny SFT file; the tiny base model has max_seq_len 64
-
-
-@pytest.fixture(scope="module")
-def sp(tmp_path_factory):
-    return tiny_sentencepiece(tmp_path_factory.mktemp("sp"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from data_fixtures import make_docs, train_tiny_sp
 from sprout.atomic import write_json_atomic
-from sprout.manifest import file_sha256
+from sprout.atomic import sha256_file
 from sprout.prep import PrepConfig, prepare
 from sprout.shards import HEADER_BYTES, open_shard, write_shard
 from sprout.verify import verify_dir
@@ -114,7 +114,7 @@ def test_train_val_overlap_in_the_sidecar(data):
     with open(path, "wb") as f:
         np.savez(f, train=np.concatenate([train, val[:2]]), val=val)
     m = manifest(data)
-    m["doc_hashes"]["sha256"] = file_sha256(path)
+    m["doc_hashes"]["sha256"] = sha256_file(path)
     write_json_atomic(data / "manifest.json", m)
     fails = failures(data)
     assert fails == [f"{path}: 2 document key(s) are in both train and val (train/val overlap)"]

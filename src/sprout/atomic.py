@@ -1,4 +1,4 @@
-"""Atomic file writes: a crash never leaves a file that looks valid.
+"""Atomic file writes (a crash never leaves a file that looks valid) and file hashing.
 
 Every writer in sprout writes to a temporary name in the destination folder, fsyncs,
 and renames into place (`os.replace` is atomic on POSIX). A reader therefore sees
@@ -9,6 +9,7 @@ Temporary files carry a `.tmp-` prefix and are removed on failure.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -67,3 +68,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     with atomic_write(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

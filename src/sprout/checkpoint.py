@@ -18,7 +18,6 @@ a corrupted or modified file with an error that names it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -33,20 +32,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model as _load_safetensors_model
 from safetensors.torch import save_file
 
-from sprout.atomic import atomic_write
+from sprout.atomic import atomic_write, sha256_file
 from sprout.errors import SproutError
 
 FORMAT = "sprout-checkpoint-v1"
 WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
 LATEST = "latest"
 
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

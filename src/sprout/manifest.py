@@ -21,13 +21,12 @@ Written last and atomically by the pipeline, so a folder without one is unfinish
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
 from pathlib import Path
 
-from sprout.atomic import write_json_atomic
+from sprout.atomic import sha256_file, write_json_atomic
 from sprout.errors import SproutError
 
 FORMAT = "sprout-pretrain-v1"
@@ -39,13 +38,6 @@ REQUIRED = {"format": str, "dataset": str, "tokenizer": dict, "token_dtype": str
 TOKENIZER_REQUIRED = {"spec": str, "name": str, "vocab_size": int, "eot_id": int, "fingerprint": str}
 OUTPUT_FILE = re.compile(r"^(?P<dataset>.+)_(?P<split>train|val)(_\d{6}\.bin|\.h5)$")
 
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tokenizer_info(tok) -> dict:

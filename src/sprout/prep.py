@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from sprout import manifest as mf
+from sprout.atomic import sha256_file
 from sprout.clean import CleanConfig, Cleaner, dedup_key
 from sprout.config import from_dict
 from sprout.errors import SproutError
@@ -323,7 +324,7 @@ def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out: Path, comm
         "mixture": {"seed": cfg.seed, "run_tokens": cfg.run_tokens, "train_tokens": cfg.train_tokens,
                     "weights": "share of output train tokens" if plan.targets is not None else "natural (each document once)"},
         "cleaning": asdict(cfg.clean),
-        "doc_hashes": {"file": mf.SIDECAR, "sha256": mf.file_sha256(sidecar)},
+        "doc_hashes": {"file": mf.SIDECAR, "sha256": sha256_file(sidecar)},
         "config": asdict(cfg),
         "command": command,
     }

@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from sprout import manifest as mf
-from sprout.atomic import atomic_write
+from sprout.atomic import atomic_write, sha256_file
 from sprout.errors import SproutError
 from sprout.h5tokens import H5TokenWriter, h5_name
 from sprout.mixture import KEY_DTYPE
@@ -151,7 +151,7 @@ class SplitWriter:
         if self.h5 is not None:
             tokens_sha = self.h5.close(dict(attrs, split=self.split))
             path = self.out / h5_name(self.dataset, self.split)
-            h5 = {"file": path.name, "num_tokens": self.num_tokens, "sha256": mf.file_sha256(path),
+            h5 = {"file": path.name, "num_tokens": self.num_tokens, "sha256": sha256_file(path),
                   "tokens_sha256": tokens_sha}
         return self.shards, h5
 

@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from sprout.atomic import atomic_write
+from sprout.atomic import atomic_write, sha256_file
 from sprout.errors import SproutError
 
 EOT = "<|endoftext|>"
@@ -189,7 +189,7 @@ class TiktokenTokenizer(Tokenizer):
         # sha256 of the ranks file, rebuilt from the ranks when they came from tiktoken's cache,
         # so the same ranks fingerprint the same however they were loaded.
         if self.ranks_file is not None:
-            return _sha256_file(self.ranks_file)
+            return sha256_file(self.ranks_file)
         h = hashlib.sha256()
         for i in range(self.vocab_size):
             if i != self.eot_id:
@@ -257,7 +257,7 @@ class SentencePieceTokenizer(Tokenizer):
         return base, lead, boundary
 
     def _compute_fingerprint(self) -> str:
-        return _sha256_file(self.path)
+        return sha256_file(self.path)
 
 
 
@@ -293,13 +293,6 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
             ranks[base64.b64decode(token)] = int(rank)
     return ranks
 
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _training_pieces(texts: Iterable[str], max_chars: int, max_piece: int) -> Iterator[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from sprout import manifest as mf
+from sprout.atomic import sha256_file
 from sprout.errors import SproutError
 from sprout.h5tokens import open_tokens_h5
 from sprout.shards import open_shard, read_header
@@ -119,7 +120,7 @@ def _check_bin(path: Path, entry: dict, man: dict, dtype: np.dtype, scan: _Scan,
         failures.append(f"{path}: shard holds {header.dtype.name} ids but the manifest says {dtype.name}")
     if header.num_tokens != entry["num_tokens"]:
         failures.append(f"{path}: header says {header.num_tokens:,} tokens, manifest says {entry['num_tokens']:,}")
-    digest = mf.file_sha256(path)
+    digest = sha256_file(path)
     if digest != entry["sha256"]:
         failures.append(f"{path}: sha256 {digest[:16]}… does not match the manifest's {entry['sha256'][:16]}… (corrupted)")
     tokens = open_shard(path)
@@ -149,7 +150,7 @@ def _check_h5(path: Path, entry: dict, man: dict, dtype: np.dtype, scan: _Scan, 
             failures.append(f"{path}: tokens do not match their tokens_sha256 attribute (corrupted)")
     finally:
         h5.close()
-    digest = mf.file_sha256(path)
+    digest = sha256_file(path)
     if digest != entry["sha256"]:
         failures.append(f"{path}: sha256 {digest[:16]}… does not match the manifest's {entry['sha256'][:16]}… (corrupted)")
 
@@ -174,7 +175,7 @@ def _check_sidecar(directory: Path, man: dict, failures: list[str]) -> None:
     if not path.is_file():
         failures.append(f"{path}: document-hash sidecar missing")
         return
-    if mf.file_sha256(path) != man["doc_hashes"].get("sha256"):
+    if sha256_file(path) != man["doc_hashes"].get("sha256"):
         failures.append(f"{path}: sha256 does not match the manifest (corrupted)")
         return
     with np.load(path) as data:
