@@ -341,6 +341,9 @@ class Trainer:
                         record["mfu"] = mfu(flops_fn(m["seq_len"]), tps, cfg.peak_tflops * 1e12 * self.world_size)
                     if logger:
                         logger.log(record)
+                    if bar.disable and acc.is_main_process:  # no bar: a plain log line instead
+                        print(f"step {s}/{cfg.max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | "
+                              f"{tps:,.0f} tok/s", flush=True)
                     t0, tokens0, steps0 = time.perf_counter(), self.tokens_seen, s
                 paused = time.perf_counter()
                 if (cfg.eval_every and s % cfg.eval_every == 0) or done:

@@ -24,6 +24,7 @@ from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
 from sprout.losses import token_nll_sum
 from sprout.model import ModelConfig, Transformer
+from sprout.tokenizer import load_tokenizer
 from sprout.train.loop import TrainConfig, all_reduce_sums, micro_steps
 from sprout.train.run import resolve_resume, start_run, train_stage, with_max_steps
 from sprout.train.schedule import seq_len_at, seq_len_stages
@@ -127,15 +128,6 @@ def check_vocab(info: dict, model_vocab: int) -> None:
                           f"(use {' or '.join(map(str, sorted(allowed)))})")
 
 
-def load_luts(spec: str | None, device):
-    """Byte tables for bits per byte, or None (with a note) when no tokenizer is known."""
-    if not spec:
-        return None
-    from sprout.tokenizer import load_tokenizer
-
-    return luts_to_torch(load_tokenizer(spec).byte_luts(), device)
-
-
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     """Check inputs, build everything, resume if asked, train; returns Trainer.fit's summary."""
     if not cfg.data.dir:
@@ -169,9 +161,11 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     loader = (DistributedTokenLoader(train_src, rank, world) if data.sampler == "sequential"
               else RandomWindowSampler(train_src, cfg.train.seed, rank, world))
     spec = data.tokenizer or info["tokenizer"]
-    luts = load_luts(spec, acc.device)
-    if luts is None:
+    tok = load_tokenizer(spec) if spec else None
+    luts = luts_to_torch(tok.byte_luts(), acc.device) if tok else None
+    if tok is None:
         acc.print("note: no tokenizer spec (data.tokenizer or manifest); val_bpb will not be reported")
     stage = PretrainStage(acc, loader, read_tokens(val_src, data.eval_tokens + 1), seq_len=seq_len,
                           seq_len_fn=seq_len_fn, micro_batch_tokens=micro, accum_steps=accum, luts=luts)
-    return train_stage(acc, model, stage, cfg, resume=resume_path, tokenizer=spec, micro_steps=accum)
+    return train_stage(acc, model, stage, cfg, resume=resume_path, tokenizer=spec, micro_steps=accum,
+                       extra_meta={"tokenizer_fingerprint": tok.fingerprint()} if tok else None)
