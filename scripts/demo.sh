@@ -31,10 +31,10 @@ step "6. supervised fine-tuning from the base model"
 $PY scripts/train_sft.py --config configs/demo/sft.yaml --init "$DEMO/base" --data "$DEMO/sft/sft.h5" \
     --out "$DEMO/sft_model" --train.progress false
 
-step "7. a few answers from the fine-tuned model (greedy)"
+step "7. a few answers from the fine-tuned model (sampled: temperature 0.8, top-p 0.9, seed 0)"
 for q in "What is the capital of France?" "Give three tips for staying healthy." \
          "Tom has 3 apples and buys 5 more. How many apples does he have?"; do
   printf '\n> %s\n' "$q"
-  $PY scripts/chat.py "$DEMO/sft_model" --prompt "$q" --temperature 0 --max-new-tokens 96
+  $PY scripts/chat.py "$DEMO/sft_model" --prompt "$q" --temperature 0.8 --top-p 0.9 --seed 0 --max-new-tokens 96
 done
 printf '\nDemo finished: outputs in %s (metrics.jsonl and loss.png in each run folder).\n' "$DEMO"
