@@ -64,6 +64,18 @@ def test_stop_ids_are_honoured_per_row(model):
     assert [len(lp) for lp in out.logprobs] == [len(t) for t in out.tokens]
 
 
+def test_padded_vocab_ids_are_never_sampled(model):
+    g = torch.Generator().manual_seed(0)
+    free = generate(model, PROMPTS, 16, temperature=1.0, generator=g)
+    assert any(t >= 10 for row in free.tokens for t in row)  # the check below can fail
+    g = torch.Generator().manual_seed(0)
+    out = generate(model, PROMPTS, 16, temperature=1.0, generator=g, vocab_size=10)
+    assert all(t < 10 for row in out.tokens for t in row)
+    with torch.no_grad():
+        last = model(torch.tensor([PROMPTS[0]]))[0, -1]
+    assert generate(model, PROMPTS[:1], 1, temperature=0, vocab_size=10).tokens[0] == [int(last[:10].argmax())]
+
+
 def test_logprobs_are_those_of_the_processed_distribution(model):
     g = torch.Generator().manual_seed(0)
     settings = dict(temperature=0.7, top_k=20, top_p=0.9)

@@ -98,10 +98,10 @@ class ChatSession:
         messages = self.messages + [{"role": "user", "content": text}]
         prompt = self._prompt(messages)  # raises ChatError, history untouched
         gen = generate(self.model, [prompt], self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                       top_p=self.top_p, stop_ids=self.stop_ids, generator=self.generator)
+                       top_p=self.top_p, stop_ids=self.stop_ids, generator=self.generator,
+                       vocab_size=self.tok.vocab_size)  # never sample a padded model vocab's extra ids
         tokens, finished = gen.tokens[0], gen.finished[0]
-        vocab = self.tok.vocab_size  # a padded model vocab has ids no tokenizer can decode
-        answer = self.tok.decode([t for t in (tokens[:-1] if finished else tokens) if t < vocab])
+        answer = self.tok.decode(tokens[:-1] if finished else tokens)
         cut = min((i for i in (answer.find(m) for m in RESERVED) if i >= 0), default=len(answer))
         answer = answer[:cut].strip()
         if answer:

@@ -77,8 +77,12 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, stop_ids=(),
-             generator: torch.Generator | None = None) -> Generation:
-    """Sample up to max_new_tokens per prompt, all rows in one batch through the KV cache."""
+             generator: torch.Generator | None = None, vocab_size: int | None = None) -> Generation:
+    """Sample up to max_new_tokens per prompt, all rows in one batch through the KV cache.
+
+    `vocab_size`: the ids the tokenizer can decode; a model whose vocab is padded beyond it
+    (e.g. 50,257 → 50,304) never samples the padding ids, and log-probs are over the real ids.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SproutError("generate: every prompt needs at least one token")
     if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
@@ -99,7 +103,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     out_logp = torch.zeros(B, steps, dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     logits = model(ids, segment_ids=None if uniform else segments, position_ids=None if uniform else positions,
-                   cache=cache)[:, -1]
+                   cache=cache)[:, -1, :vocab_size]
     n = 0
     for n in range(1, steps + 1):
         tok, logp = sample_next(logits, temperature, top_k, top_p, generator)
@@ -107,7 +111,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
         done |= torch.isin(tok, stops)
         if n == steps or bool(done.all()):
             break
-        logits = model(tok[:, None], cache=cache)[:, -1]
+        logits = model(tok[:, None], cache=cache)[:, -1, :vocab_size]
     return _trim(out_tokens[:, :n].cpu(), out_logp[:, :n].cpu(), stops.cpu())
 
 
