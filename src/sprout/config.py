@@ -110,7 +110,10 @@ def from_dict(cls: type[T], data: dict, where: str = "config") -> T:
             kwargs[name] = tuple(value)
         else:
             kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (SproutError, ValueError, TypeError) as exc:  # a dataclass's own validation
+        raise SproutError(f"{where}: {exc}") from None
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None, overrides: list[str] | dict | None = None) -> T:
