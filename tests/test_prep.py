@@ -249,3 +249,20 @@ def test_demo_data_step_on_the_mirror(mirror, tmp_path, monkeypatch, capsys):
     m = read_manifest(tmp_path / "data")
     assert m["tokenizer"]["vocab_size"] == 4096 and m["splits"]["train"]["tokens"] > 500_000
     assert {s["name"] for s in m["sources"]} == {"tinystories", "fineweb", "web"}
+
+
+def test_tokenizer_training_skips_exactly_the_val_documents(tok, corpus, tmp_path, monkeypatch):
+    """train_tokenizer's exclude_val_frac uses prep's hash-fraction rule: it trains on the
+    train documents only. It does not deduplicate, so it also sees the upper-cased copy of a
+    story that prep's case-insensitive dedup drops."""
+    import sprout.tokenizer as tokenizer_module
+    from sprout.tokenizer import TokenizerTrainConfig, train_from_sources
+
+    run(tok, corpus, tmp_path / "out", val_frac=0.2)
+    val = set(documents(tok, tmp_path / "out", "val"))
+    train = set(documents(tok, tmp_path / "out", "train"))
+    seen = []
+    monkeypatch.setattr(tokenizer_module, "train_sentencepiece", lambda texts, *a, **k: seen.extend(texts))
+    train_from_sources(TokenizerTrainConfig(sources=sources(corpus), exclude_val_frac=0.2, out=str(tmp_path / "sp")))
+    assert val and not {t.lower() for t in val} & {t.lower() for t in seen}
+    assert {t.lower() for t in seen} == {t.lower() for t in train}

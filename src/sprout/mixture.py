@@ -82,11 +82,16 @@ def val_mask(lo: np.ndarray, rule: SplitRule) -> np.ndarray:
     if rule.val_docs is not None:
         mask[np.argsort(lo, kind="stable")[: rule.val_docs]] = True
         return mask
-    frac = float(rule.val_frac or 0.0)
+    return lo < np.uint64(val_threshold(rule.val_frac))
+
+
+def val_threshold(val_frac: float | None) -> int:
+    """The hash-fraction rule: a document goes to val when the last 8 bytes of its key, read
+    big-endian, are below this number (val_frac of the 2^64 range)."""
+    frac = float(val_frac or 0.0)
     if not 0.0 <= frac < 1.0:
         raise SproutError(f"val_frac must be in [0, 1), got {frac}")
-    threshold = np.uint64(min(int(frac * 2.0**64), 2**64 - 1))
-    return lo < threshold
+    return min(int(frac * 2.0**64), 2**64 - 1)
 
 
 def token_targets(natural: list[int], weights: list[float | None], total: int | None) -> list[float]:

@@ -369,13 +369,16 @@ class TokenizerTrainConfig:
     max_chars: int = 200_000_000                 # training text cap (sources interleaved)
     clean: bool = True                           # apply the pipeline's cleaning (sprout.clean) first
     strict: bool = False
+    exclude_val_frac: float = 0.0                # skip the documents that prep's hash-fraction split with
+                                                 # this val_frac sends to val, so val bpb is honest
 
 
 def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
     """Train `cfg.out`.model on the sources, interleaved document by document, cleaned like
     the pretraining data (so the tokenizer sees the text it will encode)."""
-    from sprout.clean import CleanConfig, Cleaner
+    from sprout.clean import CleanConfig, Cleaner, dedup_key
     from sprout.config import from_dict
+    from sprout.mixture import val_threshold
     from sprout.sources import SourceSpec, expand_path, iter_documents, parse_source_arg
 
     mirror = cfg.mirror or os.environ.get("SPROUT_MIRROR")
@@ -387,6 +390,7 @@ def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
     if not streams:
         raise SproutError("no sources given (--source PATH or sources: in the config)")
     cleaner = Cleaner(CleanConfig()) if cfg.clean else None
+    threshold = val_threshold(cfg.exclude_val_frac)
 
     def interleaved() -> Iterator[str]:
         live = list(streams)
@@ -396,6 +400,7 @@ def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
                 if text is None:
                     live.remove(stream)
                 elif cleaner is None or (text := cleaner(text)) is not None:
-                    yield text
+                    if not threshold or int.from_bytes(dedup_key(text)[8:], "big") >= threshold:
+                        yield text
 
     return train_sentencepiece(interleaved(), cfg.out, cfg.vocab_size, max_chars=cfg.max_chars)
