@@ -5,12 +5,35 @@ training loop (`sprout.train.loop`) divides by the number of targets in the whol
 accumulated global batch, across micro-batches and processes, so a run's gradient does
 not depend on how the batch was split (the normalisation nanoGPT-style loops get wrong
 when micro-batches hold different numbers of trained tokens).
+
+The cross-entropy is a small autograd Function rather than `F.cross_entropy`: the
+latter materialises log-probabilities in the forward and two more logits-sized tensors
+in the backward, while this one keeps only each row's log-sum-exp (computed a few
+thousand rows at a time) and builds the gradient, softmax minus one-hot, in a single
+logits-sized tensor. At a 4096-token vocabulary a logits tensor is 64 MB per 4096
+tokens, and each fresh one is a round of page faults on CPU.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+
+class _CrossEntropyRows(torch.autograd.Function):
+    """Per-row NLL -log softmax(logits)[target] of logits [N, V] (float32), targets [N]."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        rows = max(1, (1 << 22) // logits.size(-1))  # ~16 MB temporaries in logsumexp
+        lse = torch.cat([chunk.logsumexp(dim=-1) for chunk in logits.split(rows)])
+        ctx.save_for_backward(logits, targets, lse)
+        return lse - logits.gather(-1, targets[:, None]).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.sub(logits, lse[:, None]).exp_().mul_(grad_nll[:, None])  # softmax * g
+        return grad.scatter_add_(-1, targets[:, None], -grad_nll[:, None]), None  # - onehot * g
 
 
 def token_nll_sum(
@@ -24,9 +47,9 @@ def token_nll_sum(
     """
     logits, targets = logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
     if mask is None:
-        return F.cross_entropy(logits, targets, reduction="sum"), torch.tensor(targets.numel(), device=logits.device)
-    nll = F.cross_entropy(logits, targets, reduction="none")
+        return _CrossEntropyRows.apply(logits, targets).sum(), torch.tensor(targets.numel(), device=logits.device)
     keep = mask.reshape(-1).bool()
+    nll = _CrossEntropyRows.apply(logits, targets.masked_fill(~keep, 0))  # masked targets may be anything
     return torch.where(keep, nll, torch.zeros_like(nll)).sum(), keep.sum()
 
 

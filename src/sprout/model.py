@@ -41,6 +41,12 @@ where N_matmul is every parameter but the input embedding table (a lookup, not a
 the lm_head counts even when tied to it; the RMSNorm weights are in, negligibly) and the
 second term is attention's QK^T and AV products (over the full square, as PaLM and
 nanochat count it, although a causal kernel skips half).
+
+Speed (CPU): `F.rms_norm` has no fused CPU kernel and autograd differentiates its
+decomposition op by op, so `RMSNorm` uses a small autograd Function whose backward is
+the closed form (about half the elementwise passes); rotary uses full-width tables (two
+multiplies on whole heads instead of four on halves) and an autograd Function whose
+backward is the inverse rotation, with no saved activations.
 """
 
 from __future__ import annotations
@@ -91,6 +97,27 @@ class ModelConfig:
         return self.d_ff or 64 * math.ceil(8 * self.d_model / 3 / 64)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with a hand-written backward (see the module doc): saves x and 1/rms only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.mul(x, rstd).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        # y = xhat * w with xhat = x * rstd:  dL/dw = sum(grad_y * xhat) over all but the
+        # last dim;  dL/dx = rstd * (g - xhat * mean(g * xhat)) with g = grad_y * w.
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x * rstd
+        grad_w = (grad_y * xhat).flatten(0, -2).sum(0)
+        g = grad_y * weight
+        mean_g_xhat = torch.linalg.vecdot(g, xhat).div_(x.shape[-1]).unsqueeze(-1)
+        return g.sub_(xhat.mul_(mean_g_xhat)).mul_(rstd), grad_w, None
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019; HF LlamaRMSNorm)."""
 
@@ -100,23 +127,45 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim // 2] in fp32: angle(p, i) = p * theta^(-2i / head_dim)."""
+    """cos, signed sin [max_len, head_dim] in fp32, for `apply_rope`.
+
+    angle(p, i) = p * theta^(-2i / head_dim) for i < head_dim / 2, repeated over both
+    halves (HF's `cat(freqs, freqs)`); the sin table's first half is negated, which folds
+    `rotate_half`'s minus sign into the table.
+    """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
+
+
+class _RopeFunction(torch.autograd.Function):
+    """y = x * cos + swap_halves(x) * sin; saves only the tables (see `apply_rope`)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        # The transpose of a rotation is the rotation by minus the angle: sin -> -sin.
+        cos, sin = ctx.saved_tensors
+        g1, g2 = grad_y.chunk(2, dim=-1)
+        return torch.addcmul(grad_y * cos, torch.cat((g2, g1), dim=-1), sin, value=-1), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by cos/sin broadcastable to [B, T, 1, D/2].
+    """Rotate x [B, T, H, D] by the `rope_tables` cos/sin, broadcastable to [B, T, 1, D].
 
-    Equal to HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`, with fewer ops.
+    HF's `x * cos + rotate_half(x) * sin` with rotate_half(x) = cat(-x2, x1); the minus
+    sign lives in the sin table, and addcmul fuses the last multiply-add.
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return _RopeFunction.apply(x, cos, sin)
 
 
 class KVCache:
