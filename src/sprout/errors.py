@@ -7,6 +7,7 @@ Anything a user can cause (a bad path, a corrupted shard, a mismatched vocab) ra
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -26,4 +27,12 @@ def run_main(main: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A launched worker (torchrun / accelerate launch) that finished cleanly: every file is
+        # written and closed, so skip interpreter teardown, where torch's distributed C++
+        # threads occasionally abort the process ("terminate called without an active
+        # exception") and turn a finished run into a failed launch.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code or 0))
     sys.exit(int(code or 0))
