@@ -6,7 +6,7 @@ causal `scaled_dot_product_attention`, a 4x GELU MLP, no biases, no dropout, inp
 output embeddings tied, GPT-2 init (N(0, 0.02), residual projections scaled by
 1/sqrt(2 n_layers)), and torch AdamW with weight decay on matrices only.
 
-Used by benchmarks/train_throughput.py and benchmarks/model_throughput.py; never imported
+Used by benchmarks/train_throughput.py; never imported
 by the library.
 """
 

@@ -26,7 +26,7 @@ import os
 import re
 from pathlib import Path
 
-from sprout.atomic import sha256_file, write_json_atomic
+from sprout.atomic import write_json_atomic
 from sprout.errors import SproutError
 
 FORMAT = "sprout-pretrain-v1"

@@ -24,7 +24,6 @@ from typing import Iterator
 
 import numpy as np
 
-from sprout import manifest as mf
 from sprout.atomic import atomic_write, sha256_file
 from sprout.errors import SproutError
 from sprout.h5tokens import H5TokenWriter, h5_name
