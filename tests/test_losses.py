@@ -61,3 +61,23 @@ def test_cross_entropy_matches_torch_in_value_and_gradient():
         g_got, = torch.autograd.grad(got, logits)
         g_ref, = torch.autograd.grad(ref, logits)
         torch.testing.assert_close(g_got.double(), g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_overwrite_logits_gives_the_same_gradient_in_the_logits_memory():
+    """overwrite_logits=True trades the logits' values after backward for one less logits-sized
+    tensor: the gradient must be unchanged and must live in the logits' own storage."""
+    torch.manual_seed(0)
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(8, 11)
+    targets, mask = torch.randint(0, 11, (6,)), torch.rand(6) > 0.3
+    grads, ptrs = {}, {}
+    for overwrite in (False, True):
+        logits = h @ w
+        seen = []
+        logits.register_hook(lambda g: seen.append(g.data_ptr()))
+        nll, _ = token_nll_sum(logits, targets, mask, overwrite_logits=overwrite)
+        grads[overwrite], = torch.autograd.grad(nll, h)
+        ptrs[overwrite] = (seen[0], logits.data_ptr())
+    torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
+    assert ptrs[True][0] == ptrs[True][1]  # the gradient was written over the logits
+    assert ptrs[False][0] != ptrs[False][1]

@@ -11,7 +11,10 @@ latter materialises log-probabilities in the forward and two more logits-sized t
 in the backward, while this one keeps only each row's log-sum-exp (computed a few
 thousand rows at a time) and builds the gradient, softmax minus one-hot, in a single
 logits-sized tensor. At a 4096-token vocabulary a logits tensor is 64 MB per 4096
-tokens, and each fresh one is a round of page faults on CPU.
+tokens, and each fresh one is a round of page faults on CPU. With `overwrite_logits`
+the backward writes that gradient into the logits' own memory instead (no new tensor at
+all), which is safe when nothing reads the logits after backward, as in the trainers'
+loss functions, where every metric is computed before the loop calls backward.
 """
 
 from __future__ import annotations
@@ -23,33 +26,39 @@ class _CrossEntropyRows(torch.autograd.Function):
     """Per-row NLL -log softmax(logits)[target] of logits [N, V] (float32), targets [N]."""
 
     @staticmethod
-    def forward(ctx, logits, targets):
+    def forward(ctx, logits, targets, overwrite_logits=False):
         rows = max(1, (1 << 22) // logits.size(-1))  # ~16 MB temporaries in logsumexp
         lse = torch.cat([chunk.logsumexp(dim=-1) for chunk in logits.split(rows)])
         ctx.save_for_backward(logits, targets, lse)
+        ctx.overwrite_logits = overwrite_logits
         return lse - logits.gather(-1, targets[:, None]).squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad_nll):
         logits, targets, lse = ctx.saved_tensors
-        grad = torch.sub(logits, lse[:, None]).exp_().mul_(grad_nll[:, None])  # softmax * g
-        return grad.scatter_add_(-1, targets[:, None], -grad_nll[:, None]), None  # - onehot * g
+        # softmax * g, then - onehot * g; in the logits' memory when the caller allows it
+        grad = logits.sub_(lse[:, None]) if ctx.overwrite_logits else torch.sub(logits, lse[:, None])
+        grad.exp_().mul_(grad_nll[:, None])
+        return grad.scatter_add_(-1, targets[:, None], -grad_nll[:, None]), None, None
 
 
 def token_nll_sum(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None, *, overwrite_logits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed negative log-likelihood (nats) of `targets` under `logits`, and the count.
 
     logits [..., V] (any float dtype; computed in float32), targets [...] int64,
     mask [...] (bool or 0/1) selects the positions that count; None means all of them.
+    overwrite_logits: the backward may reuse the logits' memory for their gradient (see
+    the module doc); only for callers that never read `logits` after backward.
     Returns (nll_sum float32 scalar, n_targets int64 scalar).
     """
     logits, targets = logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
     if mask is None:
-        return _CrossEntropyRows.apply(logits, targets).sum(), torch.tensor(targets.numel(), device=logits.device)
+        nll = _CrossEntropyRows.apply(logits, targets, overwrite_logits)
+        return nll.sum(), torch.tensor(targets.numel(), device=logits.device)
     keep = mask.reshape(-1).bool()
-    nll = _CrossEntropyRows.apply(logits, targets.masked_fill(~keep, 0))  # masked targets may be anything
+    nll = _CrossEntropyRows.apply(logits, targets.masked_fill(~keep, 0), overwrite_logits)  # masked: any target
     return torch.where(keep, nll, torch.zeros_like(nll)).sum(), keep.sum()
 
 

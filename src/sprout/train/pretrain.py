@@ -64,7 +64,7 @@ class PretrainStage:
         return [dict(zip(("input_ids", "targets"), self.loader.next_batch(rows, T))) for _ in range(self.accum_steps)]
 
     def loss(self, model, batch):
-        nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"])
+        nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], overwrite_logits=True)
         return nll, n, {}
 
     @torch.no_grad()

@@ -75,7 +75,7 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, 
     """Masked next-token loss of one micro-batch: (nll sum, trained targets, metric sums)."""
     logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
     targets, mask = batch["targets"], batch["loss_mask"]
-    nll, n = token_nll_sum(logits, targets, mask)
+    nll, n = token_nll_sum(logits, targets, mask, overwrite_logits=True)  # logits unused after backward
     with torch.no_grad():
         metrics = {"accuracy": masked_correct_sum(logits, targets, mask), "entropy": masked_entropy_sum(logits, mask)}
     return nll, n, metrics
