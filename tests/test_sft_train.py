@@ -276,3 +276,24 @@ def test_two_gloo_processes_match_one(run_a, sft_file, base, tmp_path):
     va = [r["val_loss"] for r in read_metrics(out_a / "metrics.jsonl") if "val_loss" in r]
     vb = [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
     assert va == pytest.approx(vb, abs=1e-5)
+
+
+def test_eval_on_a_rank_without_val_rows_still_runs_its_forward(sft_file):
+    """Under FSDP every forward is a collective: a rank whose share of the val rows is empty
+    (more ranks than rows) must run as many forwards as the others, counting nothing."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from sprout.sft_format import val_path
+    from sprout.train.sft import SFTStage
+
+    n_rows = SFTLoader(val_path(sft_file), 1).num_rows
+    empty = SFTLoader(val_path(sft_file), 2, rank=n_rows, world_size=n_rows + 1, shuffle=False)
+    acc = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext, num_processes=1)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, max_seq_len=ROW))
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(SproutError, match="no trained tokens"):  # this rank alone counted nothing
+        SFTStage(acc, empty, empty, 1).evaluate(model)
+    assert len(calls) == 1  # ceil(ceil(n_rows / world) / batch) = 1 forward, as on the other ranks

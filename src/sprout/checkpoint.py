@@ -156,13 +156,58 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
     return meta
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: first name} of parameters registered under several names (tied embeddings).
+
+    A checkpoint stores a tied matrix once, under its first name (as `_unique_tensors` does).
+    """
+    first, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model`'s parameters are DTensor shards (FSDP2) rather than whole tensors."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _load_full_into_sharded(model: torch.nn.Module, f: Path) -> None:
+    """Every rank reads the full weights and keeps its own shard of each (no collective)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = load_file(f)
+    for alias, name in tied_aliases(model).items():
+        if alias not in state and name in state:
+            state[alias] = state[name]
+    expected = set(model.state_dict())
+    if set(state) != expected:
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise RuntimeError(f"missing keys {missing[:4]}, unexpected keys {unexpected[:4]}")
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
 def load_weights(model: torch.nn.Module, path: str | os.PathLike, meta: dict | None = None) -> dict:
-    """Load a checkpoint's weights into `model` (verified first); returns the meta."""
+    """Load a checkpoint's weights into `model` (verified first); returns the meta.
+
+    `model` may be sharded by FSDP2 (then every rank keeps its own shard of the full weights).
+    """
     meta = meta or read_meta(path)
     f = Path(meta["path"]) / WEIGHTS
     try:
-        _load_safetensors_model(model, f, strict=True, device=str(next(model.parameters()).device))
-    except (SafetensorError, RuntimeError) as exc:
+        if is_sharded(model):
+            _load_full_into_sharded(model, f)
+        else:
+            _load_safetensors_model(model, f, strict=True, device=str(next(model.parameters()).device))
+    except (SafetensorError, RuntimeError, ValueError) as exc:
         raise SproutError(f"{f}: cannot load weights into this model ({str(exc).splitlines()[0]})") from None
     return meta
 

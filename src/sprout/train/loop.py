@@ -37,6 +37,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +48,17 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from sprout.checkpoint import load_train_state, load_weights, read_meta, rng_state, save_rotating, set_rng_state
+from sprout.checkpoint import (
+    load_train_state,
+    load_weights,
+    read_meta,
+    rng_state,
+    save_rotating,
+    set_rng_state,
+    tied_aliases,
+)
 from sprout.errors import SproutError
+from sprout.train.fsdp import _by_index, _by_name, shard_on_cpu
 from sprout.train.metrics import MetricsLogger, check_trackers, mfu, plot_loss_curve
 from sprout.train.schedule import chinchilla_steps, lr_at
 
@@ -128,16 +138,26 @@ def all_reduce_sums(accelerator: Accelerator, sums: dict[str, torch.Tensor | flo
 
 
 def make_accelerator(cfg: TrainConfig, out_dir: str | Path | None = None) -> Accelerator:
+    """The run's Accelerator: mixed precision resolved, trackers checked; without a GPU, gloo
+    (and FSDP2 over gloo when the launch asked for FSDP, see `shard_on_cpu`)."""
     mp = cfg.mixed_precision
     if mp == "auto":
         mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     trackers = check_trackers(cfg.trackers)
-    if cfg.cpu_threads > 0 and not torch.cuda.is_available():
+    cpu = not torch.cuda.is_available()
+    if cfg.cpu_threads > 0 and cpu:
         torch.set_num_threads(cfg.cpu_threads)
+    fsdp_on_cpu = cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_on_cpu and os.environ.get("FSDP_VERSION", "1") != "2":  # accelerate's FSDP1 plugin needs a GPU
+        raise SproutError(f"accelerate config: FSDP on CPU needs fsdp_config.fsdp_version 2, not "
+                          f"{os.environ.get('FSDP_VERSION', '1')} (see configs/accelerate/cpu_fsdp.yaml)")
     # cpu=True without a GPU: under torchrun (or `accelerate launch --multi_gpu`) accelerate then
     # sets up MULTI_CPU with the gloo backend instead of silently running single-process.
-    return Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available(), log_with=trackers or None,
-                       project_dir=str(out_dir) if out_dir else None)
+    acc = Accelerator(mixed_precision=mp, cpu=cpu, log_with=trackers or None,
+                      project_dir=str(out_dir) if out_dir else None)
+    if fsdp_on_cpu:
+        shard_on_cpu(acc)
+    return acc
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -197,6 +217,11 @@ class Trainer:
     def world_size(self) -> int:
         return self.accelerator.num_processes
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP: parameters, gradients and optimizer state are sharded over the processes."""
+        return self.accelerator.distributed_type.name == "FSDP"
+
     # ---- one optimizer step -------------------------------------------------------------
     def step(self, micro_batches: list[dict], loss_fn, count_fn: Callable = count_targets) -> dict:
         acc, model, device = self.accelerator, self.model, self.accelerator.device
@@ -226,7 +251,8 @@ class Trainer:
         loss = totals.pop("loss") / n_global
         if not math.isfinite(loss):
             self._stop_non_finite(f"loss is {loss}")
-        grad_norm = float(acc.clip_grad_norm_(model.parameters(), self.cfg.grad_clip or float("inf")))
+        norm = acc.clip_grad_norm_(model.parameters(), self.cfg.grad_clip or float("inf"))
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
         if not math.isfinite(grad_norm):
             self._stop_non_finite(f"gradient norm is {grad_norm}")
         lr = self.schedule(self.steps_done)
@@ -258,9 +284,16 @@ class Trainer:
         return record
 
     def save(self, stage: Stage) -> Path | None:
-        """Checkpoint (all ranks call; rank 0 writes). Returns the path on rank 0."""
+        """Checkpoint (all ranks call; rank 0 writes). Returns the path on rank 0.
+
+        Under FSDP the weights and optimizer state are gathered into the same full checkpoint
+        a single process writes, so it loads anywhere (`load_model`, a resume on any number of
+        processes, with or without FSDP).
+        """
         acc = self.accelerator
-        weights = acc.get_state_dict(self.model)  # a collective under FSDP
+        weights = acc.get_state_dict(self.model)  # a collective under FSDP; full on rank 0 only
+        aliases = tied_aliases(self.raw_model)  # a gathered tied matrix arrives once per name
+        weights = {k: v for k, v in weights.items() if k not in aliases}
         optim_state = self._optimizer_state()
         rngs = gather_object([rng_state()])
         path = None
@@ -275,12 +308,26 @@ class Trainer:
         return path
 
     def _optimizer_state(self) -> dict:
-        if self.accelerator.distributed_type.name != "FSDP":
+        """`optimizer.state_dict()`, gathered in full under FSDP (a collective; complete on rank 0)."""
+        if not self.sharded:
             return self.optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=opts)
+        full = get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=opts)
+        return _by_index(full) if self.accelerator.is_main_process else {}
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        """Load a full `optimizer.state_dict()`; under FSDP each rank keeps its own shard of it."""
+        if not self.sharded:
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        set_optimizer_state_dict(self.model, self.optimizer.optimizer, _by_name(state, order),
+                                 options=StateDictOptions(full_state_dict=True))
 
     def resume(self, path: str | Path, stage: Stage) -> dict:
         """Restore weights, optimizer, RNG, loader position and counters from a checkpoint."""
@@ -291,15 +338,9 @@ class Trainer:
                               f"({'; '.join(diffs[:4]) or 'config hash differs'}); refusing to resume")
         if meta.get("stage") != stage.name:
             raise SproutError(f"{meta['path']}: checkpoint is from stage {meta.get('stage')!r}, not {stage.name!r}")
-        load_weights(self.raw_model, meta["path"], meta)
+        load_weights(self.raw_model, meta["path"], meta)  # FSDP2 shards it in place: each rank keeps its shard
         state = load_train_state(meta["path"], meta)
-        if self.accelerator.distributed_type.name == "FSDP":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.model, self.optimizer.optimizer, state["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer_state(state["optimizer"])
         rngs = state["rng"]
         set_rng_state(rngs[self.accelerator.process_index] if len(rngs) == self.world_size else rngs[0])
         stage.load_state_dict(meta["loader_state"])

@@ -6,7 +6,9 @@
 time by rank 0 only; a reader skips a torn last line, and a resumed run first rewrites the
 file (atomically) without the records past the checkpoint it resumes from, so the file
 reads as one uninterrupted run. The same records go to TensorBoard / W&B through
-accelerate's trackers when asked. MFU (model FLOPs utilisation, PaLM, Chowdhery et al.
+accelerate's trackers when asked: every numeric field (nested dicts flattened to `a.b`) as
+a scalar at the record's step; a resumed TensorBoard run purges the events past its
+checkpoint, as metrics.jsonl does. MFU (model FLOPs utilisation, PaLM, Chowdhery et al.
 2022) = training FLOPs per token × tokens/s ÷ peak FLOP/s of the hardware used.
 """
 
@@ -56,6 +58,21 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def tracker_scalars(record: dict) -> dict[str, float | int]:
+    """The numeric fields of a record for trackers: nested dicts flattened, 0-d tensors and
+    numpy scalars as Python numbers, strings and other values left out; `step` is the step."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in tracker_scalars(v).items()})
+            continue
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+            v = v.item()
+        if isinstance(v, (int, float)) and k != "step":
+            out[k] = v
+    return out
+
+
 class MetricsLogger:
     """Writes records to metrics.jsonl and to accelerate's trackers; a no-op off rank 0."""
 
@@ -73,22 +90,27 @@ class MetricsLogger:
                     pass  # a fresh run starts a fresh file
             self.file = open(self.path, "a")
         if self.trackers:
-            accelerator.init_trackers("sprout", config=_flatten(run_config or {}))
+            # A resumed run hides the events a previous run logged past the checkpoint.
+            kwargs = {"tensorboard": {"purge_step": resume_step + 1}} if resume_step is not None else {}
+            accelerator.init_trackers("sprout", config=_flatten(run_config or {}), init_kwargs=kwargs)
 
     def log(self, record: dict) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.trackers:
-            values = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-            self.accelerator.log(values, step=record["step"])
+            self.accelerator.log(tracker_scalars(record), step=int(record["step"]))
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
         if self.trackers:
-            self.accelerator.end_training()
+            # Not accelerator.end_training(): it also destroys the process group, which the
+            # run still needs (final barrier in sprout.train.run.end_processes).
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+            self.trackers = []
 
 
 def check_trackers(trackers) -> list[str]:

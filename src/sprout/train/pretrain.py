@@ -70,17 +70,26 @@ class PretrainStage:
     @torch.no_grad()
     def evaluate(self, model) -> dict:
         dev, rows = self.acc.device, max(1, self.micro_batch_tokens // self.seq_len)
-        x, y = eval_rows(self.val_tokens, self.seq_len, self.acc.process_index, self.acc.num_processes)
+        world = self.acc.num_processes
+        x, y = eval_rows(self.val_tokens, self.seq_len, self.acc.process_index, world)
+        # Every rank runs the same number of forwards (under FSDP each one is a collective):
+        # a rank whose share of the rows is shorter scores a dummy row with nothing counted.
+        n_rows = max(0, (len(self.val_tokens) - 1) // self.seq_len)
+        n_batches = -(-(-(-n_rows // world)) // rows)
         sums = {k: torch.zeros((), device=dev) for k in ("nll", "n", "bytes")}
         model.eval()
-        for i in range(0, len(x), rows):
+        for i in range(0, n_batches * rows, rows):
             xb, yb = x[i : i + rows].to(dev), y[i : i + rows].to(dev)
+            counted = len(xb) > 0
+            if not counted:
+                xb = yb = torch.zeros(1, self.seq_len, dtype=torch.long, device=dev)
             with self.acc.autocast():
                 nll, n = token_nll_sum(model(xb), yb)
-            sums["nll"] += nll
-            sums["n"] += n
-            if self.luts is not None:
-                sums["bytes"] += token_bytes(xb, yb, self.luts).sum()
+            if counted:
+                sums["nll"] += nll
+                sums["n"] += n
+                if self.luts is not None:
+                    sums["bytes"] += token_bytes(xb, yb, self.luts).sum()
         model.train()
         tot = all_reduce_sums(self.acc, sums)
         if tot["n"] == 0:

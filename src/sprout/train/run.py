@@ -21,6 +21,7 @@ from accelerate.utils import set_seed
 from sprout.atomic import atomic_write
 from sprout.checkpoint import resolve_checkpoint
 from sprout.config import config_to_dict, dump_yaml
+from sprout.train.fsdp import local_params
 from sprout.train.loop import (
     RESUME_FREE_KEYS,
     TrainConfig,
@@ -88,6 +89,9 @@ def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = No
     acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es)"
               + (f" × {micro_steps} micro-steps" if micro_steps else "")
               + f" | {train_cfg.max_steps} steps × {train_cfg.global_batch_tokens:,} tokens")
+    if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
+        acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
+                  f"{local_params(trainer.model):,} of {model.num_params():,}")
     result = trainer.fit(stage)
     first, last = result["first_eval"], result["last_eval"]
     for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),

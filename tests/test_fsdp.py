@@ -1,0 +1,222 @@
+"""FSDP2 on CPU over gloo (configs/accelerate/cpu_fsdp.yaml): a sharded 2-process run matches
+one process, resumes bit for bit, and writes the same full checkpoint a single process writes."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_sft_train import ROW, base, sft_file, train_losses  # noqa: F401, F811 (fixtures)
+from test_sft_train import tiny_cfg as sft_cfg
+from test_train import V, losses, tiny_cfg, write_data
+
+from sprout.checkpoint import load_model, load_train_state, read_meta
+from sprout.model import Transformer
+from sprout.train.fsdp import _by_index, _by_name
+from sprout.train.metrics import read_metrics
+from sprout.train.pretrain import run_pretrain
+from sprout.train.sft import run_sft
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = 512  # 2 micro-steps per process: gradient accumulation (no_sync) under FSDP is exercised
+SHARDED = re.compile(r"FSDP: parameters sharded over 2 process\(es\); rank 0 holds ([\d,]+) of ([\d,]+)")
+
+
+def launch(data: Path, out: Path, port: int, *args: str, launch_args: tuple = (),
+           timeout: int = 300) -> subprocess.CompletedProcess:
+    """scripts/pretrain.py on 2 gloo processes with cpu_fsdp.yaml, the tiny config of test_train."""
+    flags = {"model.vocab_size": V, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
+             "model.max_seq_len": 64, "data.seq_len_start": 16, "data.seq_warmup_frac": 0.25,
+             "data.eval_tokens": 2048, "train.global_batch_tokens": 2048, "train.micro_batch_tokens": MICRO,
+             "train.max_steps": 16, "train.warmup_steps": 2, "train.lr": 3e-3, "train.log_every": 1,
+             "train.eval_every": 8, "train.ckpt_every": 8, "train.progress": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", str(port), *launch_args,
+           str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(out),
+           *[str(a) for k, v in flags.items() for a in (f"--{k}", v)], *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def grad_norms(out: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+
+
+def checkpoint(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def ref(data, tmp_path_factory):
+    """The reference: one process × 4 micro-steps, checkpoints at 8 and 16."""
+    out = tmp_path_factory.mktemp("ref")
+    run_pretrain(tiny_cfg(data, out, micro_batch_tokens=MICRO))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp(data, tmp_path_factory):
+    """The same run on 2 FSDP2 processes × 2 micro-steps; returns (run dir, stdout)."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    proc = launch(data, out, 29541)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_optimizer_state_layouts_round_trip():
+    """A gathered FSDP optimizer state (keyed by name) <-> Optimizer.state_dict() (numbered)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
+                             {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}])
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    numbered = opt.state_dict()
+    names = ["0.weight", "1.weight", "0.bias", "1.bias"]
+    by_name = _by_name(numbered, names)
+    assert by_name["param_groups"][1]["params"] == ["0.bias", "1.bias"]
+    assert torch.equal(by_name["state"]["1.bias"]["exp_avg"], numbered["state"][3]["exp_avg"])
+    back = _by_index(by_name)
+    assert back["param_groups"] == numbered["param_groups"]
+    assert all(torch.equal(back["state"][i][k], numbered["state"][i][k]) for i in range(4) for k in ("exp_avg", "step"))
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_match_one(ref, fsdp):
+    out, stdout = fsdp
+    assert "2 process(es) × 2 micro-steps" in stdout
+    # counted from the parameter tensors of the running model: a DDP run prints no such line,
+    # and a replicated model would hold all of its parameters on rank 0
+    m = SHARDED.search(stdout)
+    assert m, stdout[-2000:]
+    local, total = (int(g.replace(",", "")) for g in m.groups())
+    assert total == 139_584 and local < 0.6 * total
+    a, b = losses(ref), losses(out)
+    assert sorted(b) == sorted(a) == list(range(1, 17))
+    diff = max(abs(a[s] - b[s]) for s in a)
+    print(f"1 process vs 2 FSDP processes: max |loss diff| over {len(a)} steps = {diff:.3g}")
+    assert diff < 1e-5
+    na, nb = grad_norms(ref), grad_norms(out)
+    assert all(nb[s] == pytest.approx(na[s], rel=1e-4) for s in na)
+    va = [r["val_loss"] for r in read_metrics(ref / "metrics.jsonl") if "val_loss" in r]
+    vb = [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+    assert va == pytest.approx(vb, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_resume_matches_an_uninterrupted_run_bit_for_bit(fsdp, data, tmp_path):
+    out_a, _ = fsdp
+    out_b = tmp_path / "resumed"  # a run stopped at step 8: its state is exactly A's step-8 checkpoint
+    shutil.copytree(checkpoint(out_a, 8), checkpoint(out_b, 8))
+    (out_b / "checkpoints" / "latest").write_text("step_00000008\n")
+    proc = launch(data, out_b, 29542, "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert SHARDED.search(proc.stdout) and "resumed from" in proc.stdout
+    a, b = losses(out_a), losses(out_b)
+    assert sorted(b) == list(range(9, 17))
+    assert [b[s] for s in b] == [a[s] for s in b]  # exact float equality
+
+
+@pytest.mark.slow
+def test_fsdp_eval_with_rows_that_do_not_split_evenly(data, tmp_path):
+    """33 val rows over 2 ranks (16 + 17): every forward under FSDP is a collective, so the
+    rank with fewer rows must still run as many forwards (it hung before) and count none twice."""
+    short = ("--data.eval_tokens", "2112", "--train.max_steps", "2", "--train.eval_every", "0")
+    proc = launch(data, tmp_path / "fsdp", 29547, *short, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = tiny_cfg(data, tmp_path / "one", max_steps=2, eval_every=0, micro_batch_tokens=MICRO)
+    cfg.data.eval_tokens = 2112
+    run_pretrain(cfg)
+    va, vb = ([r["val_loss"] for r in read_metrics(o / "metrics.jsonl") if "val_loss" in r]
+              for o in (tmp_path / "one", tmp_path / "fsdp"))
+    assert len(va) == len(vb) == 2 and va == pytest.approx(vb, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_is_a_full_checkpoint(ref, fsdp, data, tmp_path):
+    out, _ = fsdp
+    ck = checkpoint(out, 16)
+    assert read_meta(ck)["world_size"] == 2
+    saved = load_file(ck / "model.safetensors")
+    model, meta = load_model(ck)  # one process, no FSDP
+    full = Transformer(model.config).state_dict()
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in full.items()}  # whole, not shards
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    # the weights and optimizer state of the 1-process run's checkpoint, up to the summation
+    # order of the 4 micro-batch gradients (measured: weights 9.5e-6 apart, 0.3 % of one
+    # lr-sized Adam step; moments 1e-5 of each tensor's largest entry)
+    ref_saved = load_file(checkpoint(ref, 16) / "model.safetensors")
+    for k in saved:
+        torch.testing.assert_close(saved[k], ref_saved[k], rtol=0, atol=1e-4)
+    opt, ref_opt = (load_train_state(c)["optimizer"] for c in (ck, checkpoint(ref, 16)))
+    assert opt["param_groups"] == ref_opt["param_groups"]  # numbered, as Optimizer.state_dict() has it
+    assert sorted(opt["state"]) == sorted(ref_opt["state"]) == list(range(len(saved)))
+    for i, state in ref_opt["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert opt["state"][i][k].shape == state[k].shape
+            assert (opt["state"][i][k] - state[k]).abs().max() <= 1e-4 * state[k].abs().max()
+    # and it resumes in one process without FSDP
+    one = tmp_path / "one"
+    run_pretrain(tiny_cfg(data, one, micro_batch_tokens=MICRO), resume=str(checkpoint(out, 8)))
+    a, b = losses(out), losses(one)
+    assert sorted(b) == list(range(9, 17))
+    assert max(abs(a[s] - b[s]) for s in b) < 1e-5
+
+
+@pytest.mark.slow
+def test_fsdp_tied_embeddings(data, tmp_path):
+    """The shared matrix is stored once, loads tied, and resumes under FSDP."""
+    short = ("--model.tie_embeddings", "true", "--train.max_steps", "4", "--train.ckpt_every", "2",
+             "--train.eval_every", "2")
+    proc = launch(data, tmp_path / "a", 29543, *short)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = load_file(checkpoint(tmp_path / "a", 4) / "model.safetensors")
+    assert "embed_tokens.weight" in saved and "lm_head.weight" not in saved
+    model, _ = load_model(checkpoint(tmp_path / "a", 4))
+    assert model.lm_head.weight is model.embed_tokens.weight
+    cfg = tiny_cfg(data, tmp_path / "ref", micro_batch_tokens=MICRO, max_steps=4, ckpt_every=2, eval_every=2)
+    cfg.model.tie_embeddings = True
+    run_pretrain(cfg)
+    a, r = losses(tmp_path / "a"), losses(tmp_path / "ref")
+    assert max(abs(a[s] - r[s]) for s in r) < 1e-5
+    b = tmp_path / "b"
+    shutil.copytree(checkpoint(tmp_path / "a", 2), checkpoint(b, 2))
+    proc = launch(data, b, 29544, *short, "--resume", str(checkpoint(b, 2)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [losses(b)[s] for s in (3, 4)] == [a[s] for s in (3, 4)]
+
+
+@pytest.mark.slow
+def test_fsdp1_on_cpu_is_refused(data, tmp_path):
+    proc = launch(data, tmp_path / "x", 29545, "--train.max_steps", "1", launch_args=("--fsdp_version", "1"))
+    assert proc.returncode != 0
+    assert "error: accelerate config: FSDP on CPU needs fsdp_config.fsdp_version 2, not 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_sft_from_a_base_checkpoint_matches_one_process(sft_file, base, tmp_path):
+    """SFT's --init loads the base weights before the model is sharded; masked loss and metrics agree."""
+    run_sft(sft_cfg(sft_file, base, tmp_path / "one"))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", "29546",
+           str(ROOT / "scripts" / "train_sft.py"), "--init", str(base), "--data", str(sft_file),
+           "--out", str(tmp_path / "fsdp"), "--train.global_batch_tokens", str(8 * ROW),
+           "--train.micro_batch_tokens", str(4 * ROW), "--train.max_steps", "16", "--train.warmup_steps", "2",
+           "--train.lr", "3e-3", "--train.weight_decay", "0", "--train.log_every", "1", "--train.eval_every", "8",
+           "--train.ckpt_every", "8", "--train.progress", "false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FSDP: parameters sharded over 2 process(es)" in proc.stdout
+    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    assert sorted(a) == sorted(b)
+    assert max(abs(a[s][i] - b[s][i]) for s in a for i in range(3)) < 1e-5  # loss, accuracy, entropy
