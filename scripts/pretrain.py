@@ -10,26 +10,17 @@ Any `--section.field VALUE` overrides the config; the resolved config is printed
 as <out>/config.yaml. See sprout/train/pretrain.py for what is checked before training.
 """
 
-import argparse
-
-from sprout.config import load_config
 from sprout.errors import run_main
 from sprout.train.pretrain import PretrainConfig, run_pretrain
+from sprout.train.run import parse_run_config, run_parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (configs/*/pretrain.yaml)")
+    p = run_parser(__doc__, "configs/*/pretrain.yaml")
     p.add_argument("--data", help="shard directory (or a <dataset>_train.h5 file); overrides data.dir")
-    p.add_argument("--out", help="run directory; overrides out")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
-                   help="continue from a checkpoint (default: the latest in --out)")
-    args, overrides = p.parse_known_args()
-    cfg = load_config(PretrainConfig, args.config, overrides)
+    args, cfg = parse_run_config(p, PretrainConfig)
     if args.data:
         cfg.data.dir = args.data
-    if args.out:
-        cfg.out = args.out
     run_pretrain(cfg, resume=args.resume)
 
 

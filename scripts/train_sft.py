@@ -11,32 +11,22 @@ overrides the config; the resolved config is printed and saved as <out>/config.y
 See sprout/train/sft.py for what is checked before training.
 """
 
-import argparse
-
-from sprout.config import load_config
 from sprout.errors import run_main
+from sprout.train.run import parse_run_config, run_parser
 from sprout.train.sft import SFTConfig, run_sft
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (configs/*/sft.yaml)")
+    p = run_parser(__doc__, "configs/*/sft.yaml")
     p.add_argument("--data", metavar="FILE.h5",
                    help="packed SFT rows (scripts/prepare_sft_data.py); overrides data.path")
     p.add_argument("--init", metavar="CKPT", help="base checkpoint, or its run dir; overrides init")
-    p.add_argument("--out", help="run directory; overrides out")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
-                   help="continue from a checkpoint (default: the latest in --out)")
-    args, overrides = p.parse_known_args()
-    cfg = load_config(SFTConfig, args.config, overrides)
+    args, cfg = parse_run_config(p, SFTConfig)
     if args.data:
         cfg.data.path = args.data
     if args.init:
         cfg.init = args.init
-    if args.out:
-        cfg.out = args.out
     run_sft(cfg, resume=args.resume)
-
 
 if __name__ == "__main__":
     run_main(main)

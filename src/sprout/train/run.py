@@ -11,6 +11,7 @@ model and its `Stage`, then hands over to `train_stage`, which
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from accelerate.utils import set_seed
 
 from sprout.atomic import atomic_write
 from sprout.checkpoint import resolve_checkpoint
-from sprout.config import config_to_dict, dump_yaml
+from sprout.config import config_to_dict, dump_yaml, load_config
 from sprout.train.fsdp import local_params
 from sprout.train.loop import (
     RESUME_FREE_KEYS,
@@ -34,6 +35,29 @@ from sprout.train.loop import (
 
 # Config keys that may change between a run and its resume (besides train.RESUME_FREE_KEYS).
 RESUME_FREE_PATHS = {"out", "data.dir", "data.eval_tokens"}
+
+
+def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
+    """The arguments every training script shares: --config, --out, --resume [PATH|latest].
+
+    A script adds its own (--data, --init, ...); `parse_run_config` then reads the config with
+    the remaining `--section.field VALUE` overrides.
+    """
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help=f"YAML config ({config_example})")
+    p.add_argument("--out", help="run directory; overrides out")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
+                   help="continue from a checkpoint (default: the latest in --out)")
+    return p
+
+
+def parse_run_config(parser: argparse.ArgumentParser, config_cls):
+    """(args, config): the YAML config with dotted overrides applied, then --out."""
+    args, overrides = parser.parse_known_args()
+    cfg = load_config(config_cls, args.config, overrides)
+    if args.out:
+        cfg.out = args.out
+    return args, cfg
 
 
 def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
