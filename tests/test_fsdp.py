@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from proc import run_group
 from test_sft_train import ROW, base, sft_file, train_losses  # noqa: F401, F811 (fixtures)
 from test_sft_train import tiny_cfg as sft_cfg
-from test_train import V, losses, tiny_cfg, write_data
+from test_train import launch_tiny, losses, tiny_cfg, write_data
 
 from sprout.checkpoint import load_model, load_train_state, read_meta
 from sprout.model import Transformer
@@ -27,20 +28,9 @@ MICRO = 512  # 2 micro-steps per process: gradient accumulation (no_sync) under 
 SHARDED = re.compile(r"FSDP: parameters sharded over 2 process\(es\); rank 0 holds ([\d,]+) of ([\d,]+)")
 
 
-def launch(data: Path, out: Path, port: int, *args: str, launch_args: tuple = (),
-           timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(data: Path, out: Path, port: int, *args: str, **kw) -> subprocess.CompletedProcess:
     """scripts/pretrain.py on 2 gloo processes with cpu_fsdp.yaml, the tiny config of test_train."""
-    flags = {"model.vocab_size": V, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
-             "model.max_seq_len": 64, "data.seq_len_start": 16, "data.seq_warmup_frac": 0.25,
-             "data.eval_tokens": 2048, "train.global_batch_tokens": 2048, "train.micro_batch_tokens": MICRO,
-             "train.max_steps": 16, "train.warmup_steps": 2, "train.lr": 3e-3, "train.log_every": 1,
-             "train.eval_every": 8, "train.ckpt_every": 8, "train.progress": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", str(port), *launch_args,
-           str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(out),
-           *[str(a) for k, v in flags.items() for a in (f"--{k}", v)], *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return launch_tiny("cpu_fsdp.yaml", data, out, port, *args, micro=MICRO, **kw)
 
 
 def grad_norms(out: Path) -> dict[int, float]:
@@ -213,8 +203,7 @@ def test_fsdp_sft_from_a_base_checkpoint_matches_one_process(sft_file, base, tmp
            "--train.micro_batch_tokens", str(4 * ROW), "--train.max_steps", "16", "--train.warmup_steps", "2",
            "--train.lr", "3e-3", "--train.weight_decay", "0", "--train.log_every", "1", "--train.eval_every", "8",
            "--train.ckpt_every", "8", "--train.progress", "false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FSDP: parameters sharded over 2 process(es)" in proc.stdout
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")

@@ -3,20 +3,19 @@ its CPU dry run (--tiny) must keep working, so that run never fails on the scrip
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from proc import run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--steps", "4",
-                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_group([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--steps", "4",
+                      "--out", str(tmp_path)], timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert {"eager", "compiled", "fsdp"} <= set(result)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from proc import run_group
 
 from data_loader.sft import SFTLoader
 from sprout.chat import TEMPLATE_VERSION, ChatError, render
@@ -264,8 +264,7 @@ def test_two_gloo_processes_match_one(run_a, sft_file, base, tmp_path):
            "--train.global_batch_tokens", str(8 * ROW), "--train.micro_batch_tokens", str(4 * ROW),
            "--train.max_steps", "16", "--train.warmup_steps", "2", "--train.lr", "3e-3", "--train.weight_decay", "0",
            "--train.log_every", "1", "--train.eval_every", "8", "--train.ckpt_every", "8", "--train.progress", "false"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) × 1 micro-steps" in proc.stdout
     a, b = train_losses(out_a), train_losses(out)

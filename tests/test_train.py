@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from proc import run_group
 
 from sprout.errors import SproutError
 from sprout.model import ModelConfig
@@ -56,6 +57,22 @@ def tiny_cfg(data: Path, out: Path, **train) -> PretrainConfig:
 
 def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+
+
+def launch_tiny(accelerate_config: str, data: Path, out: Path, port: int, *args: str, micro: int = 1024,
+                launch_args: tuple = (), timeout: int = 300) -> subprocess.CompletedProcess:
+    """scripts/pretrain.py with `tiny_cfg`'s settings on 2 gloo processes (`accelerate launch`
+    with configs/accelerate/<accelerate_config>); `args` override, e.g. "--train.max_steps", "2"."""
+    flags = {"model.vocab_size": V, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
+             "model.max_seq_len": 64, "data.seq_len_start": 16, "data.seq_warmup_frac": 0.25,
+             "data.eval_tokens": 2048, "train.global_batch_tokens": 2048, "train.micro_batch_tokens": micro,
+             "train.max_steps": 16, "train.warmup_steps": 2, "train.lr": 3e-3, "train.log_every": 1,
+             "train.eval_every": 8, "train.ckpt_every": 8, "train.progress": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / accelerate_config), "--main_process_port", str(port), *launch_args,
+           str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(out),
+           *[str(a) for k, v in flags.items() for a in (f"--{k}", v)], *args]
+    return run_group(cmd, timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -385,16 +402,7 @@ def test_bf16_autocast_on_cpu_keeps_fp32_state_and_learns(data, fresh_accelerato
 def test_two_gloo_processes_match_one(run_a, data, tmp_path):
     out_a, _ = run_a  # 1 process × 2 micro-steps of 1024 tokens
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29531",
-           str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(out),
-           "--model.vocab_size", str(V), "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-           "--model.max_seq_len", "64", "--data.seq_len_start", "16", "--data.seq_warmup_frac", "0.25",
-           "--data.eval_tokens", "2048", "--train.global_batch_tokens", "2048", "--train.micro_batch_tokens", "1024",
-           "--train.max_steps", "16", "--train.warmup_steps", "2", "--train.lr", "3e-3", "--train.log_every", "1",
-           "--train.eval_every", "8", "--train.ckpt_every", "8", "--train.progress", "false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch_tiny("cpu_ddp.yaml", data, out, 29531)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) × 1 micro-steps" in proc.stdout
     a, b = losses(out_a), losses(out)
@@ -415,14 +423,7 @@ def test_two_gloo_processes_match_one(run_a, data, tmp_path):
 def test_trackers_in_a_two_process_run(data, tmp_path):
     """Closing the trackers must leave the process group to the run's own teardown."""
     out = tmp_path / "ddp_tb"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29532",
-           str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(out),
-           "--model.vocab_size", str(V), "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-           "--model.max_seq_len", "64", "--data.seq_len_start", "16", "--data.eval_tokens", "2048",
-           "--train.global_batch_tokens", "2048", "--train.micro_batch_tokens", "1024", "--train.max_steps", "2",
-           "--train.log_every", "1", "--train.progress", "false", "--train.trackers", "[tensorboard]"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch_tiny("cpu_ddp.yaml", data, out, 29532, "--train.max_steps", "2", "--train.eval_every", "0",
+                       "--train.trackers", "[tensorboard]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [s for s, _ in scalars(out / "sprout")["loss"]] == [1, 2]
