@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from proc import run_group
 from test_sft_train import ROW, base, sft_file, train_losses  # noqa: F401, F811 (fixtures)
 from test_sft_train import tiny_cfg as sft_cfg
-from test_train import launch_tiny, losses, tiny_cfg, write_data
+from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (data: a fixture)
 
 from sprout.checkpoint import load_model, load_train_state, read_meta
 from sprout.model import Transformer
@@ -39,11 +39,6 @@ def grad_norms(out: Path) -> dict[int, float]:
 
 def checkpoint(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step_{step:08d}"
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
