@@ -204,3 +204,18 @@ def test_fsdp_sft_from_a_base_checkpoint_matches_one_process(sft_file, base, tmp
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
     assert sorted(a) == sorted(b)
     assert max(abs(a[s][i] - b[s][i]) for s in a for i in range(3)) < 1e-5  # loss, accuracy, entropy
+
+
+@pytest.mark.slow
+def test_fsdp_with_torch_compile_matches_eager_one_process(data, tmp_path):
+    """The gpt2-small preset's path (FSDP2 + torch.compile), on CPU: same losses as eager, 1 process."""
+    short = ("--train.max_steps", "4", "--train.eval_every", "0", "--data.seq_warmup_frac", "0")
+    proc = launch(data, tmp_path / "fsdp", 29548, *short, "--train.compile", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert SHARDED.search(proc.stdout)
+    cfg = tiny_cfg(data, tmp_path / "one", max_steps=4, eval_every=0, micro_batch_tokens=MICRO)
+    cfg.data.seq_warmup_frac = 0
+    run_pretrain(cfg)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "fsdp")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert max(abs(a[s] - b[s]) for s in a) < 1e-5
