@@ -18,7 +18,7 @@ from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (
 
 from sprout.checkpoint import load_model, load_train_state, read_meta
 from sprout.model import Transformer
-from sprout.train.fsdp import _by_index, _by_name
+from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name
 from sprout.train.metrics import read_metrics
 from sprout.train.pretrain import run_pretrain
 from sprout.train.sft import run_sft
@@ -67,10 +67,10 @@ def test_optimizer_state_layouts_round_trip():
     opt.step()
     numbered = opt.state_dict()
     names = ["0.weight", "1.weight", "0.bias", "1.bias"]
-    by_name = _by_name(numbered, names)
+    by_name = optimizer_state_by_name(numbered, names)
     assert by_name["param_groups"][1]["params"] == ["0.bias", "1.bias"]
     assert torch.equal(by_name["state"]["1.bias"]["exp_avg"], numbered["state"][3]["exp_avg"])
-    back = _by_index(by_name)
+    back = optimizer_state_by_index(by_name)
     assert back["param_groups"] == numbered["param_groups"]
     assert all(torch.equal(back["state"][i][k], numbered["state"][i][k]) for i in range(4) for k in ("exp_avg", "step"))
 

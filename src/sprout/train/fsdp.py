@@ -1,10 +1,10 @@
 """FSDP2 helpers for the shared loop: sharding on CPU, and optimizer state between layouts.
 
 `shard_on_cpu` makes an FSDP launch without a GPU really shard (accelerate alone would fall
-back to DDP); `_by_index` / `_by_name` convert a full optimizer state between
-`Optimizer.state_dict()`'s numbered layout (what checkpoints store, so one loads under 1
-process, DDP or FSDP alike) and torch.distributed.checkpoint's layout keyed by parameter
-name (what FSDP2's full-state-dict functions take and give).
+back to DDP); `optimizer_state_by_index` / `optimizer_state_by_name` convert a full
+optimizer state between `Optimizer.state_dict()`'s numbered layout (what checkpoints
+store, so one loads under 1 process, DDP or FSDP alike) and torch.distributed.checkpoint's
+layout keyed by parameter name (what FSDP2's full-state-dict functions take and give).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def shard_on_cpu(acc: Accelerator) -> None:
                           "launch with configs/accelerate/cpu_ddp.yaml instead")
 
 
-def _by_index(state: dict) -> dict:
+def optimizer_state_by_index(state: dict) -> dict:
     """A full optimizer state keyed by parameter name (torch.distributed.checkpoint's layout)
     re-keyed as `Optimizer.state_dict()` keys it: parameters numbered in param_groups order."""
     index = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
@@ -50,8 +50,8 @@ def _by_index(state: dict) -> dict:
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
-def _by_name(state: dict, names: list[str]) -> dict:
-    """The inverse of `_by_index`: `names` lists the parameter names in param_groups order."""
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """The inverse of `optimizer_state_by_index`; `names`: parameter names in param_groups order."""
     return {"state": {names[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 

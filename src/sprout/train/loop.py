@@ -58,7 +58,7 @@ from sprout.checkpoint import (
     tied_aliases,
 )
 from sprout.errors import SproutError
-from sprout.train.fsdp import _by_index, _by_name, shard_on_cpu
+from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.train.metrics import MetricsLogger, check_trackers, mfu, plot_loss_curve
 from sprout.train.schedule import chinchilla_steps, lr_at
 
@@ -315,7 +315,7 @@ class Trainer:
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_optimizer_state_dict(self.model, self.optimizer.optimizer, options=opts)
-        return _by_index(full) if self.accelerator.is_main_process else {}
+        return optimizer_state_by_index(full) if self.accelerator.is_main_process else {}
 
     def _load_optimizer_state(self, state: dict) -> None:
         """Load a full `optimizer.state_dict()`; under FSDP each rank keeps its own shard of it."""
@@ -326,7 +326,7 @@ class Trainer:
 
         names = {id(p): name for name, p in self.model.named_parameters()}
         order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-        set_optimizer_state_dict(self.model, self.optimizer.optimizer, _by_name(state, order),
+        set_optimizer_state_dict(self.model, self.optimizer.optimizer, optimizer_state_by_name(state, order),
                                  options=StateDictOptions(full_state_dict=True))
 
     def resume(self, path: str | Path, stage: Stage) -> dict:
