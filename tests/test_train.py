@@ -427,3 +427,18 @@ def test_trackers_in_a_two_process_run(data, tmp_path):
                        "--train.trackers", "[tensorboard]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [s for s, _ in scalars(out / "sprout")["loss"]] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_rank_running_out_of_data_stops_every_rank(tmp_path):
+    """Rank 1's stage returns None at step 3 while rank 0 has data: both stop at step 3, then
+    evaluate and checkpoint together (a rank left in a collective alone would hang)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           str(ROOT / "tests" / "uneven_stop_worker.py"), str(tmp_path)]
+    proc = run_group(cmd, timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 stopped after 3 steps" in proc.stdout and "rank 1 stopped after 3 steps" in proc.stdout
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"

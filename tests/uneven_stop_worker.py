@@ -1,0 +1,64 @@
+"""Worker for test_train.test_a_rank_running_out_of_data_stops_every_rank (run under torchrun).
+
+A toy stage whose rank 1 runs out of data after 3 steps while rank 0 still has batches:
+`Trainer.fit` must stop both at the same step (the stop decision is all-reduced), evaluate,
+checkpoint and return, instead of leaving rank 0 waiting in a collective for ever.
+"""
+
+import sys
+
+import torch
+
+from sprout.losses import token_nll_sum
+from sprout.model import ModelConfig, Transformer
+from sprout.train.loop import TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
+from sprout.train.run import end_processes
+
+V, T = 64, 16
+
+
+class UnevenStage:
+    name = "toy"
+
+    def __init__(self, acc, stop_at: int):
+        self.acc, self.stop_at = acc, stop_at
+
+    def next_micro_batches(self, step: int):
+        if self.acc.process_index == 1 and step >= self.stop_at:
+            return None
+        g = torch.Generator().manual_seed(step * 10 + self.acc.process_index)
+        x = torch.randint(0, V, (4, T + 1), generator=g)
+        return [{"input_ids": x[:, :-1], "targets": x[:, 1:]}]
+
+    def loss(self, model, batch):
+        nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"])
+        return nll, n, {}
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        x = torch.arange(T + 1)[None] % V
+        nll, n = token_nll_sum(model(x[:, :-1]), x[:, 1:])
+        tot = all_reduce_sums(self.acc, {"nll": nll, "n": n})
+        return {"val_loss": tot["nll"] / tot["n"]}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def main(out: str) -> None:
+    cfg = TrainConfig(global_batch_tokens=2 * 4 * T, micro_batch_tokens=4 * T, max_steps=10, warmup_steps=0,
+                      schedule="constant", lr=1e-3, log_every=1, eval_every=0, ckpt_every=0, progress=False)
+    acc = make_accelerator(cfg, out)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=2, max_seq_len=T))
+    trainer = Trainer(acc, model, build_optimizer(model, cfg), lambda s: cfg.lr, cfg, out_dir=out)
+    result = trainer.fit(UnevenStage(acc, stop_at=3))
+    print(f"rank {acc.process_index} stopped after {result['steps']} steps", flush=True)
+    end_processes(acc)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
