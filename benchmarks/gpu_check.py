@@ -15,7 +15,7 @@ It prints one table (tokens/s and MFU of the last logged window of each run) and
 <out>/gpu_check.json. `--tiny` runs the same on the CPU with the demo-size model and
 configs/accelerate/cpu_fsdp.yaml, to check the script itself where there is no GPU.
 
-    python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine, ~5 min
+    python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine (not yet run on one)
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, ~1 min
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,8 @@ class PretrainStage:
         # Every rank runs the same number of forwards (under FSDP each one is a collective):
         # a rank whose share of the rows is shorter scores a dummy row with nothing counted.
         n_rows = max(0, (len(self.val_tokens) - 1) // self.seq_len)
-        n_batches = -(-(-(-n_rows // world)) // rows)
+        most_rows_per_rank = math.ceil(n_rows / world)
+        n_batches = math.ceil(most_rows_per_rank / rows)
         sums = {k: torch.zeros((), device=dev) for k in ("nll", "n", "bytes")}
         model.eval()
         for i in range(0, n_batches * rows, rows):
