@@ -186,7 +186,8 @@ def test_pretraining_learns_and_writes_metrics(run_a):
     records = read_metrics(out / "metrics.jsonl")
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 17))
-    assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm"} <= set(train[0])
+    assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm", "mfu"} <= set(train[0])
+    assert all(0 < r["mfu"] < 1 for r in train)  # against the matmul peak measured at the start
     assert train[-1]["tokens"] == 16 * 2048
     assert [r["seq_len"] for r in train[:5]] == [16, 16, 32, 32, 64]  # warmup over the first 25%
     assert [r["step"] for r in records if "val_loss" in r] == [0, 8, 16]
@@ -203,6 +204,18 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, tmp_path):
     a, b = losses(out_a), losses(out_b)
     assert sorted(b) == list(range(9, 17))
     assert [b[s] for s in b] == [a[s] for s in b]  # exact float equality
+
+
+def test_mfu_uses_the_configured_peak_or_none(data, tmp_path):
+    """train.peak_tflops > 0 is used as given (MFU = FLOPs/token × tokens/s ÷ peak); < 0 logs no MFU."""
+    from sprout.model import Transformer
+
+    run_pretrain(tiny_cfg(data, tmp_path / "given", max_steps=2, eval_every=0, peak_tflops=1e-3))
+    flops = Transformer(tiny_cfg(data, tmp_path).model).flops_per_token
+    for r in [r for r in read_metrics(tmp_path / "given" / "metrics.jsonl") if "loss" in r]:
+        assert r["mfu"] == pytest.approx(flops(r["seq_len"]) * r["tokens_per_s"] / 1e9, rel=1e-6)
+    run_pretrain(tiny_cfg(data, tmp_path / "off", max_steps=2, eval_every=0, peak_tflops=-1))
+    assert not any("mfu" in r for r in read_metrics(tmp_path / "off" / "metrics.jsonl"))
 
 
 def test_resume_in_place_rewrites_metrics_from_the_checkpoint(data, tmp_path):

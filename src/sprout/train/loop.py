@@ -59,7 +59,7 @@ from sprout.checkpoint import (
 )
 from sprout.errors import SproutError
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
-from sprout.train.metrics import MetricsLogger, check_trackers, mfu, plot_loss_curve
+from sprout.train.metrics import MetricsLogger, check_trackers, measure_matmul_flops, mfu, plot_loss_curve
 from sprout.train.schedule import chinchilla_steps, lr_at
 
 
@@ -89,7 +89,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     progress: bool = True               # tqdm bar on rank 0
     trackers: list = field(default_factory=list)  # [] | [tensorboard] | [wandb]
-    peak_tflops: float = 0.0            # hardware peak per process for MFU; 0: MFU not logged
+    peak_tflops: float = 0.0            # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
 
 
 # Training-length and logging knobs: changing them does not make a checkpoint incompatible.
@@ -350,6 +350,22 @@ class Trainer:
         self.accelerator.print(f"resumed from {meta['path']} at step {self.steps_done}")
         return meta
 
+    def peak_flops(self) -> float:
+        """Peak FLOP/s of one process for MFU: `train.peak_tflops`, or when it is 0 the best
+        matmul this process measures now (0.5 s; bf16 on a GPU under bf16 autocast, else fp32;
+        on a shared CPU the processes measure together, so each sees its share); 0.0 when
+        `train.peak_tflops` < 0 switches MFU off."""
+        cfg, acc = self.cfg, self.accelerator
+        if cfg.peak_tflops != 0:
+            return max(0.0, cfg.peak_tflops * 1e12)
+        gpu = acc.device.type == "cuda"
+        dtype = torch.bfloat16 if gpu and acc.mixed_precision == "bf16" else torch.float32
+        n = 4096 if gpu else 1024
+        peak = measure_matmul_flops(n, dtype, acc.device, seconds=0.5)
+        acc.print(f"MFU against a measured {dtype} matmul peak of {peak / 1e12:.3g} TFLOP/s per process "
+                  f"(set train.peak_tflops to use the hardware's figure instead)")
+        return peak
+
     # ---- the outer loop ----------------------------------------------------------------------
     def fit(self, stage: Stage) -> dict:
         cfg, acc = self.cfg, self.accelerator
@@ -357,6 +373,7 @@ class Trainer:
                                resume_step=self.resumed_from) if self.out_dir else None
         count_fn = getattr(stage, "count_targets", count_targets)
         flops_fn = getattr(self.raw_model, "flops_per_token", None)
+        peak = self.peak_flops() if flops_fn else 0.0
         bar = tqdm(total=cfg.max_steps, initial=self.steps_done, desc=stage.name, dynamic_ncols=True,
                    disable=not (cfg.progress and acc.is_main_process))
         try:
@@ -378,8 +395,8 @@ class Trainer:
                     record = {"step": s, "loss": m["loss"], "lr": m["lr"], "tokens": self.tokens_seen,
                               "tokens_per_s": tps, "step_time_s": dt / max(1, s - steps0),
                               **{k: v for k, v in m.items() if k not in ("loss", "lr")}}
-                    if cfg.peak_tflops > 0 and flops_fn and m["seq_len"]:
-                        record["mfu"] = mfu(flops_fn(m["seq_len"]), tps, cfg.peak_tflops * 1e12 * self.world_size)
+                    if peak > 0 and m["seq_len"]:
+                        record["mfu"] = mfu(flops_fn(m["seq_len"]), tps, peak * self.world_size)
                     if logger:
                         logger.log(record)
                     if bar.disable and acc.is_main_process:  # no bar: a plain log line instead

@@ -133,8 +133,9 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float
 
 def measure_matmul_flops(n: int = 1024, dtype=torch.float32, device: str = "cpu", seconds: float = 2.0) -> float:
     """Best observed FLOP/s of an n×n×n matmul on this machine (the 'peak' for MFU)."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    gen = torch.Generator(device).manual_seed(0)  # leaves the global RNG (and so training) untouched
+    a = torch.randn(n, n, dtype=dtype, device=device, generator=gen)
+    b = torch.randn(n, n, dtype=dtype, device=device, generator=gen)
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     for _ in range(3):
         a @ b
