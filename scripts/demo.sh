@@ -37,4 +37,4 @@ for q in "What is the capital of France?" "Give three tips for staying healthy."
   printf '\n> %s\n' "$q"
   $PY scripts/chat.py "$DEMO/sft_model" --prompt "$q" --temperature 0.8 --top-p 0.9 --seed 0 --max-new-tokens 96
 done
-printf '\nDemo finished: outputs in %s (metrics.jsonl and loss.png in each run folder).\n' "$DEMO"
+printf '\nDemo finished: outputs in %s (report.md, metrics.jsonl and loss.png in each run folder).\n' "$DEMO"

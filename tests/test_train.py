@@ -455,3 +455,17 @@ def test_a_rank_running_out_of_data_stops_every_rank(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_report_md_states_what_the_metrics_say(run_a):
+    """report.md is rebuilt from metrics.jsonl: its eval rows and loss figures are those records."""
+    out, _ = run_a
+    text = (out / "report.md").read_text()
+    records = read_metrics(out / "metrics.jsonl")
+    evals = [r for r in records if "val_loss" in r]
+    for r in evals:  # one table row per eval, with the logged value
+        assert f"| {r['step']:,} | {r['tokens']:,} | {r['val_loss']:.4f} |" in text
+    train = [r for r in records if "loss" in r]
+    assert f"train loss {train[0]['loss']:.4f} (step 1) → {train[-1]['loss']:.4f} (step 16)" in text
+    assert "![loss curve](loss.png)" in text and "checkpoints/step_00000016" in text
+    assert "139,584 parameters" in text and "MFU" in text

@@ -60,6 +60,7 @@ from sprout.checkpoint import (
 from sprout.errors import SproutError
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.train.metrics import MetricsLogger, check_trackers, measure_matmul_flops, mfu, plot_loss_curve
+from sprout.train.report import write_report
 from sprout.train.schedule import chinchilla_steps, lr_at
 
 
@@ -421,6 +422,10 @@ class Trainer:
                 logger.close()
         if self.out_dir and acc.is_main_process:
             plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+            n_params = sum(p.numel() for p in {id(p): p for p in self.raw_model.parameters()}.values())
+            ckpt = os.path.relpath(self.last_checkpoint, self.out_dir) if self.last_checkpoint else None
+            write_report(self.out_dir, stage=stage.name, meta=self.meta, num_params=n_params,
+                         world_size=self.world_size, precision=acc.mixed_precision, checkpoint=ckpt)
         return {"first_eval": self.evals[0] if self.evals else None,
                 "last_eval": self.evals[-1] if self.evals else None, "steps": self.steps_done,
                 "tokens": self.tokens_seen, "checkpoint": self.last_checkpoint}
