@@ -33,6 +33,21 @@ def launch(data: Path, out: Path, port: int, *args: str, **kw) -> subprocess.Com
     return launch_tiny("cpu_fsdp.yaml", data, out, port, *args, micro=MICRO, **kw)
 
 
+def short_fsdp_and_one(data: Path, tmp_path: Path, port: int, steps: int, *fsdp_flags: str,
+                       eval_tokens: int = 2048, **launch_kw) -> tuple[Path, Path]:
+    """A short 2-process FSDP run (plus `fsdp_flags`) and the plain 1-process run it should match:
+    no sequence-length warmup, eval only before and after. Returns (one, fsdp) run dirs."""
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    proc = launch(data, fsdp, port, "--train.max_steps", str(steps), "--train.eval_every", "0",
+                  "--data.seq_warmup_frac", "0", "--data.eval_tokens", str(eval_tokens), *fsdp_flags, **launch_kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert SHARDED.search(proc.stdout), proc.stdout[-2000:]
+    cfg = tiny_cfg(data, one, max_steps=steps, eval_every=0, micro_batch_tokens=MICRO)
+    cfg.data.seq_warmup_frac, cfg.data.eval_tokens = 0, eval_tokens
+    run_pretrain(cfg)
+    return one, fsdp
+
+
 def grad_norms(out: Path) -> dict[int, float]:
     return {r["step"]: r["grad_norm"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
 
@@ -115,14 +130,8 @@ def test_fsdp_resume_matches_an_uninterrupted_run_bit_for_bit(fsdp, data, tmp_pa
 def test_fsdp_eval_with_rows_that_do_not_split_evenly(data, tmp_path):
     """33 val rows over 2 ranks (16 + 17): every forward under FSDP is a collective, so the
     rank with fewer rows must still run as many forwards (it hung before) and count none twice."""
-    short = ("--data.eval_tokens", "2112", "--train.max_steps", "2", "--train.eval_every", "0")
-    proc = launch(data, tmp_path / "fsdp", 29547, *short, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cfg = tiny_cfg(data, tmp_path / "one", max_steps=2, eval_every=0, micro_batch_tokens=MICRO)
-    cfg.data.eval_tokens = 2112
-    run_pretrain(cfg)
-    va, vb = ([r["val_loss"] for r in read_metrics(o / "metrics.jsonl") if "val_loss" in r]
-              for o in (tmp_path / "one", tmp_path / "fsdp"))
+    one, fsdp = short_fsdp_and_one(data, tmp_path, 29547, 2, eval_tokens=2112, timeout=120)
+    va, vb = ([r["val_loss"] for r in read_metrics(o / "metrics.jsonl") if "val_loss" in r] for o in (one, fsdp))
     assert len(va) == len(vb) == 2 and va == pytest.approx(vb, abs=1e-5)
 
 
@@ -209,14 +218,7 @@ def test_fsdp_sft_from_a_base_checkpoint_matches_one_process(sft_file, base, tmp
 @pytest.mark.slow
 def test_fsdp_with_torch_compile_matches_eager_one_process(data, tmp_path):
     """The gpt2-small preset's path (FSDP2 + torch.compile), on CPU: same losses as eager, 1 process."""
-    short = ("--train.max_steps", "4", "--train.eval_every", "0", "--data.seq_warmup_frac", "0")
-    proc = launch(data, tmp_path / "fsdp", 29548, *short, "--train.compile", "true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert SHARDED.search(proc.stdout)
-    cfg = tiny_cfg(data, tmp_path / "one", max_steps=4, eval_every=0, micro_batch_tokens=MICRO)
-    cfg.data.seq_warmup_frac = 0
-    run_pretrain(cfg)
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "fsdp")
+    a, b = (losses(d) for d in short_fsdp_and_one(data, tmp_path, 29548, 4, "--train.compile", "true"))
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert max(abs(a[s] - b[s]) for s in a) < 1e-5
 
@@ -224,19 +226,13 @@ def test_fsdp_with_torch_compile_matches_eager_one_process(data, tmp_path):
 @pytest.mark.slow
 def test_fsdp_with_bf16_mixed_precision(data, tmp_path):
     """fsdp.yaml's GPU setting (FSDP2 + bf16) on CPU: bf16 compute, fp32 master weights and checkpoint."""
-    short = ("--train.max_steps", "3", "--train.eval_every", "0", "--train.mixed_precision", "bf16",
-             "--data.seq_warmup_frac", "0")
-    proc = launch(data, tmp_path / "bf16", 29549, *short, launch_args=("--mixed_precision", "bf16"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert SHARDED.search(proc.stdout)
-    cfg = tiny_cfg(data, tmp_path / "fp32", max_steps=3, eval_every=0, micro_batch_tokens=MICRO)
-    cfg.data.seq_warmup_frac = 0
-    run_pretrain(cfg)
-    a, b = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
+    one, fsdp = short_fsdp_and_one(data, tmp_path, 29549, 3, "--train.mixed_precision", "bf16",
+                                   launch_args=("--mixed_precision", "bf16"))
+    a, b = losses(one), losses(fsdp)
     assert sorted(b) == [1, 2, 3]
     print("fp32 vs FSDP bf16 losses:", {s: (a[s], b[s]) for s in a})
     # bf16 rounds activations and gradients (8 bits of mantissa): close to fp32 (measured: at most
     # 1.9e-4 apart over 3 steps), never equal
     assert all(abs(a[s] - b[s]) < 5e-3 for s in a) and any(a[s] != b[s] for s in a)
-    saved = load_file(checkpoint(tmp_path / "bf16", 3) / "model.safetensors")
+    saved = load_file(checkpoint(fsdp, 3) / "model.safetensors")
     assert {v.dtype for v in saved.values()} == {torch.float32}

@@ -40,16 +40,23 @@ WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
 LATEST = "latest"
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: first name} of parameters registered under several names (tied embeddings).
 
-def _unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop aliases of tied weights (safetensors refuses shared storage); keep first name."""
-    seen, out = set(), {}
-    for name, t in state.items():
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in seen:
-            seen.add(key)
-            out[name] = t.detach().to("cpu").contiguous()
-    return out
+    A checkpoint stores a tied matrix once, under its first name; loading fills the aliases in.
+    """
+    first, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _weights_to_store(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors model.safetensors holds: tied aliases dropped, detached, on the CPU, contiguous."""
+    return {name: t.detach().to("cpu").contiguous() for name, t in state.items() if name not in aliases}
 
 
 def save_checkpoint(
@@ -61,10 +68,12 @@ def save_checkpoint(
     scheduler: Any = None,
     extra_state: dict | None = None,
     rng_states: list[dict] | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> Path:
     """Write one checkpoint directory at `path` atomically; returns `path`.
 
-    `model` is a module or an already gathered state dict (FSDP). `meta` should hold
+    `model` is a module or an already gathered state dict (FSDP); for a state dict, `aliases`
+    names its tied duplicates (`tied_aliases` of the module it came from). `meta` should hold
     `model_config` (a dict or dataclass); `format` and file hashes are added here.
     `optimizer` may also be an already gathered state dict (FSDP). `rng_states` is one RNG
     state per rank (default: this process's only).
@@ -73,8 +82,11 @@ def save_checkpoint(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}.", dir=path.parent))
     try:
-        state = model.state_dict() if isinstance(model, torch.nn.Module) else model
-        save_file(_unique_tensors(state), tmp / WEIGHTS, metadata={"format": "pt"})
+        if isinstance(model, torch.nn.Module):
+            state, aliases = model.state_dict(), tied_aliases(model)
+        else:
+            state, aliases = model, aliases or {}
+        save_file(_weights_to_store(state, aliases), tmp / WEIGHTS, metadata={"format": "pt"})
         train_state = {
             "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
             "scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
@@ -154,20 +166,6 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
                 raise SproutError(f"{f}: sha256 does not match {META}; the file is corrupted or was modified")
     meta["path"] = str(path)
     return meta
-
-
-def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """{alias: first name} of parameters registered under several names (tied embeddings).
-
-    A checkpoint stores a tied matrix once, under its first name (as `_unique_tensors` does).
-    """
-    first, aliases = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

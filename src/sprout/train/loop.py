@@ -293,8 +293,6 @@ class Trainer:
         """
         acc = self.accelerator
         weights = acc.get_state_dict(self.model)  # a collective under FSDP; full on rank 0 only
-        aliases = tied_aliases(self.raw_model)  # a gathered tied matrix arrives once per name
-        weights = {k: v for k, v in weights.items() if k not in aliases}
         optim_state = self._optimizer_state()
         rngs = gather_object([rng_state()])
         path = None
@@ -302,6 +300,7 @@ class Trainer:
             meta = {**self.meta, "stage": stage.name, "step": self.steps_done, "tokens_seen": self.tokens_seen,
                     "loader_state": stage.state_dict(), "world_size": self.world_size}
             path = save_rotating(self.out_dir / "checkpoints", self.steps_done, weights, meta=meta,
+                                 aliases=tied_aliases(self.raw_model),  # gathered: one copy per tied name
                                  optimizer=optim_state, rng_states=rngs, keep=self.cfg.keep_checkpoints)
         acc.wait_for_everyone()
         if self.out_dir is not None:
@@ -422,7 +421,7 @@ class Trainer:
                 logger.close()
         if self.out_dir and acc.is_main_process:
             plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
-            n_params = sum(p.numel() for p in {id(p): p for p in self.raw_model.parameters()}.values())
+            n_params = sum(p.numel() for p in self.raw_model.parameters())  # a tied matrix counts once
             ckpt = os.path.relpath(self.last_checkpoint, self.out_dir) if self.last_checkpoint else None
             write_report(self.out_dir, stage=stage.name, meta=self.meta, num_params=n_params,
                          world_size=self.world_size, precision=acc.mixed_precision, checkpoint=ckpt)

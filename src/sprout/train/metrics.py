@@ -48,29 +48,24 @@ def truncate_metrics(path: str | Path, step: int) -> None:
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one level of dotted keys; 0-d tensors and numpy scalars as Python numbers,
+    anything else that is not a number, string or bool as its str()."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+            continue
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+            v = v.item()
+        out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
 
 
 def tracker_scalars(record: dict) -> dict[str, float | int]:
-    """The numeric fields of a record for trackers: nested dicts flattened, 0-d tensors and
-    numpy scalars as Python numbers, strings and other values left out; `step` is the step."""
-    out = {}
-    for k, v in record.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in tracker_scalars(v).items()})
-            continue
-        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
-            v = v.item()
-        if isinstance(v, (int, float)) and k != "step":
-            out[k] = v
-    return out
+    """The numeric fields of a record for trackers (`_flatten`ed; strings and the rest left
+    out); `step` is not a field but the step the values are logged at."""
+    return {k: v for k, v in _flatten(record).items() if isinstance(v, (int, float)) and k != "step"}
 
 
 class MetricsLogger:
