@@ -3,7 +3,7 @@
 Setup (issue 4): batch 16, mixed prompt lengths, 256 new tokens, the demo-sized model
 (d_model 256, 6 layers, vocab 4096) with random weights, fp32 on this machine's CPU.
 
-- KV cache: `sprout.generate.generate`, timed end to end (prefill included).
+- KV cache: `sprout.model.generate.generate`, timed end to end (prefill included).
 - Full recomputation: the same left-padded batch, where every step runs the model over
   the whole sequence so far and samples from the last position. Its cost grows with
   the length, so running all 256 steps would take minutes; instead the step is timed at
@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from sprout.generate import generate, left_pad, sample_next
-from sprout.model import ModelConfig, Transformer
+from sprout.model.generate import generate, left_pad, sample_next
+from sprout.model.transformer import ModelConfig, Transformer
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from sprout.shards import shard_name, write_shard  # noqa: E402
+from sprout.formats.shards import shard_name, write_shard  # noqa: E402
 from sprout.train.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 
 

@@ -7,7 +7,7 @@ keeps it. Both sides see the same documents:
 
     raw    tiktoken r50k_base `encode_ordinary_batch` on the documents already in memory
            (num_threads=1 against one prep worker, num_threads=N against N workers)
-    prep   `sprout.prep.prepare` end to end: read JSONL, clean, dedup, split, tokenize in a
+    prep   `sprout.prep.pretrain.prepare` end to end: read JSONL, clean, dedup, split, tokenize in a
            process pool, mixture, write .bin shards + manifest (eot tokens not counted)
 
 Raw and prep are timed alternately for --rounds rounds and the median is reported, so load
@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from sprout.clean import CleanConfig, Cleaner, dedup_key
-from sprout.prep import PrepConfig, prepare
-from sprout.sources import SourceSpec, iter_documents
+from sprout.prep.clean import CleanConfig, Cleaner, dedup_key
+from sprout.prep.pretrain import PrepConfig, prepare
+from sprout.prep.sources import SourceSpec, iter_documents
 from sprout.tokenizer import load_tokenizer
 
 SAMPLES = [
@@ -103,7 +103,7 @@ def child_rss(src: Path, workdir: Path, workers: int) -> dict:
     import psutil
 
     code = ("import sys; sys.path.insert(0, sys.argv[1]);"
-            "from prep_throughput import prep_config; from sprout.prep import prepare; from pathlib import Path;"
+            "from prep_throughput import prep_config; from sprout.prep.pretrain import prepare; from pathlib import Path;"
             "prepare(prep_config(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])), progress=False, log=lambda s: None);"
             "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
     out = workdir / "out-rss"

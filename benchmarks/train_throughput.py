@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_gpt import ReferenceGPT  # noqa: E402
 
-from sprout.losses import token_nll_sum  # noqa: E402
-from sprout.model import ModelConfig, Transformer  # noqa: E402
+from sprout.losses.tokens import token_nll_sum  # noqa: E402
+from sprout.model.transformer import ModelConfig, Transformer  # noqa: E402
 from sprout.train.loop import TrainConfig, Trainer, build_optimizer, make_accelerator  # noqa: E402
 from sprout.train.metrics import measure_matmul_flops  # noqa: E402
 

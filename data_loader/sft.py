@@ -1,4 +1,4 @@
-"""Batches of packed SFT rows (`sprout.sft_format`) for the trainer.
+"""Batches of packed SFT rows (`sprout.formats.sft`) for the trainer.
 
 Each batch is a dict of torch tensors, shifted as DESIGN.md says (row r of the file):
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from sprout.errors import SproutError
-from sprout.sft_format import SFTFile
+from sprout.formats.sft import SFTFile
 
 
 def shift(arrays: dict) -> dict:

@@ -1,6 +1,6 @@
 """Token loaders for pretraining: sequential streams, per-rank spans and random windows.
 
-Sources are 1-D token arrays: the memmaps of `.bin` shards (`sprout.shards`) or the
+Sources are 1-D token arrays: the memmaps of `.bin` shards (`sprout.formats.shards`) or the
 `tokens` dataset of a pretraining HDF5 file. Three loaders read them:
 
 - `TokenStream`: reads the sources in order and wraps from the last back to the first,
@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from sprout.errors import SproutError
-from sprout.shards import list_shards, open_shard
+from sprout.formats.shards import list_shards, open_shard
 
 TokenSource = Sequence[int]  # anything 1-D with len() and slicing: np.memmap, h5py.Dataset
 
 
 def open_h5_tokens(path: str | os.PathLike):
-    """The validated 1-D `tokens` dataset of a pretraining HDF5 file (`sprout.h5tokens`)."""
-    from sprout.h5tokens import open_tokens
+    """The validated 1-D `tokens` dataset of a pretraining HDF5 file (`sprout.formats.h5tokens`)."""
+    from sprout.formats.h5tokens import open_tokens
 
     return open_tokens(path)
 
@@ -44,7 +44,7 @@ def open_token_sources(path: str | os.PathLike, split: str) -> list[TokenSource]
     """The token arrays of one split: `.bin` shards in a folder, or an HDF5 file.
 
     For HDF5, `path` is the training file `<dataset>_train.h5`; the other split is read
-    from its sibling `<dataset>_<split>.h5` (the `sprout.h5tokens` naming).
+    from its sibling `<dataset>_<split>.h5` (the `sprout.formats.h5tokens` naming).
     """
     path = Path(path)
     if path.suffix in (".h5", ".hdf5"):

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from sprout.chat import ChatError
-from sprout.chat_session import ChatSession, load_chat_model
+from sprout.model.chat_session import ChatSession, load_chat_model
 from sprout.errors import run_main
 
 

@@ -2,7 +2,7 @@
 
     python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --show 3 --html mask.html
 
-Exit status: 0 when every invariant of `sprout.maskcheck` holds, 1 on any violation
+Exit status: 0 when every invariant of `sprout.formats.maskcheck` holds, 1 on any violation
 (each printed with its row and position), 2 when the file is missing, corrupted
 (checksum mismatch) or not an SFT file.
 """
@@ -15,8 +15,8 @@ import sys
 from sprout.atomic import atomic_write
 from sprout.chat import template_for
 from sprout.errors import SproutError, run_main
-from sprout.maskcheck import check_arrays, format_row, rows_html
-from sprout.sft_format import SFTFile
+from sprout.formats.maskcheck import check_arrays, format_row, rows_html
+from sprout.formats.sft import SFTFile
 from sprout.tokenizer import load_tokenizer
 
 

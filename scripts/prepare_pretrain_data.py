@@ -5,7 +5,7 @@
         --tokenizer tiktoken:r50k_base --out runs/data --workers 2 --format both
 
 Flags override the config; other `--section.field value` pairs too (`--clean.min_chars 0`).
-Paths may use ${SPROUT_MIRROR}, filled from --mirror or the environment. See `sprout.prep`.
+Paths may use ${SPROUT_MIRROR}, filled from --mirror or the environment. See `sprout.prep.pretrain`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 from sprout.config import dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
-from sprout.prep import PrepConfig, prepare
+from sprout.prep.pretrain import PrepConfig, prepare
 
 FLAGS = {"text_field": str, "tokenizer": str, "out": str, "val_frac": float, "val_docs": int,
          "shard_tokens": int, "run_tokens": int, "train_tokens": int, "workers": int, "format": str,

@@ -4,7 +4,7 @@
         --mirror ../shared/data --tokenizer tiktoken:r50k_base --out runs/demo/sft/sft.h5
 
 Writes OUT (train) and OUT with `_val` before the suffix (val split), in the format of
-`sprout.sft_format`; see `sprout.sft_prep` for the steps and `sprout.packing` for the
+`sprout.formats.sft`; see `sprout.prep.sft` for the steps and `sprout.prep.packing` for the
 over-long policy. Flags override the config; other `--field value` pairs too.
 """
 
@@ -18,7 +18,7 @@ import sys
 
 from sprout.config import dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
-from sprout.sft_prep import SFTDataConfig, prepare
+from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.tokenizer import load_tokenizer
 
 FLAGS = {"tokenizer": str, "out": str, "seq_len": int, "mirror": str, "max_examples": int,

@@ -17,7 +17,7 @@ from sprout.checkpoint import (
     sha256_file,
 )
 from sprout.errors import SproutError
-from sprout.model import ModelConfig, Transformer
+from sprout.model.transformer import ModelConfig, Transformer
 
 
 def tiny(tie=False):

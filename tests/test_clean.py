@@ -1,7 +1,7 @@
 import numpy as np
 
-from sprout.clean import CleanConfig, Cleaner, dedup_key, non_ascii_count
-from sprout.mixture import first_occurrences, key_halves
+from sprout.prep.clean import CleanConfig, Cleaner, dedup_key, non_ascii_count
+from sprout.prep.mixture import first_occurrences, key_halves
 
 MESSY = ("\u201cCan we go to the park?\u201d asked Lily.\u00a0\u00a0Mom smiled \u2014 \u201cYes\u2026 but first, lunch!\u201d"
          "\r\n\r\n\r\nThey ate quickly and ran outside.")

@@ -17,7 +17,7 @@ from test_sft_train import tiny_cfg as sft_cfg
 from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (data: a fixture)
 
 from sprout.checkpoint import load_model, load_train_state, read_meta
-from sprout.model import Transformer
+from sprout.model.transformer import Transformer
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name
 from sprout.train.metrics import read_metrics
 from sprout.train.pretrain import run_pretrain

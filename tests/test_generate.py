@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from sprout.errors import SproutError
-from sprout.generate import generate, process_logits, sample_next
-from sprout.model import ModelConfig, Transformer
+from sprout.model.generate import generate, process_logits, sample_next
+from sprout.model.transformer import ModelConfig, Transformer
 
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 8], [11, 12, 13, 14]]
 

@@ -13,8 +13,8 @@ from data_loader.tokens import (
     read_tokens,
 )
 from sprout.errors import SproutError
-from sprout.h5tokens import H5TokenWriter
-from sprout.shards import shard_name, write_shard
+from sprout.formats.h5tokens import H5TokenWriter
+from sprout.formats.shards import shard_name, write_shard
 
 
 @pytest.fixture

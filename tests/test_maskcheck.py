@@ -11,9 +11,9 @@ from sft_fixtures import source_list, write_sources
 
 from sprout.chat import segment, template_for
 from sprout.errors import SproutError
-from sprout.maskcheck import check_arrays, format_row, rows_html
-from sprout.sft_format import SFTFile, write_sft
-from sprout.sft_prep import SFTDataConfig, prepare
+from sprout.formats.maskcheck import check_arrays, format_row, rows_html
+from sprout.formats.sft import SFTFile, write_sft
+from sprout.prep.sft import SFTDataConfig, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 

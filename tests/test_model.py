@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from sprout.errors import SproutError
-from sprout.model import ModelConfig, Transformer, apply_rope, rope_tables
+from sprout.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
 
@@ -166,7 +166,7 @@ def test_overfits_one_batch():
 def test_hand_written_backwards_match_autograd():
     """RMSNorm and rotary have hand-written backwards (for CPU speed): gradcheck them in
     float64 and compare with autograd through the plain formulas."""
-    from sprout.model import RMSNorm, _RMSNormFunction, _RopeFunction, apply_rope, rope_tables
+    from sprout.model.transformer import RMSNorm, _RMSNormFunction, _RopeFunction, apply_rope, rope_tables
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from data_loader.sft import shift
-from sprout.packing import best_fit, fit_examples, pack
+from sprout.prep.packing import best_fit, fit_examples, pack
 
 
 def example(n_prompt: int, n_answer: int, start: int = 10):
@@ -89,7 +89,7 @@ def test_drop_policy_and_counted_drops():
 
 def test_no_cross_contamination():
     """A packed row's logits for each document equal that document's logits on its own."""
-    from sprout.model import ModelConfig, Transformer
+    from sprout.model.transformer import ModelConfig, Transformer
 
     torch.manual_seed(0)
     rng = np.random.default_rng(1)

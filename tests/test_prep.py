@@ -10,10 +10,10 @@ import zstandard
 
 from data_fixtures import make_docs, train_tiny_sp
 from sprout.errors import SproutError
-from sprout.h5tokens import open_tokens_h5
-from sprout.manifest import read_manifest
-from sprout.prep import PrepConfig, prepare
-from sprout.shards import list_shards, open_shard
+from sprout.formats.h5tokens import open_tokens_h5
+from sprout.formats.manifest import read_manifest
+from sprout.prep.pretrain import PrepConfig, prepare
+from sprout.formats.shards import list_shards, open_shard
 from sprout.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,10 +14,10 @@ from sft_fixtures import ALPACA, DOLLY_ORIGINAL, GSM8K, source_list, write_jsonl
 from data_loader.sft import SFTLoader
 from sprout.chat import parse_answer, template_for
 from sprout.errors import SproutError
-from sprout.maskcheck import check_arrays
-from sprout.sft_format import SFTFile, val_path
-from sprout.sft_prep import SFTDataConfig, is_val, conversation_key, prepare, weighted_indices
-from sprout.sft_sources import SourceConfig, iter_records, read_source, strip_alpaca_wrapper
+from sprout.formats.maskcheck import check_arrays
+from sprout.formats.sft import SFTFile, val_path
+from sprout.prep.sft import SFTDataConfig, is_val, conversation_key, prepare, weighted_indices
+from sprout.prep.chat_sources import SourceConfig, iter_records, read_source, strip_alpaca_wrapper
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,12 +15,12 @@ from proc import run_group
 
 from data_loader.sft import SFTLoader
 from sprout.chat import TEMPLATE_VERSION, ChatError, render
-from sprout.chat_session import ChatSession, load_chat_model
+from sprout.model.chat_session import ChatSession, load_chat_model
 from sprout.checkpoint import load_model, read_meta, save_checkpoint
 from sprout.errors import SproutError
-from sprout.losses import masked_correct_sum, masked_entropy_sum
-from sprout.model import ModelConfig, Transformer
-from sprout.sft_prep import SFTDataConfig, prepare
+from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum
+from sprout.model.transformer import ModelConfig, Transformer
+from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.train.loop import TrainConfig
 from sprout.train.metrics import read_metrics
 from sprout.train.sft import DataConfig, SFTConfig, run_sft, sft_loss
@@ -283,7 +283,7 @@ def test_eval_on_a_rank_without_val_rows_still_runs_its_forward(sft_file):
     import contextlib
     from types import SimpleNamespace
 
-    from sprout.sft_format import val_path
+    from sprout.formats.sft import val_path
     from sprout.train.sft import SFTStage
 
     n_rows = SFTLoader(val_path(sft_file), 1).num_rows

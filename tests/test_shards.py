@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from sprout.errors import SproutError
-from sprout.h5tokens import H5TokenWriter, open_tokens, open_tokens_h5
-from sprout.shards import (HEADER_BYTES, MAGIC_U16, MAGIC_U32, ShardError, dtype_for_vocab, list_shards, open_shard,
+from sprout.formats.h5tokens import H5TokenWriter, open_tokens, open_tokens_h5
+from sprout.formats.shards import (HEADER_BYTES, MAGIC_U16, MAGIC_U32, ShardError, dtype_for_vocab, list_shards, open_shard,
                            read_header, shard_name, write_shard)
 
 ATTRS = {"dataset": "t", "split": "train", "num_documents": 2, "vocab_size": 70_000, "eot_id": 3, "bos_id": -1,

@@ -5,9 +5,9 @@ import tracemalloc
 import pytest
 import zstandard
 
-from sprout import sources
+from sprout.prep import sources
 from sprout.errors import SproutError
-from sprout.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
+from sprout.prep.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
 
 DOCS = [f"Document number {i}: café “quoted” text\nwith a second line." for i in range(40)]
 

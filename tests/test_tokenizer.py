@@ -9,7 +9,7 @@ import torch
 from data_fixtures import make_docs, train_tiny_sp
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
-from sprout.sources import SourceSpec, iter_documents
+from sprout.prep.sources import SourceSpec, iter_documents
 from sprout.tokenizer import R50K_SHA256, SPECIAL_PIECES, load_tokenizer, train_sentencepiece
 
 TRICKY = ["Hello world", "  two leading spaces", "trailing space ", "tab\there\r\nCRLF\n\n\nblank lines",

@@ -15,8 +15,8 @@ import torch
 from proc import run_group
 
 from sprout.errors import SproutError
-from sprout.model import ModelConfig
-from sprout.shards import shard_name, write_shard
+from sprout.model.transformer import ModelConfig
+from sprout.formats.shards import shard_name, write_shard
 from sprout.train.loop import NonFiniteLoss, TrainConfig, Trainer, make_accelerator, micro_steps
 from sprout.train.metrics import read_metrics
 from sprout.train.pretrain import DataConfig, PretrainConfig, PretrainStage, run_pretrain
@@ -128,7 +128,7 @@ class Linear(torch.nn.Module):
 
 
 def masked_loss(model, batch):
-    from sprout.losses import token_nll_sum
+    from sprout.losses.tokens import token_nll_sum
 
     nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], batch["loss_mask"])
     return nll, n, {"correct": ((model(batch["input_ids"]).argmax(-1) == batch["targets"]) & batch["loss_mask"]).sum()}
@@ -208,7 +208,7 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, tmp_path):
 
 def test_mfu_uses_the_configured_peak_or_none(data, tmp_path):
     """train.peak_tflops > 0 is used as given (MFU = FLOPs/token × tokens/s ÷ peak); < 0 logs no MFU."""
-    from sprout.model import Transformer
+    from sprout.model.transformer import Transformer
 
     run_pretrain(tiny_cfg(data, tmp_path / "given", max_steps=2, eval_every=0, peak_tflops=1e-3))
     flops = Transformer(tiny_cfg(data, tmp_path).model).flops_per_token
@@ -371,7 +371,7 @@ def short_run(data: Path, mixed_precision: str, steps: int = 20):
     from accelerate.state import AcceleratorState
 
     from data_loader.tokens import DistributedTokenLoader, open_token_sources
-    from sprout.model import Transformer
+    from sprout.model.transformer import Transformer
     from sprout.train.loop import build_optimizer, lr_schedule
 
     AcceleratorState._reset_state(reset_partial_state=True)

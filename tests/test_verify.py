@@ -11,9 +11,9 @@ import pytest
 from data_fixtures import make_docs, train_tiny_sp
 from sprout.atomic import write_json_atomic
 from sprout.atomic import sha256_file
-from sprout.prep import PrepConfig, prepare
-from sprout.shards import HEADER_BYTES, open_shard, write_shard
-from sprout.verify import verify_dir
+from sprout.prep.pretrain import PrepConfig, prepare
+from sprout.formats.shards import HEADER_BYTES, open_shard, write_shard
+from sprout.formats.verify import verify_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from sprout.losses import token_nll_sum
-from sprout.model import ModelConfig, Transformer
+from sprout.losses.tokens import token_nll_sum
+from sprout.model.transformer import ModelConfig, Transformer
 from sprout.train.loop import TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
 from sprout.train.run import end_processes
 

@@ -222,7 +222,7 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """(Transformer in eval mode, meta) from a checkpoint, for inference, eval and export."""
-    from sprout.model import ModelConfig, Transformer
+    from sprout.model.transformer import ModelConfig, Transformer
 
     meta = read_meta(path)
     model = Transformer(ModelConfig(**meta["model_config"])).to(device)

@@ -367,7 +367,7 @@ class TokenizerTrainConfig:
     out: str = "runs/tokenizer/sp4096"           # writes OUT.model and OUT.vocab
     mirror: str | None = None
     max_chars: int = 200_000_000                 # training text cap (sources interleaved)
-    clean: bool = True                           # apply the pipeline's cleaning (sprout.clean) first
+    clean: bool = True                           # apply the pipeline's cleaning (sprout.prep.clean) first
     strict: bool = False
     exclude_val_frac: float = 0.0                # skip the documents that prep's hash-fraction split with
                                                  # this val_frac sends to val, so val bpb is honest
@@ -376,10 +376,10 @@ class TokenizerTrainConfig:
 def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
     """Train `cfg.out`.model on the sources, interleaved document by document, cleaned like
     the pretraining data (so the tokenizer sees the text it will encode)."""
-    from sprout.clean import CleanConfig, Cleaner, dedup_key
+    from sprout.prep.clean import CleanConfig, Cleaner, dedup_key
     from sprout.config import from_dict
-    from sprout.mixture import val_threshold
-    from sprout.sources import SourceSpec, expand_path, iter_documents, parse_source_arg
+    from sprout.prep.mixture import val_threshold
+    from sprout.prep.sources import SourceSpec, expand_path, iter_documents, parse_source_arg
 
     mirror = cfg.mirror or os.environ.get("SPROUT_MIRROR")
     streams = []

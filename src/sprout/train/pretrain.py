@@ -23,8 +23,8 @@ import torch
 from data_loader.tokens import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
-from sprout.losses import token_nll_sum
-from sprout.model import ModelConfig, Transformer
+from sprout.losses.tokens import token_nll_sum
+from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
 from sprout.train.loop import TrainConfig, all_reduce_sums, micro_steps
 from sprout.train.run import resolve_resume, start_run, train_stage, with_max_steps

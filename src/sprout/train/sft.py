@@ -2,7 +2,7 @@
 
 `SFTStage` feeds the loop (`sprout.train.loop`) with micro-batches of rows from
 `data_loader.sft.SFTLoader`: conversations rendered by `sprout.chat` and packed several to
-a row by `sprout.sft_prep` (format: `sprout.sft_format`). For each micro-batch (`sft_loss`):
+a row by `sprout.prep.sft` (format: `sprout.formats.sft`). For each micro-batch (`sft_loss`):
 
 - attention stays inside each packed conversation (`segment_ids`) and rotary positions
   restart per conversation (`position_ids`), so a row computes what each conversation
@@ -40,9 +40,9 @@ from data_loader.sft import SFTLoader, shift
 from sprout.chat import TEMPLATE_VERSION
 from sprout.checkpoint import load_weights, read_meta
 from sprout.errors import SproutError
-from sprout.losses import masked_correct_sum, masked_entropy_sum, token_nll_sum
-from sprout.model import ModelConfig, Transformer
-from sprout.sft_format import SFTFile, val_path
+from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
+from sprout.model.transformer import ModelConfig, Transformer
+from sprout.formats.sft import SFTFile, val_path
 from sprout.train.loop import TrainConfig, all_reduce_sums, micro_steps
 from sprout.train.run import resolve_resume, start_run, train_stage
 

@@ -2,7 +2,7 @@
 
 Prompts of different lengths are left-padded into one batch: the padding gets segment
 id 0 and each prompt segment 1, and rotary positions count only real tokens, so every
-row computes exactly what it would alone (see `sprout.model.KVCache`). One prefill
+row computes exactly what it would alone (see `sprout.model.transformer.KVCache`). One prefill
 forward fills the cache; then each step feeds one token per row.
 
 Sampling follows the usual order (as in Hugging Face `generate`): divide the logits by

@@ -2,17 +2,17 @@
 
     manifest = prepare(PrepConfig(sources=[...], tokenizer="tiktoken:r50k_base", out="runs/data"))
 
-1. Read each source as a stream of documents (`sprout.sources`), in chunks.
-2. A process pool (about one worker per core) cleans each document (`sprout.clean`), computes
+1. Read each source as a stream of documents (`sprout.prep.sources`), in chunks.
+2. A process pool (about one worker per core) cleans each document (`sprout.prep.clean`), computes
    its dedup key and tokenizes it with end-of-text appended. Results come back in input order
    with a bounded number in flight, and are spilled to temporary files (tokens, per-document
-   token counts and keys: `sprout.prep_store`), so memory stays flat while reading.
-3. Dedup, split and mixture are decided on per-document arrays (`sprout.mixture`), a few
+   token counts and keys: `sprout.prep.store`), so memory stays flat while reading.
+3. Dedup, split and mixture are decided on per-document arrays (`sprout.prep.mixture`), a few
    bytes per document; nothing there depends on the number of workers, so the output bytes
    never do either.
-4. The planned runs are copied into `.bin` shards (`sprout.shards`) and/or one HDF5 file per
-   split (`sprout.h5tokens`), with a sidecar of each split's document keys; `manifest.json`
-   (`sprout.manifest`) is written last. Everything is written atomically, and the previous
+4. The planned runs are copied into `.bin` shards (`sprout.formats.shards`) and/or one HDF5 file per
+   split (`sprout.formats.h5tokens`), with a sidecar of each split's document keys; `manifest.json`
+   (`sprout.formats.manifest`) is written last. Everything is written atomically, and the previous
    manifest is removed first, so an interrupted run never leaves a folder that looks valid.
 """
 
@@ -31,15 +31,15 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from sprout import manifest as mf
+from sprout.formats import manifest as mf
 from sprout.atomic import sha256_file
-from sprout.clean import CleanConfig, Cleaner, dedup_key
+from sprout.prep.clean import CleanConfig, Cleaner, dedup_key
 from sprout.config import from_dict
 from sprout.errors import SproutError
-from sprout.mixture import SplitRule, first_occurrences, plan_split, token_targets, val_mask
-from sprout.prep_store import SourceStore, SplitWriter, write_key_sidecar
-from sprout.shards import dtype_for_vocab
-from sprout.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
+from sprout.prep.mixture import SplitRule, first_occurrences, plan_split, token_targets, val_mask
+from sprout.prep.store import SourceStore, SplitWriter, write_key_sidecar
+from sprout.formats.shards import dtype_for_vocab
+from sprout.prep.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
 from sprout.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK_DOCS = 256

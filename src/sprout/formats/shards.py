@@ -14,7 +14,7 @@ Two (magic, version) pairs are accepted, as llm.c defines them:
 
 The file size must equal 1024 + num_tokens * itemsize. Anything else is refused with
 a `ShardError` that names the file. Shards are named `<dataset>_<split>_<index:06d>.bin`
-and sit beside a `manifest.json` (see `sprout.manifest`).
+and sit beside a `manifest.json` (see `sprout.formats.manifest`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Written last and atomically by the pipeline, so a folder without one is unfinish
     splits            {"train": {documents, tokens}, "val": {...}}
     sources           per source: name, path, weight, share, documents read/kept/dropped,
                       cleaning counts, tokens per split before and after resampling
-    split_rule        how validation was chosen (see sprout.mixture)
+    split_rule        how validation was chosen (see sprout.prep.mixture)
     mixture           seed, run_tokens, train_tokens
     doc_hashes        sidecar {file, sha256}: each split's dedup keys, to prove no overlap
     command           the command line that produced it

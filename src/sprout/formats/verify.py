@@ -3,8 +3,8 @@
 Checks, each failure reported as one line naming the file:
 - the manifest is valid, and every .bin/.h5 file in the folder is listed in it;
 - each .bin shard: header magic and version, file size against the token count
-  (`sprout.shards.read_header`), the dtype the manifest names, the token count and sha256
-  the manifest lists; each .h5 file: the `sprout.h5tokens` contract, sha256, attributes;
+  (`sprout.formats.shards.read_header`), the dtype the manifest names, the token count and sha256
+  the manifest lists; each .h5 file: the `sprout.formats.h5tokens` contract, sha256, attributes;
 - every id is below the vocab size; end-of-text occurs (rate > 0) and ends each split;
 - when both formats are present, the .bin shards and the .h5 file hold the same tokens;
 - zero train/val overlap, twice: the documents found between end-of-text tokens in the val
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from sprout import manifest as mf
+from sprout.formats import manifest as mf
 from sprout.atomic import sha256_file
 from sprout.errors import SproutError
-from sprout.h5tokens import open_tokens_h5
-from sprout.shards import open_shard, read_header
+from sprout.formats.h5tokens import open_tokens_h5
+from sprout.formats.shards import open_shard, read_header
 
 BLOCK = 1 << 22
 

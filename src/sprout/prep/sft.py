@@ -2,7 +2,7 @@
 
 The steps `scripts/prepare_sft_data.py` runs, in order:
 
-1. read every source (`sprout.sft_sources`; `max_examples` records per source at most);
+1. read every source (`sprout.prep.chat_sources`; `max_examples` records per source at most);
 2. validate each conversation with the chat template; invalid ones (empty content,
    unknown role, bad role order, reserved marker text) are dropped and counted by reason;
 3. exact dedup across all sources on the conversation (roles and contents), first wins;
@@ -10,10 +10,10 @@ The steps `scripts/prepare_sft_data.py` runs, in order:
    stable under re-runs and independent of `max_examples` and source order;
 5. mixture weights on the train split: a source of weight w contributes each example
    floor(w) times plus a seeded random (w - floor(w)) share once more;
-6. render with `sprout.chat.render`, pack with `sprout.packing.pack` (best fit; the
+6. render with `sprout.chat.render`, pack with `sprout.prep.packing.pack` (best fit; the
    `overlong` policy decides truncate/drop; prompts longer than the context and examples
    without a trained token are dropped and counted);
-7. write `out` (train) and `out` with `_val` before the suffix (val) per `sprout.sft_format`,
+7. write `out` (train) and `out` with `_val` before the suffix (val) per `sprout.formats.sft`,
    with every count in the `counts` attribute.
 """
 
@@ -29,10 +29,10 @@ import numpy as np
 
 from sprout.chat import TEMPLATE_VERSION, ChatError, render, template_for, validate
 from sprout.errors import SproutError
-from sprout.packing import OVERLONG_POLICIES, pack
-from sprout.sft_format import val_path, write_sft
-from sprout.sft_sources import SourceConfig, from_dict_source, read_source
-from sprout.shards import dtype_for_vocab
+from sprout.prep.packing import OVERLONG_POLICIES, pack
+from sprout.formats.sft import val_path, write_sft
+from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
+from sprout.formats.shards import dtype_for_vocab
 
 
 @dataclass

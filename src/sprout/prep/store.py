@@ -1,4 +1,4 @@
-"""On-disk plumbing for `sprout.prep`: spilled per-source documents, streaming split writers
+"""On-disk plumbing for `sprout.prep.pretrain`: spilled per-source documents, streaming split writers
 and the document-key sidecar.
 
 Memory in the pipeline must not grow with the input (issue 2's benchmark checks peak RSS at
@@ -26,9 +26,9 @@ import numpy as np
 
 from sprout.atomic import atomic_write, sha256_file
 from sprout.errors import SproutError
-from sprout.h5tokens import H5TokenWriter, h5_name
-from sprout.mixture import KEY_DTYPE
-from sprout.shards import encode_header, shard_name
+from sprout.formats.h5tokens import H5TokenWriter, h5_name
+from sprout.prep.mixture import KEY_DTYPE
+from sprout.formats.shards import encode_header, shard_name
 
 READ_DOCS = 1 << 16  # documents per block when reading keys back (1 MiB)
 

@@ -2,7 +2,7 @@
 
 `ChatSession` keeps the conversation as messages and, for every user message, renders the
 whole history with `sprout.chat.render(..., add_generation_prompt=True)` (the same
-template the SFT data was made with), samples the answer with `sprout.generate.generate`
+template the SFT data was made with), samples the answer with `sprout.model.generate.generate`
 until the end-of-turn token, and appends the decoded answer to the history. So the model
 sees at inference exactly the token layout it was fine-tuned on.
 
@@ -29,7 +29,7 @@ import torch
 from sprout.chat import RESERVED, TEMPLATE_VERSION, ChatError, render, template_for
 from sprout.checkpoint import load_model
 from sprout.errors import SproutError
-from sprout.generate import generate
+from sprout.model.generate import generate
 from sprout.tokenizer import load_tokenizer
 
 
