@@ -81,3 +81,28 @@ def test_overwrite_logits_gives_the_same_gradient_in_the_logits_memory():
     torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
     assert ptrs[True][0] == ptrs[True][1]  # the gradient was written over the logits
     assert ptrs[False][0] != ptrs[False][1]
+
+
+def test_sequence_logps_matches_log_softmax_per_row_with_padding():
+    """sequence_logps = per-row sum of log_softmax(logits)[target] over the mask, value and gradient;
+    padding (mask 0, even NaN logits there) adds nothing, and an all-padding row gives (0, 0)."""
+    from sprout.losses.tokens import sequence_logps
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5))
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    got, n = sequence_logps(logits, targets, mask)
+    ref = (logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1) * mask).sum(-1)
+    assert n.tolist() == [3, 5, 0] and n.dtype == torch.int64
+    assert got.dtype == torch.float32 and got[2].item() == 0.0
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    w = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)  # distinct weights: rows must stay apart
+    g_got, = torch.autograd.grad((got.double() * w).sum(), logits)
+    g_ref, = torch.autograd.grad((ref * w).sum(), logits)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-6)
+
+    poisoned = logits.detach().clone()
+    poisoned[0, 0] = float("nan")
+    got2, _ = sequence_logps(poisoned, targets, mask)
+    torch.testing.assert_close(got2, got.detach())

@@ -82,3 +82,24 @@ def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     keep = mask.reshape(-1).bool()
     logp = logits.reshape(-1, logits.size(-1))[keep].float().log_softmax(dim=-1)
     return torch.special.entr(logp.exp()).sum()
+
+
+def sequence_logps(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, overwrite_logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row summed log-probability of `targets` over the masked positions, and the count.
+
+    logits [B, T, V] (any float dtype; computed in float32), targets [B, T] int64, mask
+    [B, T] (bool or 0/1; 1 on the response tokens being scored). The same cross-entropy as
+    `token_nll_sum` (one log-sum-exp per row, no log-softmax copy of the logits), kept per
+    row instead of summed over the batch: log p(response | prompt) of each sequence, as the
+    preference losses take it. A row with no masked position gets 0 and count 0.
+    overwrite_logits: as in `token_nll_sum`.
+    Returns (logp_sum float32 [B], n_tokens int64 [B]).
+    """
+    rows, width = targets.shape
+    keep = mask.bool()
+    flat = logits.reshape(-1, logits.size(-1)).float()
+    nll = _CrossEntropyRows.apply(flat, targets.masked_fill(~keep, 0).reshape(-1), overwrite_logits)
+    logp = torch.where(keep, -nll.view(rows, width), torch.zeros((), device=nll.device))
+    return logp.sum(dim=-1), keep.sum(dim=-1)
