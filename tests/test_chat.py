@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 
-from sprout.chat import (TEMPLATE_VERSION, ChatError, format_reasoning, mask_for, normalise_number,
-                         parse_answer, render, segment, template_for)
+from sprout.chat import TEMPLATE_VERSION, ChatError, mask_for, render, segment, template_for
 
 CONV = [
     {"role": "system", "content": "You are terse."},
@@ -123,20 +122,3 @@ def test_segment_rejects_headerless_and_misordered(r50k):
         segment(asst + asst, tpl)  # assistant, assistant
     assert err.value.reason == "bad_order"
 
-
-def test_reasoning_format_and_parse():
-    text = format_reasoning("48/2 = 24\n48+24 = 72", "72")
-    assert text == "<think>48/2 = 24\n48+24 = 72</think><answer>72</answer>"
-    assert parse_answer(text) == "72" and parse_answer(text, strict=True) == "72"
-    assert parse_answer("blah <answer> 1,080 </answer>") == "1,080"
-    assert parse_answer("blah <answer> 5 </answer>", strict=True) is None
-    assert parse_answer("<answer>1</answer> then <answer>2</answer>") == "2"
-    assert parse_answer("no answer") is None
-
-
-@pytest.mark.parametrize("raw, norm", [
-    ("1,080", "1080"), (" 72 ", "72"), ("$5.00", "5"), ("-0.50", "-0.5"), ("3.", "3"),
-    ("10%", "10"), ("1e3", None), ("seven", None), ("", None), (None, None), ("2/3", None),
-])
-def test_normalise_number(raw, norm):
-    assert normalise_number(raw) == norm

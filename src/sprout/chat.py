@@ -23,16 +23,13 @@ document is never a target, so no loss crosses a document boundary.
 Content may not contain the marker strings themselves (a plain-text `<|user|>` inside a
 message would be indistinguishable from a real turn). `segment` parses a rendered
 sequence back into turns; the loss-mask checker relies on it. Reasoning answers use
-`<think>...</think><answer>N</answer>` (`format_reasoning`, `parse_answer`,
-`normalise_number`), which the RL verifiers parse.
+`<think>...</think><answer>N</answer>`, written and parsed by `sprout.rl.verifiers`.
 """
 
 from __future__ import annotations
 
-import re
 import weakref
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 
 import numpy as np
 
@@ -215,45 +212,3 @@ def mask_for(turns: list[Turn], length: int) -> np.ndarray:
             mask[t.content_start:t.end + 1 if t.closed else t.end] = 1
     return mask
 
-
-# ---- reasoning answers: <think>...</think><answer>N</answer> --------------------------
-
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_REASONING_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
-
-
-def format_reasoning(think: str, answer: str) -> str:
-    """`<think>{think}</think><answer>{answer}</answer>` (the shape RL verifiers reward)."""
-    return f"<think>{think.strip()}</think><answer>{answer.strip()}</answer>"
-
-
-def parse_answer(text: str, strict: bool = False) -> str | None:
-    """The text inside the last `<answer>...</answer>`, stripped; None when absent.
-    With `strict`, the whole text must be exactly one think block then one answer block."""
-    if strict:
-        m = _REASONING_RE.fullmatch(text)
-        if m is None or "<answer>" in m.group(2) or "<think>" in m.group(1):
-            return None
-        return m.group(2).strip()
-    found = _ANSWER_RE.findall(text)
-    return found[-1].strip() if found else None
-
-
-_NUMBER_RE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
-
-
-def normalise_number(text: str | None) -> str | None:
-    """Canonical form of a numeric answer: `1,080` -> `1080`, `$5.00` -> `5`, `-0.50` -> `-0.5`.
-    Returns None when `text` is not a single number (after removing `,`, `$`, `%`, spaces)."""
-    if text is None:
-        return None
-    s = re.sub(r"[,\s$%]", "", text).rstrip(".")
-    if not _NUMBER_RE.fullmatch(s):
-        return None
-    try:
-        d = Decimal(s)
-    except InvalidOperation:
-        return None
-    if d == d.to_integral_value():
-        return str(int(d))
-    return format(d.normalize(), "f")

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from sprout.chat import format_reasoning, normalise_number
 from sprout.config import from_dict
 from sprout.errors import SproutError
+from sprout.rl.verifiers import format_reasoning, normalise_number
 
 FORMATS = ("alpaca", "dolly", "gsm8k", "chat")
 
