@@ -1,0 +1,455 @@
+"""Preference losses: the reward model's pairwise loss and the DPO family, one pure function each.
+
+Every function here returns PER-PAIR losses, a tensor [B] for a batch of B pairs, never a
+mean. A trainer sums them and divides by the number of pairs in the whole global batch
+(across micro-batches and processes), so the gradient does not depend on how the batch was
+split: the same rule as `sprout.losses.tokens`, with pairs in place of target tokens.
+Any normalisation *inside* a pair (a per-token mean of a sequence's log-prob) is written in
+the function's docstring; "normaliser: none within the pair" means the formula is used as is.
+
+Inputs are per-pair tensors [B]:
+- `chosen_logps`, `rejected_logps`: the policy's log p(response | prompt), summed over the
+  response tokens (`sprout.losses.tokens.sequence_logps`);
+- `ref_chosen_logps`, `ref_rejected_logps`: the same under the frozen reference model;
+- `chosen_lengths`, `rejected_lengths`: response token counts, for the length-normalised
+  variants. A length is clamped to at least 1 before dividing, so an empty response (log-prob
+  0, length 0) has per-token log-prob 0 instead of 0/0.
+The DPO variants are written in terms of the log-ratios against the reference,
+    c = chosen_logps − ref_chosen_logps,   r = rejected_logps − ref_rejected_logps,
+and their difference Δ = c − r (TRL's `chosen_logratios`, `rejected_logratios`,
+`delta_score` with the default reverse-KL divergence).
+
+`preference_loss` combines variants by name with weights, as TRL's `DPOConfig.loss_type` list
+and `loss_weights` do (MPO-style mixes such as sigmoid + sft). `preference_metric_sums` gives
+TRL's logged metrics (rewards/chosen, rewards/margins, logps/chosen, logits/chosen, ...) as
+(sum, count) pairs so a trainer can reduce each over its own denominator exactly.
+Formulas follow TRL's DPOTrainer, CPOTrainer (SimPO), ORPOTrainer and RewardTrainer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from sprout.errors import SproutError
+
+# -----------------------------------------------------------------------------------------
+# reward model
+
+
+def reward_pair_loss(
+    r_chosen: torch.Tensor,
+    r_rejected: torch.Tensor,
+    margin: torch.Tensor | float | None = None,
+    center_rewards_coefficient: float = 0.0,
+) -> torch.Tensor:
+    """Bradley–Terry loss of a scalar reward model, per pair (TRL's RewardTrainer).
+
+        loss = −log σ(r_c − r_r − m) + coef · (r_c + r_r)²
+
+    r_chosen, r_rejected [B]: the model's scores of the two responses. margin m [B] (or a
+    float): how much better the chosen response is known to be (Llama 2, Touvron et al. 2023,
+    arXiv:2307.09288); None means 0. center_rewards_coefficient: pulls the pair's summed
+    reward to 0 so scores stay centred (Eisenstein et al. 2023, arXiv:2312.09244).
+    Normaliser: none within the pair. Returns [B].
+    """
+    diff = r_chosen - r_rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff)
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * (r_chosen + r_rejected) ** 2
+    return loss
+
+
+# -----------------------------------------------------------------------------------------
+# DPO and its variants, as functions of the log-ratios c (chosen) and r (rejected)
+
+
+def sigmoid_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023, arXiv:2305.18290, Eq. 7): −log σ(β Δ), Δ = c − r.
+
+    Normaliser: none within the pair (c and r are sums over response tokens). Returns [B].
+    """
+    return -F.logsigmoid(beta * (chosen_logratios - rejected_logratios))
+
+
+def hinge_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """Hinge loss of RSO/SLiC (Liu et al. 2023, arXiv:2309.06657): max(0, 1 − β Δ).
+
+    Normaliser: none within the pair. Returns [B].
+    """
+    return torch.relu(1 - beta * (chosen_logratios - rejected_logratios))
+
+
+def ipo_loss(
+    chosen_logratios: torch.Tensor,
+    rejected_logratios: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """IPO (Azar et al. 2023, arXiv:2310.12036, Eq. 17): (c/|y_c| − r/|y_r| − 1/(2β))².
+
+    β is the paper's τ. Normaliser: each log-ratio is divided by its response's token count
+    (clamped to ≥ 1), a per-token mean within each sequence, as TRL does (the squared loss
+    would otherwise grow with response length). Returns [B].
+    """
+    delta = chosen_logratios / _tokens(chosen_lengths) - rejected_logratios / _tokens(rejected_lengths)
+    return (delta - 1 / (2 * beta)) ** 2
+
+
+def robust_loss(
+    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, label_smoothing: float
+) -> torch.Tensor:
+    """Robust DPO (Chowdhury et al. 2024, arXiv:2403.00409), for labels flipped with probability ε:
+
+        loss = ((1 − ε)·(−log σ(β Δ)) − ε·(−log σ(−β Δ))) / (1 − 2ε),   0 ≤ ε < 1/2
+
+    an unbiased estimate of the clean-label DPO loss; ε = `label_smoothing`, ε = 0 is DPO.
+    Normaliser: none within the pair. Returns [B].
+    """
+    z = beta * (chosen_logratios - rejected_logratios)
+    eps = label_smoothing
+    return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+
+
+def exo_pair_loss(
+    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, label_smoothing: float
+) -> torch.Tensor:
+    """EXO for pairs (Ji et al. 2024, arXiv:2402.00856, Eq. 16): KL(q ‖ p) over {chosen, rejected},
+
+        q = (σ(β Δ), σ(−β Δ)),   p = (1 − ε, ε)
+        loss = σ(βΔ)(log σ(βΔ) − log(1 − ε)) + σ(−βΔ)(log σ(−βΔ) − log ε),   0 < ε < 1
+
+    ε = `label_smoothing` (the paper uses 1e-3). Normaliser: none within the pair. Returns [B].
+    """
+    z = beta * (chosen_logratios - rejected_logratios)
+    eps = label_smoothing
+    return torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
+        F.logsigmoid(-z) - math.log(eps)
+    )
+
+
+def bco_pair_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """BCO on pairs (Jung et al. 2024, arXiv:2404.04656): −log σ(β c) − log σ(−β r).
+
+    Each response is classified on its own (chosen → reward above 0, rejected → below), as
+    TRL's DPOTrainer does; the paper's running reward shift δ is not applied.
+    Normaliser: none within the pair. Returns [B].
+    """
+    return -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
+
+
+def nca_pair_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """NCA on pairs (Chen et al. 2024, arXiv:2402.05369):
+
+        loss = −log σ(β c) − ½ log σ(−β c) − ½ log σ(−β r)
+
+    which, unlike DPO, keeps the chosen response's likelihood from falling.
+    Normaliser: none within the pair. Returns [B].
+    """
+    zc, zr = beta * chosen_logratios, beta * rejected_logratios
+    return -F.logsigmoid(zc) - 0.5 * F.logsigmoid(-zc) - 0.5 * F.logsigmoid(-zr)
+
+
+def sppo_hard_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """SPPO with hard labels (Wu et al. 2024, arXiv:2405.00675, Eq. 4.7 with P = 1 for the winner
+    and 0 for the loser): (c − 1/(2β))² + (r + 1/(2β))².
+
+    Normaliser: none within the pair. Returns [B].
+    """
+    half = 0.5 / beta
+    return (chosen_logratios - half) ** 2 + (rejected_logratios + half) ** 2
+
+
+def apo_zero_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """APO-zero (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 7): (1 − σ(β c)) + σ(β r).
+
+    Raises the chosen likelihood and lowers the rejected one, each against the reference; for
+    chosen responses better than the model's own. Normaliser: none within the pair. Returns [B].
+    """
+    return (1 - torch.sigmoid(beta * chosen_logratios)) + torch.sigmoid(beta * rejected_logratios)
+
+
+def apo_down_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
+    """APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8): σ(β c) + (1 − σ(β Δ)).
+
+    Lowers both likelihoods, the rejected one more; for chosen responses worse than the
+    model's own. Normaliser: none within the pair. Returns [B].
+    """
+    delta = chosen_logratios - rejected_logratios
+    return torch.sigmoid(beta * chosen_logratios) + (1 - torch.sigmoid(beta * delta))
+
+
+def discopop_loss(
+    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, tau: float = 0.05
+) -> torch.Tensor:
+    """DiscoPOP, the log-ratio modulated loss (Chris Lu et al. 2024, arXiv:2406.08414, Eq. 5):
+
+        z = β Δ,   w = σ(z / τ),   loss = (1 − w)·(−log σ(z)) + w·exp(−z)
+
+    a blend of the logistic (DPO) and exponential losses; τ = `discopop_tau`, 0.05 in the paper.
+    Normaliser: none within the pair. Returns [B].
+    """
+    z = beta * (chosen_logratios - rejected_logratios)
+    w = torch.sigmoid(z / tau)
+    return (1 - w) * -F.logsigmoid(z) + w * torch.exp(-z)
+
+
+# -----------------------------------------------------------------------------------------
+# terms on the policy's own log-probs: the NLL on chosen, SimPO, ORPO
+
+
+def _tokens(lengths: torch.Tensor) -> torch.Tensor:
+    """Token counts as floats clamped to ≥ 1: the divisor of every per-token mean here."""
+    return torch.as_tensor(lengths).float().clamp(min=1.0)
+
+
+def sft_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+    """NLL of the chosen response (RPO, Pang et al. 2024, arXiv:2404.19733): −logp_c / |y_c|.
+
+    Normaliser: a per-token mean within the pair (length clamped to ≥ 1, so an empty response
+    gives 0), so each pair weighs the same whatever its length. TRL's DPOTrainer instead takes
+    one token mean over all chosen tokens of the batch; the two agree when lengths are equal.
+    Returns [B].
+    """
+    return -chosen_logps / _tokens(chosen_lengths)
+
+
+def simpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float,
+    gamma: float,
+) -> torch.Tensor:
+    """SimPO (Meng et al. 2024, arXiv:2405.14734, Eq. 6), reference-free:
+
+        loss = −log σ(β (logp_c/|y_c| − logp_r/|y_r|) − γ)
+
+    γ = `simpo_gamma`, the target reward margin (TRL's CPOTrainer writes it as γ/β inside the
+    bracket; the same thing). Normaliser: each log-prob is a per-token mean within its own
+    sequence (length clamped to ≥ 1). Returns [B].
+    """
+    avg_c = chosen_logps / _tokens(chosen_lengths)
+    avg_r = rejected_logps / _tokens(rejected_lengths)
+    return -F.logsigmoid(beta * (avg_c - avg_r) - gamma)
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x ≤ 0, accurate near 0 and far from it, finite everywhere.
+
+    Mächler's split: log(−expm1(x)) for x > −ln 2 (where 1 − exp(x) cancels) and
+    log1p(−exp(x)) below. x is first clamped to ≤ −ε (ε = the dtype's machine epsilon), so
+    x = 0, a probability of exactly 1, gives log ε ≈ −16 (float32) and a zero gradient
+    instead of −∞ and ∓∞; each branch sees only inputs where it and its gradient are finite.
+    """
+    x = x.clamp(max=-torch.finfo(x.dtype).eps)
+    near = x > -math.log(2)
+    x_near = torch.where(near, x, torch.full_like(x, -1.0))
+    x_far = torch.where(near, torch.full_like(x, -1.0), x)
+    return torch.where(near, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
+
+
+def orpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    lam: float,
+) -> torch.Tensor:
+    """ORPO (Hong et al. 2024, arXiv:2403.07691, Eqs. 4–7), reference-free:
+
+        a = logp/|y| (per-token mean log-prob),   log odds(y) = a − log(1 − exp(a))
+        loss = −a_c − λ · log σ(log odds(y_c) − log odds(y_r))
+
+    the NLL of the chosen response plus λ times the odds-ratio term; λ is TRL's ORPOConfig
+    `beta`. Normaliser: per-token means within each sequence (length clamped to ≥ 1), for
+    both the NLL and the odds. log(1 − exp(a)) is `log1mexp`, finite (value and gradient)
+    when a response is empty or certain (a = 0). Returns [B].
+    """
+    avg_c = chosen_logps.float() / _tokens(chosen_lengths)
+    avg_r = rejected_logps.float() / _tokens(rejected_lengths)
+    log_odds = (avg_c - avg_r) - (log1mexp(avg_c) - log1mexp(avg_r))
+    return -avg_c - lam * F.logsigmoid(log_odds)
+
+
+# -----------------------------------------------------------------------------------------
+# loss_type by name, combined with loss_weights (TRL's DPOConfig semantics)
+
+LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "nca_pair", "sppo_hard",
+    "apo_zero", "apo_down", "discopop", "sft", "simpo", "orpo",
+)
+REFERENCE_FREE = frozenset({"sft", "simpo", "orpo"})  # need no reference log-probs
+_NEEDS_LENGTHS = frozenset({"ipo", "sft", "simpo", "orpo"})
+
+
+def loss_type_list(loss_type: str | Sequence[str]) -> list[str]:
+    """`loss_type` as a list: a single name or a list of names, as DPOConfig accepts."""
+    return [loss_type] if isinstance(loss_type, str) else list(loss_type)
+
+
+def check_preference_options(
+    loss_type: str | Sequence[str],
+    loss_weights: Sequence[float] | None = None,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
+) -> None:
+    """Raise SproutError (one line naming the field) for options no loss can run with."""
+    types = loss_type_list(loss_type)
+    if not types:
+        raise SproutError("loss_type: empty; give at least one of " + ", ".join(LOSS_TYPES))
+    unknown = [t for t in types if t not in LOSS_TYPES]
+    if unknown:
+        raise SproutError(f"loss_type: unknown {unknown[0]!r}; expected one of " + ", ".join(LOSS_TYPES))
+    if loss_weights is not None and len(loss_weights) != len(types):
+        raise SproutError(f"loss_weights: {len(loss_weights)} weights for {len(types)} loss types {types}")
+    if not beta > 0:
+        raise SproutError(f"beta: must be > 0, got {beta}")
+    if "robust" in types and not 0 <= label_smoothing < 0.5:
+        raise SproutError(f"label_smoothing: the robust loss needs 0 <= label_smoothing < 0.5, got {label_smoothing}")
+    if "exo_pair" in types and not 0 < label_smoothing < 1:
+        raise SproutError(
+            f"label_smoothing: the exo_pair loss needs 0 < label_smoothing < 1 (1e-3 in the EXO paper), "
+            f"got {label_smoothing}"
+        )
+    if "discopop" in types and not discopop_tau > 0:
+        raise SproutError(f"discopop_tau: must be > 0, got {discopop_tau}")
+
+
+def preference_loss(
+    loss_type: str | Sequence[str],
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None = None,
+    ref_rejected_logps: torch.Tensor | None = None,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
+    loss_weights: Sequence[float] | None = None,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
+    simpo_gamma: float = 0.5,
+) -> torch.Tensor:
+    """Σ_k w_k · loss_k per pair, for the named variants `loss_type` and weights `loss_weights`.
+
+    loss_type: one name of LOSS_TYPES or a list of them; loss_weights: one weight per name,
+    default 1.0 each (TRL's DPOConfig). `beta` is each variant's β (ORPO's λ, as in TRL's
+    ORPOConfig); `label_smoothing` is robust's and exo_pair's ε. The reference log-probs may
+    be None when every variant is in REFERENCE_FREE; the lengths are needed by ipo, sft,
+    simpo and orpo. Normaliser: each variant's own (see its function); none across pairs.
+    Returns [B].
+    """
+    check_preference_options(
+        loss_type, loss_weights, beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau
+    )
+    types = loss_type_list(loss_type)
+    weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
+    if not REFERENCE_FREE.issuperset(types) and (ref_chosen_logps is None or ref_rejected_logps is None):
+        raise ValueError(f"loss_type {types} needs the reference log-probs")
+    if _NEEDS_LENGTHS.intersection(types) and (chosen_lengths is None or rejected_lengths is None):
+        raise ValueError(f"loss_type {types} needs the response lengths")
+    c = r = None
+    if ref_chosen_logps is not None and ref_rejected_logps is not None:
+        c, r = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    variants = {
+        "sigmoid": lambda: sigmoid_loss(c, r, beta),
+        "hinge": lambda: hinge_loss(c, r, beta),
+        "ipo": lambda: ipo_loss(c, r, chosen_lengths, rejected_lengths, beta),
+        "robust": lambda: robust_loss(c, r, beta, label_smoothing),
+        "exo_pair": lambda: exo_pair_loss(c, r, beta, label_smoothing),
+        "bco_pair": lambda: bco_pair_loss(c, r, beta),
+        "nca_pair": lambda: nca_pair_loss(c, r, beta),
+        "sppo_hard": lambda: sppo_hard_loss(c, r, beta),
+        "apo_zero": lambda: apo_zero_loss(c, r, beta),
+        "apo_down": lambda: apo_down_loss(c, r, beta),
+        "discopop": lambda: discopop_loss(c, r, beta, discopop_tau),
+        "sft": lambda: sft_loss(chosen_logps, chosen_lengths),
+        "simpo": lambda: simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta, simpo_gamma),
+        "orpo": lambda: orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta),
+    }
+    total = torch.zeros_like(chosen_logps, dtype=torch.float32)
+    for name, weight in zip(types, weights):
+        total = total + weight * variants[name]()
+    return total
+
+
+# -----------------------------------------------------------------------------------------
+# implicit rewards and logged metrics (TRL's names), as sums with their counts
+
+
+def implicit_rewards(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO's implicit rewards β(logp − ref_logp) of the chosen and rejected responses, detached.
+
+    Without reference log-probs (None), β·logp of the log-probs given, as TRL's CPO/ORPO
+    trainers log for their reference-free losses (they pass per-token means). Returns two [B].
+    """
+    with torch.no_grad():
+        if ref_chosen_logps is None or ref_rejected_logps is None:
+            return beta * chosen_logps.float(), beta * rejected_logps.float()
+        return beta * (chosen_logps - ref_chosen_logps).float(), beta * (rejected_logps - ref_rejected_logps).float()
+
+
+def mean_logit_sums(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, Σ over masked positions of the mean logit over the vocabulary: the numerator of
+    TRL's logits/chosen and logits/rejected (divide by the masked count). logits [B, T, V],
+    mask [B, T]; no gradient, float32, [B]. Allocates only a [B, T] tensor."""
+    with torch.no_grad():
+        per_token = logits.mean(dim=-1, dtype=torch.float32)
+        return torch.where(mask.bool(), per_token, torch.zeros((), device=per_token.device)).sum(dim=-1)
+
+
+def preference_metric_sums(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    beta: float,
+    *,
+    chosen_logit_sums: torch.Tensor | None = None,
+    rejected_logit_sums: torch.Tensor | None = None,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """TRL's DPO metrics of one batch as {name: (sum, count)}; the metric is Σsum / Σcount.
+
+    Per pair (count = B): rewards/chosen = β(logp_c − ref_c), rewards/rejected = β(logp_r −
+    ref_r) (β·logp when the references are None, see `implicit_rewards`), rewards/margins =
+    their difference, rewards/accuracies = 1 if rewards/chosen > rewards/rejected strictly, so a
+    tie counts as wrong; logps/chosen, logps/rejected = the summed response log-probs.
+    Per token (count = response tokens), only when the logit sums and lengths are given:
+    logits/chosen, logits/rejected = the mean over the vocabulary of the logits, averaged over
+    response tokens (`mean_logit_sums` gives the sums). Sums are detached float32 scalars,
+    counts int64 scalars, so a trainer adds them over micro-batches and all-reduces them.
+    """
+    with torch.no_grad():
+        rc, rr = implicit_rewards(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta)
+        pairs = torch.tensor(rc.numel(), device=rc.device)
+        out = {
+            "rewards/chosen": (rc.sum(), pairs),
+            "rewards/rejected": (rr.sum(), pairs),
+            "rewards/margins": ((rc - rr).sum(), pairs),
+            "rewards/accuracies": ((rc > rr).float().sum(), pairs),
+            "logps/chosen": (chosen_logps.detach().float().sum(), pairs),
+            "logps/rejected": (rejected_logps.detach().float().sum(), pairs),
+        }
+        for side, sums, lengths in (("chosen", chosen_logit_sums, chosen_lengths),
+                                    ("rejected", rejected_logit_sums, rejected_lengths)):
+            if sums is not None and lengths is not None:
+                out[f"logits/{side}"] = (sums.detach().float().sum(), torch.as_tensor(lengths).long().sum())
+        return out
