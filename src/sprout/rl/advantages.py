@@ -1,0 +1,134 @@
+"""Advantages for the RL trainers: group-relative (GRPO, RLOO, Dr. GRPO) and PPO's GAE.
+
+Group advantages (`group_advantages`) take the rewards of the whole global batch, laid out
+prompt by prompt: the `num_generations` completions of one prompt are adjacent (TRL's
+layout). With G completions per group, group mean m_g and group std s_g (Bessel-corrected,
+as `torch.std` and TRL), batch std s_b over all rewards, and eps = 1e-4 (TRL's):
+
+    advantage  baseline                                   scale_rewards   A_i
+    grpo       m_g                                        group (default) (r_i - m_g) / (s_g + eps)
+                                                          batch           (r_i - m_g) / (s_b + eps)
+                                                          none            r_i - m_g
+    rloo       leave-one-out (sum_g - r_i) / (G - 1)      none (default)  r_i - (sum_g - r_i) / (G - 1)
+                                                          group / batch   the same / (s_g + eps) or (s_b + eps)
+    dr_grpo    m_g                                        none only       r_i - m_g
+
+RLOO's advantage equals G / (G - 1) × (r_i - m_g). `frac_reward_zero_std` is the share of
+groups whose rewards are all equal (std 0: such a group gives every completion advantage
+0, so it teaches nothing); it is counted per group whatever the scaling (TRL counts the
+std it divides by, so under `batch` scaling it reports the batch's).
+
+GAE (`gae`) runs over per-token rewards and values [B, T] with a completion mask: with
+m_t the mask, delta_t = r_t + gamma · m_{t+1} · V_{t+1} - V_t and
+A_t = delta_t + gamma · lambda · m_{t+1} · A_{t+1}, so nothing is bootstrapped past the
+last completion token (a truncated completion ends there too, with V = 0 after it);
+returns are A + V. Masked positions get 0 in both.
+
+Whitening (`masked_whiten`) is TRL's: (x - masked mean) / sqrt(masked var + 1e-8), the
+variance Bessel-corrected over the masked count; `shift_mean=False` adds the mean back.
+Here masked positions come out 0. It normalises over the tensor it is given: to whiten
+over every process, gather first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADVANTAGES = ("grpo", "rloo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+DEFAULT_SCALE = {"grpo": "group", "rloo": "none", "dr_grpo": "none"}
+STD_EPS = 1e-4
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """Advantages [N] and the figures trainers log (TRL's names)."""
+
+    advantages: torch.Tensor
+    frac_reward_zero_std: float  # share of groups with equal rewards
+    reward_std: float  # mean over groups of the group std
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, advantage: str = "grpo",
+                     scale_rewards: str | None = None, eps: float = STD_EPS) -> GroupAdvantages:
+    """Group-relative advantages of `rewards` [N = groups × num_generations] (module doc).
+    `scale_rewards` None takes the estimator's default (grpo: group; rloo, dr_grpo: none)."""
+    if advantage not in ADVANTAGES:
+        raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {advantage!r}")
+    scale = DEFAULT_SCALE[advantage] if scale_rewards is None else scale_rewards
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale!r}")
+    if advantage == "dr_grpo" and scale != "none":
+        raise ValueError(f"advantage dr_grpo divides by no std: scale_rewards must be none, got {scale!r}")
+    if num_generations < 2 or rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be 1-D with a multiple of num_generations >= 2 entries, "
+                         f"got shape {tuple(rewards.shape)} and num_generations {num_generations}")
+    r = rewards.double().view(-1, num_generations)
+    g = num_generations
+    group_std = r.std(dim=1, keepdim=True)
+    if advantage == "rloo":
+        adv = r - (r.sum(dim=1, keepdim=True) - r) / (g - 1)
+    else:
+        adv = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        adv = adv / (group_std + eps)
+    elif scale == "batch":
+        adv = adv / (rewards.double().std() + eps)
+    zero = torch.isclose(group_std, torch.zeros_like(group_std))
+    return GroupAdvantages(adv.reshape(-1).to(rewards.dtype), zero.double().mean().item(), group_std.mean().item())
+
+
+# ---- PPO ------------------------------------------------------------------------------
+
+def token_rewards(scores: torch.Tensor, per_token_kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """PPO's per-token rewards [B, T]: -kl_coef × KL on every completion token, plus the
+    sequence's score [B] on its last completion token (0 on masked positions)."""
+    m = mask.to(per_token_kl.dtype)
+    rewards = -kl_coef * per_token_kl * m
+    lengths = mask.long().sum(dim=1)
+    last = (mask.long().cumsum(dim=1) == lengths[:, None]) & mask.bool()  # the last masked position
+    return rewards + last.to(rewards.dtype) * scores.to(rewards.dtype)[:, None]
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, T] by generalised advantage estimation (module doc)."""
+    m = mask.to(values.dtype)
+    rewards, values = rewards * m, values * m
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    next_mask = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.size(1))):
+        delta = rewards[:, t] + gamma * next_mask * next_value - values[:, t]
+        next_adv = (delta + gamma * lam * next_mask * next_adv) * m[:, t]
+        advantages[:, t] = next_adv
+        next_value, next_mask = values[:, t], m[:, t]
+    return advantages, (advantages + values) * m
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the positions where `mask` is 1."""
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum()
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over the masked positions; Bessel-corrected (n / (n - 1)) when `unbiased`."""
+    m = mask.to(values.dtype)
+    n = m.sum()
+    if unbiased and n < 2:
+        raise ValueError(f"masked_var needs at least 2 masked values, got {int(n)}")
+    var = masked_mean((values - masked_mean(values, mask)) ** 2, mask)
+    return var * n / (n - 1) if unbiased else var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Whitened `values` over the masked positions (module doc); masked positions are 0."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(values.dtype)
