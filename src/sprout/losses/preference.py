@@ -36,6 +36,12 @@ import torch.nn.functional as F
 
 from sprout.errors import SproutError
 
+
+def _tokens(lengths: torch.Tensor) -> torch.Tensor:
+    """Token counts as floats clamped to ≥ 1: the divisor of every per-token mean here."""
+    return torch.as_tensor(lengths).float().clamp(min=1.0)
+
+
 # -----------------------------------------------------------------------------------------
 # reward model
 
@@ -204,11 +210,6 @@ def discopop_loss(
 # terms on the policy's own log-probs: the NLL on chosen, SimPO, ORPO
 
 
-def _tokens(lengths: torch.Tensor) -> torch.Tensor:
-    """Token counts as floats clamped to ≥ 1: the divisor of every per-token mean here."""
-    return torch.as_tensor(lengths).float().clamp(min=1.0)
-
-
 def sft_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
     """NLL of the chosen response (RPO, Pang et al. 2024, arXiv:2404.19733): −logp_c / |y_c|.
 
@@ -256,6 +257,11 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(near, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 if it already is: log1mexp's ε cut-off is too coarse in half precision."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def orpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
@@ -270,11 +276,11 @@ def orpo_loss(
 
     the NLL of the chosen response plus λ times the odds-ratio term; λ is TRL's ORPOConfig
     `beta`. Normaliser: per-token means within each sequence (length clamped to ≥ 1), for
-    both the NLL and the odds. log(1 − exp(a)) is `log1mexp`, finite (value and gradient)
+    both the NLL and the odds; computed in at least float32. log(1 − exp(a)) is `log1mexp`, finite (value and gradient)
     when a response is empty or certain (a = 0). Returns [B].
     """
-    avg_c = chosen_logps.float() / _tokens(chosen_lengths)
-    avg_r = rejected_logps.float() / _tokens(rejected_lengths)
+    avg_c = _at_least_float32(chosen_logps) / _tokens(chosen_lengths)
+    avg_r = _at_least_float32(rejected_logps) / _tokens(rejected_lengths)
     log_odds = (avg_c - avg_r) - (log1mexp(avg_c) - log1mexp(avg_r))
     return -avg_c - lam * F.logsigmoid(log_odds)
 
