@@ -15,7 +15,7 @@ from other processes hits both alike. Peak RSS is measured in fresh child proces
 1x and 10x inputs (main process, and the largest worker).
 The shard size (50M tokens) exceeds the 1x output, so a shard buffer would show up here.
 
-    SPROUT_MIRROR=../shared/data .venv/bin/python benchmarks/prep_throughput.py [--mb 50] [--rounds 3]
+    .venv/bin/python benchmarks/prep_throughput.py [--mb 50] [--rounds 3]   # mirror: sprout.mirror.mirror_dir()
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from sprout.prep.clean import CleanConfig, Cleaner, dedup_key
+from sprout.mirror import mirror_dir
+from sprout.prep.clean import CleanConfig, Cleaner
+from sprout.prep.keys import text_key
 from sprout.prep.pretrain import PrepConfig, prepare
 from sprout.prep.sources import SourceSpec, iter_documents
 from sprout.tokenizer import load_tokenizer
@@ -50,7 +52,7 @@ def base_documents(mirror: Path) -> list[str]:
     docs, seen = [], set()
     for rel, extra in SAMPLES:
         for text in iter_documents(SourceSpec(path=str(mirror / rel), **extra)):
-            if (text := cleaner(text)) is not None and (key := dedup_key(text)) not in seen:
+            if (text := cleaner(text)) is not None and (key := text_key(text)) not in seen:
                 seen.add(key)
                 docs.append(text)
     return docs
@@ -135,8 +137,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--rss-only", action="store_true", help="skip the throughput rounds")
     args = parser.parse_args()
-    mirror = Path(os.environ.get("SPROUT_MIRROR", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    if not (mirror / "MANIFEST.md").is_file():
+    mirror = mirror_dir()
+    if mirror is None or not (mirror / "MANIFEST.md").is_file():
         print(f"no data mirror at {mirror}; set SPROUT_MIRROR", file=sys.stderr)
         return 2
     os.environ["SPROUT_MIRROR"] = str(mirror)

@@ -25,7 +25,7 @@ def main() -> int:
     parser.add_argument("file", help="packed SFT file (.h5)")
     parser.add_argument("--show", type=int, default=2, help="rows to print with trained tokens highlighted")
     parser.add_argument("--html", help="also write the shown rows to this HTML page")
-    parser.add_argument("--mirror", help="data mirror for tiktoken ranks (default $SPROUT_MIRROR)")
+    parser.add_argument("--mirror", help="data mirror for tiktoken ranks (default: $SPROUT_MIRROR, else ../shared/data; see sprout.mirror)")
     parser.add_argument("--tokenizer", help="tokenizer spec, if the stored one has moved")
     parser.add_argument("--no-color", action="store_true", help="mark trained tokens as [[...]] instead of ANSI")
     args = parser.parse_args()

@@ -5,7 +5,8 @@
         --tokenizer tiktoken:r50k_base --out runs/data --workers 2 --format both
 
 Flags override the config; other `--section.field value` pairs too (`--clean.min_chars 0`).
-Paths may use ${SPROUT_MIRROR}, filled from --mirror or the environment. See `sprout.prep.pretrain`.
+Paths may use ${SPROUT_MIRROR}, the data mirror: --mirror DIR, else $SPROUT_MIRROR, else
+../shared/data beside the repository (`sprout.mirror`). See `sprout.prep.pretrain`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
     python scripts/prepare_sft_data.py --config configs/demo/sft_data.yaml \\
         --mirror ../shared/data --tokenizer tiktoken:r50k_base --out runs/demo/sft/sft.h5
 
+`${SPROUT_MIRROR}` in source paths is the data mirror: --mirror DIR, else $SPROUT_MIRROR, else
+../shared/data beside the repository when it exists (`sprout.mirror`); without one, the
+sources' hub ids are used.
+
 Writes OUT (train) and OUT with `_val` before the suffix (val split), in the format of
 `sprout.formats.sft`; see `sprout.prep.sft` for the steps and `sprout.prep.packing` for the
 over-long policy. Flags override the config; other `--field value` pairs too.
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 
@@ -36,8 +39,6 @@ def main() -> int:
     if args.no_dedup:
         overrides["dedup"] = False
     cfg = load_config(SFTDataConfig, args.config, merge(parse_overrides(rest), overrides))
-    if cfg.mirror is None and os.environ.get("SPROUT_MIRROR"):
-        cfg.mirror = os.environ["SPROUT_MIRROR"]
     print(dump_yaml(cfg), end="")
     tok = load_tokenizer(cfg.tokenizer, mirror=cfg.mirror)
     result = prepare(cfg, tok, command=shlex.join(sys.argv))

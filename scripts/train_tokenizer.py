@@ -5,7 +5,8 @@
     python scripts/train_tokenizer.py --config configs/demo/tokenizer.yaml --out runs/demo/tokenizer/sp4096
 
 Writes OUT.model (use it as `--tokenizer sentencepiece:OUT.model`) and OUT.vocab. Byte
-fallback, identity normalisation, special pieces at ids 0-6; see `sprout.tokenizer`.
+fallback, identity normalisation, special pieces at ids 0-6; see `sprout.prep.tokenizer_train`.
+Paths may use ${SPROUT_MIRROR}, the data mirror (`sprout.mirror`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import time
 
 from sprout.config import dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
-from sprout.tokenizer import TokenizerTrainConfig, load_tokenizer, train_from_sources
+from sprout.prep.tokenizer_train import TokenizerTrainConfig, train_from_sources
+from sprout.tokenizer import load_tokenizer
 
 FLAGS = {"text_field": str, "vocab_size": int, "out": str, "mirror": str, "max_chars": int}
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sprout.tokenizer import load_tokenizer, train_sentencepiece
+from sprout.prep.tokenizer_train import train_sentencepiece
+from sprout.tokenizer import load_tokenizer
 
 WORDS = ("the a little girl boy dog cat ball park tree sun happy sad big small red blue went saw "
          "played ran jumped found said mom dad friend house garden river cake toy day night once "

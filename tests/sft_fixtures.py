@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sprout.tokenizer import load_tokenizer, train_sentencepiece
+from sprout.prep.tokenizer_train import train_sentencepiece
+from sprout.tokenizer import load_tokenizer
 
 ALPACA = [
     {"instruction": "Give three tips for staying healthy.", "input": "",

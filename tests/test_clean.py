@@ -1,7 +1,8 @@
 import numpy as np
 
-from sprout.prep.clean import CleanConfig, Cleaner, dedup_key, non_ascii_count
-from sprout.prep.mixture import first_occurrences, key_halves
+from sprout.prep.clean import CleanConfig, Cleaner, non_ascii_count
+from sprout.prep.keys import key_halves, text_key
+from sprout.prep.mixture import first_occurrences
 
 MESSY = ("\u201cCan we go to the park?\u201d asked Lily.\u00a0\u00a0Mom smiled \u2014 \u201cYes\u2026 but first, lunch!\u201d"
          "\r\n\r\n\r\nThey ate quickly and ran outside.")
@@ -62,9 +63,9 @@ def test_dedup_keys_and_counts():
             "TOM HAD A RED BALL. HE LIKED TO PLAY WITH IT IN THE PARK EVERY DAY WITH HIS DOG.",
             "Tom had a blue ball. He liked to play with it in the park every day with his dog.",
             "Tom had a red ball. He liked to play with it in the park every day with his dog."]
-    keys = np.stack([np.frombuffer(dedup_key(d), np.uint8) for d in docs])
-    assert dedup_key(docs[0]) == dedup_key(docs[1])      # case-insensitive
-    assert dedup_key(docs[0]) != dedup_key(docs[2])      # a near-duplicate is a different document
+    keys = np.stack([np.frombuffer(text_key(d), np.uint8) for d in docs])
+    assert text_key(docs[0]) == text_key(docs[1])      # case-insensitive
+    assert text_key(docs[0]) != text_key(docs[2])      # a near-duplicate is a different document
     keep = first_occurrences(key_halves(keys)[0], lambda idx: keys[idx])
     assert keep.tolist() == [True, False, True, False]   # the first occurrence survives
     assert int((~keep).sum()) == 2
@@ -79,3 +80,22 @@ def test_dedup_is_exact_when_first_halves_collide():
     keep = first_occurrences(key_halves(keys)[0], lambda idx: keys[idx])
     assert np.flatnonzero(~keep).tolist() == [500, 900]
     assert first_occurrences(np.zeros(0, np.uint64), lambda idx: keys[idx]).tolist() == []
+
+
+def test_keys_and_split_rule_by_hand():
+    """text_key is MD5 of the lower-cased text; the split compares its last 8 bytes with val_frac * 2^64."""
+    import hashlib
+
+    from sprout.prep.keys import SplitRule, is_val, key_low, record_text, val_mask_low, val_threshold
+
+    key = text_key("Hello World")
+    assert key == hashlib.md5(b"hello world").digest()
+    assert key_low(key) == int.from_bytes(hashlib.md5(b"hello world").digest()[8:], "big")
+    assert val_threshold(0.25) == 2**62 and val_threshold(0) == 0
+    assert is_val(bytes(8) + (2**62 - 1).to_bytes(8, "big"), 0.25)
+    assert not is_val(bytes(8) + (2**62).to_bytes(8, "big"), 0.25)
+    assert text_key(record_text("ab", "c")) != text_key(record_text("a", "bc"))
+    lo = np.array([5, 2**63, 1, 2**62 - 1, 2**62], dtype=np.uint64)
+    assert val_mask_low(lo, 0.25).tolist() == [True, False, True, True, False]
+    assert SplitRule(val_docs=2).mask(lo).tolist() == [True, False, True, False, False]  # the 2 smallest
+    assert SplitRule(val_frac=0.05).describe()["key"].startswith("md5(lower(cleaned text))")

@@ -255,8 +255,8 @@ def test_tokenizer_training_skips_exactly_the_val_documents(tok, corpus, tmp_pat
     """train_tokenizer's exclude_val_frac uses prep's hash-fraction rule: it trains on the
     train documents only. It does not deduplicate, so it also sees the upper-cased copy of a
     story that prep's case-insensitive dedup drops."""
-    import sprout.tokenizer as tokenizer_module
-    from sprout.tokenizer import TokenizerTrainConfig, train_from_sources
+    import sprout.prep.tokenizer_train as tokenizer_module
+    from sprout.prep.tokenizer_train import TokenizerTrainConfig, train_from_sources
 
     run(tok, corpus, tmp_path / "out", val_frac=0.2)
     val = set(documents(tok, tmp_path / "out", "val"))

@@ -1,6 +1,7 @@
 """SFT sources, prep and loader on fixtures in each source's real format (and the mirror)."""
 
 import gzip
+import hashlib
 import json
 import subprocess
 import sys
@@ -17,7 +18,10 @@ from sprout.errors import SproutError
 from sprout.rl.verifiers import parse_answer
 from sprout.formats.maskcheck import check_arrays
 from sprout.formats.sft import SFTFile, val_path
-from sprout.prep.sft import SFTDataConfig, is_val, conversation_key, prepare, weighted_indices
+from sprout.chat import ChatError, validate
+from sprout.prep.keys import conversation_key, is_val
+from sprout.prep.mixture import resample
+from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.prep.chat_sources import SourceConfig, iter_records, read_source, strip_alpaca_wrapper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,11 +109,17 @@ def test_hub_route_through_datasets_with_a_local_folder(tmp_path, monkeypatch):
     assert got == convs("dolly", write_jsonl(tmp_path / "d.jsonl", DOLLY_ORIGINAL))
 
 
-def test_missing_source_and_no_route(tmp_path):
+def test_mirror_paths_and_no_route(tmp_path, monkeypatch):
+    (tmp_path / "a.json").write_text(json.dumps(ALPACA[:1]))
+    spec = SourceConfig("a", "alpaca", "${SPROUT_MIRROR}/a.json")
+    assert len(list(read_source(spec, mirror=tmp_path))) == 1
+    monkeypatch.setenv("SPROUT_MIRROR", str(tmp_path))
+    assert len(list(read_source(spec))) == 1
     with pytest.raises(SproutError, match="source file not found"):
-        list(read_source(SourceConfig("a", "alpaca", "nope.json"), mirror=tmp_path))
-    with pytest.raises(SproutError, match="no mirror given"):
-        list(read_source(SourceConfig("a", "alpaca", "nope.json"), mirror=None))
+        list(read_source(SourceConfig("a", "alpaca", "${SPROUT_MIRROR}/nope.json"), mirror=tmp_path))
+    monkeypatch.setenv("SPROUT_MIRROR", "")  # no mirror at all, and no hub id
+    with pytest.raises(SproutError, match=r"a.json needs a mirror .* and there is no hub id"):
+        list(read_source(spec))
 
 
 # ---- prep --------------------------------------------------------------------------------
@@ -154,12 +164,22 @@ def test_prepare_writes_checked_files_with_counts(request, paths, tmp_path, whic
 
 
 def test_val_split_is_disjoint_and_stable(r50k, paths, tmp_path):
-    keys = [conversation_key(c) for c in convs("gsm8k", paths["gsm8k"]) + convs("alpaca", paths["alpaca"])]
-    assert [is_val(k, 0.5) for k in keys] == [is_val(k, 0.5) for k in keys]
+    # the shared key: MD5 of the lower-cased roles and contents joined by the unit separator
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert conversation_key(conv) == hashlib.md5(b"user\x1fhi\x1fassistant\x1fyo").digest()
+    unique = {}
+    for fmt, name in (("alpaca", "alpaca"), ("dolly", "dolly_original"), ("dolly", "dolly_prompt"), ("gsm8k", "gsm8k")):
+        for c in convs(fmt, paths[name]):
+            try:
+                validate(c)
+            except ChatError:
+                continue
+            unique.setdefault(conversation_key(c), c)
     result = _prepare(r50k, paths, tmp_path / "s.h5", val_fraction=0.5)
     n_val = sum(s.get("val", 0) for s in result["sources"].values())
     n_train = sum(s.get("train", 0) for s in result["sources"].values())
-    assert n_val + n_train == 6 and result["val"]["examples_packed"] == n_val
+    assert n_val + n_train == len(unique) == 6 and result["val"]["examples_packed"] == n_val
+    assert n_val == sum(is_val(k, 0.5) for k in unique)
     with SFTFile(tmp_path / "s.h5") as t, SFTFile(tmp_path / "s_val.h5") as v:
         a, b = t.read(), v.read()
     docs = lambda arr: {tuple(arr["tokens"][r][arr["segment_ids"][r] == d]) for r in range(len(arr["tokens"]))  # noqa: E731
@@ -169,8 +189,14 @@ def test_val_split_is_disjoint_and_stable(r50k, paths, tmp_path):
 
 def test_mixture_weights(r50k, paths, tmp_path):
     rng = np.random.default_rng(0)
-    assert len(weighted_indices(10, 2.0, rng)) == 20 and len(weighted_indices(10, 0.5, rng)) == 5
-    assert len(weighted_indices(10, 0.0, rng)) == 0
+    ones = np.ones(10, dtype=np.int64)
+    twice = resample(np.arange(10), ones, 2.0 * 10, rng)  # weight 2: every example exactly twice
+    assert np.bincount(twice, minlength=10).tolist() == [2] * 10
+    half = resample(np.arange(10), ones, 0.5 * 10, rng)   # weight 0.5: 5 distinct examples
+    assert len(half) == len(set(half.tolist())) == 5
+    counts = np.bincount(resample(np.arange(10), ones, 1.3 * 10, rng), minlength=10)  # each once, 3 twice
+    assert counts.sum() == 13 and counts.min() == 1 and (counts == 2).sum() == 3
+    assert len(resample(np.arange(10), ones, 0.0, rng)) == 0
     sources = source_list(paths)
     sources[3]["weight"] = 3.0
     sources[0]["weight"] = 0.5

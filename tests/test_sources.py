@@ -7,7 +7,8 @@ import zstandard
 
 from sprout.prep import sources
 from sprout.errors import SproutError
-from sprout.prep.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
+from sprout.mirror import expand_path
+from sprout.prep.sources import ReadStats, SourceSpec, iter_documents, parse_source_arg, source_name
 
 DOCS = [f"Document number {i}: café “quoted” text\nwith a second line." for i in range(40)]
 
@@ -191,6 +192,6 @@ def test_empty_inputs_and_bad_paths(tmp_path):
 
 
 def test_mirror_variable_must_be_set(monkeypatch):
-    monkeypatch.delenv("SPROUT_MIRROR", raising=False)
+    monkeypatch.setenv("SPROUT_MIRROR", "")  # no mirror, not even the default beside the repository
     with pytest.raises(SproutError, match=r"x.txt: uses \$\{SPROUT_MIRROR\} but no mirror is set"):
         expand_path("${SPROUT_MIRROR}/x.txt", None)

@@ -10,7 +10,8 @@ from data_fixtures import make_docs, train_tiny_sp
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
 from sprout.prep.sources import SourceSpec, iter_documents
-from sprout.tokenizer import R50K_SHA256, SPECIAL_PIECES, load_tokenizer, train_sentencepiece
+from sprout.prep.tokenizer_train import SPECIAL_PIECES, train_sentencepiece
+from sprout.tokenizer import R50K_SHA256, load_tokenizer
 
 TRICKY = ["Hello world", "  two leading spaces", "trailing space ", "tab\there\r\nCRLF\n\n\nblank lines",
           "Café naïve 日本語 ✓ 😀", "a  b   c", "<|endoftext|> and <|user|> typed as text", "12345 + 678 = 13023", ""]
@@ -28,7 +29,7 @@ def offline_mirror(mirror, tmp_path, monkeypatch):
     (root / "tokenizers").mkdir(parents=True)
     shutil.copy(mirror / "tokenizers" / "gpt2.tiktoken", root / "tokenizers" / "gpt2.tiktoken")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
-    monkeypatch.delenv("SPROUT_MIRROR", raising=False)
+    monkeypatch.setenv("SPROUT_MIRROR", "")  # no mirror at all: not even ../shared/data
 
     def no_network(*args, **kwargs):
         raise AssertionError("network access attempted")

@@ -3,7 +3,7 @@
 Every stage that turns messages into tokens (SFT prep, preference and RL batches, the
 chat CLI) goes through `render`, so training and inference see the same bytes.
 
-Layout (DESIGN.md "Chat template and loss mask"; plain-text markers as in seed 003):
+Layout:
 
     <|system|>\\n{system}<eot><|user|>\\n{question}<eot><|assistant|>\\n{answer}<eot>...
 
@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from sprout.errors import SproutError
+from sprout.tokenizer import EOT
 
 TEMPLATE_VERSION = "sprout-chat-v1"
 ROLES = ("system", "user", "assistant")
 MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
-EOT_MARKER = "<|endoftext|>"
+EOT_MARKER = EOT  # closes every turn
 RESERVED = (*MARKERS.values(), EOT_MARKER)
 
 

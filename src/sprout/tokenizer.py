@@ -1,58 +1,48 @@
-"""Tokenizers behind one spec string, and SentencePiece BPE training.
+"""Runtime tokenizers behind one spec string.
 
     load_tokenizer("tiktoken:r50k_base")          # GPT-2's BPE (tiktoken), 50,257 ids
     load_tokenizer("tiktoken:gpt2")                # same ranks as r50k_base
-    load_tokenizer("sentencepiece:PATH.model")     # a SentencePiece model (e.g. one trained here)
+    load_tokenizer("sentencepiece:PATH.model")     # a SentencePiece model (e.g. one trained by
+                                                   # `sprout.prep.tokenizer_train`)
 
-tiktoken ranks load offline from a mirror folder (`mirror=` or $SPROUT_MIRROR) holding
+tiktoken ranks load offline from the data mirror (`sprout.mirror.mirror_dir`: `mirror=`,
+else $SPROUT_MIRROR, else `../shared/data` beside the repository) holding
 `tokenizers/gpt2.tiktoken`, which is byte-identical to r50k_base.tiktoken (sha256 pinned by
 tiktoken); without a mirror, `tiktoken.get_encoding` downloads them as usual.
 
-Every tokenizer exposes `byte_luts()`, three per-id tables for bits per byte (seed 002, the
-parameter-golf `build_sentencepiece_luts` method): bytes of the piece, whether the piece
+`EOT` (`<|endoftext|>`) is the end-of-text string every module uses: the document separator
+in text sources, the eot id's piece, and the turn terminator of the chat template.
+
+Every tokenizer exposes `byte_luts()`, three per-id tables for bits per byte (the method of
+parameter-golf's `build_sentencepiece_luts`): bytes of the piece, whether the piece
 starts with SentencePiece's "▁", and whether the id is a boundary (control) token. A target
 token then covers `base[t] + (lead[t] & ~boundary[prev])` bytes (see `sprout.bpb`).
 Two refinements keep the count exact: a "▁" inside a piece counts as the one-byte space it
 decodes to (not the 3 UTF-8 bytes of U+2581), and for models trained without a dummy prefix
-(ours) every "▁" is a real space, so it is folded into the base bytes instead of being
-dropped after a boundary. tiktoken ids count their exact byte length.
-
-`train_sentencepiece` trains the BPE models the project uses (Sennrich et al. 2016 via
-Kudo & Richardson 2018): byte fallback, identity normalisation and no dummy prefix, so
-`decode(encode(text)) == text` and separately encoded pieces concatenate exactly, and the
-special pieces later stages need at fixed ids (`SPECIAL_PIECES`).
+(those of `sprout.prep.tokenizer_train`) every "▁" is a real space, so it is folded into the
+base bytes instead of being dropped after a boundary. tiktoken ids count their exact byte length.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from sprout.atomic import atomic_write, sha256_file
+from sprout.atomic import sha256_file
 from sprout.errors import SproutError
+from sprout.mirror import mirror_dir
 
 EOT = "<|endoftext|>"
-# Pieces of every SentencePiece model trained by sprout, in id order (0..6).
-SPECIAL_PIECES = ("<|pad|>", "<unk>", "<|bos|>", EOT, "<|system|>", "<|user|>", "<|assistant|>")
-CONTROL_SYMBOLS = SPECIAL_PIECES[4:]
 
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 R50K_MIRROR_FILE = "tokenizers/gpt2.tiktoken"
 R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 TIKTOKEN_NAMES = ("r50k_base", "gpt2")  # gpt2 uses the same ranks as r50k_base
-
-
-def mirror_dir(mirror: str | os.PathLike | None = None) -> Path | None:
-    """The mirror folder: the argument, else $SPROUT_MIRROR, else None."""
-    value = mirror if mirror is not None else os.environ.get("SPROUT_MIRROR")
-    return Path(value) if value else None
 
 
 class Tokenizer:
@@ -260,9 +250,8 @@ class SentencePieceTokenizer(Tokenizer):
         return sha256_file(self.path)
 
 
-
 def load_tokenizer(spec: str, mirror: str | None = None) -> Tokenizer:
-    """Build a tokenizer from its spec string; `mirror` falls back to $SPROUT_MIRROR."""
+    """Build a tokenizer from its spec string; `mirror` as for `sprout.mirror.mirror_dir`."""
     kind, sep, arg = spec.partition(":")
     if not sep or not arg:
         raise SproutError(f"tokenizer spec {spec!r}: expected tiktoken:NAME or sentencepiece:PATH.model")
@@ -292,115 +281,3 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
     return ranks
-
-
-
-def _training_pieces(texts: Iterable[str], max_chars: int, max_piece: int) -> Iterator[str]:
-    """Documents for the trainer, long ones cut at newlines into pieces of <= max_piece chars."""
-    total = 0
-    for text in texts:
-        while text:
-            if len(text) <= max_piece:
-                piece, text = text, ""
-            else:
-                cut = text.rfind("\n", 0, max_piece)
-                cut = cut + 1 if cut > 0 else max_piece
-                piece, text = text[:cut], text[cut:]
-            yield piece
-            total += len(piece)
-            if max_chars and total >= max_chars:
-                return
-
-
-def train_sentencepiece(
-    texts: Iterable[str],
-    out_prefix: str | os.PathLike,
-    vocab_size: int,
-    *,
-    max_chars: int = 200_000_000,
-    character_coverage: float = 0.9995,
-    num_threads: int | None = None,
-) -> Path:
-    """Train a SentencePiece BPE model on `texts`; writes PREFIX.model and PREFIX.vocab atomically.
-
-    Byte fallback, identity normalisation, no whitespace clean-up and no dummy prefix, so
-    decoding gives back the original bytes. Digits are split one per token.
-    """
-    import sentencepiece as spm
-
-    out_prefix = Path(out_prefix)
-    if vocab_size < len(SPECIAL_PIECES) + 256 + 1:
-        raise SproutError(f"vocab size {vocab_size} is too small: byte fallback alone needs {len(SPECIAL_PIECES) + 256} ids")
-    max_piece = 1 << 16
-    model = io.BytesIO()
-    pieces = _training_pieces(texts, max_chars, max_piece)
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=pieces, model_writer=model, model_type="bpe", vocab_size=vocab_size,
-            byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
-            character_coverage=character_coverage, max_sentence_length=max_piece * 4,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=SPECIAL_PIECES[0], unk_piece=SPECIAL_PIECES[1],
-            bos_piece=SPECIAL_PIECES[2], eos_piece=SPECIAL_PIECES[3], control_symbols=list(CONTROL_SYMBOLS),
-            num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
-        )
-    except RuntimeError as exc:
-        raise SproutError(f"{out_prefix}.model: SentencePiece training failed: {exc}") from None
-    proto = model.getvalue()
-    if not proto:
-        raise SproutError(f"{out_prefix}.model: SentencePiece training produced no model (no training text?)")
-    model_path = out_prefix.with_name(out_prefix.name + ".model")
-    with atomic_write(model_path, "wb") as f:
-        f.write(proto)
-    sp = spm.SentencePieceProcessor(model_proto=proto)
-    with atomic_write(out_prefix.with_name(out_prefix.name + ".vocab"), "w") as f:
-        for i in range(sp.get_piece_size()):
-            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n")
-    return model_path
-
-
-@dataclass
-class TokenizerTrainConfig:
-    sources: list = field(default_factory=list)  # "PATH" strings or SourceSpec mappings, as for prep
-    text_field: str = "text"
-    vocab_size: int = 4096
-    out: str = "runs/tokenizer/sp4096"           # writes OUT.model and OUT.vocab
-    mirror: str | None = None
-    max_chars: int = 200_000_000                 # training text cap (sources interleaved)
-    clean: bool = True                           # apply the pipeline's cleaning (sprout.prep.clean) first
-    strict: bool = False
-    exclude_val_frac: float = 0.0                # skip the documents that prep's hash-fraction split with
-                                                 # this val_frac sends to val, so val bpb is honest
-
-
-def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
-    """Train `cfg.out`.model on the sources, interleaved document by document, cleaned like
-    the pretraining data (so the tokenizer sees the text it will encode)."""
-    from sprout.prep.clean import CleanConfig, Cleaner, dedup_key
-    from sprout.config import from_dict
-    from sprout.prep.mixture import val_threshold
-    from sprout.prep.sources import SourceSpec, expand_path, iter_documents, parse_source_arg
-
-    mirror = cfg.mirror or os.environ.get("SPROUT_MIRROR")
-    streams = []
-    for i, item in enumerate(cfg.sources):
-        spec = parse_source_arg(item) if isinstance(item, str) else from_dict(SourceSpec, item, f"sources[{i}]")
-        spec.path = expand_path(spec.path, mirror)
-        streams.append(iter_documents(spec, cfg.text_field, strict=cfg.strict))
-    if not streams:
-        raise SproutError("no sources given (--source PATH or sources: in the config)")
-    cleaner = Cleaner(CleanConfig()) if cfg.clean else None
-    threshold = val_threshold(cfg.exclude_val_frac)
-
-    def interleaved() -> Iterator[str]:
-        live = list(streams)
-        while live:
-            for stream in list(live):
-                text = next(stream, None)
-                if text is None:
-                    live.remove(stream)
-                elif cleaner is None or (text := cleaner(text)) is not None:
-                    if not threshold or int.from_bytes(dedup_key(text)[8:], "big") >= threshold:
-                        yield text
-
-    return train_sentencepiece(interleaved(), cfg.out, cfg.vocab_size, max_chars=cfg.max_chars)

@@ -25,9 +25,11 @@ JSON, or a row missing a field, is an error naming the file and line: these mean
 not what the config says it is. Content-level problems (empty text, bad role order) are
 left to the chat template, whose errors prep scripts count as drops.
 
-A source is read from `mirror/path` when a mirror is given (a local folder holding the
-files the hub would give), else from the hub through `datasets.load_dataset(hub,
-hub_config, split=split)`; `hub` may also be a local folder that `datasets` can load.
+A source is read from its `path`, in which `${SPROUT_MIRROR}` stands for the data mirror
+(`sprout.mirror`: a local folder holding the files the hub would give). When the path
+needs a mirror and none is found, or there is no path, the source is read from the hub
+through `datasets.load_dataset(hub, hub_config, split=split)`; `hub` may also be a local
+folder that `datasets` can load.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from typing import Iterator
 
 from sprout.config import from_dict
 from sprout.errors import SproutError
+from sprout.mirror import ENV as MIRROR_VARIABLE
+from sprout.mirror import expand_path, mirror_dir
 from sprout.rl.verifiers import format_reasoning, normalise_number
 
 FORMATS = ("alpaca", "dolly", "gsm8k", "chat")
@@ -51,7 +55,7 @@ FORMATS = ("alpaca", "dolly", "gsm8k", "chat")
 class SourceConfig:
     name: str
     format: str
-    path: str | None = None  # file, relative to the mirror (or absolute)
+    path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
     hub: str | None = None  # dataset id (or local folder) for `datasets.load_dataset`
     hub_config: str | None = None
     split: str = "train"
@@ -222,15 +226,15 @@ def _hub_rows(spec: SourceConfig) -> Iterator[tuple[str, dict]]:
 
 
 def source_rows(spec: SourceConfig, mirror: str | os.PathLike | None) -> Iterator[tuple[str, dict]]:
-    """Raw records of one source: `mirror/path` when there is a mirror (or `path` is
-    absolute), else the hub."""
+    """Raw records of one source: its `path` (with the mirror filled in), else the hub."""
     if spec.format not in CONVERTERS:
         raise SproutError(f"source {spec.name}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
-    if spec.path and (mirror or Path(spec.path).is_absolute()):
-        return iter_records(Path(mirror or "/") / spec.path)
+    if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
+        return iter_records(Path(expand_path(spec.path, mirror)))
     if spec.hub:
         return _hub_rows(spec)
-    raise SproutError(f"source {spec.name}: no mirror given (--mirror DIR or SPROUT_MIRROR) and no hub id")
+    raise SproutError(f"source {spec.name}: {spec.path or 'no path'} needs a mirror (--mirror DIR or SPROUT_MIRROR) "
+                      "and there is no hub id")
 
 
 def read_source(spec: SourceConfig, mirror=None, max_examples: int | None = None) -> Iterator[Example]:

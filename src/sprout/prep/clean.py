@@ -1,4 +1,4 @@
-"""Text cleaning and exact deduplication keys (the rules of seed 004).
+"""Text cleaning: normalisations and filters applied to every pretraining document.
 
 Normalisations, each switchable (`CleanConfig`) and counted per document they changed:
     quotes     ‘ ’ “ ” -> ' "          dashes    – -> -, — -> " - "
@@ -10,13 +10,11 @@ Filters, each counted as a drop reason:
     too_short  fewer than `min_chars` characters after cleaning
     non_ascii  more than `max_non_ascii` of the characters beyond printable ASCII (ord > 126):
                other scripts, emoji, mojibake (0.2% lets one such character through per 500)
-Dedup key: MD5 of the cleaned text in lower case (16 bytes), so a story in capitals is the
-same story; only exact duplicates are caught, never near-duplicates.
+The cleaned text is what `sprout.prep.keys.text_key` keys for exact dedup and the split.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -92,7 +90,3 @@ def non_ascii_count(text: str) -> int:
     codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
     return int(np.count_nonzero(codes > 126))
 
-
-def dedup_key(text: str) -> bytes:
-    """16-byte MD5 of the lower-cased (already cleaned) text."""
-    return hashlib.md5(text.lower().encode("utf-8")).digest()

@@ -1,28 +1,38 @@
 """Dedup keys and the hash split: one definition that every prep uses.
 
 A document (pretraining text, an SFT conversation, a preference pair, an RL prompt) is
-identified by `text_key(text)`: the 16-byte MD5 of its lower-cased text. Two documents
-with the same key are duplicates; the first one seen is kept.
+identified by `text_key(text)`: the 16-byte MD5 of its lower-cased text (for pretraining,
+the cleaned text; so a story in capitals is the same story). Two documents with the same
+key are duplicates; the first one seen is kept. Only exact duplicates are caught, never
+near-duplicates.
 
 The train/val (or train/test) split is a pure function of the key, so it is stable across
 re-runs, worker counts and source order, and a document can never be in both splits:
-a document goes to val when the last 8 bytes of its key, read big-endian, are below
-`val_frac × 2^64` (`is_val` for one key, `val_mask` for many at once, vectorised).
+- hash-fraction (`val_frac`): a document goes to val when the last 8 bytes of its key,
+  read big-endian (`key_low`), are below `val_frac × 2^64` (`val_threshold`); `is_val` for
+  one key, `val_mask_low` for many at once, vectorised;
+- hash-count (`val_docs`, pretraining only): the N documents of each source with the
+  smallest such numbers go to val.
+`SplitRule` holds either and describes itself for manifests.
 
 Structured records are keyed by a canonical text built from their fields
 (`record_text`): each part on its own, joined by a separator that cannot appear in
-cleaned text, so ("ab", "c") and ("a", "bc") differ.
+cleaned text, so ("ab", "c") and ("a", "bc") differ; a conversation is keyed by its roles
+and contents in order (`conversation_key`). Keys stored as arrays are N × 16
+uint8 rows, or two big-endian uint64 halves (`KEY_DTYPE`, `key_halves`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 
 from sprout.errors import SproutError
 
 KEY_BYTES = 16
+KEY_DTYPE = np.dtype([("hi", ">u8"), ("lo", ">u8")])  # a 16-byte key as two big-endian halves
 _PART_SEP = "\x1f"  # ASCII unit separator: joins the parts of a structured record
 
 
@@ -34,6 +44,17 @@ def text_key(text: str) -> bytes:
 def record_text(*parts: str) -> str:
     """The canonical text of a structured record (for `text_key`): parts joined unambiguously."""
     return _PART_SEP.join(parts)
+
+
+def conversation_key(messages) -> bytes:
+    """The key of a conversation: `text_key` of the `record_text` of its roles and contents."""
+    return text_key(record_text(*(part for m in messages for part in (m["role"], m["content"]))))
+
+
+def key_halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) uint64 halves of N x 16 uint8 keys."""
+    pairs = np.ascontiguousarray(keys, dtype=np.uint8).view(KEY_DTYPE).ravel()
+    return pairs["hi"].astype(np.uint64), pairs["lo"].astype(np.uint64)
 
 
 def val_threshold(val_frac: float | None) -> int:
@@ -51,10 +72,33 @@ def key_low(key: bytes) -> int:
 
 
 def is_val(key: bytes, val_frac: float | None) -> bool:
-    """The split rule for one key (see the module docstring)."""
+    """The hash-fraction rule for one key (see the module docstring)."""
     return key_low(key) < val_threshold(val_frac)
 
 
-def val_mask_low(lo: np.ndarray, val_frac: float | None) -> np.ndarray:
-    """The split rule for many keys at once, given their last-8-byte halves as uint64."""
+def val_mask_low(lo: np.ndarray, val_frac: float | None, val_docs: int | None = None) -> np.ndarray:
+    """The split rule for the documents of ONE source at once, given the last-8-byte halves
+    of their keys as uint64: hash-count when `val_docs` is given, else hash-fraction."""
+    if val_docs is not None:
+        mask = np.zeros(len(lo), dtype=bool)
+        mask[np.argsort(lo, kind="stable")[:val_docs]] = True
+        return mask
     return lo < np.uint64(val_threshold(val_frac))
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    val_frac: float | None = 0.01
+    val_docs: int | None = None  # per source; overrides val_frac
+
+    def mask(self, lo: np.ndarray) -> np.ndarray:
+        """Which documents of one source go to val (`val_mask_low`)."""
+        return val_mask_low(lo, self.val_frac, self.val_docs)
+
+    def describe(self, text: str = "cleaned text") -> dict:
+        """The rule as recorded in a manifest; `text` names what was keyed."""
+        key = f"md5(lower({text})), last 8 bytes big-endian"
+        if self.val_docs is not None:
+            return {"method": "hash-count", "val_docs_per_source": self.val_docs,
+                    "key": f"{key}; smallest N per source go to val"}
+        return {"method": "hash-fraction", "val_frac": self.val_frac, "key": f"{key}; < val_frac * 2^64 goes to val"}

@@ -1,53 +1,31 @@
-"""Deduplication, train/val split and source mixture over per-document arrays.
+"""Deduplication, train/val split and source weighting over per-document arrays.
 
 Everything here works on small per-document arrays (token counts and halves of the 16-byte
-dedup keys), never on text or tokens, so it is vectorised and independent of how documents were
-tokenised (any number of workers gives the same plan).
+keys of `sprout.prep.keys`), never on text or tokens, so it is vectorised and independent of
+how documents were tokenised (any number of workers gives the same plan).
 
 - Dedup: the first occurrence of each key, in source order then document order, survives.
-- Split: validation is decided by the document's key (MD5 of its cleaned, lower-cased text):
-  `val_frac` sends a document to val when the key's last 8 bytes, read as a number, fall below
-  val_frac * 2^64; `val_docs` sends the N documents of each source with the smallest such
-  numbers. Either way it is a property of the document, so it is stable across re-runs,
-  worker counts and seeds, and train and val are disjoint by construction.
-- Mixture: a weight is a share of the output *train* tokens. A source is down-sampled by a
-  seeded random subset of whole documents, up-sampled by whole extra passes plus a subset,
-  so its share lands within one document of the target. No weights keeps every document once.
-  Validation is never resampled.
-- Runs (seed 004): each source's selected documents, in seeded random order, are cut into
-  runs of about `run_tokens` on document boundaries, and the runs of all sources are
-  shuffled together, so any stretch of the output is a fair mix.
+- Split: `sprout.prep.keys.SplitRule` (hash-fraction or hash-count on each document's key), a
+  property of the document, so it is stable across re-runs, worker counts and seeds, and
+  train and val are disjoint by construction.
+- Weighting (`resample`, shared by pretraining and SFT prep): a source's items are taken in
+  seeded random order, whole passes over all of them plus a random subset, until their sizes
+  add up closest to a target. Pretraining gives each source a share of the output *train*
+  tokens (`token_targets`; sizes are token counts), so its share lands within one document of
+  the target; SFT prep multiplies each source's example count by its weight (sizes are 1).
+  No weights keeps every document once. Validation is never resampled.
+- Runs: each source's selected documents, in seeded random order, are cut into runs of about
+  `run_tokens` on document boundaries, and the runs of all sources are shuffled together, so
+  any stretch of the output is a fair mix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from sprout.errors import SproutError
-
-KEY_DTYPE = np.dtype([("hi", ">u8"), ("lo", ">u8")])  # a 16-byte dedup key as two big-endian halves
-
-
-@dataclass(frozen=True)
-class SplitRule:
-    val_frac: float | None = 0.01
-    val_docs: int | None = None  # per source; overrides val_frac
-
-    def describe(self) -> dict:
-        if self.val_docs is not None:
-            return {"method": "hash-count", "val_docs_per_source": self.val_docs,
-                    "key": "md5(lower(cleaned text)), last 8 bytes big-endian; smallest N per source go to val"}
-        return {"method": "hash-fraction", "val_frac": self.val_frac,
-                "key": "md5(lower(cleaned text)), last 8 bytes big-endian; < val_frac * 2^64 goes to val"}
-
-
-def key_halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(hi, lo) uint64 halves of N x 16 uint8 keys."""
-    pairs = np.ascontiguousarray(keys, dtype=np.uint8).view(KEY_DTYPE).ravel()
-    return pairs["hi"].astype(np.uint64), pairs["lo"].astype(np.uint64)
 
 
 def first_occurrences(hi: np.ndarray, full_keys: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -75,25 +53,6 @@ def first_occurrences(hi: np.ndarray, full_keys: Callable[[np.ndarray], np.ndarr
     return keep
 
 
-def val_mask(lo: np.ndarray, rule: SplitRule) -> np.ndarray:
-    """Which documents of ONE source (already deduplicated) go to validation, from the
-    second halves `lo` of their keys."""
-    mask = np.zeros(len(lo), dtype=bool)
-    if rule.val_docs is not None:
-        mask[np.argsort(lo, kind="stable")[: rule.val_docs]] = True
-        return mask
-    return lo < np.uint64(val_threshold(rule.val_frac))
-
-
-def val_threshold(val_frac: float | None) -> int:
-    """The hash-fraction rule: a document goes to val when the last 8 bytes of its key, read
-    big-endian, are below this number (val_frac of the 2^64 range)."""
-    frac = float(val_frac or 0.0)
-    if not 0.0 <= frac < 1.0:
-        raise SproutError(f"val_frac must be in [0, 1), got {frac}")
-    return min(int(frac * 2.0**64), 2**64 - 1)
-
-
 def token_targets(natural: list[int], weights: list[float | None], total: int | None) -> list[float]:
     """Output train tokens wanted from each source (see the module docstring)."""
     if all(w is None for w in weights):
@@ -114,9 +73,11 @@ def _shuffled(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
-def sample_documents(ids: np.ndarray, lengths: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:
-    """Documents from `ids` in random order (repeats allowed when up-sampling) whose token
-    counts (`lengths[id]`) add up closest to `target`."""
+def resample(ids: np.ndarray, lengths: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:
+    """Items from `ids` in random order whose sizes (`lengths[id]`) add up closest to `target`:
+    floor(target / total) shuffled whole passes, then the shortest prefix of one more shuffled
+    pass that comes closest to the rest (so with sizes 1 and target w * n: each of n items
+    floor(w) times plus a random round((w - floor(w)) * n) of them once more)."""
     total = int(lengths[ids].sum(dtype=np.int64))
     if len(ids) == 0 or target <= 0 or total == 0:
         return ids[:0]
@@ -175,5 +136,5 @@ def plan_split(
         if targets is None:
             selections.append(_shuffled(ids, rng))
         else:
-            selections.append(sample_documents(ids, lengths[s], targets[s], rng))
+            selections.append(resample(ids, lengths[s], targets[s], rng))
     return plan_runs(selections, lengths, run_tokens, np.random.default_rng([seed, salt, 1 << 20]))

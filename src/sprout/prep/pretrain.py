@@ -4,7 +4,7 @@
 
 1. Read each source as a stream of documents (`sprout.prep.sources`), in chunks.
 2. A process pool (about one worker per core) cleans each document (`sprout.prep.clean`), computes
-   its dedup key and tokenizes it with end-of-text appended. Results come back in input order
+   its key (`sprout.prep.keys.text_key`) and tokenizes it with end-of-text appended. Results come back in input order
    with a bounded number in flight, and are spilled to temporary files (tokens, per-document
    token counts and keys: `sprout.prep.store`), so memory stays flat while reading.
 3. Dedup, split and mixture are decided on per-document arrays (`sprout.prep.mixture`), a few
@@ -33,13 +33,15 @@ import numpy as np
 
 from sprout.formats import manifest as mf
 from sprout.atomic import sha256_file
-from sprout.prep.clean import CleanConfig, Cleaner, dedup_key
 from sprout.config import from_dict
 from sprout.errors import SproutError
-from sprout.prep.mixture import SplitRule, first_occurrences, plan_split, token_targets, val_mask
-from sprout.prep.store import SourceStore, SplitWriter, write_key_sidecar
 from sprout.formats.shards import dtype_for_vocab
-from sprout.prep.sources import ReadStats, SourceSpec, expand_path, iter_documents, parse_source_arg, source_name
+from sprout.mirror import expand_path, mirror_dir
+from sprout.prep.clean import CleanConfig, Cleaner
+from sprout.prep.keys import SplitRule, text_key
+from sprout.prep.mixture import first_occurrences, plan_split, token_targets
+from sprout.prep.sources import ReadStats, SourceSpec, iter_documents, parse_source_arg, source_name
+from sprout.prep.store import SourceStore, SplitWriter, write_key_sidecar
 from sprout.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK_DOCS = 256
@@ -53,7 +55,7 @@ class PrepConfig:
     text_field: str = "text"
     tokenizer: str = "tiktoken:r50k_base"
     out: str = "runs/data"
-    mirror: str | None = None          # replaces ${SPROUT_MIRROR} in paths; default $SPROUT_MIRROR
+    mirror: str | None = None          # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
     val_frac: float = 0.01
     val_docs: int | None = None        # per source; overrides val_frac
     shard_tokens: int = 100_000_000
@@ -83,7 +85,7 @@ def _process_chunk(texts: list[str]):
     cleaner, tok = _STATE["cleaner"], _STATE["tok"]
     cleaner.counts = Counter()
     kept = [t for t in map(cleaner, texts) if t is not None]
-    keys = np.frombuffer(b"".join(dedup_key(t) for t in kept), dtype=np.uint8).reshape(-1, 16)
+    keys = np.frombuffer(b"".join(text_key(t) for t in kept), dtype=np.uint8).reshape(-1, 16)
     tokens, lengths = tok.encode_docs(kept)
     return tokens.astype(_STATE["dtype"], copy=False), lengths, keys, cleaner.counts
 
@@ -151,7 +153,8 @@ def prepare(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Run the whole pipeline; returns the manifest (also written to `cfg.out`)."""
-    mirror = cfg.mirror or os.environ.get("SPROUT_MIRROR")
+    root = mirror_dir(cfg.mirror)
+    mirror = str(root) if root is not None else None
     if cfg.format not in ("bin", "hdf5", "both"):
         raise SproutError(f"--format must be bin, hdf5 or both, got {cfg.format!r}")
     if cfg.shard_tokens <= 0 or cfg.run_tokens <= 0:
@@ -238,7 +241,7 @@ def _plan(cfg: PrepConfig, specs, stores: list[SourceStore]) -> _Plan:
     train_ids, val_ids = [], []
     for s, k in zip(stores, keep):
         ids = np.flatnonzero(k).astype(np.int32 if s.n_docs < 2**31 else np.int64)  # 4 bytes a document
-        is_val = val_mask(s.key_half("lo")[ids], rule)
+        is_val = rule.mask(s.key_half("lo")[ids])
         train_ids.append(ids[~is_val])
         val_ids.append(ids[is_val])
     if sum(len(t) for t in train_ids) == 0:

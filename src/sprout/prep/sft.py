@@ -5,11 +5,13 @@ The steps `scripts/prepare_sft_data.py` runs, in order:
 1. read every source (`sprout.prep.chat_sources`; `max_examples` records per source at most);
 2. validate each conversation with the chat template; invalid ones (empty content,
    unknown role, bad role order, reserved marker text) are dropped and counted by reason;
-3. exact dedup across all sources on the conversation (roles and contents), first wins;
-4. val split decided by a hash of the conversation (`val_fraction`), so it is disjoint,
-   stable under re-runs and independent of `max_examples` and source order;
-5. mixture weights on the train split: a source of weight w contributes each example
-   floor(w) times plus a seeded random (w - floor(w)) share once more;
+3. exact dedup across all sources on the conversation's key (`sprout.prep.keys.conversation_key`:
+   the MD5 of its lower-cased roles and contents), first wins;
+4. val split by the same key (`sprout.prep.keys.is_val` with `val_fraction`), so it is
+   disjoint, stable under re-runs and independent of `max_examples` and source order;
+5. mixture weights on the train split (`sprout.prep.mixture.resample`, sizes 1): a source
+   of weight w contributes each example floor(w) times plus a seeded random
+   round((w - floor(w)) * n) of its n examples once more, in seeded random order;
 6. render with `sprout.chat.render`, pack with `sprout.prep.packing.pack` (best fit; the
    `overlong` policy decides truncate/drop; prompts longer than the context and examples
    without a trained token are dropped and counted);
@@ -19,8 +21,6 @@ The steps `scripts/prepare_sft_data.py` runs, in order:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,10 +29,12 @@ import numpy as np
 
 from sprout.chat import TEMPLATE_VERSION, ChatError, render, template_for, validate
 from sprout.errors import SproutError
-from sprout.prep.packing import OVERLONG_POLICIES, pack
 from sprout.formats.sft import val_path, write_sft
-from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
 from sprout.formats.shards import dtype_for_vocab
+from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
+from sprout.prep.keys import conversation_key, is_val
+from sprout.prep.mixture import resample
+from sprout.prep.packing import OVERLONG_POLICIES, pack
 
 
 @dataclass
@@ -47,23 +49,6 @@ class SFTDataConfig:
     dedup: bool = True
     overlong: str = "truncate"  # or "drop": what happens to examples longer than seq_len
     sources: list = field(default_factory=list)  # SourceConfig fields, one mapping per source
-
-
-def conversation_key(messages) -> str:
-    """sha256 of the conversation's roles and contents: the dedup and split key."""
-    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
-
-
-def is_val(key: str, val_fraction: float) -> bool:
-    return int(key[:16], 16) / 2**64 < val_fraction
-
-
-def weighted_indices(n: int, weight: float, rng: np.random.Generator) -> np.ndarray:
-    """Indices taking each of n items floor(weight) times plus a random (weight % 1) share."""
-    whole, frac = int(weight), weight - int(weight)
-    extra = rng.choice(n, size=int(round(frac * n)), replace=False) if n else np.zeros(0, np.int64)
-    return np.concatenate([np.tile(np.arange(n), whole), np.sort(extra)]).astype(np.int64)
 
 
 def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
@@ -87,7 +72,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
     specs = _check_config(cfg)
     t0 = time.perf_counter()
     per_source = {s.name: Counter() for s in specs}
-    seen: set[str] = set()
+    seen: set[bytes] = set()
     train: dict[str, list] = {s.name: [] for s in specs}
     val: list = []
     first_drop: dict[str, str] = {}
@@ -119,7 +104,8 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
     train_convs = []
     for i, spec in enumerate(specs):
         rng = np.random.default_rng([cfg.seed, i])
-        idx = weighted_indices(len(train[spec.name]), spec.weight, rng)
+        n = len(train[spec.name])
+        idx = resample(np.arange(n), np.ones(n, dtype=np.int64), spec.weight * n, rng)
         per_source[spec.name]["train_weighted"] = len(idx)
         train_convs += [train[spec.name][j] for j in idx]
 

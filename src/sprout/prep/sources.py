@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from sprout.errors import SproutError
+from sprout.tokenizer import EOT
 
-EOT = "<|endoftext|>"
 CHUNK = 1 << 20
 DETECT_CHARS = 1 << 20  # .txt: no <|endoftext|> in this many characters -> blank-line documents
 MAX_WARNINGS_PER_FILE = 5
@@ -97,16 +97,6 @@ def source_name(spec: SourceSpec) -> str:
     for suffix in (".gz", ".zst", ".jsonl", ".json", ".txt", ".parquet"):
         base = base.removesuffix(suffix)
     return re.sub(r"[^\w.-]+", "_", base) or "source"
-
-
-def expand_path(path: str, mirror: str | os.PathLike | None) -> str:
-    """Expand `${SPROUT_MIRROR}` (from `mirror`, else the environment) and other env vars."""
-    if "SPROUT_MIRROR" in path:
-        root = str(mirror) if mirror else os.environ.get("SPROUT_MIRROR")
-        if not root:
-            raise SproutError(f"{path}: uses ${{SPROUT_MIRROR}} but no mirror is set (--mirror DIR or SPROUT_MIRROR)")
-        path = path.replace("${SPROUT_MIRROR}", root).replace("$SPROUT_MIRROR", root)
-    return os.path.expanduser(os.path.expandvars(path))
 
 
 def iter_documents(

@@ -1,8 +1,8 @@
 """On-disk plumbing for `sprout.prep.pretrain`: spilled per-source documents, streaming split writers
 and the document-key sidecar.
 
-Memory in the pipeline must not grow with the input (issue 2's benchmark checks peak RSS at
-1x and 10x), so everything per token, and everything per document that is not needed at the
+Memory in the pipeline must not grow with the input (`benchmarks/prep_throughput.py` measures
+peak RSS at 1x and 10x), so everything per token, and everything per document that is not needed at the
 moment, lives in temporary files:
 - `SourceStore`: one source's tokens, per-document token counts (uint32) and 16-byte dedup
   keys, appended as chunks come back from the workers; read back by positioned reads (a
@@ -27,7 +27,7 @@ import numpy as np
 from sprout.atomic import atomic_write, sha256_file
 from sprout.errors import SproutError
 from sprout.formats.h5tokens import H5TokenWriter, h5_name
-from sprout.prep.mixture import KEY_DTYPE
+from sprout.prep.keys import KEY_DTYPE
 from sprout.formats.shards import encode_header, shard_name
 
 READ_DOCS = 1 << 16  # documents per block when reading keys back (1 MiB)
