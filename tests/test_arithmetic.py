@@ -121,3 +121,21 @@ def test_bad_split_and_count():
         list(generate(-1))
     with pytest.raises(SproutError, match="level 7"):
         draw_problem(7, random.Random(0))
+
+
+def test_sft_source():
+    from sprout.chat import validate
+    from sprout.prep.chat_sources import from_dict_source, read_source
+
+    spec = from_dict_source({"name": "arith", "format": "arithmetic", "count": 20, "levels": [1, 4], "seed": 3}, 0)
+    examples = list(read_source(spec))
+    assert len(examples) == 20 and examples[0].where == "arith[0] (level 1)"
+    problems = list(generate(20, [1, 4], seed=3))
+    for ex, p in zip(examples, problems):
+        validate(ex.messages)
+        assert ex.messages == [{"role": "user", "content": p.question}, {"role": "assistant", "content": p.worked}]
+    assert len(list(read_source(spec, max_examples=5))) == 5
+    with pytest.raises(SproutError, match="source arith: count must be > 0"):
+        list(read_source(from_dict_source({"name": "arith", "format": "arithmetic"}, 0)))
+    with pytest.raises(SproutError, match="source arith: levels"):
+        list(read_source(from_dict_source({"name": "arith", "format": "arithmetic", "count": 2, "levels": [0]}, 0)))

@@ -19,6 +19,9 @@ Formats (field names as their publishers ship them):
             normalised (`1,080` -> `1080`). An answer without `####` or with a non-numeric
             gold is an error naming the file and line.
 - `chat`    JSONL {"messages": [{"role", "content"}, ...]} (already a conversation).
+- `arithmetic`  no file: `count` problems of `sprout.prep.arithmetic` (`levels`, `seed`,
+            the generator's `split`: train by default, so its test problems stay unseen);
+            user = the question, assistant = the worked `<think>…</think><answer>N</answer>`.
 
 Files may be `.json` (an array), `.jsonl` or `.jsonl.gz`. A line that is not UTF-8 or not
 JSON, or a row missing a field, is an error naming the file and line: these mean the file is
@@ -38,7 +41,7 @@ import gzip
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -46,9 +49,11 @@ from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.mirror import ENV as MIRROR_VARIABLE
 from sprout.mirror import expand_path, mirror_dir
+from sprout.prep.arithmetic import check_levels
+from sprout.prep.arithmetic import generate as generate_arithmetic
 from sprout.rl.verifiers import format_reasoning, normalise_number
 
-FORMATS = ("alpaca", "dolly", "gsm8k", "chat")
+FORMATS = ("alpaca", "dolly", "gsm8k", "chat", "arithmetic")
 
 
 @dataclass
@@ -60,6 +65,9 @@ class SourceConfig:
     hub_config: str | None = None
     split: str = "train"
     weight: float = 1.0  # examples taken per example read (train split): 0.5 halves, 2 doubles
+    count: int = 0  # arithmetic only: problems generated
+    levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic only
+    seed: int = 0  # arithmetic only
 
 
 def from_dict_source(data, index: int) -> SourceConfig:
@@ -206,7 +214,12 @@ def chat_messages(row, where: str) -> list:
     return msgs
 
 
-CONVERTERS = {"alpaca": alpaca_messages, "dolly": dolly_messages, "gsm8k": gsm8k_messages, "chat": chat_messages}
+def arithmetic_messages(row, where: str) -> list:
+    return _chat(row["question"], row["answer"])
+
+
+CONVERTERS = {"alpaca": alpaca_messages, "dolly": dolly_messages, "gsm8k": gsm8k_messages, "chat": chat_messages,
+              "arithmetic": arithmetic_messages}
 
 
 # ---- sources ---------------------------------------------------------------------------
@@ -225,10 +238,20 @@ def _hub_rows(spec: SourceConfig) -> Iterator[tuple[str, dict]]:
         yield f"{spec.hub}[{spec.split}][{i}]", row
 
 
+def _arithmetic_rows(spec: SourceConfig) -> Iterator[tuple[str, dict]]:
+    if spec.count <= 0:
+        raise SproutError(f"source {spec.name}: count must be > 0 for an arithmetic source")
+    for i, p in enumerate(generate_arithmetic(spec.count, check_levels(spec.levels, f"source {spec.name}"),
+                                              spec.seed, spec.split)):
+        yield f"{spec.name}[{i}] (level {p.level})", {"question": p.question, "answer": p.worked}
+
+
 def source_rows(spec: SourceConfig, mirror: str | os.PathLike | None) -> Iterator[tuple[str, dict]]:
     """Raw records of one source: its `path` (with the mirror filled in), else the hub."""
     if spec.format not in CONVERTERS:
         raise SproutError(f"source {spec.name}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
+    if spec.format == "arithmetic":
+        return _arithmetic_rows(spec)
     if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
         return iter_records(Path(expand_path(spec.path, mirror)))
     if spec.hub:

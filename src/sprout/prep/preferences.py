@@ -1,0 +1,368 @@
+"""Preference-pair prep: HH-RLHF, UltraFeedback, local JSONL and arithmetic -> the
+preference JSONL contract of `sprout.formats.preferences`.
+
+The steps `scripts/prepare_preference_data.py` runs, in order:
+
+1. read every source (at most `max_examples` records each) and turn each record into a
+   prompt (messages ending with a user turn) and two answers, every content stripped;
+2. drop and count pairs that cannot train anything, by reason: `malformed_transcript`
+   (HH text that is not Human/Assistant turns in order, ending with the assistant),
+   `mismatched_turns` (chosen and rejected differ before their last turn), `empty_side`,
+   `identical_sides`, and the chat template's own reasons (`empty_content`,
+   `reserved_marker`, ...) for a prompt + answer that `sprout.chat.render` refuses;
+3. exact dedup across all sources on `conversation_key(prompt + [chosen, rejected])`
+   (`sprout.prep.keys`: the roles and contents, lower-cased), first wins;
+4. test split by a hash of the PROMPT alone: `is_val(conversation_key(prompt),
+   test_fraction)`, so every pair of one prompt lands in the same file;
+5. shuffle each split with `seed` and write `preferences.jsonl`, `preferences_test.jsonl`
+   and, last, `manifest.json` (counts per source and per drop reason, the split rule,
+   the config and the command).
+
+Source formats (`format:`), each read from its `path`, in which `${SPROUT_MIRROR}` stands
+for the data mirror (`sprout.mirror`); when that path needs a mirror and none is found, or
+there is no path, from the hub id through `datasets`:
+
+- `hh_rlhf`       Anthropic/hh-rlhf `{"chosen": str, "rejected": str}`, each the whole
+                  transcript `\\n\\nHuman: ...\\n\\nAssistant: ...`; the turns become
+                  messages, all but the last form the prompt.
+- `ultrafeedback` HuggingFaceH4/ultrafeedback_binarized: `prompt` a string, `chosen` /
+                  `rejected` message lists that repeat the prompt, `score_chosen` /
+                  `score_rejected`; or the flattened form (all three strings, scores under
+                  `metadata`). With `margin: true`, score_chosen - score_rejected is the
+                  pair's margin.
+- `jsonl`         local JSONL: the contract itself, or TRL's forms — plain strings
+                  (prompt/chosen/rejected), conversational with an explicit prompt, or
+                  conversational with the prompt implicit in chosen/rejected (their shared
+                  leading turns). A `margin` in the row is kept.
+- `arithmetic`    `count` verifiable pairs from `sprout.prep.arithmetic` (`levels`, `seed`,
+                  its train `split` by default): chosen the worked answer, rejected a near
+                  miss or, with probability `broken_format_fraction`, a broken format.
+
+A record that is not what its format says (a missing field, a wrong type or role, a prompt
+not ending with a user turn, invalid JSON) stops the run with one line naming the file
+and line: it means the file is not what the config says it is.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sprout.atomic import sha256_file, write_json_atomic
+from sprout.chat import ROLES, ChatError, validate
+from sprout.config import from_dict
+from sprout.errors import SproutError
+from sprout.mirror import ENV as MIRROR_VARIABLE
+from sprout.mirror import expand_path, mirror_dir
+from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_preferences
+from sprout.prep import arithmetic
+from sprout.prep.chat_sources import _hub_rows, iter_records
+from sprout.prep.keys import SplitRule, conversation_key, is_val
+
+FORMATS = ("hh_rlhf", "ultrafeedback", "jsonl", "arithmetic")
+
+
+@dataclass
+class PreferenceSourceConfig:
+    name: str
+    format: str  # one of FORMATS
+    path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
+    hub: str | None = None  # dataset id for `datasets.load_dataset`
+    hub_config: str | None = None
+    split: str = "train"  # hub split; for arithmetic the generator's split (train | test | all)
+    margin: bool = False  # ultrafeedback / jsonl: score_chosen - score_rejected becomes `margin`
+    count: int = 0  # arithmetic: pairs to generate
+    levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic
+    seed: int | None = None  # arithmetic; None: the prep seed
+    broken_format_fraction: float = 0.25  # arithmetic: share of rejected answers with broken tags
+
+
+@dataclass
+class PreferenceDataConfig:
+    out: str = "runs/demo/preferences"
+    mirror: str | None = None
+    max_examples: int | None = None  # records read per source, for quick runs
+    seed: int = 0
+    test_fraction: float = 0.05
+    dedup: bool = True
+    sources: list = field(default_factory=list)  # PreferenceSourceConfig fields, one mapping each
+
+
+class Drop(Exception):
+    """A pair that is counted and left out (not an error): `reason` is the count's key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+# ---- one record -> (prompt, chosen, rejected, margin) ----------------------------------
+
+def _msg(role: str, content: str) -> dict:
+    return {"role": role, "content": content.strip()}
+
+
+def _str(row, key: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise SproutError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if key not in row:
+        raise SproutError(f"{where}: missing field {key!r} (has {', '.join(sorted(row)) or 'nothing'})")
+    if not isinstance(row[key], str):
+        raise SproutError(f"{where}: field {key!r} must be a string, got {type(row[key]).__name__}")
+    return row[key]
+
+
+_HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
+
+
+def parse_hh(text: str) -> list:
+    """An HH-RLHF transcript as messages; `Drop("malformed_transcript")` unless it is
+    Human, Assistant, Human, ... turns ending with an Assistant turn."""
+    parts = _HH_TURN.split(text)
+    if parts[0].strip() or len(parts) < 5:
+        raise Drop("malformed_transcript", "text before the first Human turn or fewer than two turns"
+                   if parts[0].strip() else "fewer than two turns")
+    speakers, contents = parts[1::2], parts[2::2]
+    for i, who in enumerate(speakers):
+        if who != ("Human" if i % 2 == 0 else "Assistant"):
+            raise Drop("malformed_transcript", f"turn {i} is {who}, turns must alternate Human/Assistant")
+    if speakers[-1] != "Assistant":
+        raise Drop("malformed_transcript", "the last turn is not the Assistant's")
+    return [_msg("user" if who == "Human" else "assistant", c) for who, c in zip(speakers, contents)]
+
+
+def hh_pair(row, where: str, spec: PreferenceSourceConfig):
+    chosen_text, rejected_text = _str(row, "chosen", where), _str(row, "rejected", where)
+    chosen, rejected = parse_hh(chosen_text), parse_hh(rejected_text)
+    if chosen[:-1] != rejected[:-1]:
+        raise Drop("mismatched_turns", "chosen and rejected differ before their last turn")
+    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"], None
+
+
+def _messages(value, name: str, where: str, role: str) -> list:
+    """A string (one `role` message) or a list of {role, content} messages."""
+    if isinstance(value, str):
+        return [_msg(role, value)]
+    if not isinstance(value, list) or not value:
+        raise SproutError(f"{where}: {name!r} must be a string or a non-empty list of messages, got {type(value).__name__}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise SproutError(f"{where}: {name}[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': string}}")
+        out.append(_msg(m["role"], m["content"]))
+    return out
+
+
+def _answer(side: list, name: str, where: str) -> str:
+    if len(side) != 1 or side[0]["role"] != "assistant":
+        raise SproutError(f"{where}: {name!r} must be one assistant message after the prompt, got roles "
+                          f"{[m['role'] for m in side]}")
+    return side[0]["content"]
+
+
+def _scores(row, where: str) -> float:
+    meta = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
+    values = []
+    for key in ("score_chosen", "score_rejected"):
+        v = row.get(key, meta.get(key))
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise SproutError(f"{where}: margin asked but {key!r} is missing or not a number")
+        values.append(float(v))
+    return values[0] - values[1]
+
+
+def conversational_pair(row, where: str, spec: PreferenceSourceConfig):
+    """TRL's preference forms (strings, explicit or implicit prompt) and the contract itself."""
+    if not isinstance(row, dict):
+        raise SproutError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise SproutError(f"{where}: missing field {key!r} (has {', '.join(sorted(row)) or 'nothing'})")
+    chosen = _messages(row["chosen"], "chosen", where, "assistant")
+    rejected = _messages(row["rejected"], "rejected", where, "assistant")
+    if row.get("prompt") is None:  # implicit prompt: the turns chosen and rejected share
+        if isinstance(row["chosen"], str) or isinstance(row["rejected"], str):
+            raise SproutError(f"{where}: no 'prompt', and chosen/rejected are plain strings")
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        if len(chosen) - n != 1 or len(rejected) - n != 1:
+            raise Drop("mismatched_turns", "chosen and rejected differ before their last turn")
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if not prompt:
+            raise SproutError(f"{where}: no 'prompt', and chosen/rejected share no leading turns")
+    else:
+        prompt = _messages(row["prompt"], "prompt", where, "user")
+        if chosen[:len(prompt)] == prompt and len(chosen) > len(prompt):  # lists that repeat the prompt
+            chosen = chosen[len(prompt):]
+        if rejected[:len(prompt)] == prompt and len(rejected) > len(prompt):
+            rejected = rejected[len(prompt):]
+    if prompt[-1]["role"] != "user":
+        raise SproutError(f"{where}: the prompt must end with a user turn, ends with {prompt[-1]['role']}")
+    margin = None
+    if "margin" in row:
+        margin = row["margin"]
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise SproutError(f"{where}: 'margin' must be a number, got {margin!r}")
+        margin = float(margin)
+    elif spec.margin:
+        margin = _scores(row, where)
+    return prompt, _answer(chosen, "chosen", where), _answer(rejected, "rejected", where), margin
+
+
+CONVERTERS = {"hh_rlhf": hh_pair, "ultrafeedback": conversational_pair, "jsonl": conversational_pair}
+
+
+# ---- sources ---------------------------------------------------------------------------
+
+def arithmetic_pairs(spec: PreferenceSourceConfig, seed: int, counts: Counter):
+    """`(where, prompt, chosen, rejected, margin)` for `spec.count` generated problems."""
+    seed = seed if spec.seed is None else spec.seed
+    rng = random.Random(f"{seed}-wrong")
+    for i, p in enumerate(arithmetic.generate(spec.count, spec.levels, seed, spec.split)):
+        rejected, kind = arithmetic.wrong_answer(p, rng, spec.broken_format_fraction)
+        counts[f"rejected_{kind}"] += 1
+        yield f"{spec.name}[{i}] (level {p.level})", [_msg("user", p.question)], p.worked, rejected, None
+
+
+def source_rows(spec: PreferenceSourceConfig, mirror):
+    """Raw records of a file or hub source: its `path` (with the mirror filled in), else
+    the hub."""
+    if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
+        return iter_records(Path(expand_path(spec.path, mirror)))
+    if spec.hub:
+        return _hub_rows(spec)
+    raise SproutError(f"source {spec.name}: {spec.path or 'no path'} needs a mirror (--mirror DIR or SPROUT_MIRROR) "
+                      "and there is no hub id")
+
+
+def read_pairs(spec: PreferenceSourceConfig, mirror, seed: int, max_examples: int | None, counts: Counter):
+    """`(where, prompt, chosen, rejected, margin)` or `(where, Drop)` for each record read."""
+    if spec.format == "arithmetic":
+        yield from arithmetic_pairs(spec, seed, counts)
+        return
+    convert = CONVERTERS[spec.format]
+    for n, (where, row) in enumerate(source_rows(spec, mirror)):
+        if max_examples is not None and n >= max_examples:
+            break
+        try:
+            yield (where, *convert(row, where, spec))
+        except Drop as drop:
+            yield where, drop
+
+
+def check_content(prompt: list, chosen: str, rejected: str) -> None:
+    """Raise `Drop` for a pair that cannot train anything (see the module docstring)."""
+    if not chosen or not rejected:
+        raise Drop("empty_side", "chosen or rejected is empty")
+    if chosen == rejected:
+        raise Drop("identical_sides", "chosen and rejected are the same text")
+    for side in (chosen, rejected):
+        try:
+            validate([*prompt, _msg("assistant", side)])
+        except ChatError as exc:
+            raise Drop(exc.reason, str(exc)) from None
+
+
+def pair_key(prompt: list, chosen: str, rejected: str) -> bytes:
+    """The dedup key of a pair."""
+    return conversation_key([*prompt, _msg("assistant", chosen), _msg("assistant", rejected)])
+
+
+def prompt_key(prompt: list) -> bytes:
+    """The split key: a hash of the prompt alone."""
+    return conversation_key(prompt)
+
+
+# ---- the whole prep --------------------------------------------------------------------
+
+def check_config(cfg: PreferenceDataConfig) -> list[PreferenceSourceConfig]:
+    if not 0.0 <= cfg.test_fraction < 1.0:
+        raise SproutError(f"test_fraction must be in [0, 1), got {cfg.test_fraction}")
+    if not cfg.sources:
+        raise SproutError("no sources configured (the config needs a `sources:` list)")
+    specs = []
+    for i, data in enumerate(cfg.sources):
+        spec = from_dict(PreferenceSourceConfig, data, f"sources[{i}]")
+        where = f"sources[{i}] ({spec.name})"
+        if spec.format not in FORMATS:
+            raise SproutError(f"{where}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
+        if spec.format == "arithmetic":
+            spec.levels = list(arithmetic.check_levels(spec.levels, where))
+            if spec.count <= 0:
+                raise SproutError(f"{where}: count must be > 0 for an arithmetic source")
+            if not 0.0 <= spec.broken_format_fraction <= 1.0:
+                raise SproutError(f"{where}: broken_format_fraction must be in [0, 1], got {spec.broken_format_fraction}")
+        elif not spec.path and not spec.hub:
+            raise SproutError(f"{where}: needs a path or a hub id")
+        specs.append(spec)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise SproutError(f"source names must be unique, got {names}")
+    return specs
+
+
+def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
+    """Run the whole prep; writes the two JSONL files and the manifest, returns the manifest."""
+    specs = check_config(cfg)
+    out = Path(cfg.out)
+    seen: set[bytes] = set()
+    ids: Counter = Counter()  # pair id -> times used
+    splits: dict[str, list] = {"train": [], "test": []}
+    per_source: dict[str, Counter] = {}
+    first_drop: dict[str, str] = {}
+    for spec in specs:
+        c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
+        for where, *pair in read_pairs(spec, cfg.mirror, cfg.seed, cfg.max_examples, c):
+            c["read"] += 1
+            try:
+                if isinstance(pair[0], Drop):
+                    raise pair[0]
+                prompt, chosen, rejected, margin = pair
+                check_content(prompt, chosen, rejected)
+            except Drop as drop:
+                c[f"dropped_{drop.reason}"] += 1
+                first_drop.setdefault(f"{spec.name}/{drop.reason}", f"{where}: {drop}")
+                continue
+            key = pair_key(prompt, chosen, rejected)
+            if cfg.dedup and key in seen:
+                c["duplicates"] += 1
+                continue
+            seen.add(key)
+            split = "test" if is_val(prompt_key(prompt), cfg.test_fraction) else "train"
+            c[split] += 1
+            pair_id = f"{spec.name}-{key.hex()[:16]}"
+            ids[pair_id] += 1
+            if ids[pair_id] > 1:  # the same pair again, kept because dedup is off
+                pair_id = f"{pair_id}-{ids[pair_id] - 1}"
+            record = {"id": pair_id, "source": spec.name, "prompt": prompt,
+                      "chosen": [_msg("assistant", chosen)], "rejected": [_msg("assistant", rejected)]}
+            if margin is not None:
+                record["margin"] = margin
+            splits[split].append(record)
+    for what, example in first_drop.items():
+        log(f"dropped ({what}), first at {example}")
+
+    files = {}
+    for split, name in (("train", TRAIN_FILE), ("test", TEST_FILE)):
+        random.Random(f"{cfg.seed}-{split}").shuffle(splits[split])
+        n = write_preferences(out / name, splits[split])
+        files[split] = {"path": name, "records": n, "sha256": sha256_file(out / name)}
+        log(f"{split}: {n:,} pairs -> {out / name}")
+    dropped = Counter()
+    for c in per_source.values():
+        dropped.update({k[len("dropped_"):]: v for k, v in c.items() if k.startswith("dropped_")})
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
+        "sources": {name: {"format": s.format, **dict(per_source[name])} for name, s in zip(per_source, specs)},
+        "dropped": dict(sorted(dropped.items())), "first_drops": first_drop,
+        "split": {"by": "prompt", "test_fraction": cfg.test_fraction,
+                  **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents")},
+        "dedup": {"enabled": cfg.dedup, "key": "conversation_key(prompt + [chosen, rejected])"},
+        "config": asdict(cfg), "command": command,
+    }
+    write_json_atomic(out / "manifest.json", manifest)
+    return manifest
