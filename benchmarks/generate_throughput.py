@@ -1,6 +1,6 @@
 """New tokens/s of KV-cache batched generation against full recomputation.
 
-Setup (issue 4): batch 16, mixed prompt lengths, 256 new tokens, the demo-sized model
+Setup: batch 16, mixed prompt lengths, 256 new tokens, the demo-sized model
 (d_model 256, 6 layers, vocab 4096) with random weights, fp32 on this machine's CPU.
 
 - KV cache: `sprout.model.generate.generate`, timed end to end (prefill included).

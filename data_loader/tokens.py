@@ -4,7 +4,7 @@ Sources are 1-D token arrays: the memmaps of `.bin` shards (`sprout.formats.shar
 `tokens` dataset of a pretraining HDF5 file. Three loaders read them:
 
 - `TokenStream`: reads the sources in order and wraps from the last back to the first,
-  as parameter-golf's TokenStream does (seed 000). No randomness.
+  as parameter-golf's TokenStream does. No randomness.
 - `DistributedTokenLoader`: each call takes one contiguous chunk of `world * (rows*T + 1)`
   tokens from the stream and gives rank r the r-th span of it (parameter-golf's
   DistributedTokenLoader). Micro-step a of rank r therefore reads chunk a*world + r, so a
@@ -116,7 +116,7 @@ class TokenStream:
 
 
 class DistributedTokenLoader:
-    """Per-rank disjoint spans of one shared stream (parameter-golf, seed 000)."""
+    """Per-rank disjoint spans of one shared stream (as parameter-golf's DistributedTokenLoader)."""
 
     kind = "sequential"
 

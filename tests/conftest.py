@@ -1,4 +1,3 @@
-import os
 from pathlib import Path
 
 import pytest
@@ -8,9 +7,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def mirror() -> Path:
-    """The local data mirror (../shared/data or $SPROUT_MIRROR); skips when absent."""
-    path = Path(os.environ.get("SPROUT_MIRROR", ROOT.parent / "shared" / "data"))
-    if not (path / "MANIFEST.md").is_file():
+    """The local data mirror (`sprout.mirror.mirror_dir`: $SPROUT_MIRROR, else ../shared/data); skips when absent."""
+    from sprout.mirror import mirror_dir
+
+    path = mirror_dir()
+    if path is None or not (path / "MANIFEST.md").is_file():
         pytest.skip(f"no data mirror at {path}")
     return path
 

@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.py is what a session lent a GPU runs, once, on scarce device time:
-its CPU dry run (--tiny) must keep working, so that run never fails on the script itself."""
+"""benchmarks/gpu_check.py is the one short check to run when a GPU is at hand: its CPU dry
+run (--tiny) must keep working, so a GPU run never fails on the script itself."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Bits per byte: a loss comparable across tokenizers (seed 002, parameter-golf's val_bpb).
+"""Bits per byte: a loss comparable across tokenizers (parameter-golf's val_bpb).
 
     bpb = (sum of target NLL in nats / ln 2) / (UTF-8 bytes those targets cover)
 

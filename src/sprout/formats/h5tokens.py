@@ -1,13 +1,19 @@
 """The HDF5 pretraining-token contract (h5py), the alternative to `.bin` shards.
 
-One file per split, `<dataset>_<split>.h5`, holding:
-    tokens   dataset, 1-D, uint16 (vocab <= 65,536) or uint32, chunked, uncompressed
-    attrs    format="sprout-tokens-v1", split, num_tokens, num_documents, token_dtype,
-             vocab_size, eot_id, bos_id (-1 = none), tokenizer_spec, tokenizer_name,
-             tokenizer_fingerprint, tokens_sha256 (of the little-endian token bytes), and
-             the manifest's fields (sources, split rule, cleaning counts, command) as JSON
+One file per split, `<dataset>_<split>.h5` (beside the `.bin` shards and `manifest.json`
+when the pipeline writes both), holding one dataset and no other object:
+    tokens   1-D, little-endian uint16 (vocab <= 65,536) or uint32, chunked by 65,536
+             tokens, uncompressed; the split's documents back to back, each followed by eot
+    attrs    on the `tokens` dataset (not the file): format="sprout-tokens-v1", dataset,
+             split, num_tokens, num_documents, token_dtype, vocab_size, eot_id, bos_id
+             (-1 = none), tokenizer_spec, tokenizer_name, tokenizer_fingerprint,
+             tokens_sha256 (of the little-endian token bytes), seed; and as JSON strings
+             `sources` (name, path, weight each), `split_rule` (`sprout.prep.keys.SplitRule`)
+             and `cleaning` (the `sprout.prep.clean.CleanConfig` used)
+Required on read: format, split, num_tokens, num_documents, token_dtype, vocab_size,
+eot_id, tokenizer_spec, tokenizer_fingerprint, tokens_sha256 (`REQUIRED_ATTRS`).
 The writer appends blocks and renames into place only when finished (`atomic_path`);
-timestamps are off, so the same tokens give the same file bytes. `open_tokens_h5`
+timestamps are off, so the same tokens and attributes give the same file bytes. `open_tokens_h5`
 validates all of the above and refuses anything else with an error naming the file
 (an SFT file's 2-D `tokens`, a wrong dtype, a missing attribute, a truncated file).
 """

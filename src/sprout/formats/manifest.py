@@ -1,19 +1,32 @@
-"""`manifest.json`: what a folder of pretraining tokens holds and how it was made (DESIGN.md).
+"""The `manifest.json` contract: what a folder of pretraining tokens holds and how it was made.
 
-Written last and atomically by the pipeline, so a folder without one is unfinished. Fields:
-    format            "sprout-pretrain-v1"
-    dataset           the shard name prefix
-    tokenizer         spec, name, vocab_size, eot_id, bos_id, fingerprint (sha256 of its files)
-    token_dtype       uint16 | uint32
-    shards            {"train": [{file, num_tokens, sha256}], "val": [...]}   (.bin outputs)
-    hdf5              {"train": {file, num_tokens, sha256, tokens_sha256}, "val": ...}  (.h5 outputs)
-    splits            {"train": {documents, tokens}, "val": {...}}
-    sources           per source: name, path, weight, share, documents read/kept/dropped,
-                      cleaning counts, tokens per split before and after resampling
-    split_rule        how validation was chosen (see sprout.prep.mixture)
-    mixture           seed, run_tokens, train_tokens
-    doc_hashes        sidecar {file, sha256}: each split's dedup keys, to prove no overlap
-    command           the command line that produced it
+Written last and atomically by `sprout.prep.pretrain` (after the previous one is removed), so
+a folder without one is unfinished. A JSON object with these fields (* = required on read):
+    format*       "sprout-pretrain-v1"
+    dataset*      the file name prefix: `<dataset>_<split>_<6 digits>.bin`, `<dataset>_<split>.h5`
+    tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*}; the
+                  fingerprint is the sha256 of the tokenizer's file (SentencePiece model or
+                  tiktoken ranks), so a loader can refuse a mismatched tokenizer
+    token_dtype*  "uint16" | "uint32"
+    shards*       {"train": [{file, num_tokens, sha256}, ...], "val": [...]}: the `.bin`
+                  shards (`sprout.formats.shards`), in stream order; empty lists for hdf5 only
+    hdf5*         {"train": {file, num_tokens, sha256, tokens_sha256}, "val": {...}}: the
+                  `.h5` files (`sprout.formats.h5tokens`); {} for bin only
+    splits*       {"train": {documents, tokens}, "val": {documents, tokens}}
+    sources*      one object per source: name, path (as given), text_field, weight, files,
+                  documents_read, invalid_json, unterminated, too_short, non_ascii,
+                  duplicates, documents_kept, train_documents, val_documents, normalised
+                  (documents changed per cleaning rule), tokens {train_natural, train, val},
+                  train_share
+    split_rule*   {method: "hash-fraction" | "hash-count", val_frac | val_docs_per_source,
+                  key}: `sprout.prep.keys.SplitRule.describe`
+    mixture       {seed, run_tokens, train_tokens, weights}
+    cleaning      the `sprout.prep.clean.CleanConfig` used
+    doc_hashes*   {file: "doc_hashes.npz", sha256}: a zip of `train.npy` and `val.npy`, each
+                  the (N, 16) uint8 keys (`sprout.prep.keys.text_key`) of that split's
+                  documents, so a verifier can prove train and val share no document
+    config        the resolved prep config
+    command*      the command line that produced it, as a list of arguments
 `read_manifest` validates the structure and names the file and field when it is wrong;
 `check_output_dir` refuses to write into a folder holding another dataset's outputs.
 """

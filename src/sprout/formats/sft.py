@@ -1,4 +1,4 @@
-"""The packed-SFT HDF5 contract (DESIGN.md "HDF5 (h5py)"): single source of truth.
+"""The packed-SFT HDF5 contract: single source of truth for `sft.h5` / `sft_val.h5`.
 
 One file per split (`sft.h5` for train, `sft_val.h5` beside it for val), written
 atomically. Datasets, all shape (N, L) with L = `seq_len`, chunked by rows and
@@ -16,6 +16,12 @@ eot), `counts` (JSON: per-source reads, drops by reason, dedup, split, packing t
 `config` (JSON: the resolved prep config), `command`, and `sha256` (JSON: a sha256 per
 dataset over its C-order bytes, checked by `SFTFile.verify`).
 
+Each row holds whole examples (conversations rendered by `sprout.chat.render`), packed
+best fit by `sprout.prep.packing`, never cut across rows (an over-long one is truncated at
+the row end or dropped), then padding. `loss_mask[r, i] == 1` says token i is a training
+*target*: assistant content and the eot that closes each assistant turn; role headers,
+system and user text and padding are 0. `segment_ids` tell examples apart so attention
+never crosses one; `position_ids` restart at 0 for each example (rotary positions).
 Models read row r as inputs `tokens[r, :-1]`, targets `tokens[r, 1:]`, loss mask
 `loss_mask[r, 1:]`, with `segment_ids[r, :-1]` and `position_ids[r, :-1]`.
 `SFTFile` refuses any file that is not this contract with an error naming the file.

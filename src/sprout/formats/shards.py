@@ -1,7 +1,8 @@
 """The `.bin` token-shard contract (nanoGPT / llm.c / parameter-golf layout).
 
 This module is the single source of truth for the format; every reader and writer
-in sprout goes through it.
+in sprout goes through it (`data_loader.tokens` reads, `sprout.prep.store` writes,
+`sprout.formats.verify` checks).
 
 Layout of one shard:
     header   256 little-endian int32 (1024 bytes)
@@ -14,7 +15,11 @@ Two (magic, version) pairs are accepted, as llm.c defines them:
 
 The file size must equal 1024 + num_tokens * itemsize. Anything else is refused with
 a `ShardError` that names the file. Shards are named `<dataset>_<split>_<index:06d>.bin`
-and sit beside a `manifest.json` (see `sprout.formats.manifest`).
+(split: train | val) and sit beside a `manifest.json` (`sprout.formats.manifest`) that
+records each shard's token count and sha256. The payload is the split's documents back to
+back, each followed by the tokenizer's eot id; the shards of a split, in index order, form
+one stream, and a document may continue into the next shard. Validation documents are
+chosen by a hash of each document (`sprout.prep.keys`), never a prefix of the stream.
 """
 
 from __future__ import annotations
