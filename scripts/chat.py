@@ -5,9 +5,10 @@
     python scripts/chat.py runs/demo/sft_model --system "You answer briefly." --top-p 0.9 --seed 1
 
 The checkpoint may be a checkpoint dir, a run dir or its checkpoints/ folder (newest one).
-The tokenizer is the one its meta names (`--tokenizer SPEC` to point elsewhere). The history
+The tokenizer is the copy its run folder keeps (or, for older checkpoints, the spec its meta
+names; `--tokenizer SPEC` to point elsewhere), so this works from any directory. The history
 is rendered with the chat template and answered with KV-cache sampling until the
-end-of-turn token; see sprout/chat_session.py.
+end-of-turn token; see sprout/model/chat_session.py.
 """
 
 import argparse

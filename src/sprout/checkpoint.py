@@ -5,14 +5,31 @@ One checkpoint is a directory:
     model.safetensors   the weights (safetensors: a flat tensor file, nothing to unpickle)
     train_state.pt      optimizer, scheduler and RNG state: tensors and plain containers only,
                         read back with torch.load(weights_only=True), which refuses pickled code
-    meta.json           format, model config, tokenizer spec, stage, step, tokens seen, loader
-                        state, the run's config and its hash, and the sha256 of both files above
+    meta.json           format, architecture, model config, tokenizer, stage, step, tokens seen,
+                        loader state, the run's config and its hash, and the sha256 of both files above
 
 It is written into a temporary sibling directory and renamed into place, so a crash leaves
 either the old checkpoint or the complete new one. A run keeps its checkpoints under
 `<out>/checkpoints/step_XXXXXXXX/` next to `latest`, a one-line pointer written last;
 only the newest K are kept. Loading checks every file's sha256 against meta.json and refuses
 a corrupted or modified file with an error that names it.
+
+Architecture: meta.json `architecture` says which module the weights belong to ("lm",
+"lm+value" or "reward", see `sprout.model.heads`); `save_checkpoint` reads it off the weights
+(a head's parameter name) and `load_model` builds that module. A checkpoint without the field
+is an "lm". `init_from_lm` builds a reward or value model from an LM checkpoint: backbone
+loaded, head freshly initialised from a seed.
+
+Tensor state of a stage (a rollout buffer, a sampler's generator) goes in train_state.pt
+under `extra`, read back with weights_only=True like the rest, never in meta.json.
+
+Tokenizer: a run keeps its own copy of the tokenizer file in `<run>/tokenizer/`
+(`bundle_tokenizer`; SentencePiece only: a tiktoken spec is a name, nothing to copy), and
+every checkpoint's meta records `tokenizer_file` (relative to the run folder, e.g.
+"tokenizer/sp4096.model") and `tokenizer_sha256` next to the original `tokenizer` spec.
+`checkpoint_tokenizer(meta)` opens that copy, from the checkpoint's own run folder wherever it
+now lies, and refuses a file whose sha256 differs; a checkpoint with only a `tokenizer` spec
+(the older form) loads that spec as before.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ from sprout.errors import SproutError
 FORMAT = "sprout-checkpoint-v1"
 WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
 LATEST = "latest"
+TOKENIZER_DIR = "tokenizer"
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -95,6 +113,7 @@ def save_checkpoint(
         }
         torch.save(train_state, tmp / STATE)
         meta = dict(meta)
+        meta["architecture"] = architecture_of(state)
         if dataclasses.is_dataclass(meta.get("model_config")):
             meta["model_config"] = dataclasses.asdict(meta["model_config"])
         meta["format"] = FORMAT
@@ -220,14 +239,134 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
         raise SproutError(f"{f}: cannot read training state ({str(exc).splitlines()[0]})") from None
 
 
+def architecture_of(weights: dict) -> str:
+    """"lm", "lm+value" or "reward": which module a state dict belongs to, by its head's name."""
+    from sprout.model.heads import HEAD_WEIGHTS
+
+    found = [arch for arch, name in HEAD_WEIGHTS.items() if name in weights]
+    return found[0] if found else "lm"
+
+
+def model_class(meta: dict):
+    """The module class of a checkpoint's architecture (an old meta without one: the LM)."""
+    from sprout.model.heads import ARCHITECTURES
+
+    arch = meta.get("architecture", "lm")
+    if arch not in ARCHITECTURES:
+        raise SproutError(f"{Path(meta['path']) / META}: unknown architecture {arch!r} "
+                          f"(known: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[arch]
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """(Transformer in eval mode, meta) from a checkpoint, for inference, eval and export."""
-    from sprout.model.transformer import ModelConfig, Transformer
+    """(model in eval mode, meta) from a checkpoint, for inference, eval, scoring and export.
+
+    The module is the one meta.json's `architecture` names: a Transformer, a PolicyWithValue
+    (its value head included) or a RewardModel.
+    """
+    from sprout.model.transformer import ModelConfig
 
     meta = read_meta(path)
-    model = Transformer(ModelConfig(**meta["model_config"])).to(device)
+    model = model_class(meta)(ModelConfig(**meta["model_config"])).to(device)
     load_weights(model, meta["path"], meta)
     return model.eval(), meta
+
+
+def init_from_lm(path: str | os.PathLike, architecture: str, *, seed: int = 0, device: str | torch.device = "cpu"):
+    """(model in train mode, meta): a `architecture` model whose backbone is the checkpoint's.
+
+    Every backbone parameter comes from the checkpoint (an LM, or a model with another head);
+    the new head is initialised as a fresh model's would be, from `seed` (the global RNG is
+    left as it was). A reward model takes no lm_head; a value model takes the lm_head too.
+    """
+    from safetensors.torch import load_file
+
+    from sprout.model.heads import ARCHITECTURES, HEAD_WEIGHTS
+    from sprout.model.transformer import ModelConfig
+
+    if architecture not in ARCHITECTURES:
+        raise SproutError(f"unknown architecture {architecture!r} (known: {', '.join(ARCHITECTURES)})")
+    meta = read_meta(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ARCHITECTURES[architecture](ModelConfig(**meta["model_config"]))
+    f = Path(meta["path"]) / WEIGHTS
+    state = load_file(f)
+    for alias, name in tied_aliases(model).items():
+        if alias not in state and name in state:
+            state[alias] = state[name]
+    own = model.state_dict()
+    head = HEAD_WEIGHTS.get(architecture)
+    missing = sorted(set(own) - set(state) - {head})
+    if missing:
+        raise SproutError(f"{f}: not a backbone for this model (missing {', '.join(missing[:4])})")
+    model.load_state_dict({k: v for k, v in state.items() if k in own and k != head}, strict=False)
+    return model.to(device).train(), meta
+
+
+# ---- the tokenizer travels with the run ---------------------------------------------------------
+def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool = True) -> dict:
+    """Copy the tokenizer file behind `spec` into `<run_dir>/tokenizer/`; returns the meta fields.
+
+    SentencePiece: the .model (and the .vocab beside it, if any) is copied atomically, unless the
+    same file is already there; returns {"tokenizer_file": "tokenizer/NAME.model",
+    "tokenizer_sha256": ...}. A tiktoken spec (or none) returns {}. `write=False` only computes
+    the fields (the processes of a run that do not write to its folder). A different tokenizer
+    already in the run folder is refused.
+    """
+    if not spec or not spec.startswith("sentencepiece:"):
+        return {}
+    src = Path(spec.partition(":")[2])
+    if not src.is_file():
+        raise SproutError(f"{src}: SentencePiece model not found (tokenizer spec {spec!r})")
+    digest = sha256_file(src)
+    rel = f"{TOKENIZER_DIR}/{src.name}"
+    dst = Path(run_dir) / rel
+    if write:
+        if dst.is_file() and sha256_file(dst) != digest:
+            raise SproutError(f"{dst}: this run folder already holds a different tokenizer than {src} "
+                              f"(sha256 differs); use another output folder")
+        if not dst.is_file():
+            vocab = src.with_suffix(".vocab")
+            for a, b in ((src, dst), (vocab, dst.with_suffix(".vocab"))):
+                if a.is_file():
+                    with atomic_write(b, "wb") as out:
+                        out.write(a.read_bytes())
+    return {"tokenizer_file": rel, "tokenizer_sha256": digest}
+
+
+def run_folder(checkpoint: str | os.PathLike) -> Path:
+    """The run folder a checkpoint belongs to: `<run>` for `<run>/checkpoints/step_X`, else itself."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+
+
+def checkpoint_tokenizer(meta: dict, spec: str | None = None):
+    """The tokenizer a checkpoint was trained with (`meta` from `read_meta`); `spec` overrides.
+
+    With `tokenizer_file` in meta: that file in the checkpoint's run folder, refused when its
+    sha256 is not `tokenizer_sha256`. Otherwise the `tokenizer` spec (older checkpoints). A
+    recorded `tokenizer_fingerprint` must match either way.
+    """
+    from sprout.tokenizer import load_tokenizer
+
+    ckpt_meta = Path(meta["path"]) / META
+    if spec is None and meta.get("tokenizer_file"):
+        f = run_folder(meta["path"]) / meta["tokenizer_file"]
+        if not f.is_file():
+            raise SproutError(f"{f}: tokenizer file missing (named by {ckpt_meta}); was the run folder split up?")
+        if sha256_file(f) != meta.get("tokenizer_sha256"):
+            raise SproutError(f"{f}: sha256 does not match tokenizer_sha256 in {ckpt_meta}; "
+                              f"not the tokenizer this model was trained with")
+        spec = f"sentencepiece:{f}"
+    spec = spec or meta.get("tokenizer")
+    if not spec:
+        raise SproutError(f"{ckpt_meta}: no tokenizer recorded; pass --tokenizer SPEC")
+    tok = load_tokenizer(spec)
+    want = meta.get("tokenizer_fingerprint")
+    if want and tok.fingerprint() != want:
+        raise SproutError(f"{spec}: not the tokenizer {ckpt_meta} was trained with (fingerprint differs)")
+    return tok
 
 
 def rng_state() -> dict:

@@ -16,8 +16,10 @@ sees at inference exactly the token layout it was fine-tuned on.
 - An empty answer (the model closed its turn at once) is returned but not kept, since the
   template refuses empty turns.
 
-`load_chat_model` opens a checkpoint with the tokenizer its meta names and checks that it
-was fine-tuned with this template version.
+`load_chat_model` opens a checkpoint with the tokenizer it was trained with (the copy in its
+run folder, checked by sha256: `sprout.checkpoint.checkpoint_tokenizer`), so it works from
+any working directory and after the run folder was moved, and checks that it was fine-tuned
+with this template version.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from sprout.chat import RESERVED, TEMPLATE_VERSION, ChatError, render, template_for
-from sprout.checkpoint import load_model
+from sprout.checkpoint import checkpoint_tokenizer, load_model
 from sprout.errors import SproutError
 from sprout.model.generate import generate
-from sprout.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -41,21 +42,15 @@ class Reply:
 
 
 def load_chat_model(path, device="cpu", tokenizer: str | None = None):
-    """(model, tokenizer, meta) of a checkpoint; `tokenizer` overrides the spec in its meta."""
+    """(model, tokenizer, meta) of a checkpoint; `tokenizer` (a spec) overrides the one in its meta."""
     model, meta = load_model(path, device)
-    spec = tokenizer or meta.get("tokenizer")
-    if not spec:
-        raise SproutError(f"{meta['path']}/meta.json: no tokenizer recorded; pass --tokenizer SPEC")
-    tok = load_tokenizer(spec)
-    want = meta.get("tokenizer_fingerprint")
-    if want and tok.fingerprint() != want:
-        raise SproutError(f"{spec}: not the tokenizer {meta['path']}/meta.json was trained with (fingerprint differs)")
+    tok = checkpoint_tokenizer(meta, tokenizer)
     version = meta.get("template_version")
     if version is not None and version != TEMPLATE_VERSION:
         raise SproutError(f"{meta['path']}/meta.json: trained with chat template {version!r}, this sprout "
                           f"renders {TEMPLATE_VERSION!r}")
     if tok.vocab_size > model.config.vocab_size:
-        raise SproutError(f"{spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
+        raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
     return model, tok, meta
 
 

@@ -1,0 +1,110 @@
+"""The transformer with a scalar head: a reward model (score head) and a policy with a value head.
+
+Both subclass `sprout.model.transformer.Transformer`, so the backbone's parameters keep
+their names (`embed_tokens`, `layers.*`, `norm`) and an LM checkpoint (pretrain or SFT)
+loads into the backbone as it is; the head adds one parameter. The head reads the final
+normed hidden state, the same input lm_head reads.
+
+    architecture  module            parameters beyond the backbone            forward returns
+    "lm"          Transformer       lm_head.weight                            logits [B, T, V]
+    "lm+value"    PolicyWithValue   lm_head.weight, value_head.weight [1, d]  logits; with return_values,
+                                                                              (logits, values [B, T])
+    "reward"      RewardModel       score_head.weight [1, d] (no lm_head)     scores [B, T]
+
+Heads are `Linear(d_model, 1, bias=False)`, like every other projection of the model (a
+Bradley-Terry reward loss does not see a constant offset anyway), initialised N(0, init_std)
+as the backbone's Linears are. Scores and values are float32, as logits are. The reward
+model has no lm_head: a checkpoint of an LM loads into it without its `lm_head.weight`
+(`sprout.checkpoint.init_from_lm`). `PolicyWithValue.forward` without `return_values` is
+the plain LM forward, so `sprout.model.generate.generate` samples from it unchanged.
+
+Everything goes through `forward` (never a separate method): under FSDP2 only a module's
+forward gathers its sharded parameters.
+
+A reward is read at one position per row, the response's last token (its end-of-turn
+token): `last_index(attention_mask)` finds it under left or right padding alike and
+`score_at(scores, index)` picks it. `padding_inputs(attention_mask)` gives the segment
+and position ids that make a padded row compute what the row computes alone (padding is
+segment 0, real tokens segment 1, positions count real tokens only), whichever side the
+padding is on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sprout.model.transformer import KVCache, ModelConfig, Transformer
+
+
+def _scalar_head(config: ModelConfig) -> nn.Linear:
+    head = nn.Linear(config.d_model, 1, bias=False)
+    nn.init.normal_(head.weight, 0.0, config.init_std)
+    return head
+
+
+class PolicyWithValue(Transformer):
+    """LM logits plus a value per position, from one backbone (PPO's policy and critic)."""
+
+    architecture = "lm+value"
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.value_head = _scalar_head(config)
+
+    def forward(self, input_ids, *, segment_ids=None, position_ids=None, cache: KVCache | None = None,
+                return_values: bool = False):
+        """Logits [B, T, vocab] float32; with return_values, (logits, values [B, T] float32)."""
+        logits, h = super().forward(input_ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache,
+                                    return_hidden=True)
+        if not return_values:
+            return logits
+        return logits, self.value_head(h).squeeze(-1).float()
+
+
+class RewardModel(Transformer):
+    """A scalar score per position from the backbone's final hidden state (no LM head)."""
+
+    architecture = "reward"
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        del self.lm_head  # a reward model never predicts tokens
+        self.score_head = _scalar_head(config)
+
+    def forward(self, input_ids, *, segment_ids=None, position_ids=None):
+        """Scores [B, T] float32: the score of the sequence ending at each position."""
+        h = self.hidden_states(input_ids, segment_ids=segment_ids, position_ids=position_ids)
+        return self.score_head(h).squeeze(-1).float()
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        raise TypeError("a reward model scores whole sequences; it has no KV-cache decoding")
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, as the LM's but without the lm_head matmul (its d_model x 1 head is in)."""
+        c = self.config
+        return 6.0 * self.num_params(exclude_embeddings=True) + 12.0 * c.n_layers * c.d_model * seq_len
+
+
+ARCHITECTURES = {"lm": Transformer, "lm+value": PolicyWithValue, "reward": RewardModel}
+HEAD_WEIGHTS = {"lm+value": "value_head.weight", "reward": "score_head.weight"}  # what tells them apart
+
+
+def last_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index [B] of each row's last real token (mask [B, T], 1 = real), left or right padded."""
+    T = attention_mask.shape[1]
+    return T - 1 - attention_mask.bool().flip(1).int().argmax(dim=1)
+
+
+def score_at(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """scores[b, index[b]] for each row b: [B, T], [B] -> [B]."""
+    return scores.gather(1, index[:, None].to(scores.device))[:, 0]
+
+
+def padding_inputs(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment_ids, position_ids) [B, T] for a padded batch: padding segment 0, real tokens
+    segment 1 at positions 0, 1, ... counted over real tokens only (padding clamps to 0 before
+    them and repeats the last position after them; it only ever sees other padding)."""
+    segments = attention_mask.long()
+    positions = (segments.cumsum(dim=1) - 1).clamp(min=0)
+    return segments, positions
