@@ -59,7 +59,7 @@ from sprout.mirror import ENV as MIRROR_VARIABLE
 from sprout.mirror import expand_path, mirror_dir
 from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_preferences
 from sprout.prep import arithmetic
-from sprout.prep.chat_sources import _hub_rows, iter_records
+from sprout.prep.chat_sources import _field, _hub_rows, iter_records
 from sprout.prep.keys import SplitRule, conversation_key, is_val
 
 FORMATS = ("hh_rlhf", "ultrafeedback", "jsonl", "arithmetic")
@@ -105,16 +105,6 @@ def _msg(role: str, content: str) -> dict:
     return {"role": role, "content": content.strip()}
 
 
-def _str(row, key: str, where: str) -> str:
-    if not isinstance(row, dict):
-        raise SproutError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if key not in row:
-        raise SproutError(f"{where}: missing field {key!r} (has {', '.join(sorted(row)) or 'nothing'})")
-    if not isinstance(row[key], str):
-        raise SproutError(f"{where}: field {key!r} must be a string, got {type(row[key]).__name__}")
-    return row[key]
-
-
 _HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
 
 
@@ -135,7 +125,7 @@ def parse_hh(text: str) -> list:
 
 
 def hh_pair(row, where: str, spec: PreferenceSourceConfig):
-    chosen_text, rejected_text = _str(row, "chosen", where), _str(row, "rejected", where)
+    chosen_text, rejected_text = _field(row, "chosen", where), _field(row, "rejected", where)
     chosen, rejected = parse_hh(chosen_text), parse_hh(rejected_text)
     if chosen[:-1] != rejected[:-1]:
         raise Drop("mismatched_turns", "chosen and rejected differ before their last turn")
@@ -219,13 +209,13 @@ CONVERTERS = {"hh_rlhf": hh_pair, "ultrafeedback": conversational_pair, "jsonl":
 # ---- sources ---------------------------------------------------------------------------
 
 def arithmetic_pairs(spec: PreferenceSourceConfig, seed: int, counts: Counter):
-    """`(where, prompt, chosen, rejected, margin)` for `spec.count` generated problems."""
+    """`(where, (prompt, chosen, rejected, margin))` for `spec.count` generated problems."""
     seed = seed if spec.seed is None else spec.seed
     rng = random.Random(f"{seed}-wrong")
     for i, p in enumerate(arithmetic.generate(spec.count, spec.levels, seed, spec.split)):
         rejected, kind = arithmetic.wrong_answer(p, rng, spec.broken_format_fraction)
         counts[f"rejected_{kind}"] += 1
-        yield f"{spec.name}[{i}] (level {p.level})", [_msg("user", p.question)], p.worked, rejected, None
+        yield f"{spec.name}[{i}] (level {p.level})", ([_msg("user", p.question)], p.worked, rejected, None)
 
 
 def source_rows(spec: PreferenceSourceConfig, mirror):
@@ -240,7 +230,8 @@ def source_rows(spec: PreferenceSourceConfig, mirror):
 
 
 def read_pairs(spec: PreferenceSourceConfig, mirror, seed: int, max_examples: int | None, counts: Counter):
-    """`(where, prompt, chosen, rejected, margin)` or `(where, Drop)` for each record read."""
+    """`(where, (prompt, chosen, rejected, margin))`, or `(where, Drop)` for a record that
+    is dropped while it is converted, for each record read."""
     if spec.format == "arithmetic":
         yield from arithmetic_pairs(spec, seed, counts)
         return
@@ -249,7 +240,7 @@ def read_pairs(spec: PreferenceSourceConfig, mirror, seed: int, max_examples: in
         if max_examples is not None and n >= max_examples:
             break
         try:
-            yield (where, *convert(row, where, spec))
+            yield where, convert(row, where, spec)
         except Drop as drop:
             yield where, drop
 
@@ -316,11 +307,11 @@ def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
     first_drop: dict[str, str] = {}
     for spec in specs:
         c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
-        for where, *pair in read_pairs(spec, cfg.mirror, cfg.seed, cfg.max_examples, c):
+        for where, pair in read_pairs(spec, cfg.mirror, cfg.seed, cfg.max_examples, c):
             c["read"] += 1
             try:
-                if isinstance(pair[0], Drop):
-                    raise pair[0]
+                if isinstance(pair, Drop):
+                    raise pair
                 prompt, chosen, rejected, margin = pair
                 check_content(prompt, chosen, rejected)
             except Drop as drop:
