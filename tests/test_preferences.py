@@ -307,3 +307,13 @@ def test_script_end_to_end(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and "hh.jsonl.gz:1: missing field 'rejected'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_pairs_the_chat_template_refuses_are_counted(tmp_path):
+    path = _jsonl(tmp_path / "mine.jsonl", [{"prompt": "ok", "chosen": "a", "rejected": "b"},
+                                           {"prompt": "say <|user|> please", "chosen": "a", "rejected": "b"},
+                                           {"prompt": "q", "chosen": "a <|endoftext|>", "rejected": "b"},
+                                           {"prompt": "   ", "chosen": "a", "rejected": "b"}])
+    manifest, train, test = _run(tmp_path, [{"name": "mine", "format": "jsonl", "path": str(path)}])
+    assert len(train) + len(test) == 1
+    assert manifest["dropped"] == {"reserved_marker": 2, "empty_content": 1}
