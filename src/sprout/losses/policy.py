@@ -1,0 +1,197 @@
+"""Policy-gradient losses for PPO and GRPO: per-token terms, then one normaliser per loss_type.
+
+Per token (tensors [B, T]; `mask` is 1 on completion tokens):
+
+- `importance_log_weights`: log ratio of the policy to the policy that sampled.
+  `token`: log pi(y_t) - log pi_old(y_t). `sequence` (GSPO): the sequence's
+  length-normalised sum sum_t m_t (log pi - log pi_old) / sum_t m_t, one value [B, 1]
+  used for every token of the sequence.
+- `clipped_surrogate`: with ratio rho = exp(log weight) and advantage A,
+  -min(rho' A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), where rho' = min(rho, delta)
+  when `delta` is set (two-sided clipping, as TRL) and rho otherwise; `epsilon_high`
+  defaults to epsilon (clip-higher when larger). PPO's dual clip with c (`dual_clip`,
+  c > 1, 3 in Ye et al. 2020) bounds the loss of a negative advantage by -c A.
+- `value_loss`: PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V, V_old - c,
+  V_old + c) - R)^2).
+- `token_entropy`: entropy (nats) of softmax(logits); the loss subtracts
+  entropy_coef × entropy (a bonus: higher entropy, lower loss).
+
+Normalisers (`aggregate`, TRL's loss_type), written so the normalisation is exact over the
+GLOBAL batch (every micro-batch on every process). Each returns (loss_sum, denominator) for
+one micro-batch, with l the per-token loss, m the mask, L_i = sum_t m_it:
+
+    loss_type  loss_sum contribution              denominator contribution
+    grpo       sum_i (sum_t l_it m_it) / L_i      rows (each sequence's mean, then the mean over sequences)
+    bnpo       sum_i sum_t l_it m_it              tokens sum_i L_i
+    dapo       sum_i sum_t l_it m_it              tokens sum_i L_i
+    dr_grpo    sum_i sum_t l_it m_it              rows × max_completion_length
+
+(L_i is clamped to 1, so an empty row adds 0 to the sum and 1 row to grpo's count, as
+TRL.) TRL's bnpo divides by the tokens of the local micro-batch; here it divides by the
+tokens of the global batch, which makes it identical to dapo. A trainer (as
+`sprout.train.loop` does) counts the denominators of all its micro-batches with
+`denominator` before any forward, all-reduces their sum to D, runs backward on
+loss_sum × world_size / D for each micro-batch (DDP and FSDP average gradients over
+processes, the factor turns that mean into a sum), and logs (all-reduced sum of loss_sum)
+/ D. The gradient is then that of the global-batch loss however the batch was split.
+
+Metrics come as (sum, count) pairs so they too reduce exactly: `clip_ratio/low_mean`
+(rho < 1 - epsilon with A < 0), `clip_ratio/high_mean` (rho > 1 + epsilon_high with A > 0),
+`clip_ratio/region_mean` (either), counted over completion tokens (over sequences at the
+sequence level), as TRL; `kl` and `entropy`, per completion token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING = ("token", "sequence")
+
+
+# ---- per-token terms -------------------------------------------------------------------
+
+def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
+                           level: str = "token") -> torch.Tensor:
+    """Log importance weights: [B, T] per token, or [B, 1] per sequence (module doc)."""
+    log_ratio = logps - old_logps
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        m = mask.to(log_ratio.dtype)
+        return ((log_ratio * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_SAMPLING)}, got {level!r}")
+
+
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
+def clipped_surrogate(log_weights: torch.Tensor, advantages: torch.Tensor, epsilon: float = 0.2,
+                      epsilon_high: float | None = None, delta: float | None = None,
+                      dual_clip: float | None = None) -> torch.Tensor:
+    """Per-token clipped policy loss (module doc); advantages [B] or [B, T]."""
+    adv = _per_token(advantages)
+    high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(log_weights)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    loss = -torch.min(unclipped * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv)
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        loss = torch.where(adv < 0, torch.min(loss, -dual_clip * adv), loss)
+    return loss
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip_range_value: float) -> torch.Tensor:
+    """Per-token clipped value loss 0.5 max((V - R)^2, (clip(V, V_old ± c) - R)^2)."""
+    clipped = torch.clamp(values, old_values - clip_range_value, old_values + clip_range_value)
+    return 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax(logits) [..., V] at each position [...], in float32 or wider."""
+    logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+# ---- normalisers -----------------------------------------------------------------------
+
+def _check(loss_type: str, max_completion_length: int | None) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if loss_type == "dr_grpo" and not max_completion_length:
+        raise ValueError("loss_type dr_grpo needs max_completion_length")
+
+
+def denominator(mask: torch.Tensor, loss_type: str, max_completion_length: int | None = None) -> torch.Tensor:
+    """This micro-batch's share of the global denominator (int64), from the mask alone."""
+    _check(loss_type, max_completion_length)
+    rows = torch.tensor(mask.size(0), device=mask.device)
+    if loss_type == "grpo":
+        return rows
+    if loss_type == "dr_grpo":
+        return rows * int(max_completion_length)
+    return mask.long().sum()
+
+
+def sequence_mean_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """grpo: sum over rows of each row's masked token mean."""
+    m = mask.to(per_token.dtype)
+    return ((per_token * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).sum()
+
+
+def token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """bnpo, dapo, dr_grpo: sum over masked tokens."""
+    return (per_token * mask.to(per_token.dtype)).sum()
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
+              max_completion_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_sum, denominator) of a per-token loss for `loss_type` (module doc)."""
+    _check(loss_type, max_completion_length)
+    total = sequence_mean_sum(per_token, mask) if loss_type == "grpo" else token_sum(per_token, mask)
+    return total, denominator(mask, loss_type, max_completion_length)
+
+
+# ---- the policy loss -------------------------------------------------------------------
+
+def clip_ratio_sums(log_weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    epsilon: float = 0.2, epsilon_high: float | None = None) -> dict[str, tuple]:
+    """TRL's clip fractions as (sum, count): per completion token, or per sequence when
+    the weights are per sequence ([B, 1])."""
+    adv = _per_token(advantages)
+    high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(log_weights.detach())
+    is_low = (ratio < 1 - epsilon) & (adv < 0)
+    is_high = (ratio > 1 + high) & (adv > 0)
+    if log_weights.size(-1) == 1:  # sequence level: one value per row
+        weight, count = torch.ones_like(ratio), torch.tensor(ratio.size(0), device=ratio.device)
+    else:
+        weight, count = mask.to(ratio.dtype), mask.long().sum()
+    return {"clip_ratio/low_mean": ((is_low * weight).sum(), count),
+            "clip_ratio/high_mean": ((is_high * weight).sum(), count),
+            "clip_ratio/region_mean": (((is_low | is_high) * weight).sum(), count)}
+
+
+@dataclass
+class PolicyLoss:
+    """A micro-batch's loss sum, its denominator share and its metrics as (sum, count)."""
+
+    loss_sum: torch.Tensor
+    denominator: torch.Tensor
+    metrics: dict[str, tuple]
+
+
+def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                loss_type: str = "dapo", max_completion_length: int | None = None, epsilon: float = 0.2,
+                epsilon_high: float | None = None, delta: float | None = None, importance_sampling: str = "token",
+                dual_clip: float | None = None, per_token_kl: torch.Tensor | None = None, beta: float = 0.0,
+                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                per_token_value_loss: torch.Tensor | None = None, vf_coef: float = 0.0) -> PolicyLoss:
+    """The per-token loss surrogate + beta × KL - entropy_coef × entropy
+    + vf_coef × value loss, normalised by `loss_type` (module doc).
+
+    logps, old_logps, mask [B, T]; advantages [B] (GRPO) or [B, T] (PPO); per_token_kl
+    (e.g. `sprout.rl.kl.kl_k3`), entropy (`token_entropy`), per_token_value_loss
+    (`value_loss`) [B, T], each optional and carrying its own gradient."""
+    log_w = importance_log_weights(logps, old_logps, mask, importance_sampling)
+    per_token = clipped_surrogate(log_w, advantages, epsilon, epsilon_high, delta, dual_clip)
+    metrics = clip_ratio_sums(log_w, advantages, mask, epsilon, epsilon_high)
+    tokens = mask.long().sum()
+    m = mask.to(per_token.dtype)
+    if per_token_kl is not None:
+        metrics["kl"] = ((per_token_kl.detach() * m).sum(), tokens)
+        if beta:
+            per_token = per_token + beta * per_token_kl
+    if entropy is not None:
+        metrics["entropy"] = ((entropy.detach() * m).sum(), tokens)
+        if entropy_coef:
+            per_token = per_token - entropy_coef * entropy
+    if per_token_value_loss is not None and vf_coef:
+        per_token = per_token + vf_coef * per_token_value_loss
+    loss_sum, denom = aggregate(per_token, mask, loss_type, max_completion_length)
+    return PolicyLoss(loss_sum, denom, metrics)
