@@ -1,4 +1,11 @@
+"""Batched KV-cache sampling: equal to recomputation and to each row alone, stop ids, vocab
+padding, log-probs, top-k/top-p, seeding, context limits, and ranks kept in step under FSDP (slow)."""
+
+import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +133,27 @@ def test_context_limits(model):
         generate(model, [[1]], 4, top_p=0.0)
     out = generate(model, [[1] * 60, [2, 3]], 10, temperature=0)
     assert [len(t) for t in out.tokens] == [4, 4]  # stops when the longest row fills the context
+
+
+@pytest.mark.slow
+def test_generation_under_fsdp_keeps_every_rank_stepping(tmp_path):
+    """2 FSDP2 processes whose rows stop at different steps (rank 0 within 4, rank 1 later): the
+    run ends, both ranks run the same number of forwards, and each rank's tokens are those of
+    one process given its prompts."""
+    from fsdp_generate_worker import PLAN, model, run
+    from proc import run_group
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", "29551",
+           str(root / "tests" / "fsdp_generate_worker.py"), str(tmp_path)]
+    proc = run_group(cmd, timeout=180, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in PLAN]
+    alone = [run(model().eval(), r) for r in PLAN]
+    steps = [max(len(t) for t in g.tokens) for g in alone]
+    assert steps[0] < steps[1] and len({len(t) for t in alone[1].tokens}) > 1  # uneven, as intended
+    assert got[0]["forwards"] == got[1]["forwards"] == steps[1]  # prefill + steps - 1, on both ranks
+    for g, a in zip(got, alone):
+        assert g["tokens"] == a.tokens and g["finished"] == a.finished
+        assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5) for x, y in zip(g["logprobs"], a.logprobs))

@@ -14,6 +14,17 @@ greedy decoding: a point mass on the argmax, so its log-probs are 0.
 
 Each row stops at its first token in `stop_ids` (the stop token is returned); the loop
 ends when every row has stopped, at `max_new_tokens`, or when the context is full.
+
+Several processes (torch.distributed initialised, world size > 1): under FSDP every forward
+is a collective (each rank gathers the others' parameter shards), so no rank may leave the
+loop while another still decodes. Each step all-reduces one "this rank is done" flag, and a
+rank whose rows have all stopped keeps running one-token forwards whose output is thrown
+away (no cache, no sampling, so its tokens and its generator are exactly those of a run
+alone) until every rank is done. Each rank's tokens are those of one process given its
+prompts. A single process does no collective.
+
+With `train.compile` on, pass generation the uncompiled module (the Trainer's
+`generation_model`): a compiled forward recompiles for each new cache length and decode shape.
 """
 
 from __future__ import annotations
@@ -21,8 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from sprout.errors import SproutError
+from sprout.model.heads import padding_inputs
 
 
 @dataclass
@@ -69,8 +82,7 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
     P = max(len(p) for p in prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
-    segments = (torch.arange(P, device=device)[None, :] >= (P - lengths)[:, None]).long()
-    positions = (segments.cumsum(dim=1) - 1).clamp(min=0)
+    segments, positions = padding_inputs(torch.arange(P, device=device)[None, :] >= (P - lengths)[:, None])
     return ids, segments, positions
 
 
@@ -104,15 +116,30 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     done = torch.zeros(B, dtype=torch.bool, device=device)
     logits = model(ids, segment_ids=None if uniform else segments, position_ids=None if uniform else positions,
                    cache=cache)[:, -1, :vocab_size]
-    n = 0
-    for n in range(1, steps + 1):
-        tok, logp = sample_next(logits, temperature, top_k, top_p, generator)
-        out_tokens[:, n - 1], out_logp[:, n - 1] = tok, logp
-        done |= torch.isin(tok, stops)
-        if n == steps or bool(done.all()):
+    n, finished = 0, steps == 0
+    while True:
+        if not finished:
+            n += 1
+            tok, logp = sample_next(logits, temperature, top_k, top_p, generator)
+            out_tokens[:, n - 1], out_logp[:, n - 1] = tok, logp
+            done |= torch.isin(tok, stops)
+            finished = n == steps or bool(done.all())
+        if _every_rank_finished(finished, device):
             break
-        logits = model(tok[:, None], cache=cache)[:, -1, :vocab_size]
+        if finished:  # another rank still decodes: keep its forwards' collectives company
+            model(ids[:1, :1])
+        else:
+            logits = model(tok[:, None], cache=cache)[:, -1, :vocab_size]
     return _trim(out_tokens[:, :n].cpu(), out_logp[:, :n].cpu(), stops.cpu())
+
+
+def _every_rank_finished(finished: bool, device) -> bool:
+    """`finished` of this process, AND-ed over all processes when there are several (a collective)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return finished
+    flag = torch.tensor([int(finished)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _trim(tokens: torch.Tensor, logp: torch.Tensor, stops: torch.Tensor) -> Generation:
