@@ -134,6 +134,15 @@ def test_head_model_from_an_lm_checkpoint(tmp_path, arch, cls):
     assert own[head].std().item() == pytest.approx(0.02, rel=0.5)  # N(0, init_std)
 
 
+def test_a_reward_checkpoint_is_refused_by_chat(tmp_path):
+    from sprout.model.chat_session import load_chat_model
+
+    rm = build(RewardModel)
+    path = save_checkpoint(tmp_path / "rm", rm, meta={"model_config": rm.config, "tokenizer": "tiktoken:r50k_base"})
+    with pytest.raises(SproutError, match=r"rm/meta.json: a reward model scores text; it has no LM head"):
+        load_chat_model(path)
+
+
 def test_head_model_from_a_mismatched_checkpoint_is_refused(tmp_path):
     rm = build(RewardModel)
     path = save_checkpoint(tmp_path / "rm", rm, meta={"model_config": rm.config})

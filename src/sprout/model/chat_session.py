@@ -44,6 +44,8 @@ class Reply:
 def load_chat_model(path, device="cpu", tokenizer: str | None = None):
     """(model, tokenizer, meta) of a checkpoint; `tokenizer` (a spec) overrides the one in its meta."""
     model, meta = load_model(path, device)
+    if meta.get("architecture") == "reward":
+        raise SproutError(f"{meta['path']}/meta.json: a reward model scores text; it has no LM head to chat with")
     tok = checkpoint_tokenizer(meta, tokenizer)
     version = meta.get("template_version")
     if version is not None and version != TEMPLATE_VERSION:
