@@ -5,6 +5,14 @@
 Exit status: 0 when every invariant of `sprout.formats.maskcheck` holds, 1 on any violation
 (each printed with its row and position), 2 when the file is missing, corrupted
 (checksum mismatch) or not an SFT file.
+
+A preference file (`.jsonl`) is checked pair by pair as the preference loader renders it
+(`sprout.formats.pair_maskcheck`); it needs the tokenizer and the context length:
+
+    python scripts/check_loss_mask.py prefs/preferences.jsonl --tokenizer sentencepiece:sp.model \
+        --seq-len 256 [--truncation keep_end] --show 2 --html pairs.html
+
+Pairs the loader would drop or shorten are listed; a violation is printed with its line.
 """
 
 from __future__ import annotations
@@ -16,19 +24,26 @@ from sprout.atomic import atomic_write
 from sprout.chat import template_for
 from sprout.errors import SproutError, run_main
 from sprout.formats.maskcheck import check_arrays, format_row, rows_html
+from sprout.formats.pair_maskcheck import check_preferences, format_pair, pairs_html
+from sprout.formats.preference_tokens import TRUNCATIONS
 from sprout.formats.sft import SFTFile
 from sprout.tokenizer import load_tokenizer
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("file", help="packed SFT file (.h5)")
+    parser.add_argument("file", help="packed SFT file (.h5) or preference file (.jsonl)")
     parser.add_argument("--show", type=int, default=2, help="rows to print with trained tokens highlighted")
     parser.add_argument("--html", help="also write the shown rows to this HTML page")
     parser.add_argument("--mirror", help="data mirror for tiktoken ranks (default: $SPROUT_MIRROR, else ../shared/data; see sprout.mirror)")
     parser.add_argument("--tokenizer", help="tokenizer spec, if the stored one has moved")
     parser.add_argument("--no-color", action="store_true", help="mark trained tokens as [[...]] instead of ANSI")
+    parser.add_argument("--seq-len", type=int, help="preference files: the context length the loader uses")
+    parser.add_argument("--truncation", choices=TRUNCATIONS, default="drop",
+                        help="preference files: what the loader does with pairs longer than --seq-len")
     args = parser.parse_args()
+    if args.file.endswith(".jsonl"):
+        return check_pairs(args)
 
     with SFTFile(args.file) as f:
         arrays = f.verify()
@@ -62,6 +77,41 @@ def main() -> int:
             print(f"FAIL ... and {report.more_violations} more", file=sys.stderr)
         return 1
     print("OK: every row passes")
+    return 0
+
+
+# ---- preference pairs ---------------------------------------------------------------------
+
+def check_pairs(args) -> int:
+    """Check every pair of a preference JSONL as `data_loader.preferences` would render it."""
+    if not args.tokenizer or not args.seq_len:
+        raise SproutError(f"{args.file}: a preference file needs --tokenizer SPEC and --seq-len N")
+    tok = load_tokenizer(args.tokenizer, mirror=args.mirror)
+    tpl = template_for(tok)
+    report = check_preferences(args.file, tok, tpl, args.seq_len, args.truncation, show=args.show)
+    totals = report.totals()
+    color = not args.no_color and sys.stdout.isatty()
+    for pair in report.shown:
+        print(format_pair(pair, tpl, tok, color=color))
+    if args.html:
+        with atomic_write(args.html, "w") as out:
+            out.write(pairs_html(report.shown, tpl, tok, f"loss mask: {args.file}", totals))
+    print(f"{args.file}: preference pairs, tokenizer {tok.spec}, seq_len {args.seq_len}, truncation {args.truncation}")
+    for key, value in totals.items():
+        print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value:,}")
+    for line, pid, longest in report.dropped[:10]:
+        print(f"  dropped: line {line} ({pid}): {longest} tokens > seq_len {args.seq_len}")
+    for line, pid, removed in report.truncated[:10]:
+        print(f"  truncated: line {line} ({pid}): {removed} prompt messages removed")
+    if len(report.dropped) > 10 or len(report.truncated) > 10:
+        print("  ... (only the first 10 of each listed)")
+    if report.violations:
+        for v in report.violations:
+            print(f"FAIL {args.file}: {v}", file=sys.stderr)
+        if report.more_violations:
+            print(f"FAIL ... and {report.more_violations} more", file=sys.stderr)
+        return 1
+    print("OK: every pair passes")
     return 0
 
 

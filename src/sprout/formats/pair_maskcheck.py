@@ -1,0 +1,233 @@
+"""The loss-mask checker for preference pairs, behind `scripts/check_loss_mask.py FILE.jsonl`.
+
+Each pair of a preference file (`sprout.formats.preferences`) is rendered by
+`sprout.formats.preference_tokens.fit_pair`, the code `data_loader.preferences` uses, with
+the same `seq_len` and `truncation`, and the result is then checked from its tokens alone:
+
+- each side parses back into turns with `sprout.chat.segment` (role headers, every turn
+  closed by its end-of-turn token, roles in order) and its last turn is an assistant turn;
+- the side's mask is 1 exactly on that final assistant turn's content and the end-of-turn
+  token closing it, and 0 on everything before: role headers, system and user text, and
+  earlier assistant turns of the prompt (a 1 or a 0 out of place is named by what it sits on);
+- the masked tokens decode to the record's answer for that side followed by the end-of-turn
+  token;
+- the two sides' prompt tokens (everything before the response) are identical;
+- the prompt's turns decode to the record's prompt messages, minus the exchanges `keep_end`
+  removed (the system message and the last user turn always among those kept);
+- each side fits `seq_len`, so nothing is cut by the context.
+
+Pairs the loader would drop (too long) or shorten (`keep_end`) are listed with their lines;
+they are not violations. A violation names the file line, the pair id, the side and the
+position. `format_pair` and `pairs_html` show both sides of a pair with the trained tokens
+highlighted, as the SFT view (`sprout.formats.maskcheck`) does for rows.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sprout.chat import ChatError, Template, segment
+from sprout.errors import SproutError
+from sprout.formats.maskcheck import _ANSI, _CSS, TRAINED, _describe, _runs
+from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair
+from sprout.formats.preferences import read_preferences
+
+
+@dataclass
+class PairViolation:
+    line: int
+    id: str
+    side: str | None  # "chosen", "rejected", or None for the pair as a whole
+    position: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"line {self.line} ({self.id})"
+        if self.side:
+            where += f" {self.side}"
+        if self.position is not None:
+            where += f" position {self.position}"
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class PairReport:
+    pairs_read: int = 0
+    pairs_checked: int = 0
+    trained: int = 0  # response tokens over both sides
+    tokens: int = 0
+    dropped: list = field(default_factory=list)  # (line, id, longest side) the loader would drop
+    truncated: list = field(default_factory=list)  # (line, id, prompt messages removed)
+    violations: list = field(default_factory=list)
+    more_violations: int = 0
+    shown: list = field(default_factory=list)  # the first checked pairs, for display
+
+    def totals(self) -> dict:
+        return {"pairs_read": self.pairs_read, "pairs_checked": self.pairs_checked,
+                "dropped_too_long": len(self.dropped), "truncated": len(self.truncated),
+                "tokens": self.tokens, "trained_tokens": self.trained,
+                "trained_fraction_of_tokens": self.trained / self.tokens if self.tokens else 0.0,
+                "violations": len(self.violations) + self.more_violations}
+
+
+def _expected_prompt(record: dict, turns_dropped: int) -> list:
+    """The prompt messages left after `keep_end` removed `turns_dropped` messages."""
+    prompt = record["prompt"]
+    first = 1 if prompt[0]["role"] == "system" else 0
+    return prompt[:first] + prompt[first + turns_dropped:]
+
+
+def _side_violations(ids, mask, answer: str, tok, tpl: Template, seq_len: int):
+    """(position, message) for one side, and its turns when they parse."""
+    out = []
+    if len(ids) != len(mask):
+        return [(None, f"{len(ids)} ids but {len(mask)} mask values")], None
+    if len(ids) > seq_len:
+        out.append((seq_len, f"{len(ids)} tokens, longer than seq_len {seq_len} (cut by the context)"))
+    if np.any((mask != 0) & (mask != 1)):
+        out.append((int(np.flatnonzero((mask != 0) & (mask != 1))[0]), "mask value other than 0/1"))
+    try:
+        turns = segment(ids, tpl)
+    except ChatError as exc:
+        return out + [(exc.position, exc.detail)], None
+    last = turns[-1]
+    if last.role != "assistant":
+        return out + [(last.start, f"the last turn is {last.role}, not the response")], None
+    expected = np.zeros(len(ids), dtype=np.uint8)
+    expected[last.content_start:last.end + 1] = 1
+    diff = np.flatnonzero(expected != mask)
+    if diff.size:
+        p = int(diff[0])
+        what = _describe(turns, p)
+        if mask[p]:
+            hint = " (an earlier assistant turn of the prompt)" if p < last.start and "assistant" in what else ""
+            out.append((p, f"mask 1 on {what}{hint}"))
+        else:
+            out.append((p, f"mask 0 on {what} (the response is not fully covered)"))
+        return out, turns
+    trained = np.asarray(ids)[mask == 1]
+    text = tok.decode(trained[:-1].tolist())
+    if text != answer or int(trained[-1]) != tpl.eot_id:
+        out.append((last.content_start, f"the trained tokens decode to {text[:60]!r}, not the answer "
+                                        f"{answer[:60]!r} and its end-of-turn token"))
+    return out, turns
+
+
+def pair_violations(pair: PairTokens, record: dict, tok, tpl: Template, seq_len: int) -> list[PairViolation]:
+    """Every violation of the module docstring's rules for one rendered pair."""
+    found = []
+    add = lambda side, pos, msg: found.append(PairViolation(pair.line, pair.id, side, pos, msg))  # noqa: E731
+    turns = {}
+    for side in SIDES:
+        ids, mask = getattr(pair, side), getattr(pair, f"{side}_mask")
+        problems, turns[side] = _side_violations(np.asarray(ids), np.asarray(mask), record[side][0]["content"],
+                                                 tok, tpl, seq_len)
+        for pos, msg in problems:
+            add(side, pos, msg)
+    if turns["chosen"] is None or turns["rejected"] is None:
+        return found
+    prompts = {s: np.asarray(getattr(pair, s))[:turns[s][-1].content_start] for s in SIDES}
+    n = min(len(prompts["chosen"]), len(prompts["rejected"]))
+    diff = np.flatnonzero(prompts["chosen"][:n] != prompts["rejected"][:n])
+    if diff.size or len(prompts["chosen"]) != len(prompts["rejected"]):
+        add(None, int(diff[0]) if diff.size else n,
+            f"the prompt tokens of chosen ({len(prompts['chosen'])} tokens) and rejected "
+            f"({len(prompts['rejected'])} tokens) differ")
+        return found
+    want = _expected_prompt(record, pair.turns_dropped)
+    got = turns["chosen"][:-1]
+    ids = np.asarray(pair.chosen)
+    if [t.role for t in got] != [m["role"] for m in want]:
+        add(None, 0, f"the prompt renders as turns {[t.role for t in got]}, the record has {[m['role'] for m in want]}")
+        return found
+    for k, (t, m) in enumerate(zip(got, want)):
+        text = tok.decode(ids[t.content_start:t.end].tolist())
+        if text != m["content"]:
+            add(None, t.content_start, f"prompt turn {k} ({t.role}) decodes to {text[:60]!r}, "
+                                       f"not the record's {m['content'][:60]!r}")
+            break
+    return found
+
+
+def check_preferences(path: str | os.PathLike, tok, tpl: Template, seq_len: int, truncation: str = "drop",
+                      show: int = 2, limit: int = 50) -> PairReport:
+    """Render and check every pair of a preference file as the loader would see it."""
+    report = PairReport()
+
+    def add(v: PairViolation) -> None:
+        if len(report.violations) < limit:
+            report.violations.append(v)
+        else:
+            report.more_violations += 1
+
+    for line, record in enumerate(read_preferences(path), 1):
+        report.pairs_read += 1
+        try:
+            pair, longest = fit_pair(record, tok, seq_len, truncation, f"{path}:{line}", line)
+        except SproutError as exc:  # the template refused it, or the prompts render differently
+            add(PairViolation(line, record["id"], None, None, str(exc).removeprefix(f"{path}:{line}: ")))
+            continue
+        if pair is None:
+            report.dropped.append((line, record["id"], longest))
+            continue
+        if pair.turns_dropped:
+            report.truncated.append((line, record["id"], pair.turns_dropped))
+        report.pairs_checked += 1
+        report.tokens += len(pair.chosen) + len(pair.rejected)
+        report.trained += int(pair.chosen_mask.sum() + pair.rejected_mask.sum())
+        for v in pair_violations(pair, record, tok, tpl, seq_len):
+            add(v)
+        if len(report.shown) < show:
+            report.shown.append(pair)
+    return report
+
+
+# ---- showing pairs -----------------------------------------------------------------------
+
+def _side_runs(pair: PairTokens, side: str, tpl: Template, tok) -> list[tuple[int, str]]:
+    ids = np.asarray(getattr(pair, side))
+    runs = _runs(ids, np.asarray(getattr(pair, f"{side}_mask")), np.ones(len(ids), dtype=np.int64), tpl, tok)
+    return [(kind, text) for _, kind, text in runs]
+
+
+def _title(pair: PairTokens) -> str:
+    cut = f", {pair.turns_dropped} prompt messages removed by keep_end" if pair.turns_dropped else ""
+    return f"pair {pair.id} (line {pair.line}{cut})"
+
+
+def format_pair(pair: PairTokens, tpl: Template, tok, color: bool = True) -> str:
+    """Both sides as text, trained tokens highlighted (ANSI) or bracketed as [[...]] without color."""
+    lines = [f"── {_title(pair)} " + "─" * 30]
+    for side in SIDES:
+        parts = []
+        for kind, text in _side_runs(pair, side, tpl, tok):
+            if color:
+                parts.append(f"{_ANSI[kind]}{text}\x1b[0m" if _ANSI[kind] else text)
+            else:
+                parts.append(f"[[{text}]]" if kind == TRAINED else text)
+        lines.append(f"[{side}] " + "".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+def pairs_html(pairs, tpl: Template, tok, title: str, totals: dict) -> str:
+    """A self-contained HTML page showing both sides of `pairs` with trained tokens highlighted."""
+    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>",
+             "body{font-family:sans-serif;margin:2em} .side{white-space:pre-wrap;font-family:monospace;"
+             "border:1px solid #ccc;padding:.5em;margin:.5em 0} .trained{background:#b6f2b6}"
+             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .label{color:#888}</style>",
+             f"<h1>{html.escape(title)}</h1><p>Green: trained tokens (the response and its end-of-turn token). "
+             "Blue: role headers.</p><table>"]
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in totals.items()]
+    parts.append("</table>")
+    for pair in pairs:
+        parts.append(f"<h3>{html.escape(_title(pair))}</h3>")
+        for side in SIDES:
+            parts.append(f"<div class='side'><span class='label'>[{side}] </span>")
+            parts += [f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>"
+                      for kind, text in _side_runs(pair, side, tpl, tok)]
+            parts.append("</div>")
+    return "".join(parts) + "\n"
