@@ -98,8 +98,8 @@ def main() -> None:
 
     common = [sys.executable, "scripts/pretrain.py", "--config", config, "--data", str(data),
               "--data.seq_len", str(seq), "--data.seq_warmup_frac", "0", "--data.eval_tokens", str(4 * seq),
-              "--train.global_batch_tokens", str(global_batch), "--train.micro_batch_tokens", str(micro),
-              "--train.max_steps", str(steps), "--train.warmup_steps", "2", "--train.log_every", str(max(1, steps // 4)),
+              "--batch.global_tokens", str(global_batch), "--batch.micro_tokens", str(micro),
+              "--train.max_steps", str(steps), "--optim.warmup_steps", "2", "--train.log_every", str(max(1, steps // 4)),
               "--train.eval_every", "0", "--train.progress", "false", "--train.peak_tflops", f"{peak / 1e12:.4f}"]
     if gpu:
         common += ["--model.vocab_size", "50304"]

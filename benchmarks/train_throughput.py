@@ -35,7 +35,7 @@ from reference_gpt import ReferenceGPT  # noqa: E402
 
 from sprout.losses.tokens import token_nll_sum  # noqa: E402
 from sprout.model.transformer import ModelConfig, Transformer  # noqa: E402
-from sprout.train.loop import TrainConfig, Trainer, build_optimizer, make_accelerator  # noqa: E402
+from sprout.train.loop import OptimConfig, TokenStage, TrainConfig, Trainer, build_optimizer, make_accelerator  # noqa: E402
 from sprout.train.metrics import measure_matmul_flops  # noqa: E402
 
 
@@ -44,9 +44,12 @@ def reference_flops_per_token(model: ReferenceGPT, n_layers: int, d_model: int, 
     return 6.0 * n_matmul + 12.0 * n_layers * d_model * seq_len
 
 
-def sprout_loss(model, batch):
-    nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], overwrite_logits=True)
-    return nll, n, {}
+class NextToken(TokenStage):
+    name = "bench"
+
+    def loss(self, model, batch):
+        nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], overwrite_logits=True)
+        return nll, n, {}
 
 
 def main() -> None:
@@ -76,11 +79,11 @@ def main() -> None:
                                        n_heads=args.heads, d_ff=d_ff, max_seq_len=T, tie_embeddings=True))
 
     def trainer_step(compile_: bool):
-        cfg = TrainConfig(global_batch_tokens=tokens, micro_batch_tokens=tokens, max_steps=10**6, warmup_steps=0,
-                          schedule="constant", lr=6e-4, compile=compile_, progress=False)
+        cfg = TrainConfig(max_steps=10**6, compile=compile_, progress=False)
         model = sprout_model()
-        trainer = Trainer(make_accelerator(cfg), model, build_optimizer(model, cfg), lambda s: cfg.lr, cfg)
-        return model, lambda x, y: trainer.step([{"input_ids": x, "targets": y}], sprout_loss)
+        trainer = Trainer(make_accelerator(cfg), model, build_optimizer(model, OptimConfig(lr=6e-4)),
+                          lambda step, peak: peak, cfg)
+        return model, lambda x, y: trainer.step([{"input_ids": x, "targets": y}], NextToken())
 
     def plain_step(model, optimizer, forward_loss):
         def step(x, y):
@@ -101,7 +104,7 @@ def main() -> None:
     ref_opt = ref.configure_optimizers(weight_decay=0.1, learning_rate=6e-4)
     rows["reference (nanoGPT)"] = (ref, plain_step(ref, ref_opt, lambda m, x, y: m(x, y)[1]))
     rows["sprout model, plain loop"] = (plain, plain_step(
-        plain, build_optimizer(plain, TrainConfig()),
+        plain, build_optimizer(plain, OptimConfig()),
         lambda m, x, y: torch.nn.functional.cross_entropy(m(x).view(-1, V), y.view(-1))))
 
     data = torch.randint(0, V, (args.warmup + args.steps, B, T + 1))

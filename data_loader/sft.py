@@ -1,6 +1,6 @@
 """Batches of packed SFT rows (`sprout.formats.sft`) for the trainer.
 
-Each batch is a dict of torch tensors, shifted as DESIGN.md says (row r of the file):
+Each batch is a dict of torch tensors, shifted by one for next-token prediction (row r of the file):
 
     input_ids     tokens[r, :-1]        int64 (B, L-1)
     targets       tokens[r, 1:]         int64

@@ -4,7 +4,7 @@
         --data runs/demo/sft/sft.h5 --out runs/demo/sft_model
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/train_sft.py --config ...
     python scripts/train_sft.py --config ... --out runs/x --resume            # latest checkpoint in --out
-    python scripts/train_sft.py --config ... --train.max_steps 50 --train.lr 1e-4
+    python scripts/train_sft.py --config ... --train.max_steps 50 --optim.lr 1e-4
 
 The val file is the `_val` one beside --data (sft_val.h5). Any `--section.field VALUE`
 overrides the config; the resolved config is printed and saved as <out>/config.yaml.

@@ -42,7 +42,7 @@ def short_fsdp_and_one(data: Path, tmp_path: Path, port: int, steps: int, *fsdp_
                   "--data.seq_warmup_frac", "0", "--data.eval_tokens", str(eval_tokens), *fsdp_flags, **launch_kw)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert SHARDED.search(proc.stdout), proc.stdout[-2000:]
-    cfg = tiny_cfg(data, one, max_steps=steps, eval_every=0, micro_batch_tokens=MICRO)
+    cfg = tiny_cfg(data, one, max_steps=steps, eval_every=0, micro_tokens=MICRO)
     cfg.data.seq_warmup_frac, cfg.data.eval_tokens = 0, eval_tokens
     run_pretrain(cfg)
     return one, fsdp
@@ -60,7 +60,7 @@ def checkpoint(out: Path, step: int) -> Path:
 def ref(data, tmp_path_factory):
     """The reference: one process × 4 micro-steps, checkpoints at 8 and 16."""
     out = tmp_path_factory.mktemp("ref")
-    run_pretrain(tiny_cfg(data, out, micro_batch_tokens=MICRO))
+    run_pretrain(tiny_cfg(data, out, micro_tokens=MICRO))
     return out
 
 
@@ -160,7 +160,7 @@ def test_fsdp_checkpoint_is_a_full_checkpoint(ref, fsdp, data, tmp_path):
             assert (opt["state"][i][k] - state[k]).abs().max() <= 1e-4 * state[k].abs().max()
     # and it resumes in one process without FSDP
     one = tmp_path / "one"
-    run_pretrain(tiny_cfg(data, one, micro_batch_tokens=MICRO), resume=str(checkpoint(out, 8)))
+    run_pretrain(tiny_cfg(data, one, micro_tokens=MICRO), resume=str(checkpoint(out, 8)))
     a, b = losses(out), losses(one)
     assert sorted(b) == list(range(9, 17))
     assert max(abs(a[s] - b[s]) for s in b) < 1e-5
@@ -177,7 +177,7 @@ def test_fsdp_tied_embeddings(data, tmp_path):
     assert "embed_tokens.weight" in saved and "lm_head.weight" not in saved
     model, _ = load_model(checkpoint(tmp_path / "a", 4))
     assert model.lm_head.weight is model.embed_tokens.weight
-    cfg = tiny_cfg(data, tmp_path / "ref", micro_batch_tokens=MICRO, max_steps=4, ckpt_every=2, eval_every=2)
+    cfg = tiny_cfg(data, tmp_path / "ref", micro_tokens=MICRO, max_steps=4, ckpt_every=2, eval_every=2)
     cfg.model.tie_embeddings = True
     run_pretrain(cfg)
     a, r = losses(tmp_path / "a"), losses(tmp_path / "ref")
@@ -203,9 +203,9 @@ def test_fsdp_sft_from_a_base_checkpoint_matches_one_process(sft_file, base, tmp
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", "29546",
            str(ROOT / "scripts" / "train_sft.py"), "--init", str(base), "--data", str(sft_file),
-           "--out", str(tmp_path / "fsdp"), "--train.global_batch_tokens", str(8 * ROW),
-           "--train.micro_batch_tokens", str(4 * ROW), "--train.max_steps", "16", "--train.warmup_steps", "2",
-           "--train.lr", "3e-3", "--train.weight_decay", "0", "--train.log_every", "1", "--train.eval_every", "8",
+           "--out", str(tmp_path / "fsdp"), "--batch.global_tokens", str(8 * ROW),
+           "--batch.micro_tokens", str(4 * ROW), "--train.max_steps", "16", "--optim.warmup_steps", "2",
+           "--optim.lr", "3e-3", "--optim.weight_decay", "0", "--train.log_every", "1", "--train.eval_every", "8",
            "--train.ckpt_every", "8", "--train.progress", "false"]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

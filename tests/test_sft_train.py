@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from proc import run_group
+from test_train import sections
 
 from data_loader.sft import SFTLoader
 from sprout.chat import TEMPLATE_VERSION, ChatError, render
@@ -21,7 +22,7 @@ from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.prep.sft import SFTDataConfig, prepare
-from sprout.train.loop import TrainConfig
+from sprout.config import from_dict
 from sprout.train.metrics import read_metrics
 from sprout.train.sft import DataConfig, SFTConfig, run_sft, sft_loss
 
@@ -58,11 +59,11 @@ def base(sp, tmp_path_factory):
     return write_base(tmp_path_factory.mktemp("base") / "ckpt", sp)
 
 
-def tiny_cfg(data: Path, init: Path, out: Path, **train) -> SFTConfig:
-    t = {"global_batch_tokens": 8 * ROW, "micro_batch_tokens": 4 * ROW, "max_steps": 16, "warmup_steps": 2,
-         "lr": 3e-3, "weight_decay": 0.0, "log_every": 1, "eval_every": 8, "ckpt_every": 8, "progress": False}
-    t.update(train)
-    return SFTConfig(init=str(init), data=DataConfig(path=str(data)), train=TrainConfig(**t), out=str(out))
+def tiny_cfg(data: Path, init: Path, out: Path, **overrides) -> SFTConfig:
+    defaults = {"global_tokens": 8 * ROW, "micro_tokens": 4 * ROW, "max_steps": 16, "warmup_steps": 2,
+                "lr": 3e-3, "weight_decay": 0.0, "log_every": 1, "eval_every": 8, "ckpt_every": 8, "progress": False}
+    return from_dict(SFTConfig, {"init": str(init), "data": {"path": str(data)},
+                                 **sections(SFTConfig, defaults, overrides), "out": str(out)})
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,8 @@ def test_masked_loss_ignores_untrained_targets(sft_file):
     untrained = {**batch, "targets": torch.where(mask, batch["targets"], (batch["targets"] + 7) % 512)}
     nll2, n2, m2 = sft_loss(model, untrained)
     assert nll2.item() == nll.item() and n2.item() == n.item()
-    assert m2["accuracy"].item() == m["accuracy"].item() and m2["entropy"].item() == m["entropy"].item()
+    assert m2["accuracy"][0].item() == m["accuracy"][0].item() and m2["entropy"][0].item() == m["entropy"][0].item()
+    assert m["accuracy"][1] is n and m["entropy"][1] is n  # both per trained target
     r, t = mask.nonzero()[0].tolist()  # change one trained target: the loss must move
     trained = {**batch, "targets": batch["targets"].clone()}
     trained["targets"][r, t] = (trained["targets"][r, t] + 7) % 512
@@ -261,8 +263,8 @@ def test_two_gloo_processes_match_one(run_a, sft_file, base, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29537",
            str(ROOT / "scripts" / "train_sft.py"), "--init", str(base), "--data", str(sft_file), "--out", str(out),
-           "--train.global_batch_tokens", str(8 * ROW), "--train.micro_batch_tokens", str(4 * ROW),
-           "--train.max_steps", "16", "--train.warmup_steps", "2", "--train.lr", "3e-3", "--train.weight_decay", "0",
+           "--batch.global_tokens", str(8 * ROW), "--batch.micro_tokens", str(4 * ROW),
+           "--train.max_steps", "16", "--optim.warmup_steps", "2", "--optim.lr", "3e-3", "--optim.weight_decay", "0",
            "--train.log_every", "1", "--train.eval_every", "8", "--train.ckpt_every", "8", "--train.progress", "false"]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,7 +17,8 @@ from proc import run_group
 from sprout.errors import SproutError
 from sprout.model.transformer import ModelConfig
 from sprout.formats.shards import shard_name, write_shard
-from sprout.train.loop import NonFiniteLoss, TrainConfig, Trainer, make_accelerator, micro_steps
+from sprout.config import config_to_dict, from_dict
+from sprout.train.loop import NonFiniteLoss, TokenStage, TrainConfig, Trainer, make_accelerator, micro_steps
 from sprout.train.metrics import read_metrics
 from sprout.train.pretrain import DataConfig, PretrainConfig, PretrainStage, run_pretrain
 from sprout.train.schedule import chinchilla_steps, lr_at, seq_len_at, seq_len_stages
@@ -46,13 +47,23 @@ def write_data(folder: Path) -> Path:
     return folder
 
 
-def tiny_cfg(data: Path, out: Path, **train) -> PretrainConfig:
-    t = dict(global_batch_tokens=2048, micro_batch_tokens=1024, max_steps=16, warmup_steps=2, lr=3e-3,
-             log_every=1, eval_every=8, ckpt_every=8, progress=False)
-    t.update(train)
-    return PretrainConfig(model=ModelConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
-                          data=DataConfig(dir=str(data), seq_len_start=16, seq_warmup_frac=0.25, eval_tokens=2048),
-                          train=TrainConfig(**t), out=str(out))
+def sections(cls, defaults: dict, overrides: dict) -> dict:
+    """{section: fields} for the batch/optim/train sections of `cls`, each override put in the
+    section that declares it (tiny_cfg(..., micro_tokens=512, lr=1e-3, max_steps=4))."""
+    names = {s: set(config_to_dict(from_dict(cls, {}))[s]) for s in ("batch", "optim", "train")}
+    out = {s: {} for s in names}
+    for k, v in {**defaults, **overrides}.items():
+        out[next(s for s in names if k in names[s])][k] = v
+    return out
+
+
+def tiny_cfg(data: Path, out: Path, **overrides) -> PretrainConfig:
+    defaults = dict(global_tokens=2048, micro_tokens=1024, max_steps=16, warmup_steps=2, lr=3e-3,
+                    log_every=1, eval_every=8, ckpt_every=8, progress=False)
+    return from_dict(PretrainConfig, {
+        "model": dict(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
+        "data": dict(dir=str(data), seq_len_start=16, seq_warmup_frac=0.25, eval_tokens=2048),
+        **sections(PretrainConfig, defaults, overrides), "out": str(out)})
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -65,8 +76,8 @@ def launch_tiny(accelerate_config: str, data: Path, out: Path, port: int, *args:
     with configs/accelerate/<accelerate_config>); `args` override, e.g. "--train.max_steps", "2"."""
     flags = {"model.vocab_size": V, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
              "model.max_seq_len": 64, "data.seq_len_start": 16, "data.seq_warmup_frac": 0.25,
-             "data.eval_tokens": 2048, "train.global_batch_tokens": 2048, "train.micro_batch_tokens": micro,
-             "train.max_steps": 16, "train.warmup_steps": 2, "train.lr": 3e-3, "train.log_every": 1,
+             "data.eval_tokens": 2048, "batch.global_tokens": 2048, "batch.micro_tokens": micro,
+             "train.max_steps": 16, "optim.warmup_steps": 2, "optim.lr": 3e-3, "train.log_every": 1,
              "train.eval_every": 8, "train.ckpt_every": 8, "train.progress": "false"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / accelerate_config), "--main_process_port", str(port), *launch_args,
@@ -127,16 +138,26 @@ class Linear(torch.nn.Module):
         return self.emb(ids)
 
 
-def masked_loss(model, batch):
-    from sprout.losses.tokens import token_nll_sum
+class Masked(TokenStage):
+    """Masked next-token loss; the per-target metric `correct`."""
 
-    nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], batch["loss_mask"])
-    return nll, n, {"correct": ((model(batch["input_ids"]).argmax(-1) == batch["targets"]) & batch["loss_mask"]).sum()}
+    name = "masked"
+
+    def count_targets(self, batch):
+        return batch["loss_mask"].sum()
+
+    def loss(self, model, batch):
+        from sprout.losses.tokens import token_nll_sum
+
+        nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], batch["loss_mask"])
+        correct = ((model(batch["input_ids"]).argmax(-1) == batch["targets"]) & batch["loss_mask"]).sum()
+        return nll, n, {"correct": (correct, n)}
 
 
 def sgd_trainer(model, lr=1.0):
-    cfg = TrainConfig(max_steps=10, grad_clip=0, progress=False)
-    return Trainer(make_accelerator(cfg), model, torch.optim.SGD(model.parameters(), lr=lr), lambda s: lr, cfg)
+    cfg = TrainConfig(max_steps=10, progress=False)
+    return Trainer(make_accelerator(cfg), model, torch.optim.SGD(model.parameters(), lr=lr),
+                   lambda step, peak: peak, cfg, grad_clip=0)
 
 
 def test_loss_is_normalised_over_the_global_batch_not_per_micro_batch():
@@ -155,8 +176,8 @@ def test_loss_is_normalised_over_the_global_batch_not_per_micro_batch():
     expected = ref.emb.weight.detach() - ref.emb.weight.grad
 
     a, b = Linear(), Linear()
-    ma = sgd_trainer(a).step(split, masked_loss)
-    mb = sgd_trainer(b).step(whole, masked_loss)
+    ma = sgd_trainer(a).step(split, Masked())
+    mb = sgd_trainer(b).step(whole, Masked())
     assert ma["targets"] == mb["targets"] == 6
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-6)
     assert ma["correct"] == pytest.approx(mb["correct"])
@@ -169,11 +190,12 @@ def test_nan_loss_stops_before_the_weights_change():
     before = model.emb.weight.detach().clone()
     batch = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "targets": torch.zeros(1, 2, dtype=torch.long)}
 
-    def nan_loss(m, b):
-        return m(b["input_ids"]).sum() * float("nan"), torch.tensor(2), {}
+    class NaN(TokenStage):
+        def loss(self, m, b):
+            return m(b["input_ids"]).sum() * float("nan"), torch.tensor(2), {}
 
     with pytest.raises(NonFiniteLoss, match="loss is nan at step 1"):
-        sgd_trainer(model).step([batch], nan_loss)
+        sgd_trainer(model).step([batch], NaN())
     assert torch.equal(model.emb.weight, before)
 
 
@@ -372,14 +394,15 @@ def short_run(data: Path, mixed_precision: str, steps: int = 20):
 
     from data_loader.tokens import DistributedTokenLoader, open_token_sources
     from sprout.model.transformer import Transformer
-    from sprout.train.loop import build_optimizer, lr_schedule
+    from sprout.train.loop import OptimConfig, build_optimizer, lr_schedule
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    cfg = TrainConfig(max_steps=steps, lr=3e-3, warmup_steps=2, progress=False, mixed_precision=mixed_precision)
+    cfg = TrainConfig(max_steps=steps, progress=False, mixed_precision=mixed_precision)
+    optim = OptimConfig(lr=3e-3, warmup_steps=2)
     acc = make_accelerator(cfg)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=32))
-    trainer = Trainer(acc, model, build_optimizer(model, cfg), lr_schedule(cfg, steps), cfg)
+    trainer = Trainer(acc, model, build_optimizer(model, optim), lr_schedule(optim, steps), cfg)
     loader = DistributedTokenLoader(open_token_sources(str(data), "train"))
     stage = PretrainStage(acc, loader, None, seq_len=32, seq_len_fn=lambda s: 32, micro_batch_tokens=256,
                           accum_steps=1)
@@ -387,7 +410,7 @@ def short_run(data: Path, mixed_precision: str, steps: int = 20):
     model.lm_head.register_forward_hook(lambda m, i, o: seen["matmul"].add(o.dtype))
     trainer.optimizer.optimizer.register_step_pre_hook(
         lambda opt, a, k: seen["grad"].update(p.grad.dtype for g in opt.param_groups for p in g["params"]))
-    loss = [trainer.step(stage.next_micro_batches(s), stage.loss)["loss"] for s in range(steps)]
+    loss = [trainer.step(stage.next_micro_batches(s), stage)["loss"] for s in range(steps)]
     return loss, trainer, seen
 
 

@@ -11,13 +11,13 @@ import torch
 
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.train.loop import TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
+from sprout.train.loop import OptimConfig, TokenStage, TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
 from sprout.train.run import end_processes
 
 V, T = 64, 16
 
 
-class UnevenStage:
+class UnevenStage(TokenStage):
     name = "toy"
 
     def __init__(self, acc, stop_at: int):
@@ -49,12 +49,12 @@ class UnevenStage:
 
 
 def main(out: str) -> None:
-    cfg = TrainConfig(global_batch_tokens=2 * 4 * T, micro_batch_tokens=4 * T, max_steps=10, warmup_steps=0,
-                      schedule="constant", lr=1e-3, log_every=1, eval_every=0, ckpt_every=0, progress=False)
+    cfg = TrainConfig(max_steps=10, log_every=1, eval_every=0, ckpt_every=0, progress=False)
     acc = make_accelerator(cfg, out)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=2, max_seq_len=T))
-    trainer = Trainer(acc, model, build_optimizer(model, cfg), lambda s: cfg.lr, cfg, out_dir=out)
+    trainer = Trainer(acc, model, build_optimizer(model, OptimConfig(lr=1e-3)), lambda step, peak: peak, cfg,
+                      out_dir=out)
     result = trainer.fit(UnevenStage(acc, stop_at=3))
     print(f"rank {acc.process_index} stopped after {result['steps']} steps", flush=True)
     end_processes(acc)

@@ -7,6 +7,10 @@ Each script declares a dataclass tree; `load_config` reads the YAML, applies
 `true`, `null` and `[1, 2]` work), and builds the dataclasses, refusing unknown keys
 with an error that names the key and the file. `config_to_dict` gives the resolved
 config back for printing and saving beside a run's outputs.
+
+Which fields a resumed run may change is declared on the field itself:
+`resume_free(default)` (run length, logging, paths) instead of `default`; `resume_config(cfg)`
+is the config without those fields, the part a checkpoint records and a resume must match.
 """
 
 from __future__ import annotations
@@ -126,6 +130,38 @@ def load_config(cls: type[T], path: str | os.PathLike | None, overrides: list[st
 
 def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+RESUME_FREE = {"resume": "free"}  # field metadata: this field may change when a run is resumed
+
+
+def resume_free(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """`dataclasses.field` for a field a resume may change (run length, logging, paths)."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=RESUME_FREE)
+
+
+def resume_free_paths(cls: type) -> set[str]:
+    """Dotted paths of the fields declared `resume_free` in dataclass `cls` and the dataclasses in it."""
+    hints = typing.get_type_hints(cls)
+    paths = set()
+    for f in dataclasses.fields(cls):
+        tp = _unwrap_optional(hints[f.name])
+        if f.metadata.get("resume") == "free":
+            paths.add(f.name)
+        elif dataclasses.is_dataclass(tp):
+            paths |= {f"{f.name}.{p}" for p in resume_free_paths(tp)}
+    return paths
+
+
+def resume_config(cfg: Any) -> dict:
+    """`cfg` as a dict without its `resume_free` fields: what a resume must match."""
+    free = resume_free_paths(type(cfg))
+
+    def keep(node: dict, prefix: str) -> dict:
+        return {k: keep(v, f"{prefix}{k}.") if isinstance(v, dict) else v
+                for k, v in node.items() if f"{prefix}{k}" not in free}
+
+    return keep(config_to_dict(cfg), "")
 
 
 def dump_yaml(cfg: Any) -> str:

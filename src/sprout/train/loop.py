@@ -2,28 +2,54 @@
 
 Two layers, so that stages which do not read "a batch from a loader" still share it:
 
-`Trainer.step(micro_batches, loss_fn)` is one optimizer step over one global batch:
-  1. count the targets of every micro-batch on this process and all-reduce the count
-     (before any backward), giving N, the targets in the whole global batch;
-  2. for each micro-batch: forward, `loss_sum, n, metrics = loss_fn(model, batch)`, and
+`Trainer.step(micro_batches, stage)` is one optimizer step over one global batch:
+  1. count the targets of every micro-batch on this process (`stage.count_targets`) and
+     all-reduce the count before any backward: N, the targets of the whole global batch;
+  2. for each micro-batch: forward, `loss_sum, n, metrics = stage.loss(model, batch)`, and
      backward of `loss_sum * world_size / N` (DDP and FSDP average gradients over ranks,
      so the world_size factor turns their mean into the sum we want); gradients are
      synchronised only on the last micro-batch;
-  3. all-reduce the loss and metric sums for logging; a NaN/inf loss or gradient norm
-     stops the run before the weights change (`NonFiniteLoss`);
-  4. clip, set the scheduled lr, AdamW step.
+  3. one all-reduce (`all_reduce_sums`) of the loss sum, n, the tokens and FLOPs of the
+     micro-batches (`stage.num_tokens`, `stage.flops`) and every metric's sum and count;
+     a NaN/inf loss or gradient norm stops the run before the weights change (`NonFiniteLoss`);
+  4. clip, set each parameter group's lr from the schedule, AdamW step.
   The gradient is then d(sum of per-target losses)/N whatever the split into micro-batches
-  and processes, so 1 process with 2 micro-steps equals 2 processes with 1.
+  and processes, so 1 process with 2 micro-steps equals 2 processes with 1. The logged loss
+  is the reduced loss sum / N; each metric is its reduced sum / its reduced count.
 
 `Trainer.fit(stage)` repeats steps, logs, evaluates, checkpoints and resumes. A stage is
-any object with:
+any object with (`TokenStage` gives the defaults marked *, for batches of token rows):
 
     name: str
-    next_micro_batches(step) -> list[dict[str, Tensor]] | None   # this rank's micro-batches; None = data exhausted
-    loss(model, batch) -> (loss_sum, n_targets, {name: sum})      # sums over targets, never means
-    evaluate(model) -> {"val_...": float}                         # reduced over ranks (see all_reduce_sums)
-    state_dict() -> dict ; load_state_dict(dict)                  # loader position, saved in meta.json
-    count_targets(batch) -> Tensor   (optional; default: loss_mask.sum() or targets.numel())
+    next_micro_batches(step) -> list[dict] | None
+        this rank's micro-batches of the step; None = data exhausted (every rank stops).
+        Timed apart from the optimizer step: rollouts are generated here.
+    generated_tokens: int                                       * 0
+        tokens this rank generated in the last next_micro_batches call (generation tokens/s)
+    loss(model, batch) -> (loss_sum, n, {name: (sum, count)})
+        loss_sum: the loss summed over the batch's n targets (never a mean); each metric as
+        its sum and its own denominator on this micro-batch: per token (KL, entropy, clip
+        fraction: count = tokens), per sequence (reward, length: count = rows), per pair
+        (accuracy: count = pairs). Every rank returns the same metric names.
+    count_targets(batch) -> int | Tensor                        * targets.numel()
+        the n that loss() will return for this batch, counted without a forward
+    num_tokens(batch) -> int                                    * input_ids.numel()
+        tokens the forward/backward processes (tokens seen, training tokens/s)
+    flops(model, batch) -> float                                * model.flops_per_token(T) × tokens
+        training FLOPs of the batch's forward + backward (MFU); 0 = no MFU
+    evaluate(model) -> {"val_...": float}                       reduced over ranks (all_reduce_sums)
+    state_dict() -> dict ; load_state_dict(dict)                loader position, saved in meta.json
+    tensor_state() -> dict ; load_tensor_state(dict | None)     optional; this rank's tensors (rollout
+                                                                buffer, generator state) on the CPU,
+                                                                saved in train_state.pt
+    param_groups(model) -> list[dict]                           optional; see build_optimizer
+    setup(trainer)                                              optional; called once before a resume
+                                                                and training: prepare frozen models
+
+More than one model: a stage whose loss reads frozen models (a reference policy, a reward
+model) gets them from `trainer.prepare_frozen(model)` (in `setup`): placed, sharded under
+FSDP, in eval mode without gradients, never in the optimizer or a checkpoint. Generation
+uses `trainer.generation_model`: the policy's own module and parameters, never compiled.
 
 An RL stage keeps a rollout buffer: when it is empty, next_micro_batches generates new
 rollouts with the current policy, then serves several optimizer steps' worth of
@@ -39,7 +65,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -57,6 +83,7 @@ from sprout.checkpoint import (
     set_rng_state,
     tied_aliases,
 )
+from sprout.config import resume_free
 from sprout.errors import SproutError
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.train.metrics import MetricsLogger, check_trackers, measure_matmul_flops, mfu, plot_loss_curve
@@ -65,12 +92,9 @@ from sprout.train.schedule import chinchilla_steps, lr_at
 
 
 @dataclass
-class TrainConfig:
-    global_batch_tokens: int = 524288   # target tokens per optimizer step, all processes together
-    micro_batch_tokens: int = 16384     # tokens per forward/backward on one process
-    max_steps: int | None = None        # None: Chinchilla budget, chinchilla_ratio × params tokens
-    chinchilla_ratio: float = 20.0
-    lr: float = 6e-4
+class OptimConfig:
+    """AdamW and its learning-rate schedule (`sprout.train.schedule`)."""
+    lr: float = 6e-4                    # peak lr; a stage's parameter groups may scale it
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     schedule: str = "cosine"            # cosine | wsd | constant
@@ -80,43 +104,68 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
+
+
+@dataclass
+class TrainConfig:
+    """Run length, precision, seed and cadence of logging, eval and checkpoints. The fields
+    declared `resume_free` may change when a run is resumed."""
+    max_steps: int | None = resume_free(None)   # None: the stage decides (pretraining: Chinchilla budget)
+    chinchilla_ratio: float = resume_free(20.0)  # tokens per parameter for that budget
     mixed_precision: str = "auto"       # auto: bf16 on a GPU, fp32 on CPU | bf16 | no
-    compile: bool = False
-    cpu_threads: int = 0                # torch threads per process on CPU; 0: torch's default
+    compile: bool = resume_free(False)
+    cpu_threads: int = resume_free(0)   # torch threads per process on CPU; 0: torch's default
     seed: int = 1337
-    log_every: int = 10
-    eval_every: int = 100               # 0: eval only before and after training
-    ckpt_every: int = 100               # 0: checkpoint only at the end
-    keep_checkpoints: int = 3
-    progress: bool = True               # tqdm bar on rank 0
-    trackers: list = field(default_factory=list)  # [] | [tensorboard] | [wandb]
-    peak_tflops: float = 0.0            # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
+    log_every: int = resume_free(10)
+    eval_every: int = resume_free(100)  # 0: eval only before and after training
+    ckpt_every: int = resume_free(100)  # 0: checkpoint only at the end
+    keep_checkpoints: int = resume_free(3)
+    progress: bool = resume_free(True)  # tqdm bar on rank 0
+    trackers: list = resume_free(default_factory=list)  # [] | [tensorboard] | [wandb]
+    peak_tflops: float = resume_free(0.0)  # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
 
 
-# Training-length and logging knobs: changing them does not make a checkpoint incompatible.
-RESUME_FREE_KEYS = {"max_steps", "chinchilla_ratio", "log_every", "eval_every", "ckpt_every",
-                    "keep_checkpoints", "progress", "trackers", "peak_tflops", "compile", "cpu_threads"}
+@dataclass
+class TokenBatchConfig:
+    """The batch of the token stages (pretraining, SFT), in tokens (rows × row length)."""
+    global_tokens: int = 524288         # per optimizer step, all processes together
+    micro_tokens: int = 16384           # per forward/backward on one process
 
 
 class Stage(Protocol):
     name: str
 
     def next_micro_batches(self, step: int) -> list[dict[str, torch.Tensor]] | None: ...
-    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]: ...
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple]]: ...
+    def count_targets(self, batch: dict) -> int | torch.Tensor: ...
+    def num_tokens(self, batch: dict) -> int: ...
+    def flops(self, model, batch: dict) -> float: ...
     def evaluate(self, model) -> dict[str, float]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 
 
+class TokenStage:
+    """The protocol's defaults for micro-batches of token rows: `input_ids` (B, T) and
+    `targets` (B, T), every target trained. A stage with a loss mask overrides count_targets."""
+
+    generated_tokens = 0
+
+    def count_targets(self, batch: dict) -> int:
+        return batch["targets"].numel()
+
+    def num_tokens(self, batch: dict) -> int:
+        return batch["input_ids"].numel()
+
+    def flops(self, model, batch: dict) -> float:
+        """Training FLOPs of the rows: the model's FLOPs per token at this row length × tokens."""
+        flops_per_token = getattr(model, "flops_per_token", None)
+        ids = batch["input_ids"]
+        return flops_per_token(ids.shape[-1]) * ids.numel() if flops_per_token else 0.0
+
+
 class NonFiniteLoss(SproutError):
     """The loss or gradient became NaN/inf; the weights were not updated."""
-
-
-def count_targets(batch: dict) -> torch.Tensor:
-    """Default target count of a micro-batch: its loss_mask, else every target position."""
-    if "loss_mask" in batch:
-        return batch["loss_mask"].bool().sum()
-    return torch.tensor(batch["targets"].numel(), device=batch["targets"].device)
 
 
 def micro_steps(global_size: int, micro_size: int, world_size: int, unit: str = "tokens") -> int:
@@ -125,7 +174,7 @@ def micro_steps(global_size: int, micro_size: int, world_size: int, unit: str = 
     if micro_size <= 0 or global_size % per_step:
         raise SproutError(
             f"global batch of {global_size} {unit} is not a multiple of {world_size} process(es) × "
-            f"micro-batch of {micro_size} {unit}; change train.global_batch_{unit} or train.micro_batch_{unit}"
+            f"micro-batch of {micro_size} {unit}; change batch.global_{unit} or batch.micro_{unit}"
         )
     return global_size // per_step
 
@@ -161,21 +210,47 @@ def make_accelerator(cfg: TrainConfig, out_dir: str | Path | None = None) -> Acc
     return acc
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (embeddings, projections); none on norms and biases."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+def decay_groups(params, weight_decay: float, **options) -> list[dict]:
+    """Two parameter groups: matrices (embeddings, projections) with `weight_decay`, norms and
+    biases without; `options` (e.g. lr_scale) go into both."""
+    params = list(params)
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, **options},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, **options}]
 
 
-def resolve_max_steps(cfg: TrainConfig, num_params: int) -> int:
-    return cfg.max_steps or chinchilla_steps(num_params, cfg.global_batch_tokens, cfg.chinchilla_ratio)
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, groups: list[dict] | None = None) -> torch.optim.AdamW:
+    """AdamW over `groups` (a stage's `param_groups(model)`); by default `decay_groups` of every
+    trainable parameter with optim.weight_decay.
+
+    A group is `{"params": [...]}` plus optionally `lr_scale` (its base lr is optim.lr ×
+    lr_scale, e.g. a value head learning faster) or `lr` (its base lr), and `weight_decay`
+    (default optim.weight_decay). The schedule multiplies every group's base lr alike
+    (`Trainer.step`). Every trainable parameter must be in exactly one group.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = decay_groups(trainable, optim.weight_decay) if groups is None else groups
+    if sorted(id(p) for g in groups for p in g["params"]) != sorted(id(p) for p in trainable):
+        raise ValueError("param_groups(model) must hold every trainable parameter of the model exactly once")
+    built = []
+    for group in groups:
+        group = dict(group)
+        if "lr" in group and "lr_scale" in group:
+            raise ValueError("a parameter group takes lr or lr_scale, not both")
+        group["lr"] = group.get("lr", optim.lr * group.pop("lr_scale", 1.0))
+        group.setdefault("weight_decay", optim.weight_decay)
+        built.append(group)
+    return torch.optim.AdamW(built, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
 
 
-def lr_schedule(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
-    return functools.partial(lr_at, peak=cfg.lr, total_steps=total_steps, warmup_steps=cfg.warmup_steps,
-                             kind=cfg.schedule, min_ratio=cfg.min_lr_ratio, decay_frac=cfg.wsd_decay_frac)
+def resolve_max_steps(cfg: TrainConfig, num_params: int, global_tokens: int) -> int:
+    """train.max_steps, or when it is null the Chinchilla budget: chinchilla_ratio × params tokens."""
+    return cfg.max_steps or chinchilla_steps(num_params, global_tokens, cfg.chinchilla_ratio)
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int) -> Callable[..., float]:
+    """`schedule(step, peak) -> lr`: the schedule's shape (warmup, decay) applied to a group's base lr."""
+    return functools.partial(lr_at, total_steps=total_steps, warmup_steps=optim.warmup_steps,
+                             kind=optim.schedule, min_ratio=optim.min_lr_ratio, decay_frac=optim.wsd_decay_frac)
 
 
 def config_hash(resume_config: dict) -> str:
@@ -188,23 +263,44 @@ def _diff(a, b, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix.rstrip('.')} {a!r} != {b!r}"]
 
 
+class Uncompiled:
+    """`module` called through its eager forward even after `Module.compile()`: the same module,
+    parameters, buffers and hooks (FSDP's included); every other attribute is the module's."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.module._call_impl(*args, **kwargs)  # Module.__call__ without the compiled path
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
 class Trainer:
     """Accelerate-backed step machinery; see the module docstring for the protocol.
 
-    `schedule(step) -> lr`; `cfg.max_steps` must already be resolved. `meta` holds the static
-    fields of every checkpoint's meta.json (model_config, tokenizer, config, resume_config);
-    the hash of `resume_config` is what a resume must match. Only rank 0 writes to `out_dir`.
+    `schedule(step, peak) -> lr` gives a parameter group's lr from its base lr (the lr it
+    had when the optimizer was built; `lr_schedule`); `cfg.max_steps` must already be
+    resolved; `grad_clip` 0 disables clipping. `meta` holds the static fields of every
+    checkpoint's meta.json (model_config, tokenizer, config, resume_config); the hash of
+    `resume_config` is what a resume must match. Only rank 0 writes to `out_dir`.
     """
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer, schedule: Callable[[int], float],
-                 cfg: TrainConfig, *, out_dir: str | Path | None = None, meta: dict | None = None):
-        self.accelerator, self.cfg, self.schedule = accelerator, cfg, schedule
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer, schedule: Callable[..., float],
+                 cfg: TrainConfig, *, grad_clip: float = 1.0, out_dir: str | Path | None = None,
+                 meta: dict | None = None):
+        self.accelerator, self.cfg, self.schedule, self.grad_clip = accelerator, cfg, schedule, grad_clip
         self.raw_model = model
         if cfg.max_steps is None:
             raise ValueError("cfg.max_steps must be resolved (resolve_max_steps) before building a Trainer")
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         if cfg.compile:
             model.compile()  # compiles forward in place; parameter names stay unchanged
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # Generation changes shapes at every decode step: never through the compiled forward.
+        self.generation_model = Uncompiled(self.raw_model) if cfg.compile else self.raw_model
+        self.frozen: list[torch.nn.Module] = []
         self.out_dir = Path(out_dir) if out_dir else None
         self.meta = dict(meta or {})
         self.meta.setdefault("resume_config", {})
@@ -223,50 +319,91 @@ class Trainer:
         """FSDP: parameters, gradients and optimizer state are sharded over the processes."""
         return self.accelerator.distributed_type.name == "FSDP"
 
+    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A model the loss reads but never trains (a reference policy, a reward model), ready on
+        every process: gradients off, eval mode, mixed precision as the policy's
+        (`accelerator.prepare_model(model, evaluation_mode=True)`); under FSDP also sharded like
+        the policy (accelerate's evaluation mode alone would keep a whole copy on every
+        process) and resharded after every forward, each forward then being a collective
+        that every rank must run. Not in the optimizer, never saved in a checkpoint. Returns
+        the module to call."""
+        model.requires_grad_(False)
+        if self.sharded:
+            from accelerate.utils import fsdp2_prepare_model
+
+            model = fsdp2_prepare_model(self.accelerator, model.to(self.accelerator.device))
+            # No backward will reshard it: every FSDP unit (root and head included) gives its
+            # gathered weights back after each forward.
+            model.set_reshard_after_forward(True)
+        model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        model.eval()
+        self.frozen.append(model)
+        return model
+
     # ---- one optimizer step -------------------------------------------------------------
-    def step(self, micro_batches: list[dict], loss_fn, count_fn: Callable = count_targets) -> dict:
+    def step(self, micro_batches: list[dict], stage: Stage) -> dict:
+        """One optimizer step over this rank's `micro_batches` (see the module docstring).
+
+        Returns the step's reduced figures: loss (sum / N), lr (of the first parameter group;
+        `lr/<name>` for a named group with another base lr), grad_norm, targets (N), tokens
+        and flops (all processes), and each metric's sum / count (left out when its count is 0).
+        """
         acc, model, device = self.accelerator, self.model, self.accelerator.device
         model.train()
         batches = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
                    for b in micro_batches]
-        n_local = torch.stack([torch.as_tensor(count_fn(b), device=device).long() for b in batches]).sum()
+        n_local = torch.stack([torch.as_tensor(stage.count_targets(b), device=device).long() for b in batches]).sum()
         n_global = int(acc.reduce(n_local, "sum").item()) if self.world_size > 1 else int(n_local.item())
         if n_global == 0:
-            raise SproutError(f"step {self.steps_done}: the global batch has no target tokens")
+            raise SproutError(f"step {self.steps_done}: the global batch has no targets")
         scale = self.world_size / n_global
-        sums: dict[str, torch.Tensor] = {"loss": 0.0, "n": 0.0, "tokens": 0.0}
+        sums: dict[str, torch.Tensor | float] = {"loss": 0.0, "n": 0.0, "tokens": 0.0, "flops": 0.0}
+        metric_names: list[str] = []
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else acc.no_sync(model):
                 with acc.autocast():
-                    loss_sum, n, extra = loss_fn(model, batch)
+                    loss_sum, n, metrics = stage.loss(model, batch)
                 acc.backward(loss_sum * scale)
             sums["loss"] = sums["loss"] + loss_sum.detach().float()
             sums["n"] = sums["n"] + n
-            sums["tokens"] = sums["tokens"] + (batch["input_ids"].numel() if "input_ids" in batch else n)
-            for k, v in extra.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().float()
+            sums["tokens"] = sums["tokens"] + stage.num_tokens(batch)
+            sums["flops"] = sums["flops"] + stage.flops(self.raw_model, batch)
+            for k, value in metrics.items():
+                if not isinstance(value, tuple) or len(value) != 2:
+                    raise TypeError(f"{type(stage).__name__}.loss: metric {k!r} must be a (sum, count) pair")
+                if k not in metric_names:
+                    metric_names.append(k)
+                total, count = value
+                sums[f"sum:{k}"] = sums.get(f"sum:{k}", 0.0) + torch.as_tensor(total).detach().double()
+                sums[f"count:{k}"] = sums.get(f"count:{k}", 0.0) + torch.as_tensor(count).detach().double()
         totals = all_reduce_sums(acc, sums)
         if int(totals["n"]) != n_global:
-            raise RuntimeError(f"loss_fn counted {totals['n']} targets but count_fn counted {n_global}")
-        loss = totals.pop("loss") / n_global
+            raise RuntimeError(f"loss counted {totals['n']} targets but count_targets counted {n_global}")
+        loss = totals["loss"] / n_global
         if not math.isfinite(loss):
             self._stop_non_finite(f"loss is {loss}")
-        norm = acc.clip_grad_norm_(model.parameters(), self.cfg.grad_clip or float("inf"))
+        norm = acc.clip_grad_norm_(model.parameters(), self.grad_clip or float("inf"))
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
         if not math.isfinite(grad_norm):
             self._stop_non_finite(f"gradient norm is {grad_norm}")
-        lr = self.schedule(self.steps_done)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lrs = {}
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = self.schedule(self.steps_done, peak=base)
+            if not lrs:
+                lrs["lr"] = group["lr"]
+            elif "name" in group and base != self.base_lrs[0]:
+                lrs[f"lr/{group['name']}"] = group["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        self.tokens_seen += int(totals.pop("tokens"))
-        totals.pop("n")
-        seq_len = batches[0]["input_ids"].shape[-1] if "input_ids" in batches[0] else 0
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_global, "seq_len": seq_len,
-                **{k: v / n_global for k, v in totals.items()}}
+        self.tokens_seen += int(totals["tokens"])
+        result = {"loss": loss, **lrs, "grad_norm": grad_norm, "targets": n_global, "tokens": int(totals["tokens"]),
+                  "flops": totals["flops"]}
+        for k in metric_names:
+            if totals[f"count:{k}"] > 0:
+                result[k] = totals[f"sum:{k}"] / totals[f"count:{k}"]
+        return result
 
     def _stop_non_finite(self, what: str) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -295,13 +432,16 @@ class Trainer:
         weights = acc.get_state_dict(self.model)  # a collective under FSDP; full on rank 0 only
         optim_state = self._optimizer_state()
         rngs = gather_object([rng_state()])
+        # A stage's tensors (rollout buffer, generator state), one entry per rank, in train_state.pt.
+        tensors = gather_object([stage.tensor_state()]) if hasattr(stage, "tensor_state") else None
         path = None
         if acc.is_main_process and self.out_dir is not None:
             meta = {**self.meta, "stage": stage.name, "step": self.steps_done, "tokens_seen": self.tokens_seen,
                     "loader_state": stage.state_dict(), "world_size": self.world_size}
             path = save_rotating(self.out_dir / "checkpoints", self.steps_done, weights, meta=meta,
                                  aliases=tied_aliases(self.raw_model),  # gathered: one copy per tied name
-                                 optimizer=optim_state, rng_states=rngs, keep=self.cfg.keep_checkpoints)
+                                 optimizer=optim_state, rng_states=rngs, keep=self.cfg.keep_checkpoints,
+                                 extra_state={"stage": tensors} if tensors is not None else None)
         acc.wait_for_everyone()
         if self.out_dir is not None:
             self.last_checkpoint = self.out_dir / "checkpoints" / f"step_{self.steps_done:08d}"
@@ -344,6 +484,10 @@ class Trainer:
         rngs = state["rng"]
         set_rng_state(rngs[self.accelerator.process_index] if len(rngs) == self.world_size else rngs[0])
         stage.load_state_dict(meta["loader_state"])
+        if hasattr(stage, "load_tensor_state"):  # this rank's entry (rank 0's when the world size changed)
+            tensors = (state.get("extra") or {}).get("stage") or [None]
+            stage.load_tensor_state(tensors[self.accelerator.process_index] if len(tensors) == self.world_size
+                                    else tensors[0])
         self.steps_done, self.tokens_seen = int(meta["step"]), int(meta["tokens_seen"])
         self.resumed_from = self.steps_done
         self.last_checkpoint = Path(meta["path"])
@@ -368,41 +512,63 @@ class Trainer:
 
     # ---- the outer loop ----------------------------------------------------------------------
     def fit(self, stage: Stage) -> dict:
+        """Train `stage` to cfg.max_steps (or until a rank's data runs out): log every
+        log_every steps, evaluate and checkpoint on their cadence and at the end, then write
+        loss.png and report.md.
+
+        A training record holds the step's figures (`step`) plus, over the steps since the
+        last record: `tokens_per_s` and `mfu` of the training itself (optimizer steps only),
+        `step_time_s` (wall time per step, everything included), `time/batch_s` (of which in
+        next_micro_batches, e.g. generating rollouts) and `generation/tokens_per_s` (tokens the
+        stage generated there, all processes, per second of that time; only when it generated).
+        Eval and checkpoint time counts in none of them.
+        """
         cfg, acc = self.cfg, self.accelerator
         logger = MetricsLogger(self.out_dir, acc, trackers=cfg.trackers, run_config=self.meta.get("config"),
                                resume_step=self.resumed_from) if self.out_dir else None
-        count_fn = getattr(stage, "count_targets", count_targets)
-        flops_fn = getattr(self.raw_model, "flops_per_token", None)
-        peak = self.peak_flops() if flops_fn else 0.0
+        peak = self.peak_flops()
         bar = tqdm(total=cfg.max_steps, initial=self.steps_done, desc=stage.name, dynamic_ncols=True,
                    disable=not (cfg.progress and acc.is_main_process))
         try:
             if self.steps_done == 0:
                 self.evaluate(stage, logger)
             last_eval = last_save = self.steps_done
-            t0, tokens0, steps0 = time.perf_counter(), self.tokens_seen, self.steps_done
+            t0, steps0 = time.perf_counter(), self.steps_done
+            window = {"tokens": 0, "flops": 0.0, "batch_s": 0.0, "generated": 0.0}
             while self.steps_done < cfg.max_steps:
+                t_batch = time.perf_counter()
                 batches = stage.next_micro_batches(self.steps_done)
-                if all_reduce_sums(acc, {"out": float(batches is None)})["out"] > 0:
+                window["batch_s"] += time.perf_counter() - t_batch
+                generated = getattr(stage, "generated_tokens", 0) if batches is not None else 0
+                state = all_reduce_sums(acc, {"out": float(batches is None), "generated": generated})
+                if state["out"] > 0:
                     break  # some rank ran out of data: every rank stops at the same step
-                m = self.step(batches, stage.loss, count_fn)
+                m = self.step(batches, stage)
+                window["tokens"] += m["tokens"]
+                window["flops"] += m["flops"]
+                window["generated"] += state["generated"]
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
                 s, done = self.steps_done, self.steps_done == cfg.max_steps
                 if s % cfg.log_every == 0 or done:
-                    dt = time.perf_counter() - t0
-                    tps = (self.tokens_seen - tokens0) / dt if dt > 0 else 0.0
+                    wall = time.perf_counter() - t0
+                    train_s = wall - window["batch_s"]
+                    tps = window["tokens"] / train_s if train_s > 0 else 0.0
                     record = {"step": s, "loss": m["loss"], "lr": m["lr"], "tokens": self.tokens_seen,
-                              "tokens_per_s": tps, "step_time_s": dt / max(1, s - steps0),
-                              **{k: v for k, v in m.items() if k not in ("loss", "lr")}}
-                    if peak > 0 and m["seq_len"]:
-                        record["mfu"] = mfu(flops_fn(m["seq_len"]), tps, peak * self.world_size)
+                              "tokens_per_s": tps, "step_time_s": wall / max(1, s - steps0),
+                              "time/batch_s": window["batch_s"] / max(1, s - steps0),
+                              **{k: v for k, v in m.items() if k not in ("loss", "lr", "tokens", "flops")}}
+                    if window["generated"] > 0 and window["batch_s"] > 0:
+                        record["generation/tokens_per_s"] = window["generated"] / window["batch_s"]
+                    if peak > 0 and window["flops"] > 0 and train_s > 0:
+                        record["mfu"] = mfu(window["flops"], train_s, peak * self.world_size)
                     if logger:
                         logger.log(record)
                     if bar.disable and acc.is_main_process:  # no bar: a plain log line instead
                         print(f"step {s}/{cfg.max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | "
                               f"{tps:,.0f} tok/s", flush=True)
-                    t0, tokens0, steps0 = time.perf_counter(), self.tokens_seen, s
+                    t0, steps0 = time.perf_counter(), s
+                    window = dict.fromkeys(window, 0)
                 paused = time.perf_counter()
                 if (cfg.eval_every and s % cfg.eval_every == 0) or done:
                     self.evaluate(stage, logger)

@@ -1,7 +1,8 @@
 """Run metrics: metrics.jsonl, accelerate trackers, MFU and the loss-curve PNG.
 
 `metrics.jsonl` in the run directory holds one JSON record per line: training records
-(`step`, `loss`, `lr`, `tokens`, `tokens_per_s`, `mfu`, plus stage metrics) and eval records
+(`step`, `loss`, `lr`, `tokens`, `tokens_per_s`, `mfu`, `time/batch_s`, plus stage metrics,
+each averaged over its own denominator; see `sprout.train.loop.Trainer.fit`) and eval records
 (`step`, `tokens`, `val_loss`, `val_bpb`, ...). Lines are appended and flushed one at a
 time by rank 0 only; a reader skips a torn last line, and a resumed run first rewrites the
 file (atomically) without the records past the checkpoint it resumes from, so the file
@@ -9,7 +10,7 @@ reads as one uninterrupted run. The same records go to TensorBoard / W&B through
 accelerate's trackers when asked: every numeric field (nested dicts flattened to `a.b`) as
 a scalar at the record's step; a resumed TensorBoard run purges the events past its
 checkpoint, as metrics.jsonl does. MFU (model FLOPs utilisation, PaLM, Chowdhery et al.
-2022) = training FLOPs per token × tokens/s ÷ peak FLOP/s of the hardware used.
+2022) = training FLOPs per second ÷ peak FLOP/s of the hardware used.
 """
 
 from __future__ import annotations
@@ -121,9 +122,9 @@ def check_trackers(trackers) -> list[str]:
     return list(trackers)
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved training FLOP/s over the hardware peak."""
-    return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else float("nan")
+def mfu(flops: float, seconds: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: training FLOPs done in `seconds`, per second, over the hardware peak."""
+    return flops / seconds / peak_flops if peak_flops > 0 and seconds > 0 else float("nan")
 
 
 def measure_matmul_flops(n: int = 1024, dtype=torch.float32, device: str = "cpu", seconds: float = 2.0) -> float:

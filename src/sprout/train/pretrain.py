@@ -3,7 +3,7 @@
 `PretrainStage` feeds the loop (`sprout.train.loop`) with micro-batches from
 `data_loader.tokens` (sequential per-rank spans, or nanoGPT random windows), shortens the
 sequences during the sequence-length warmup (the global batch stays fixed in tokens), and
-evaluates val loss and val bits per byte (`sprout.bpb`, seed 002) on a fixed slice of the
+evaluates val loss and val bits per byte (`sprout.bpb`) on a fixed slice of the
 val split. `run_pretrain(cfg, resume)` is everything `scripts/pretrain.py` does after
 parsing its arguments: check the data against the model before anything heavy starts,
 build model, optimizer, schedule and stage, resume if asked, train, report.
@@ -26,31 +26,37 @@ from sprout.errors import SproutError
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
-from sprout.train.loop import TrainConfig, all_reduce_sums, micro_steps
+from sprout.config import resume_free
+from sprout.train.loop import OptimConfig, TokenBatchConfig, TokenStage, TrainConfig, all_reduce_sums, micro_steps
 from sprout.train.run import resolve_resume, start_run, train_stage, with_max_steps
 from sprout.train.schedule import seq_len_at, seq_len_stages
 
 
 @dataclass
 class DataConfig:
-    dir: str = ""                  # shard folder (*_train_*.bin, *_val_*.bin, manifest.json) or a *train*.h5 file
+    dir: str = resume_free("")     # shard folder (*_train_*.bin, *_val_*.bin, manifest.json) or a *train*.h5 file
     tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
-    sampler: str = "sequential"    # sequential (per-rank spans, seed 000) | random (nanoGPT windows)
+    sampler: str = "sequential"    # sequential (per-rank spans) | random (nanoGPT windows)
     seq_len: int | None = None     # None: model.max_seq_len
     seq_len_start: int = 128       # sequence-length warmup: start here, double up to seq_len ...
     seq_warmup_frac: float = 0.1   # ... over this fraction of the steps (0 disables)
-    eval_tokens: int = 262144      # val tokens scored at each eval (the first ones of the val split)
+    eval_tokens: int = resume_free(262144)  # val tokens scored at each eval (the first ones of the val split)
 
 
 @dataclass
 class PretrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    batch: TokenBatchConfig = field(default_factory=TokenBatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    out: str = "runs/pretrain"
+    out: str = resume_free("runs/pretrain")
 
 
-class PretrainStage:
+class PretrainStage(TokenStage):
+    """Every target trained (count_targets, num_tokens, flops: `TokenStage`'s defaults); the
+    metric `seq_len` is the row length of the step (per row), which the warmup changes."""
+
     name = "pretrain"
 
     def __init__(self, accelerator, loader, val_tokens: np.ndarray, *, seq_len: int, seq_len_fn,
@@ -65,8 +71,9 @@ class PretrainStage:
         return [dict(zip(("input_ids", "targets"), self.loader.next_batch(rows, T))) for _ in range(self.accum_steps)]
 
     def loss(self, model, batch):
-        nll, n = token_nll_sum(model(batch["input_ids"]), batch["targets"], overwrite_logits=True)
-        return nll, n, {}
+        ids = batch["input_ids"]
+        nll, n = token_nll_sum(model(ids), batch["targets"], overwrite_logits=True)
+        return nll, n, {"seq_len": (ids.numel(), ids.shape[0])}
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
@@ -151,14 +158,14 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     seq_len = cfg.data.seq_len or cfg.model.max_seq_len
     if seq_len > cfg.model.max_seq_len:
         raise SproutError(f"data.seq_len {seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
-    micro = cfg.train.micro_batch_tokens
+    micro = cfg.batch.micro_tokens
     for T in seq_len_stages(seq_len, cfg.data.seq_len_start if cfg.data.seq_warmup_frac > 0 else seq_len):
         if micro % T:
-            raise SproutError(f"train.micro_batch_tokens {micro} is not a multiple of sequence length {T}")
+            raise SproutError(f"batch.micro_tokens {micro} is not a multiple of sequence length {T}")
     resume_path = resolve_resume(resume, cfg.out)
 
     acc = start_run(cfg.train, cfg.out)
-    accum = micro_steps(cfg.train.global_batch_tokens, micro, acc.num_processes)
+    accum = micro_steps(cfg.batch.global_tokens, micro, acc.num_processes)
     model = Transformer(cfg.model)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
     cfg = with_max_steps(cfg, model.num_params())

@@ -38,7 +38,8 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("val_") for k in r)]
     cfg, model = meta.get("config", {}), meta.get("model_config", {})
-    tcfg = cfg.get("train", {})
+    tcfg, ocfg = cfg.get("train", {}), cfg.get("optim", {})
+    batch = ", ".join(f"{k} {_fmt(v)}" for k, v in cfg.get("batch", {}).items())
     lines = [f"# {stage} run: {out_dir.name}", "",
              f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by sprout at the end of training.", "",
              "## Setup", "",
@@ -46,20 +47,26 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
                                                                 ("d_model", "n_layers", "n_heads", "vocab_size",
                                                                  "max_seq_len") if k in model),
              f"- tokenizer: `{meta.get('tokenizer')}`",
-             f"- {world_size} process(es); global batch {tcfg.get('global_batch_tokens', 0):,} tokens; "
-             f"lr {tcfg.get('lr')} ({tcfg.get('schedule')}); mixed precision {precision}; "
+             f"- {world_size} process(es); batch: {batch or 'n/a'}; "
+             f"lr {ocfg.get('lr')} ({ocfg.get('schedule')}); mixed precision {precision}; "
              f"compile {tcfg.get('compile')}",
              "- full config: `config.yaml`", ""]
     if train:
         tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
         mfus = [r["mfu"] for r in train if "mfu" in r]
+        batch_s = [r["time/batch_s"] for r in train if "time/batch_s" in r]
+        gen = [r["generation/tokens_per_s"] for r in train if "generation/tokens_per_s" in r]
         lines += ["## Training", "",
                   f"- steps {train[0]['step']:,} → {train[-1]['step']:,}; tokens seen {train[-1]['tokens']:,}",
                   f"- train loss {train[0]['loss']:.4f} (step {train[0]['step']}) → {train[-1]['loss']:.4f} "
                   f"(step {train[-1]['step']})"]
         if tps:
-            lines.append(f"- throughput: median {statistics.median(tps):,.0f} tokens/s"
-                         + (f", MFU {statistics.median(mfus):.1%}" if mfus else ""))
+            lines.append(f"- training throughput (optimizer steps only): median {statistics.median(tps):,.0f} "
+                         "tokens/s" + (f", MFU {statistics.median(mfus):.1%}" if mfus else ""))
+        if batch_s:
+            lines.append(f"- preparing each step's batches (next_micro_batches): median "
+                         f"{statistics.median(batch_s):.3f} s per step"
+                         + (f"; generation median {statistics.median(gen):,.0f} tokens/s" if gen else ""))
         lines.append("")
     if evals:
         lines += ["## Evaluations", "", *eval_table(evals), ""]

@@ -2,8 +2,12 @@
 
 A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`), the
 model and its `Stage`, then hands over to `train_stage`, which
+  - builds the optimizer over the stage's parameter groups (`param_groups`, optional) and
+    lets the stage prepare its frozen models (`setup`, optional),
+  - copies the tokenizer file into <out>/tokenizer/ and records it, with its sha256, in each
+    checkpoint (`sprout.checkpoint.bundle_tokenizer`), so the run folder works from anywhere,
   - records in each checkpoint the config and the part of it a resume must match
-    (`resume_config`: everything except run length, logging and paths),
+    (`sprout.config.resume_config`: every field not declared `resume_free`),
   - resumes when asked (refusing a checkpoint made with a different config),
   - prints the resolved config and saves it as <out>/config.yaml (rank 0),
   - runs `Trainer.fit` and prints the eval before and after training.
@@ -20,21 +24,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from sprout.atomic import atomic_write
-from sprout.checkpoint import resolve_checkpoint
-from sprout.config import config_to_dict, dump_yaml, load_config
+from sprout.checkpoint import bundle_tokenizer, resolve_checkpoint
+from sprout.config import config_to_dict, dump_yaml, load_config, resume_config
 from sprout.train.fsdp import local_params
-from sprout.train.loop import (
-    RESUME_FREE_KEYS,
-    TrainConfig,
-    Trainer,
-    build_optimizer,
-    lr_schedule,
-    make_accelerator,
-    resolve_max_steps,
-)
-
-# Config keys that may change between a run and its resume (besides train.RESUME_FREE_KEYS).
-RESUME_FREE_PATHS = {"out", "data.dir", "data.eval_tokens"}
+from sprout.train.loop import TrainConfig, Trainer, build_optimizer, lr_schedule, make_accelerator, resolve_max_steps
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
@@ -68,8 +61,8 @@ def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
 
 
 def with_max_steps(cfg, num_params: int):
-    """`cfg` (with a `train` section) with train.max_steps resolved (Chinchilla when null)."""
-    steps = resolve_max_steps(cfg.train, num_params)
+    """`cfg` (with `train` and a token `batch` section) with train.max_steps resolved (Chinchilla when null)."""
+    steps = resolve_max_steps(cfg.train, num_params, cfg.batch.global_tokens)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
 
 
@@ -80,30 +73,22 @@ def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
     return resolve_checkpoint(Path(out) / "checkpoints" if resume == "latest" else resume)
 
 
-def resume_config(cfg, free: set[str] = frozenset()) -> dict:
-    """The config minus the keys a resume may change (run length, logging, paths)."""
-    free = RESUME_FREE_PATHS | {f"train.{k}" for k in RESUME_FREE_KEYS} | set(free)
-
-    def keep(node: dict, prefix: str) -> dict:
-        return {k: keep(v, f"{prefix}{k}.") if isinstance(v, dict) else v
-                for k, v in node.items() if f"{prefix}{k}" not in free}
-
-    return keep(config_to_dict(cfg), "")
-
-
 def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = None, tokenizer: str | None = None,
-                micro_steps: int | None = None, free_keys: set[str] = frozenset(),
-                extra_meta: dict | None = None) -> dict:
+                micro_steps: int | None = None, extra_meta: dict | None = None) -> dict:
     """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report.
 
-    `free_keys`: dotted config keys a resume may also change; `extra_meta`: more fields for
-    every checkpoint's meta.json (e.g. the chat-template version of an SFT run).
+    `cfg` has `train` (TrainConfig), `optim` (OptimConfig), `batch` and `out`; `extra_meta`:
+    more fields for every checkpoint's meta.json (e.g. the chat-template version of an SFT run).
     """
     train_cfg, out = cfg.train, Path(cfg.out)
     meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
-            "resume_config": resume_config(cfg, free_keys), **(extra_meta or {})}
-    trainer = Trainer(acc, model, build_optimizer(model, train_cfg), lr_schedule(train_cfg, train_cfg.max_steps),
-                      train_cfg, out_dir=out, meta=meta)
+            "resume_config": resume_config(cfg), **bundle_tokenizer(tokenizer, out, write=acc.is_main_process),
+            **(extra_meta or {})}
+    groups = stage.param_groups(model) if hasattr(stage, "param_groups") else None
+    trainer = Trainer(acc, model, build_optimizer(model, cfg.optim, groups), lr_schedule(cfg.optim, train_cfg.max_steps),
+                      train_cfg, grad_clip=cfg.optim.grad_clip, out_dir=out, meta=meta)
+    if hasattr(stage, "setup"):
+        stage.setup(trainer)
     if resume is not None:
         trainer.resume(resume, stage)
     acc.print(dump_yaml(cfg), end="")
@@ -112,7 +97,7 @@ def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = No
             f.write(dump_yaml(cfg))
     acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es)"
               + (f" × {micro_steps} micro-steps" if micro_steps else "")
-              + f" | {train_cfg.max_steps} steps × {train_cfg.global_batch_tokens:,} tokens")
+              + f" | {train_cfg.max_steps} steps; batch " + ", ".join(f"{k} {v:,}" for k, v in vars(cfg.batch).items()))
     if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
         acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
                   f"{local_params(trainer.model):,} of {model.num_params():,}")

@@ -8,10 +8,10 @@ a row by `sprout.prep.sft` (format: `sprout.formats.sft`). For each micro-batch 
   restart per conversation (`position_ids`), so a row computes what each conversation
   would alone;
 - the loss is the cross-entropy summed over the *trained* targets only: `loss_mask` marks
-  assistant content and the end-of-turn token that closes it (DESIGN.md "Chat template and
-  loss mask"). The loop divides by the trained targets of the whole global batch (all
-  micro-batches, all processes), so every trained token weighs the same however the
-  answers fall into micro-batches (TRL's SFTTrainer with `average_tokens_across_devices`);
+  assistant content and the end-of-turn token that closes it (`sprout.chat`). The loop
+  divides by the trained targets of the whole global batch (all micro-batches, all
+  processes), so every trained token weighs the same however the answers fall into
+  micro-batches (TRL's SFTTrainer with `average_tokens_across_devices`);
 - metrics, per trained target: token accuracy (argmax == target) and mean entropy of the
   predicted distribution; the loop also logs `targets`, the trained tokens of the step.
 
@@ -38,38 +38,33 @@ import torch
 
 from data_loader.sft import SFTLoader, shift
 from sprout.chat import TEMPLATE_VERSION
-from sprout.checkpoint import load_weights, read_meta
+from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.sft import SFTFile, val_path
-from sprout.train.loop import TrainConfig, all_reduce_sums, micro_steps
+from sprout.config import resume_free
+from sprout.train.loop import OptimConfig, TokenBatchConfig, TokenStage, TrainConfig, all_reduce_sums, micro_steps
 from sprout.train.run import resolve_resume, start_run, train_stage
 
 
 @dataclass
 class DataConfig:
-    path: str = ""                # packed train rows from scripts/prepare_sft_data.py (sft.h5)
-    val_path: str | None = None   # None: the `_val` file beside it (sft_val.h5)
-    epochs: float = 1.0           # sets train.max_steps when that is null
-
-
-def _sft_train_defaults() -> TrainConfig:
-    return TrainConfig(global_batch_tokens=65536, micro_batch_tokens=8192, lr=3e-5, warmup_steps=10,
-                       weight_decay=0.0, eval_every=50, ckpt_every=100)
+    # Paths may change on resume (the loader checks the row count and global batch), and the
+    # epochs, which only set max_steps.
+    path: str = resume_free("")   # packed train rows from scripts/prepare_sft_data.py (sft.h5)
+    val_path: str | None = resume_free(None)  # None: the `_val` file beside it (sft_val.h5)
+    epochs: float = resume_free(1.0)  # sets train.max_steps when that is null
 
 
 @dataclass
 class SFTConfig:
-    init: str = ""                # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
+    init: str = resume_free("")   # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
     data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=_sft_train_defaults)  # *_tokens = rows × row length
-    out: str = "runs/sft"
-
-
-# Config keys a resume may change besides run.RESUME_FREE_PATHS / loop.RESUME_FREE_KEYS: paths
-# (the loader checks the row count and global batch) and the epochs that only set max_steps.
-SFT_RESUME_FREE = {"init", "data.path", "data.val_path", "data.epochs"}
+    batch: TokenBatchConfig = field(default_factory=lambda: TokenBatchConfig(global_tokens=65536, micro_tokens=8192))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
+    out: str = resume_free("runs/sft")
 
 
 def sft_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -77,12 +72,16 @@ def sft_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, 
     logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
     targets, mask = batch["targets"], batch["loss_mask"]
     nll, n = token_nll_sum(logits, targets, mask, overwrite_logits=True)  # logits unused after backward
-    with torch.no_grad():
-        metrics = {"accuracy": masked_correct_sum(logits, targets, mask), "entropy": masked_entropy_sum(logits, mask)}
+    with torch.no_grad():  # both per trained target
+        metrics = {"accuracy": (masked_correct_sum(logits, targets, mask), n),
+                   "entropy": (masked_entropy_sum(logits, mask), n)}
     return nll, n, metrics
 
 
-class SFTStage:
+class SFTStage(TokenStage):
+    """Rows with a loss mask: the targets are the trained ones (count_targets); tokens and
+    FLOPs count every row position, padding included (`TokenStage`)."""
+
     name = "sft"
 
     def __init__(self, accelerator, loader: SFTLoader, val: SFTLoader, accum_steps: int):
@@ -96,6 +95,9 @@ class SFTStage:
         return [{k: parts[k][i] for k in batch} for i in range(self.accum_steps)]
 
     loss = staticmethod(sft_loss)
+
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return batch["loss_mask"].sum()
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
@@ -116,7 +118,7 @@ class SFTStage:
                 nll, n, m = sft_loss(model, {k: v.to(dev) for k, v in batch.items()})
             sums["nll"] += nll
             sums["n"] += n
-            sums["correct"] += m["accuracy"]
+            sums["correct"] += m["accuracy"][0]
         model.train()
         tot = all_reduce_sums(self.acc, sums)
         if tot["n"] == 0:
@@ -131,14 +133,11 @@ class SFTStage:
 
 
 # ---- checks before anything heavy starts ----------------------------------------------------
-def _fingerprint(spec: str | None) -> str | None:
-    """The fingerprint of the tokenizer behind `spec`, or None when it cannot be loaded here."""
-    if not spec:
-        return None
-    from sprout.tokenizer import load_tokenizer
-
+def _base_fingerprint(base: dict) -> str | None:
+    """The fingerprint of the base checkpoint's tokenizer (its run folder's copy, else its spec;
+    `sprout.checkpoint.checkpoint_tokenizer`), or None when it cannot be loaded here."""
     try:
-        return load_tokenizer(spec).fingerprint()
+        return checkpoint_tokenizer(base).fingerprint()
     except SproutError:
         return None
 
@@ -154,8 +153,8 @@ def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, 
                           f"renders {TEMPLATE_VERSION!r} at inference; prepare the SFT data again")
     spec, fp = attrs["tokenizer_spec"], attrs["tokenizer_fingerprint"]
     base_spec, base_fp = base.get("tokenizer"), base.get("tokenizer_fingerprint")
-    if base_fp is None and base_spec is not None and base_spec != spec:
-        base_fp = _fingerprint(base_spec)
+    if base_fp is None and (base.get("tokenizer_file") or base_spec not in (None, spec)):
+        base_fp = _base_fingerprint(base)
     same = base_fp == fp if base_fp else base_spec in (None, spec)
     if not same:
         base_fp = (base_fp or "unavailable")[:12]
@@ -188,18 +187,18 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     data, val = Path(cfg.data.path), Path(cfg.data.val_path or val_path(cfg.data.path))
     attrs = _attrs(data)
     check_sft_data(base, model_cfg, data, attrs, val, _attrs(val))
-    row_len, micro = attrs["seq_len"], cfg.train.micro_batch_tokens
+    row_len, micro = attrs["seq_len"], cfg.batch.micro_tokens
     if micro % row_len:
-        raise SproutError(f"train.micro_batch_tokens {micro} is not a multiple of the row length {row_len} of {data}")
+        raise SproutError(f"batch.micro_tokens {micro} is not a multiple of the row length {row_len} of {data}")
     resume_path = resolve_resume(resume, cfg.out)
 
     acc = start_run(cfg.train, cfg.out)
-    accum = micro_steps(cfg.train.global_batch_tokens, micro, acc.num_processes)
+    accum = micro_steps(cfg.batch.global_tokens, micro, acc.num_processes)
     rows, rank, world = micro // row_len, acc.process_index, acc.num_processes
     loader = SFTLoader(data, rows * accum, seed=cfg.train.seed, rank=rank, world_size=world)
     if loader.steps_per_epoch == 0:
         raise SproutError(f"{data}: {loader.num_rows} rows cannot fill one global batch of "
-                          f"{loader.global_batch} rows (train.global_batch_tokens / {row_len})")
+                          f"{loader.global_batch} rows (batch.global_tokens / {row_len})")
     val_loader = SFTLoader(val, rows, rank=rank, world_size=world, shuffle=False)
     if val_loader.num_rows < world:
         raise SproutError(f"{val}: {val_loader.num_rows} val rows for {world} processes")
@@ -215,4 +214,4 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
                   "template_version": attrs["template_version"], "template": attrs["template"],
                   "init": {"path": base["path"], "stage": base.get("stage"), "step": base.get("step")}}
     return train_stage(acc, model, stage, cfg, resume=resume_path, tokenizer=attrs["tokenizer_spec"],
-                       micro_steps=accum, free_keys=SFT_RESUME_FREE, extra_meta=provenance)
+                       micro_steps=accum, extra_meta=provenance)
