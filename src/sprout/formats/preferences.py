@@ -24,21 +24,20 @@ a prompt is in one file or the other, by a hash of the prompt) and `manifest.jso
 `read_preferences` yields checked records and refuses anything else with one line naming
 the file and line; `verify_preferences` checks a whole file and returns counts and the
 first errors instead of raising; `write_preferences` checks each record and writes the
-file atomically.
+file atomically (the line handling is `sprout.formats.jsonl`'s, shared with the other
+JSONL contracts).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from collections import Counter
-from pathlib import Path
 from typing import Iterable, Iterator
 
-from sprout.atomic import atomic_write
 from sprout.chat import ChatError, validate
 from sprout.errors import SproutError
+from sprout.formats.jsonl import check_messages as _messages
+from sprout.formats.jsonl import read_records, verify_records, write_records
 
 FORMAT = "sprout-preferences"
 FORMAT_VERSION = 1
@@ -46,20 +45,6 @@ TRAIN_FILE = "preferences.jsonl"
 TEST_FILE = "preferences_test.jsonl"
 KEYS = ("id", "source", "prompt", "chosen", "rejected")
 OPTIONAL_KEYS = ("margin",)
-
-
-def _messages(value, name: str) -> list:
-    """Check the shape of a message list (roles and string contents)."""
-    if not isinstance(value, list) or not value:
-        raise SproutError(f"{name!r} must be a non-empty list of messages")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise SproutError(f"{name}[{i}] must be an object with exactly 'role' and 'content'")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise SproutError(f"{name}[{i}]: unknown role {m['role']!r}")
-        if not isinstance(m["content"], str):
-            raise SproutError(f"{name}[{i}]: content must be a string, got {type(m['content']).__name__}")
-    return value
 
 
 def _answer(value, name: str) -> str:
@@ -105,47 +90,14 @@ def check_pair(record) -> dict:
     return record
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    if not path.is_file():
-        raise SproutError(f"{path}: preference file not found")
-    with open(path, "rb") as f:
-        yield from enumerate(f, 1)
-
-
-def _parse(raw: bytes, path: Path, lineno: int):
-    """One line's JSON value; `SproutError` naming the file and line when it has none."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SproutError(f"{path}:{lineno}: not valid UTF-8 (byte {exc.start} of the line)") from None
-    if not text.strip():
-        raise SproutError(f"{path}:{lineno}: empty line")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SproutError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
-
-
-def _check_line(raw: bytes, path: Path, lineno: int, ids: dict) -> dict:
-    """One line as a checked record; `SproutError` naming the file and line otherwise."""
-    record = _parse(raw, path, lineno)
-    try:
-        check_pair(record)
-    except SproutError as exc:
-        raise SproutError(f"{path}:{lineno}: {exc}") from None
-    if record["id"] in ids:
-        raise SproutError(f"{path}:{lineno}: id {record['id']!r} repeats line {ids[record['id']]}")
-    ids[record["id"]] = lineno
-    return record
-
-
 def read_preferences(path: str | os.PathLike) -> Iterator[dict]:
     """Yield the checked records of a preference file; the first bad line (or a repeated
     id) raises `SproutError` naming the file and line."""
-    path = Path(path)
-    ids: dict[str, int] = {}
-    for lineno, raw in _lines(path):
-        yield _check_line(raw, path, lineno, ids)
+    return read_records(path, check_pair, "preference file")
+
+
+def _tally(result: dict, record: dict) -> None:
+    result["with_margin"] += "margin" in record
 
 
 def verify_preferences(path: str | os.PathLike, max_errors: int = 5) -> dict:
@@ -153,36 +105,9 @@ def verify_preferences(path: str | os.PathLike, max_errors: int = 5) -> dict:
     "sources", "with_margin", "errors"}`: `errors` holds up to `max_errors` lines
     `file:line: what is wrong` (empty when the file keeps the contract); a missing file
     is its only error."""
-    path = Path(path)
-    result = {"path": str(path), "records": 0, "valid": 0, "sources": Counter(), "with_margin": 0, "errors": []}
-    ids: dict[str, int] = {}
-    try:
-        for lineno, raw in _lines(path):
-            result["records"] += 1
-            try:
-                record = _check_line(raw, path, lineno, ids)
-            except SproutError as exc:
-                if len(result["errors"]) < max_errors:
-                    result["errors"].append(str(exc))
-                continue
-            result["valid"] += 1
-            result["sources"][record["source"]] += 1
-            result["with_margin"] += "margin" in record
-    except SproutError as exc:  # the file itself is missing
-        result["errors"].append(str(exc))
-    result["sources"] = dict(result["sources"])
-    return result
+    return verify_records(path, check_pair, "preference file", max_errors, _tally, with_margin=0)
 
 
 def write_preferences(path: str | os.PathLike, records: Iterable[dict]) -> int:
     """Check and write records, one JSON line each, atomically; returns the count."""
-    path = Path(path)
-    n = 0
-    with atomic_write(path, "wb") as f:
-        for n, record in enumerate(records, 1):
-            try:
-                check_pair(record)
-            except SproutError as exc:
-                raise SproutError(f"{path}: record {n} ({record.get('id') if isinstance(record, dict) else '?'}): {exc}") from None
-            f.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-    return n
+    return write_records(path, records, check_pair)

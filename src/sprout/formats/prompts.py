@@ -1,0 +1,106 @@
+"""The RL prompt JSONL contract: single source of truth, reader, verifier, writer.
+
+Prompts with a verifiable gold answer, for PPO and GRPO (TRL's prompt-only
+conversational format plus the gold), one JSON object per line, UTF-8:
+
+    {"id": str,               unique within the file, non-empty
+     "source": str,           the prep source it came from, non-empty
+     "prompt": [{"role": "system"|"user"|"assistant", "content": str}, ...],
+                              the conversation so far: [system?] user, assistant, user, ...,
+                              ending with a user turn; the policy writes the next
+                              assistant turn
+     "gold": str,             the answer, a normalised number: exactly what
+                              `sprout.rl.verifiers.normalise_number` writes for it
+                              (`1080`, `-3`, `2.5`, `1/3`; never `1,080`, `$5` or `0.50`)
+     "level": int | null}     the curriculum level (an integer >= 0, e.g. the arithmetic
+                              generator's 1-4), or null when the source has none
+
+Every content is a non-empty string without the chat template's reserved markers, so
+`sprout.chat.render(prompt, tok, add_generation_prompt=True)` accepts the prompt. No other
+keys.
+
+A prepared folder holds `prompts.jsonl` (train), `prompts_test.jsonl` (test; a prompt is
+in one file or the other) and `manifest.json` (`sprout.prep.rl_prompts` writes it:
+counts, the split rule, the command).
+
+`read_prompts` yields checked records and refuses anything else with one line naming the
+file and line; `verify_prompts` checks a whole file and returns counts and the first
+errors instead of raising; `write_prompts` checks each record and writes the file
+atomically (the line handling is `sprout.formats.jsonl`'s, shared with the other JSONL
+contracts).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Iterator
+
+from sprout.chat import ChatError, validate
+from sprout.errors import SproutError
+from sprout.formats.jsonl import check_messages, read_records, verify_records, write_records
+from sprout.rl.verifiers import normalise_number
+
+FORMAT = "sprout-prompts"
+FORMAT_VERSION = 1
+TRAIN_FILE = "prompts.jsonl"
+TEST_FILE = "prompts_test.jsonl"
+KEYS = ("id", "source", "prompt", "gold", "level")
+
+
+def check_prompt(record) -> dict:
+    """Return `record` when it is a valid RL prompt; raise `SproutError` (without the
+    location: callers add it) saying what is wrong otherwise."""
+    if not isinstance(record, dict):
+        raise SproutError(f"expected a JSON object, got {type(record).__name__}")
+    missing = [k for k in KEYS if k not in record]
+    if missing:
+        raise SproutError(f"missing key(s) {', '.join(missing)}")
+    unknown = sorted(set(record) - set(KEYS))
+    if unknown:
+        raise SproutError(f"unknown key(s) {', '.join(unknown)}")
+    for k in ("id", "source"):
+        if not isinstance(record[k], str) or not record[k]:
+            raise SproutError(f"{k!r} must be a non-empty string")
+    prompt = check_messages(record["prompt"], "prompt")
+    if prompt[-1]["role"] != "user":
+        raise SproutError(f"prompt must end with a user turn, ends with {prompt[-1]['role']}")
+    try:
+        validate(prompt, add_generation_prompt=True)
+    except ChatError as exc:
+        raise SproutError(f"prompt: {exc}") from None
+    gold = record["gold"]
+    if not isinstance(gold, str):
+        raise SproutError(f"'gold' must be a string, got {type(gold).__name__}")
+    normal = normalise_number(gold)
+    if normal is None:
+        raise SproutError(f"'gold' {gold!r} is not a number")
+    if normal != gold:
+        raise SproutError(f"'gold' {gold!r} is not normalised (write {normal!r})")
+    level = record["level"]
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
+        raise SproutError(f"'level' must be an integer >= 0 or null, got {level!r}")
+    return record
+
+
+def read_prompts(path: str | os.PathLike) -> Iterator[dict]:
+    """Yield the checked records of a prompt file; the first bad line (or a repeated id)
+    raises `SproutError` naming the file and line."""
+    return read_records(path, check_prompt, "prompt file")
+
+
+def _tally(result: dict, record: dict) -> None:
+    key = "null" if record["level"] is None else str(record["level"])
+    result["levels"][key] = result["levels"].get(key, 0) + 1
+
+
+def verify_prompts(path: str | os.PathLike, max_errors: int = 5) -> dict:
+    """Check every line of a prompt file. Returns `{"path", "records", "valid", "sources",
+    "levels", "errors"}` (`levels`: count per level, `"null"` for none): `errors` holds up
+    to `max_errors` lines `file:line: what is wrong` (empty when the file keeps the
+    contract); a missing file is its only error."""
+    return verify_records(path, check_prompt, "prompt file", max_errors, _tally, levels={})
+
+
+def write_prompts(path: str | os.PathLike, records: Iterable[dict]) -> int:
+    """Check and write records, one JSON line each, atomically; returns the count."""
+    return write_records(path, records, check_prompt)

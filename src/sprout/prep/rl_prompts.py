@@ -1,0 +1,331 @@
+"""RL prompt prep: GSM8K, the arithmetic generator and local JSONL -> the prompt JSONL
+contract of `sprout.formats.prompts` (a prompt, its gold answer, its curriculum level).
+
+The steps `scripts/prepare_rl_prompts.py` runs, in order:
+
+1. read every source (at most `max_examples` records each) and turn each record into a
+   prompt (messages ending with a user turn) and a gold answer, normalised by
+   `sprout.rl.verifiers.normalise_number` (`1,234` -> `1234`, `$5` -> `5`, `3/4` -> `0.75`);
+2. drop and count records that cannot be rewarded, by reason: `no_final_answer` (a GSM8K
+   answer without `#### N`), `unparsable_gold` (a gold that is not a number: never
+   guessed), and the chat template's own reasons (`empty_content`, `reserved_marker`,
+   ...) for a prompt that `sprout.chat.render(..., add_generation_prompt=True)` refuses;
+3. exact dedup across all sources on `conversation_key(prompt)` (`sprout.prep.keys`: the
+   roles and contents, lower-cased), first wins; a duplicate whose gold differs from the
+   kept one is also counted as `duplicates_other_gold`;
+4. split: a source with `own_split: true` keeps the split it comes from (its `split`,
+   `train` or `test`: GSM8K's `train.jsonl` / `test.jsonl`, the generator's train or test
+   problems), so its test questions stay the published test set; every other record goes
+   by a hash of the PROMPT, `is_val(conversation_key(prompt), test_fraction)`;
+5. shuffle each split with `seed` and write `prompts.jsonl`, `prompts_test.jsonl` and,
+   last, `manifest.json` (counts per source, per drop reason and per level, the split
+   rule, prompts found in both files, the config and the command).
+
+With dedup on (the default) a prompt is never in both files: the second copy is a
+duplicate whichever split it would have gone to. With dedup off, own-split sources may
+share a prompt across files; the manifest counts them (`split.in_both`).
+
+The prompt shape is the SFT data's (`sprout.prep.chat_sources`): one user message holding
+the question as it is (stripped), because the SFT model learned the
+`<think>…</think><answer>N</answer>` answer shape from exactly those prompts and must see
+the same shape at RL time. `instruction` (default none) appends an answer-format
+instruction after a blank line to GSM8K and arithmetic questions, for a policy that was
+not fine-tuned on that shape, e.g. `ANSWER_FORMAT`; local JSONL prompts are kept as written.
+
+Source formats (`format:`):
+
+- `gsm8k`       openai/gsm8k (config `main`) `{"question", "answer"}`, the answer ending
+                in `#### N`; read from `path` (`${SPROUT_MIRROR}` stands for the data
+                mirror, `sprout.mirror`) or, when that needs a mirror and none is found,
+                from the hub id through `datasets` (`hub`, `hub_config`, `split`). Level null.
+- `arithmetic`  `count` problems of `sprout.prep.arithmetic` (`levels`, `seed`, the
+                generator's `split`: train, test or all), round-robin over the levels;
+                the level is recorded, so a trainer can order or filter by it (curriculum).
+- `jsonl`       local JSONL in the contract: `prompt` (a message list, or a string for
+                one user message), `gold` (a number as a string or an integer; normalised
+                here, so `1,000` is accepted), optional `level`; an `id` and `source` in
+                the row are replaced by the prep's own.
+
+A record that is not what its format says (a missing field, a wrong type or role, a
+prompt not ending with a user turn, invalid JSON) stops the run with one line naming the
+file and line: it means the file is not what the config says it is.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sprout.atomic import sha256_file, write_json_atomic
+from sprout.chat import ROLES, ChatError, validate
+from sprout.config import from_dict
+from sprout.errors import SproutError
+from sprout.formats.prompts import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
+from sprout.mirror import ENV as MIRROR_VARIABLE
+from sprout.mirror import expand_path, mirror_dir
+from sprout.prep import arithmetic
+from sprout.prep.chat_sources import _field, _hub_rows, gsm8k_gold, iter_records
+from sprout.prep.keys import SplitRule, conversation_key, is_val
+from sprout.rl.verifiers import normalise_number
+
+FORMATS = ("gsm8k", "arithmetic", "jsonl")
+SPLITS = ("train", "test")
+ANSWER_FORMAT = ("Think step by step inside <think></think>, then give only the final number "
+                 "inside <answer></answer>.")
+
+
+@dataclass
+class PromptSourceConfig:
+    name: str
+    format: str  # one of FORMATS
+    path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
+    hub: str | None = None  # dataset id for `datasets.load_dataset`
+    hub_config: str | None = None
+    split: str = "train"  # hub split / the split the file holds; arithmetic: the generator's (train | test | all)
+    own_split: bool = False  # keep `split` (train | test) instead of the hash split
+    count: int = 0  # arithmetic: problems to generate
+    levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic
+    seed: int | None = None  # arithmetic; None: the prep seed
+
+
+@dataclass
+class PromptDataConfig:
+    out: str = "runs/demo/rl_prompts"
+    mirror: str | None = None
+    max_examples: int | None = None  # records read per source, for quick runs
+    seed: int = 0
+    test_fraction: float = 0.05  # for sources without own_split
+    dedup: bool = True
+    instruction: str | None = None  # appended to GSM8K / arithmetic questions; None: the SFT shape
+    sources: list = field(default_factory=list)  # PromptSourceConfig fields, one mapping each
+
+
+class Drop(Exception):
+    """A record that is counted and left out (not an error): `reason` is the count's key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+@dataclass
+class Item:
+    """One prompt before dedup and split."""
+
+    prompt: list
+    gold: str
+    level: int | None
+
+
+# ---- one record -> Item ----------------------------------------------------------------
+
+def question_prompt(question: str, instruction: str | None = None) -> list:
+    """The prompt of a question: one user message, the question stripped (as SFT data
+    has it), then the instruction after a blank line when there is one."""
+    text = question.strip()
+    if instruction and instruction.strip():
+        text = f"{text}\n\n{instruction.strip()}"
+    return [{"role": "user", "content": text}]
+
+
+def gsm8k_item(row, where: str, instruction: str | None) -> Item:
+    """A GSM8K row: the question, and the gold after the answer's last `####`."""
+    question, answer = _field(row, "question", where), _field(row, "answer", where)
+    if "####" not in answer:
+        raise Drop("no_final_answer", "the answer has no '#### N' final answer")
+    try:
+        gold = gsm8k_gold(answer, where)
+    except SproutError as exc:
+        raise Drop("unparsable_gold", str(exc)) from None
+    return Item(question_prompt(question, instruction), gold, None)
+
+
+def _gold(value, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise SproutError(f"{where}: 'gold' must be a string or an integer, got {type(value).__name__}")
+    gold = normalise_number(str(value))
+    if gold is None:
+        raise Drop("unparsable_gold", f"gold {value!r} is not a number")
+    return gold
+
+
+def jsonl_item(row, where: str, instruction: str | None) -> Item:
+    """A local row in the contract (see the module docstring for what is relaxed)."""
+    if not isinstance(row, dict):
+        raise SproutError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("prompt", "gold"):
+        if key not in row:
+            raise SproutError(f"{where}: missing field {key!r} (has {', '.join(sorted(row)) or 'nothing'})")
+    unknown = sorted(set(row) - {"id", "source", "prompt", "gold", "level"})
+    if unknown:
+        raise SproutError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise SproutError(f"{where}: 'prompt' must be a string or a non-empty list of messages")
+    messages = []
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise SproutError(f"{where}: prompt[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': string}}")
+        messages.append({"role": m["role"], "content": m["content"].strip()})
+    if messages[-1]["role"] != "user":
+        raise SproutError(f"{where}: the prompt must end with a user turn, ends with {messages[-1]['role']}")
+    level = row.get("level")
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
+        raise SproutError(f"{where}: 'level' must be an integer >= 0 or null, got {level!r}")
+    return Item(messages, _gold(row["gold"], where), level)
+
+
+CONVERTERS = {"gsm8k": gsm8k_item, "jsonl": jsonl_item}
+
+
+# ---- sources ---------------------------------------------------------------------------
+
+def source_rows(spec: PromptSourceConfig, mirror):
+    """Raw records of a file or hub source: its `path` (with the mirror filled in), else
+    the hub."""
+    if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
+        return iter_records(Path(expand_path(spec.path, mirror)))
+    if spec.hub:
+        return _hub_rows(spec)
+    raise SproutError(f"source {spec.name}: {spec.path or 'no path'} needs a mirror (--mirror DIR or SPROUT_MIRROR) "
+                      "and there is no hub id")
+
+
+def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
+    """`(where, Item)`, or `(where, Drop)` for a record dropped while it is converted, for
+    each record read."""
+    if spec.format == "arithmetic":
+        seed = cfg.seed if spec.seed is None else spec.seed
+        count = spec.count if cfg.max_examples is None else min(spec.count, cfg.max_examples)
+        for i, p in enumerate(arithmetic.generate(count, spec.levels, seed, spec.split)):
+            yield f"{spec.name}[{i}] (level {p.level})", Item(question_prompt(p.question, cfg.instruction), p.gold, p.level)
+        return
+    convert = CONVERTERS[spec.format]
+    for n, (where, row) in enumerate(source_rows(spec, cfg.mirror)):
+        if cfg.max_examples is not None and n >= cfg.max_examples:
+            break
+        try:
+            yield where, convert(row, where, cfg.instruction)
+        except Drop as drop:
+            yield where, drop
+
+
+def check_content(item: Item) -> None:
+    """Raise `Drop` with the chat template's reason when it refuses the prompt."""
+    try:
+        validate(item.prompt, add_generation_prompt=True)
+    except ChatError as exc:
+        raise Drop(exc.reason, str(exc)) from None
+
+
+def prompt_key(prompt: list) -> bytes:
+    """The dedup and split key: `conversation_key` of the prompt."""
+    return conversation_key(prompt)
+
+
+# ---- the whole prep --------------------------------------------------------------------
+
+def check_config(cfg: PromptDataConfig) -> list[PromptSourceConfig]:
+    if not 0.0 <= cfg.test_fraction < 1.0:
+        raise SproutError(f"test_fraction must be in [0, 1), got {cfg.test_fraction}")
+    if cfg.max_examples is not None and cfg.max_examples < 0:
+        raise SproutError(f"max_examples must be >= 0, got {cfg.max_examples}")
+    if not cfg.sources:
+        raise SproutError("no sources configured (the config needs a `sources:` list)")
+    specs = []
+    for i, data in enumerate(cfg.sources):
+        spec = from_dict(PromptSourceConfig, data, f"sources[{i}]")
+        where = f"sources[{i}] ({spec.name})"
+        if spec.format not in FORMATS:
+            raise SproutError(f"{where}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
+        if spec.format == "arithmetic":
+            spec.levels = list(arithmetic.check_levels(spec.levels, where))
+            if spec.count <= 0:
+                raise SproutError(f"{where}: count must be > 0 for an arithmetic source")
+            if spec.split not in arithmetic.SPLITS:
+                raise SproutError(f"{where}: split must be one of {', '.join(arithmetic.SPLITS)}, got {spec.split!r}")
+        elif not spec.path and not spec.hub:
+            raise SproutError(f"{where}: needs a path or a hub id")
+        if spec.own_split and spec.split not in SPLITS:
+            raise SproutError(f"{where}: own_split needs split train or test, got {spec.split!r}")
+        specs.append(spec)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise SproutError(f"source names must be unique, got {names}")
+    return specs
+
+
+def prepare(cfg: PromptDataConfig, command: str = "", log=print) -> dict:
+    """Run the whole prep; writes the two JSONL files and the manifest, returns the manifest."""
+    specs = check_config(cfg)
+    out = Path(cfg.out)
+    seen: dict[bytes, str] = {}  # prompt key -> gold of the kept prompt
+    ids: Counter = Counter()  # prompt id -> times used
+    splits: dict[str, list] = {"train": [], "test": []}
+    split_keys: dict[str, set] = {"train": set(), "test": set()}
+    per_source: dict[str, Counter] = {}
+    first_drop: dict[str, str] = {}
+    for spec in specs:
+        c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
+        for where, item in read_items(spec, cfg):
+            c["read"] += 1
+            try:
+                if isinstance(item, Drop):
+                    raise item
+                check_content(item)
+            except Drop as drop:
+                c[f"dropped_{drop.reason}"] += 1
+                first_drop.setdefault(f"{spec.name}/{drop.reason}", f"{where}: {drop}")
+                continue
+            key = prompt_key(item.prompt)
+            if cfg.dedup and key in seen:
+                c["duplicates"] += 1
+                if seen[key] != item.gold:
+                    c["duplicates_other_gold"] += 1
+                continue
+            seen.setdefault(key, item.gold)
+            if spec.own_split:
+                split = spec.split
+            else:
+                split = "test" if is_val(key, cfg.test_fraction) else "train"
+            c[split] += 1
+            split_keys[split].add(key)
+            prompt_id = f"{spec.name}-{key.hex()[:16]}"
+            ids[prompt_id] += 1
+            if ids[prompt_id] > 1:  # the same prompt again, kept because dedup is off
+                prompt_id = f"{prompt_id}-{ids[prompt_id] - 1}"
+            splits[split].append({"id": prompt_id, "source": spec.name, "prompt": item.prompt,
+                                  "gold": item.gold, "level": item.level})
+    for what, example in first_drop.items():
+        log(f"dropped ({what}), first at {example}")
+
+    files, levels = {}, {}
+    for split, name in (("train", TRAIN_FILE), ("test", TEST_FILE)):
+        random.Random(f"{cfg.seed}-{split}").shuffle(splits[split])
+        n = write_prompts(out / name, splits[split])
+        files[split] = {"path": name, "records": n, "sha256": sha256_file(out / name)}
+        levels[split] = dict(sorted(Counter("null" if r["level"] is None else str(r["level"])
+                                            for r in splits[split]).items()))
+        log(f"{split}: {n:,} prompts -> {out / name}")
+    dropped = Counter()
+    for c in per_source.values():
+        dropped.update({k[len("dropped_"):]: v for k, v in c.items() if k.startswith("dropped_")})
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
+        "sources": {s.name: {"format": s.format, "own_split": s.split if s.own_split else None,
+                             **dict(per_source[s.name])} for s in specs},
+        "dropped": dict(sorted(dropped.items())), "first_drops": first_drop, "levels": levels,
+        "split": {"by": "prompt", "test_fraction": cfg.test_fraction,
+                  **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents"),
+                  "own_split_sources": {s.name: s.split for s in specs if s.own_split},
+                  "in_both": len(split_keys["train"] & split_keys["test"])},
+        "dedup": {"enabled": cfg.dedup, "key": "conversation_key(prompt)"},
+        "instruction": cfg.instruction,
+        "config": asdict(cfg), "command": command,
+    }
+    write_json_atomic(out / "manifest.json", manifest)
+    return manifest
