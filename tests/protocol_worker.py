@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.train.loop import OptimConfig, TokenStage, TrainConfig, all_reduce_sums, decay_groups, make_accelerator
+from sprout.train.loop import TrainConfig, all_reduce_sums, make_accelerator
+from sprout.train.optim import OptimConfig, decay_groups
+from sprout.train.stage import TokenStage
 from sprout.train.run import train_stage
 
 V, T, ROWS, BETA = 32, 8, 6, 0.5

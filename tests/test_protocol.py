@@ -18,21 +18,13 @@ from safetensors.torch import load_file
 from sprout.checkpoint import load_train_state
 from sprout.config import resume_config, resume_free_paths
 from sprout.model.transformer import Transformer
-from sprout.train.loop import (
-    OptimConfig,
-    TokenStage,
-    TrainConfig,
-    Trainer,
-    build_optimizer,
-    config_hash,
-    decay_groups,
-    lr_schedule,
-    make_accelerator,
-)
+from sprout.train.loop import TrainConfig, Trainer, config_hash, make_accelerator
 from sprout.train.metrics import read_metrics
+from sprout.train.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule
 from sprout.train.pretrain import PretrainConfig
 from sprout.train.schedule import lr_at
 from sprout.train.sft import SFTConfig
+from sprout.train.stage import TokenStage
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,49 +17,15 @@ Two layers, so that stages which do not read "a batch from a loader" still share
   and processes, so 1 process with 2 micro-steps equals 2 processes with 1. The logged loss
   is the reduced loss sum / N; each metric is its reduced sum / its reduced count.
 
-`Trainer.fit(stage)` repeats steps, logs, evaluates, checkpoints and resumes. A stage is
-any object with (`TokenStage` gives the defaults marked *, for batches of token rows):
-
-    name: str
-    next_micro_batches(step) -> list[dict] | None
-        this rank's micro-batches of the step; None = data exhausted (every rank stops).
-        Timed apart from the optimizer step: rollouts are generated here.
-    generated_tokens: int                                       * 0
-        tokens this rank generated in the last next_micro_batches call (generation tokens/s)
-    loss(model, batch) -> (loss_sum, n, {name: (sum, count)})
-        loss_sum: the loss summed over the batch's n targets (never a mean); each metric as
-        its sum and its own denominator on this micro-batch: per token (KL, entropy, clip
-        fraction: count = tokens), per sequence (reward, length: count = rows), per pair
-        (accuracy: count = pairs). Every rank returns the same metric names.
-    count_targets(batch) -> int | Tensor                        * targets.numel()
-        the n that loss() will return for this batch, counted without a forward
-    num_tokens(batch) -> int                                    * input_ids.numel()
-        tokens the forward/backward processes (tokens seen, training tokens/s)
-    flops(model, batch) -> float                                * model.flops_per_token(T) × tokens
-        training FLOPs of the batch's forward + backward (MFU); 0 = no MFU
-    evaluate(model) -> {"val_...": float}                       reduced over ranks (all_reduce_sums)
-    state_dict() -> dict ; load_state_dict(dict)                loader position, saved in meta.json
-    tensor_state() -> dict ; load_tensor_state(dict | None)     optional; this rank's tensors (rollout
-                                                                buffer, generator state) on the CPU,
-                                                                saved in train_state.pt
-    param_groups(model) -> list[dict]                           optional; see build_optimizer
-    setup(trainer)                                              optional; called once before a resume
-                                                                and training: prepare frozen models
-
-More than one model: a stage whose loss reads frozen models (a reference policy, a reward
-model) gets them from `trainer.prepare_frozen(model)` (in `setup`): placed, sharded under
-FSDP, in eval mode without gradients, never in the optimizer or a checkpoint. Generation
-uses `trainer.generation_model`: the policy's own module and parameters, never compiled.
-
-An RL stage keeps a rollout buffer: when it is empty, next_micro_batches generates new
-rollouts with the current policy, then serves several optimizer steps' worth of
-micro-batches from them. Stages may also call `step`, `evaluate`, `save` themselves.
+`Trainer.fit(stage)` repeats steps, logs, evaluates, checkpoints and resumes. What a stage
+gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs, parameter
+groups, frozen models) is the protocol in `sprout.train.stage`; the optimizer and its
+schedule are in `sprout.train.optim`. Both are importable from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -67,7 +33,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -88,22 +54,9 @@ from sprout.errors import SproutError
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.train.metrics import MetricsLogger, check_trackers, measure_matmul_flops, mfu, plot_loss_curve
 from sprout.train.report import write_report
-from sprout.train.schedule import chinchilla_steps, lr_at
-
-
-@dataclass
-class OptimConfig:
-    """AdamW and its learning-rate schedule (`sprout.train.schedule`)."""
-    lr: float = 6e-4                    # peak lr; a stage's parameter groups may scale it
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    schedule: str = "cosine"            # cosine | wsd | constant
-    wsd_decay_frac: float = 0.2
-    weight_decay: float = 0.1           # on matrices (ndim >= 2) only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
+from sprout.train.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule  # noqa: F401 (re-exported)
+from sprout.train.schedule import chinchilla_steps
+from sprout.train.stage import Stage, TokenBatchConfig, TokenStage, micro_steps  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -125,58 +78,8 @@ class TrainConfig:
     peak_tflops: float = resume_free(0.0)  # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
 
 
-@dataclass
-class TokenBatchConfig:
-    """The batch of the token stages (pretraining, SFT), in tokens (rows × row length)."""
-    global_tokens: int = 524288         # per optimizer step, all processes together
-    micro_tokens: int = 16384           # per forward/backward on one process
-
-
-class Stage(Protocol):
-    name: str
-
-    def next_micro_batches(self, step: int) -> list[dict[str, torch.Tensor]] | None: ...
-    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple]]: ...
-    def count_targets(self, batch: dict) -> int | torch.Tensor: ...
-    def num_tokens(self, batch: dict) -> int: ...
-    def flops(self, model, batch: dict) -> float: ...
-    def evaluate(self, model) -> dict[str, float]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-class TokenStage:
-    """The protocol's defaults for micro-batches of token rows: `input_ids` (B, T) and
-    `targets` (B, T), every target trained. A stage with a loss mask overrides count_targets."""
-
-    generated_tokens = 0
-
-    def count_targets(self, batch: dict) -> int:
-        return batch["targets"].numel()
-
-    def num_tokens(self, batch: dict) -> int:
-        return batch["input_ids"].numel()
-
-    def flops(self, model, batch: dict) -> float:
-        """Training FLOPs of the rows: the model's FLOPs per token at this row length × tokens."""
-        flops_per_token = getattr(model, "flops_per_token", None)
-        ids = batch["input_ids"]
-        return flops_per_token(ids.shape[-1]) * ids.numel() if flops_per_token else 0.0
-
-
 class NonFiniteLoss(SproutError):
     """The loss or gradient became NaN/inf; the weights were not updated."""
-
-
-def micro_steps(global_size: int, micro_size: int, world_size: int, unit: str = "tokens") -> int:
-    """Micro-steps per optimizer step on each process: global / (world × micro), exactly."""
-    per_step = world_size * micro_size
-    if micro_size <= 0 or global_size % per_step:
-        raise SproutError(
-            f"global batch of {global_size} {unit} is not a multiple of {world_size} process(es) × "
-            f"micro-batch of {micro_size} {unit}; change batch.global_{unit} or batch.micro_{unit}"
-        )
-    return global_size // per_step
 
 
 def all_reduce_sums(accelerator: Accelerator, sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
@@ -210,47 +113,9 @@ def make_accelerator(cfg: TrainConfig, out_dir: str | Path | None = None) -> Acc
     return acc
 
 
-def decay_groups(params, weight_decay: float, **options) -> list[dict]:
-    """Two parameter groups: matrices (embeddings, projections) with `weight_decay`, norms and
-    biases without; `options` (e.g. lr_scale) go into both."""
-    params = list(params)
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, **options},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, **options}]
-
-
-def build_optimizer(model: torch.nn.Module, optim: OptimConfig, groups: list[dict] | None = None) -> torch.optim.AdamW:
-    """AdamW over `groups` (a stage's `param_groups(model)`); by default `decay_groups` of every
-    trainable parameter with optim.weight_decay.
-
-    A group is `{"params": [...]}` plus optionally `lr_scale` (its base lr is optim.lr ×
-    lr_scale, e.g. a value head learning faster) or `lr` (its base lr), and `weight_decay`
-    (default optim.weight_decay). The schedule multiplies every group's base lr alike
-    (`Trainer.step`). Every trainable parameter must be in exactly one group.
-    """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = decay_groups(trainable, optim.weight_decay) if groups is None else groups
-    if sorted(id(p) for g in groups for p in g["params"]) != sorted(id(p) for p in trainable):
-        raise ValueError("param_groups(model) must hold every trainable parameter of the model exactly once")
-    built = []
-    for group in groups:
-        group = dict(group)
-        if "lr" in group and "lr_scale" in group:
-            raise ValueError("a parameter group takes lr or lr_scale, not both")
-        group["lr"] = group.get("lr", optim.lr * group.pop("lr_scale", 1.0))
-        group.setdefault("weight_decay", optim.weight_decay)
-        built.append(group)
-    return torch.optim.AdamW(built, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
-
-
 def resolve_max_steps(cfg: TrainConfig, num_params: int, global_tokens: int) -> int:
     """train.max_steps, or when it is null the Chinchilla budget: chinchilla_ratio × params tokens."""
     return cfg.max_steps or chinchilla_steps(num_params, global_tokens, cfg.chinchilla_ratio)
-
-
-def lr_schedule(optim: OptimConfig, total_steps: int) -> Callable[..., float]:
-    """`schedule(step, peak) -> lr`: the schedule's shape (warmup, decay) applied to a group's base lr."""
-    return functools.partial(lr_at, total_steps=total_steps, warmup_steps=optim.warmup_steps,
-                             kind=optim.schedule, min_ratio=optim.min_lr_ratio, decay_frac=optim.wsd_decay_frac)
 
 
 def config_hash(resume_config: dict) -> str:

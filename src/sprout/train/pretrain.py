@@ -27,7 +27,9 @@ from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
 from sprout.config import resume_free
-from sprout.train.loop import OptimConfig, TokenBatchConfig, TokenStage, TrainConfig, all_reduce_sums, micro_steps
+from sprout.train.loop import TrainConfig, all_reduce_sums
+from sprout.train.optim import OptimConfig
+from sprout.train.stage import TokenBatchConfig, TokenStage, micro_steps
 from sprout.train.run import resolve_resume, start_run, train_stage, with_max_steps
 from sprout.train.schedule import seq_len_at, seq_len_stages
 

@@ -27,7 +27,8 @@ from sprout.atomic import atomic_write
 from sprout.checkpoint import bundle_tokenizer, resolve_checkpoint
 from sprout.config import config_to_dict, dump_yaml, load_config, resume_config
 from sprout.train.fsdp import local_params
-from sprout.train.loop import TrainConfig, Trainer, build_optimizer, lr_schedule, make_accelerator, resolve_max_steps
+from sprout.train.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
+from sprout.train.optim import build_optimizer, lr_schedule
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:

@@ -44,7 +44,9 @@ from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_n
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.sft import SFTFile, val_path
 from sprout.config import resume_free
-from sprout.train.loop import OptimConfig, TokenBatchConfig, TokenStage, TrainConfig, all_reduce_sums, micro_steps
+from sprout.train.loop import TrainConfig, all_reduce_sums
+from sprout.train.optim import OptimConfig
+from sprout.train.stage import TokenBatchConfig, TokenStage, micro_steps
 from sprout.train.run import resolve_resume, start_run, train_stage
 
 
