@@ -33,8 +33,7 @@ import numpy as np
 from sprout.chat import ChatError, Template, segment
 from sprout.errors import SproutError
 from sprout.formats.maskcheck import _ANSI, _CSS, TRAINED, _describe, _runs
-from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair
-from sprout.formats.preferences import read_preferences
+from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair, preencoded
 
 
 @dataclass
@@ -164,10 +163,10 @@ def check_preferences(path: str | os.PathLike, tok, tpl: Template, seq_len: int,
         else:
             report.more_violations += 1
 
-    for line, record in enumerate(read_preferences(path), 1):
+    for line, record, encoded in preencoded(path, tok):
         report.pairs_read += 1
         try:
-            pair, longest = fit_pair(record, tok, seq_len, truncation, f"{path}:{line}", line)
+            pair, longest = fit_pair(record, encoded, seq_len, truncation, f"{path}:{line}", line)
         except SproutError as exc:  # the template refused it, or the prompts render differently
             add(PairViolation(line, record["id"], None, None, str(exc).removeprefix(f"{path}:{line}: ")))
             continue

@@ -26,13 +26,16 @@ A side fits the context when `len(ids) <= seq_len`; a pair fits when both sides 
   `truncated` (and its messages in `prompt_turns_dropped`).
 
 Records come from `sprout.formats.preferences.read_preferences`; every line of that file is
-one record (an empty line is an error), so record n is line n.
+one record (an empty line is an error), so record n is line n. `tokenize_preferences` hands
+`render` a tokenizer that remembers the contents it encoded for the current chunk of
+records, so a prompt is encoded once rather than once per side (and per `keep_end` retry).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
@@ -42,6 +45,7 @@ from sprout.formats.preferences import read_preferences
 
 TRUNCATIONS = ("drop", "keep_end")
 SIDES = ("chosen", "rejected")
+CHUNK = 1024  # records that share one memo of encoded texts
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,24 @@ class PairSet:
     counts: dict
     dropped: list = field(default_factory=list)
     truncated: list = field(default_factory=list)
+
+
+class _EncodeOnce:
+    """`tok` whose `encode` remembers what it returned for each text (cleared per chunk of
+    records); `render` takes it as a tokenizer."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self._ids: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = self._ids[text] = self._tok.encode(text)
+        return list(ids)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
 
 
 def _first_difference(a: list, b: list) -> int:
@@ -131,6 +153,16 @@ def fit_pair(record: dict, tok, seq_len: int, truncation: str = "drop", where: s
     return None, longest
 
 
+def preencoded(path: str | os.PathLike, tok) -> Iterator[tuple[int, dict, _EncodeOnce]]:
+    """(line, record, tokenizer to render it with) for every record of a preference file;
+    the tokenizer encodes each distinct text of a chunk of `CHUNK` records once."""
+    encoded = _EncodeOnce(tok)
+    for line, record in enumerate(read_preferences(path), 1):
+        if line % CHUNK == 1:
+            encoded = _EncodeOnce(tok)
+        yield line, record, encoded
+
+
 def tokenize_preferences(path: str | os.PathLike, tok, seq_len: int, truncation: str = "drop") -> PairSet:
     """Read and render every pair of a preference file, keeping those that fit `seq_len`."""
     if seq_len < 2:
@@ -140,9 +172,9 @@ def tokenize_preferences(path: str | os.PathLike, tok, seq_len: int, truncation:
     result = PairSet([], {"pairs_read": 0, "pairs": 0, "dropped_too_long": 0, "truncated": 0,
                           "prompt_turns_dropped": 0})
     c = result.counts
-    for line, record in enumerate(read_preferences(path), 1):
+    for line, record, encoded in preencoded(path, tok):
         c["pairs_read"] += 1
-        pair, longest = fit_pair(record, tok, seq_len, truncation, f"{path}:{line}", line)
+        pair, longest = fit_pair(record, encoded, seq_len, truncation, f"{path}:{line}", line)
         if pair is None:
             c["dropped_too_long"] += 1
             result.dropped.append((line, record["id"], longest))
