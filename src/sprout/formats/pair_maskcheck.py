@@ -33,7 +33,7 @@ import numpy as np
 from sprout.chat import ChatError, Template, segment
 from sprout.errors import SproutError
 from sprout.formats.maskcheck import _ANSI, _CSS, TRAINED, _describe, _runs
-from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair, preencoded
+from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair, records_to_render
 
 
 @dataclass
@@ -163,7 +163,7 @@ def check_preferences(path: str | os.PathLike, tok, tpl: Template, seq_len: int,
         else:
             report.more_violations += 1
 
-    for line, record, encoded in preencoded(path, tok):
+    for line, record, encoded in records_to_render(path, tok):
         report.pairs_read += 1
         try:
             pair, longest = fit_pair(record, encoded, seq_len, truncation, f"{path}:{line}", line)

@@ -153,12 +153,11 @@ def fit_pair(record: dict, tok, seq_len: int, truncation: str = "drop", where: s
     return None, longest
 
 
-def preencoded(path: str | os.PathLike, tok) -> Iterator[tuple[int, dict, _EncodeOnce]]:
+def records_to_render(path: str | os.PathLike, tok) -> Iterator[tuple[int, dict, _EncodeOnce]]:
     """(line, record, tokenizer to render it with) for every record of a preference file;
     the tokenizer encodes each distinct text of a chunk of `CHUNK` records once."""
-    encoded = _EncodeOnce(tok)
     for line, record in enumerate(read_preferences(path), 1):
-        if line % CHUNK == 1:
+        if (line - 1) % CHUNK == 0:
             encoded = _EncodeOnce(tok)
         yield line, record, encoded
 
@@ -172,7 +171,7 @@ def tokenize_preferences(path: str | os.PathLike, tok, seq_len: int, truncation:
     result = PairSet([], {"pairs_read": 0, "pairs": 0, "dropped_too_long": 0, "truncated": 0,
                           "prompt_turns_dropped": 0})
     c = result.counts
-    for line, record, encoded in preencoded(path, tok):
+    for line, record, encoded in records_to_render(path, tok):
         c["pairs_read"] += 1
         pair, longest = fit_pair(record, encoded, seq_len, truncation, f"{path}:{line}", line)
         if pair is None:
