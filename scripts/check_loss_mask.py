@@ -13,6 +13,14 @@ A preference file (`.jsonl`) is checked pair by pair as the preference loader re
         --seq-len 256 [--truncation keep_end] --show 2 --html pairs.html
 
 Pairs the loader would drop or shorten are listed; a violation is printed with its line.
+
+An RL prompt file (`.jsonl` whose records have a `gold`, `sprout.formats.prompts`) is
+rendered prompt by prompt with the generation header, as the policy sees it
+(`sprout.formats.prompt_maskcheck`); --seq-len, when given, lists prompts that leave no
+room to generate:
+
+    python scripts/check_loss_mask.py rl_prompts/prompts.jsonl --tokenizer sentencepiece:sp.model \
+        [--seq-len 256] --show 2 --html prompts.html
 """
 
 from __future__ import annotations
@@ -26,22 +34,25 @@ from sprout.errors import SproutError, run_main
 from sprout.formats.maskcheck import check_arrays, format_row, rows_html
 from sprout.formats.pair_maskcheck import check_preferences, format_pair, pairs_html
 from sprout.formats.preference_tokens import TRUNCATIONS
+from sprout.formats.prompt_maskcheck import check_prompts, format_prompt, holds_prompts, prompts_html
 from sprout.formats.sft import SFTFile
 from sprout.tokenizer import load_tokenizer
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("file", help="packed SFT file (.h5) or preference file (.jsonl)")
+    parser.add_argument("file", help="packed SFT file (.h5), preference file or RL prompt file (.jsonl)")
     parser.add_argument("--show", type=int, default=2, help="rows to print with trained tokens highlighted")
     parser.add_argument("--html", help="also write the shown rows to this HTML page")
     parser.add_argument("--mirror", help="data mirror for tiktoken ranks (default: $SPROUT_MIRROR, else ../shared/data; see sprout.mirror)")
     parser.add_argument("--tokenizer", help="tokenizer spec, if the stored one has moved")
     parser.add_argument("--no-color", action="store_true", help="mark trained tokens as [[...]] instead of ANSI")
-    parser.add_argument("--seq-len", type=int, help="preference files: the context length the loader uses")
+    parser.add_argument("--seq-len", type=int, help="preference and prompt files: the context length the loader or policy uses")
     parser.add_argument("--truncation", choices=TRUNCATIONS, default="drop",
                         help="preference files: what the loader does with pairs longer than --seq-len")
     args = parser.parse_args()
+    if args.file.endswith(".jsonl") and holds_prompts(args.file):
+        return check_prompt_file(args)
     if args.file.endswith(".jsonl"):
         return check_pairs(args)
 
@@ -112,6 +123,39 @@ def check_pairs(args) -> int:
             print(f"FAIL ... and {report.more_violations} more", file=sys.stderr)
         return 1
     print("OK: every pair passes")
+    return 0
+
+
+# ---- RL prompts ----------------------------------------------------------------------------
+
+def check_prompt_file(args) -> int:
+    """Render every prompt of an RL prompt file with the generation header and check it."""
+    if not args.tokenizer:
+        raise SproutError(f"{args.file}: a prompt file needs --tokenizer SPEC")
+    tok = load_tokenizer(args.tokenizer, mirror=args.mirror)
+    tpl = template_for(tok)
+    report = check_prompts(args.file, tok, tpl, args.seq_len, show=args.show)
+    totals = report.totals()
+    color = not args.no_color and sys.stdout.isatty()
+    for item in report.shown:
+        print(format_prompt(item, tpl, tok, color=color))
+    if args.html:
+        with atomic_write(args.html, "w") as out:
+            out.write(prompts_html(report.shown, tpl, tok, f"prompts: {args.file}", totals))
+    print(f"{args.file}: RL prompts, tokenizer {tok.spec}" + (f", seq_len {args.seq_len}" if args.seq_len else ""))
+    for key, value in totals.items():
+        print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value:,}")
+    for line, pid, n in report.too_long[:10]:
+        print(f"  too long: line {line} ({pid}): {n} tokens leave no room to generate within seq_len {args.seq_len}")
+    if len(report.too_long) > 10:
+        print("  ... (only the first 10 listed)")
+    if report.violations:
+        for v in report.violations:
+            print(f"FAIL {args.file}: {v}", file=sys.stderr)
+        if report.more_violations:
+            print(f"FAIL ... and {report.more_violations} more", file=sys.stderr)
+        return 1
+    print("OK: every prompt passes")
     return 0
 
 

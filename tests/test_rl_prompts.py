@@ -292,3 +292,78 @@ def test_script_end_to_end(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and "train.jsonl:2: missing field 'answer'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---- check_loss_mask on a prompt file ------------------------------------------------------
+
+def _check_script(*args):
+    return subprocess.run([sys.executable, "scripts/check_loss_mask.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _prompt_file(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    write_prompts(path, [_prompt(0, prompt=[{"role": "user", "content": "What is 2 + 2?"}], level=1),
+                         _prompt(1, prompt=[{"role": "system", "content": "Answer with a number."},
+                                            {"role": "user", "content": "What is 1 + 1?"},
+                                            {"role": "assistant", "content": "2"},
+                                            {"role": "user", "content": "And 20 + 2?"}], gold="22"),
+                         _prompt(2, prompt=[{"role": "user", "content": " ".join(["many words"] * 40)}])])
+    return path
+
+
+def test_prompt_check_passes_shows_and_lists_long_prompts(tmp_path, tok):
+    from sprout.chat import template_for
+    from sprout.formats.prompt_maskcheck import check_prompts, format_prompt
+
+    path = _prompt_file(tmp_path)
+    lengths = [len(item.ids) for item in check_prompts(path, tok, template_for(tok), show=3).shown]
+    assert lengths[2] > max(lengths[:2])
+    report = check_prompts(path, tok, template_for(tok), seq_len=lengths[2], show=2)
+    assert report.violations == [] and report.prompts == 3 and len(report.shown) == 2
+    assert report.longest == lengths[2] and report.tokens == sum(lengths)
+    assert [(line, pid) for line, pid, _ in report.too_long] == [(3, "q2")]
+    text = format_prompt(report.shown[1], template_for(tok), tok, color=False)
+    assert "line 2, gold 22, level None" in text
+    assert text.rstrip("\n").endswith("And 20 + 2?<|endoftext|><|assistant|>")  # the generation header last
+    assert text.count("<|user|>") == 2 and "<|system|>" in text
+
+
+def test_check_loss_mask_script_on_a_prompt_file(tmp_path, sp):
+    path, page = _prompt_file(tmp_path), tmp_path / "prompts.html"
+    result = _check_script(path, "--tokenizer", sp.spec, "--seq-len", 100, "--html", page, "--no-color", "--show", 1)
+    assert result.returncode == 0, result.stderr
+    assert "OK: every prompt passes" in result.stdout and "too long: line 3 (q2)" in result.stdout
+    assert "<|user|>What is 2 + 2?<|endoftext|><|assistant|>" in result.stdout  # the model's control ids
+    html = page.read_text()
+    assert html.startswith("<!doctype html>") and "What is 2 + 2?" in html and "trained'" not in html
+    result = _check_script(path)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "--tokenizer" in result.stderr
+
+
+def test_check_loss_mask_fails_a_bad_rendering_naming_the_line(tmp_path, sp, monkeypatch, capsys):
+    """A renderer that changes a prompt token of line 2, or loses its generation header, fails."""
+    import runpy
+
+    from sprout.formats import prompt_maskcheck
+
+    path = _prompt_file(tmp_path)
+    real = prompt_maskcheck.render
+
+    def crafted(messages, tok, add_generation_prompt=False):
+        ids, mask = real(messages, tok, add_generation_prompt)
+        if messages[-1]["content"] == "And 20 + 2?":
+            ids = ids[:-3] + tok.encode("x")[:1] + ids[-2:]  # a token of the last user turn
+        if messages[-1]["content"].startswith("many words"):
+            ids, mask = ids[:-1], mask[:-1]
+        return ids, mask
+
+    monkeypatch.setattr(prompt_maskcheck, "render", crafted)
+    monkeypatch.setattr(sys, "argv", ["check_loss_mask.py", str(path), "--tokenizer", sp.spec])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "scripts" / "check_loss_mask.py"), run_name="__main__")
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert f"FAIL {path}: line 2 (q1) position " in err and "turn 3 (user) decodes to" in err
+    assert f"FAIL {path}: line 3 (q2): does not end with the assistant header" in err
+    assert "line 1 " not in err
