@@ -156,4 +156,5 @@ def test_generation_under_fsdp_keeps_every_rank_stepping(tmp_path):
     assert got[0]["forwards"] == got[1]["forwards"] == steps[1]  # prefill + steps - 1, on both ranks
     for g, a in zip(got, alone):
         assert g["tokens"] == a.tokens and g["finished"] == a.finished
-        assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5) for x, y in zip(g["logprobs"], a.logprobs))
+        assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+                   for x, y in zip(g["logprobs"], a.logprobs))

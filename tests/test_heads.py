@@ -21,7 +21,8 @@ from sprout.losses.tokens import token_nll_sum
 from sprout.model.generate import generate
 from sprout.model.heads import PolicyWithValue, RewardModel, last_index, padding_inputs, score_at
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.train.loop import OptimConfig, TokenStage, TrainConfig, Trainer, build_optimizer, lr_schedule, make_accelerator
+from sprout.train.loop import (OptimConfig, TokenStage, TrainConfig, Trainer, build_optimizer, lr_schedule,
+                               make_accelerator)
 from sprout.train.metrics import read_metrics
 
 V = 64
@@ -112,7 +113,8 @@ def test_old_meta_without_architecture_loads_as_lm_and_unknown_is_refused(tmp_pa
     assert type(load_model(path)[0]) is Transformer
     meta["architecture"] = "critic"
     (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(SproutError, match=r"old/meta.json: unknown architecture 'critic' \(known: lm, lm\+value, reward\)"):
+    with pytest.raises(SproutError, match=r"old/meta.json: unknown architecture 'critic' \(known: lm, lm\+value, "
+                                          r"reward\)"):
         load_model(path)
 
 
@@ -146,7 +148,8 @@ def test_a_reward_checkpoint_is_refused_by_chat(tmp_path):
 def test_head_model_from_a_mismatched_checkpoint_is_refused(tmp_path):
     rm = build(RewardModel)
     path = save_checkpoint(tmp_path / "rm", rm, meta={"model_config": rm.config})
-    with pytest.raises(SproutError, match=r"rm/model.safetensors: not a backbone for this model \(missing lm_head.weight\)"):
+    with pytest.raises(SproutError, match=r"rm/model.safetensors: not a backbone for this model "
+                                          r"\(missing lm_head.weight\)"):
         init_from_lm(path, "lm+value")  # a reward model has no lm_head to give a policy
 
 
