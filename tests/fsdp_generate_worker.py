@@ -42,7 +42,8 @@ def main(out: str) -> None:
     m = model()
     trainer = Trainer(acc, m, build_optimizer(m, optim), lr_schedule(optim, 1), cfg)
     assert trainer.sharded, "expected an FSDP launch"
-    policy = trainer.generation_model.eval()
+    policy = trainer.generation_model
+    policy.eval()
     forwards = [0]
     policy.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     gen = run(policy, acc.process_index)

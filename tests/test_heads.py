@@ -168,8 +168,9 @@ class ValueStage(TokenStage):
     def next_micro_batches(self, step):
         if not self.buffer:
             model = self.trainer_ref[0].generation_model
+            model.eval()  # (not `model.eval()` passed on: that is the module, not the uncompiled wrapper)
             prompts = torch.randint(1, V, (8, 3), generator=self.gen).tolist()
-            gen = generate(model.eval(), prompts, 6, temperature=1.0, generator=self.gen)
+            gen = generate(model, prompts, 6, temperature=1.0, generator=self.gen)
             rows = torch.tensor([p + t for p, t in zip(prompts, gen.tokens)])  # no stop ids: all 9 long
             self.buffer = list(rows.split(4))
         rows = self.buffer.pop(0)
