@@ -2,6 +2,14 @@
 
     python scripts/prepare_sft_data.py --config configs/demo/sft_data.yaml \\
         --mirror ../shared/data --tokenizer tiktoken:r50k_base --out runs/demo/sft/sft.h5
+    python scripts/prepare_sft_data.py --format chat --source mine.jsonl \\
+        --format gsm8k --source gsm8k_train.jsonl:0.5 --format arithmetic --source 500 \\
+        --tokenizer tiktoken:r50k_base --seq-len 512 --out runs/mine/sft.h5
+
+Without a config, `--source PATH[:WEIGHT]` (repeatable; replaces the config's sources) reads
+a file in the `--format` given last before it (a source before any --format takes the last
+one on the command line): alpaca, dolly, gsm8k, chat or arithmetic, whose PATH is the number
+of problems to generate. Each source is named after its file, weight 1 by default.
 
 `${SPROUT_MIRROR}` in source paths is the data mirror: --mirror DIR, else $SPROUT_MIRROR, else
 ../shared/data beside the repository when it exists (`sprout.mirror`); without one, the
@@ -20,7 +28,8 @@ import shlex
 import sys
 
 from sprout.config import dump_yaml, load_config, merge, parse_overrides
-from sprout.errors import run_main
+from sprout.errors import SproutError, run_main
+from sprout.prep.chat_sources import FORMATS, source_from_arg
 from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.tokenizer import load_tokenizer
 
@@ -28,16 +37,33 @@ FLAGS = {"tokenizer": str, "out": str, "seq_len": int, "mirror": str, "max_examp
          "seed": int, "val_fraction": float, "overlong": str}
 
 
+class _SourceAction(argparse.Action):
+    """Collect (PATH[:WEIGHT], the --format given before it or None) in command-line order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        getattr(namespace, self.dest).append((value, getattr(namespace, "source_format", None)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML config (configs/demo/sft_data.yaml)")
     for name, tp in FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)
+    parser.add_argument("--source", action=_SourceAction, dest="sources", default=[],
+                        help="PATH[:WEIGHT] in the current --format, repeatable; replaces the config's sources")
+    parser.add_argument("--format", dest="source_format", help=f"format of the --source flags after it: {', '.join(FORMATS)}")
     parser.add_argument("--no-dedup", action="store_true", help="keep exact duplicate conversations")
     args, rest = parser.parse_known_args()
     overrides = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
     if args.no_dedup:
         overrides["dedup"] = False
+    if args.sources:
+        if args.source_format is None:
+            raise SproutError("--source needs --format (one of " + ", ".join(FORMATS) + ")")
+        taken: set[str] = set()
+        overrides["sources"] = [source_from_arg(arg, fmt or args.source_format, taken) for arg, fmt in args.sources]
+    elif args.source_format:
+        raise SproutError("--format names the format of --source files; give --source PATH[:WEIGHT] after it")
     cfg = load_config(SFTDataConfig, args.config, merge(parse_overrides(rest), overrides))
     print(dump_yaml(cfg), end="")
     tok = load_tokenizer(cfg.tokenizer, mirror=cfg.mirror)

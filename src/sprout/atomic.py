@@ -1,20 +1,82 @@
-"""Atomic file writes (a crash never leaves a file that looks valid) and file hashing.
+"""Atomic file writes (a crash never leaves a file that looks valid), write errors as one
+line, and file hashing.
 
 Every writer in sprout writes to a temporary name in the destination folder, fsyncs,
 and renames into place (`os.replace` is atomic on POSIX). A reader therefore sees
 either the old file, the complete new file, or nothing; never a half-written one.
-Temporary files carry a `.tmp-` prefix and are removed on failure.
+Temporary files are named `.tmp-<final name>.<random>` and are removed on failure; a
+process killed mid-write leaves one behind, which `remove_stale_temps` deletes when the
+same output is written again.
+
+A folder that cannot be created or written, a full disk (ENOSPC), a quota (EDQUOT) or a
+file size limit (EFBIG) raise `SproutError` naming the output path, never a traceback.
+HDF5 files are written by h5py through a Python file object (`AtomicH5`): HDF5 crashes
+the process (SIGSEGV) when it closes a file after a failed write, so the file object
+records the first failed write, drops the writes after it, and the error is raised once
+h5py has closed the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
+import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
+
+from sprout.errors import SproutError
+
+# errno values that mean "this output cannot be written here", whichever call raised them
+DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
+HASH_BLOCK = 1 << 20
+
+
+def write_error(path: str | os.PathLike, exc: OSError) -> SproutError:
+    """The one-line error for a failed write of `path`."""
+    what = exc.strerror or str(exc)
+    hint = " (disk full or file size limit?)" if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else ""
+    return SproutError(f"{path}: cannot write: {what}{hint}")
+
+
+def make_dir(path: str | os.PathLike) -> Path:
+    """`mkdir -p path`, or SproutError naming the path when it cannot be created."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise SproutError(f"{path}: exists and is not a folder") from None
+    except OSError as exc:
+        raise SproutError(f"{path}: cannot create this folder: {exc.strerror or exc}") from None
+    return path
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Fail early, naming the folder, when `path` could not be written: its nearest existing
+    ancestor must be a writable folder. Creates nothing."""
+    path = Path(path)
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise SproutError(f"{folder}: is not a folder, so {path} cannot be written")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SproutError(f"{folder}: folder is not writable, so {path} cannot be written")
+
+
+def safe_name(name: str, field: str) -> str:
+    """`name` if it is a plain file name (no folder part, not `.` or `..`, no leading dot);
+    else SproutError naming the field. Names from the command line or a config that become
+    file names go through here, so they stay inside their output folder."""
+    if not isinstance(name, str) or not name or name in (".", "..") or name.startswith(".") \
+            or "/" in name or "\\" in name or "\0" in name or name != name.strip():
+        raise SproutError(f"{field}: {name!r} is not a plain file name (letters, digits, '-', '_', '.'; no folder part)")
+    return name
 
 
 def _umask_mode() -> int:
@@ -24,19 +86,42 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside `path`; on clean exit fsync and rename it over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
-    os.chmod(tmp, _umask_mode())
+def _temp_beside(path: Path) -> tuple[int, str]:
+    make_dir(path.parent)
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise SproutError(f"{path.parent}: cannot write in this folder: {exc.strerror or exc}") from None
+    os.chmod(tmp, _umask_mode())
+    return fd, tmp
+
+
+def _finish(tmp: str, path: Path) -> None:
+    """fsync `tmp` and rename it over `path`."""
+    try:
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open a temporary file beside `path`; on clean exit fsync and rename it over `path`.
+    A write the disk refuses (`DISK_ERRNOS`) inside the block becomes SproutError naming `path`."""
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
+    try:
+        try:
+            with os.fdopen(fd, mode) as f:
+                yield f
+                f.flush()
+        except OSError as exc:
+            if exc.errno in DISK_ERRNOS:
+                raise write_error(path, exc) from None
+            raise
+        _finish(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -46,21 +131,152 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path` for libraries that open files themselves
-    (h5py, safetensors); rename it over `path` only if the block finishes."""
+    (safetensors, matplotlib); rename it over `path` only if the block finishes. For h5py
+    use `AtomicH5`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    fd, tmp = _temp_beside(path)
     os.close(fd)
-    os.chmod(tmp, _umask_mode())
     try:
-        yield Path(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            yield Path(tmp)
+        except OSError as exc:
+            if exc.errno in DISK_ERRNOS:
+                raise write_error(path, exc) from None
+            raise
+        _finish(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+class _GuardedFile(io.RawIOBase):
+    """A file for h5py's `fileobj` driver that never reports a failed write to HDF5: the
+    first OSError is kept in `error`, later writes are dropped, short reads are zero-filled
+    by h5py. The caller checks `error` (AtomicH5.check) and discards the file."""
+
+    def __init__(self, f) -> None:
+        self._f, self.error = f, None
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        return self._f.readinto(b)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def write(self, b) -> int:
+        if self.error is None:
+            try:
+                return self._f.write(b)
+            except OSError as exc:
+                self.error = exc
+        return len(memoryview(b))
+
+    def truncate(self, size: int | None = None) -> int:
+        if self.error is None:
+            try:
+                return self._f.truncate(size)
+            except OSError as exc:
+                self.error = exc
+        return self.tell() if size is None else size
+
+    def flush(self) -> None:
+        pass  # unbuffered
+
+
+class AtomicH5:
+    """An h5py file (mode "w") written to a temporary file beside `path` and renamed over
+    it by `commit()`; `abort()` removes it. A failed write raises SproutError naming `path`
+    from `check()` (call it after each large write) or `commit()`; HDF5 never sees it.
+    The file bytes are the same as h5py's default driver writes."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs) -> None:
+        import h5py
+
+        self.path = Path(path)
+        fd, self._tmp = _temp_beside(self.path)
+        self._raw = os.fdopen(fd, "w+b", buffering=0)
+        self._guard = _GuardedFile(self._raw)
+        try:
+            self.file = h5py.File(self._guard, "w", **kwargs)
+        except BaseException:
+            self._discard()
+            raise
+        self._check_guard()
+
+    def _check_guard(self) -> None:
+        if self._guard.error is not None:
+            err = write_error(self.path, self._guard.error)
+            self.abort()
+            raise err
+
+    def check(self) -> None:
+        """SproutError (and the temporary file removed) if a write has failed so far."""
+        self._check_guard()
+
+    def commit(self) -> None:
+        self.file.close()
+        self._raw.close()
+        if self._guard.error is not None:
+            err = write_error(self.path, self._guard.error)
+            self._discard()
+            raise err
+        try:
+            _finish(self._tmp, self.path)
+        except BaseException:
+            self._discard()
+            raise
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.file.close()
+        self._discard()
+
+    def _discard(self) -> None:
+        with contextlib.suppress(Exception):
+            self._raw.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+
+    def __enter__(self):
+        return self.file
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+            if self._guard.error is not None and isinstance(exc, Exception):
+                raise write_error(self.path, self._guard.error) from None
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Delete the temporaries an interrupted write of `path` left beside it
+    (`.tmp-<name>.<random>`, files or folders); returns what was removed."""
+    path = Path(path)
+    removed = []
+    if not path.parent.is_dir():
+        return removed
+    for p in path.parent.glob(f".tmp-{glob.escape(path.name)}.*"):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        removed.append(p)
+    return removed
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
@@ -71,9 +287,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks into one reused buffer."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    buf = bytearray(HASH_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()

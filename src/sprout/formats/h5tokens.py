@@ -12,7 +12,8 @@ when the pipeline writes both), holding one dataset and no other object:
              and `cleaning` (the `sprout.prep.clean.CleanConfig` used)
 Required on read: format, split, num_tokens, num_documents, token_dtype, vocab_size,
 eot_id, tokenizer_spec, tokenizer_fingerprint, tokens_sha256 (`REQUIRED_ATTRS`).
-The writer appends blocks and renames into place only when finished (`atomic_path`);
+The writer appends blocks and renames into place only when finished (`sprout.atomic.AtomicH5`,
+which also turns a full disk into one line naming the file);
 timestamps are off, so the same tokens and attributes give the same file bytes. `open_tokens_h5`
 validates all of the above and refuses anything else with an error naming the file
 (an SFT file's 2-D `tokens`, a wrong dtype, a missing attribute, a truncated file).
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from sprout.atomic import atomic_path
+from sprout.atomic import AtomicH5
 from sprout.errors import SproutError
 
 FORMAT = "sprout-tokens-v1"
@@ -47,14 +48,10 @@ class H5TokenWriter:
     """Append token blocks to `tokens`; `close(attrs)` sets the attributes and renames into place."""
 
     def __init__(self, path: str | os.PathLike, dtype: np.dtype) -> None:
-        import h5py
-
         self.path = Path(path)
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        self._ctx = atomic_path(self.path)
-        self._tmp = self._ctx.__enter__()
-        self._file = h5py.File(self._tmp, "w", track_order=False)
-        self._ds = self._file.create_dataset(
+        self._out = AtomicH5(self.path, track_order=False)
+        self._ds = self._out.file.create_dataset(
             "tokens", shape=(0,), maxshape=(None,), dtype=self.dtype, chunks=(CHUNK_TOKENS,), track_times=False
         )
         self._n = 0
@@ -66,6 +63,7 @@ class H5TokenWriter:
         self._ds[self._n :] = tokens
         self._n += len(tokens)
         self._sha.update(tokens.tobytes())
+        self._out.check()  # a full disk stops the run here, naming the file
 
     def close(self, attrs: dict[str, Any]) -> str:
         """Write attrs (num_tokens, token_dtype, tokens_sha256 are filled in), finish; returns tokens_sha256."""
@@ -73,15 +71,11 @@ class H5TokenWriter:
                     tokens_sha256=self._sha.hexdigest())
         for key, value in full.items():
             self._ds.attrs[key] = value if isinstance(value, (int, float, str)) else json.dumps(value)
-        self._file.close()
-        self._ctx.__exit__(None, None, None)
+        self._out.commit()
         return full["tokens_sha256"]
 
     def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self._file.close()
-        with contextlib.suppress(Exception):
-            self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
+        self._out.abort()
 
 
 @dataclass

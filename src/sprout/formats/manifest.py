@@ -14,7 +14,8 @@ a folder without one is unfinished. A JSON object with these fields (* = require
                   `.h5` files (`sprout.formats.h5tokens`); {} for bin only
     splits*       {"train": {documents, tokens}, "val": {documents, tokens}}
     sources*      one object per source: name, path (as given), text_field, weight, files,
-                  documents_read, invalid_json, unterminated, too_short, non_ascii,
+                  documents_read, invalid_json, invalid_unicode (texts with a lone surrogate),
+                  unterminated, too_short, non_ascii,
                   duplicates, documents_kept, train_documents, val_documents, normalised
                   (documents changed per cleaning rule), tokens {train_natural, train, val},
                   train_share
@@ -50,6 +51,7 @@ REQUIRED = {"format": str, "dataset": str, "tokenizer": dict, "token_dtype": str
             "command": list}
 TOKENIZER_REQUIRED = {"spec": str, "name": str, "vocab_size": int, "eot_id": int, "fingerprint": str}
 OUTPUT_FILE = re.compile(r"^(?P<dataset>.+)_(?P<split>train|val)(_\d{6}\.bin|\.h5)$")
+TEMPORARY = re.compile(r"^\.tmp-(?P<name>.+)\.[^.]+$")  # sprout.atomic's `.tmp-<final name>.<random>`
 
 
 
@@ -122,6 +124,23 @@ def check_output_dir(directory: str | os.PathLike, dataset: str, fingerprint: st
             m = OUTPUT_FILE.match(p.name)
             if not m or m.group("dataset") != dataset:
                 raise SproutError(f"{p}: output folder already holds another dataset's shards; choose another --out or remove them")
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, dataset: str) -> list[str]:
+    """Delete the temporary files a killed run of `dataset` left in the folder: those of its
+    .bin/.h5 outputs, the manifest and the key sidecar (the folder holds one dataset,
+    `check_output_dir`). Nothing else is touched."""
+    removed = []
+    for p in sorted(Path(directory).iterdir()):
+        m = TEMPORARY.match(p.name)
+        if not m or not p.is_file():
+            continue
+        out = OUTPUT_FILE.match(m.group("name"))
+        if (out and out.group("dataset") == dataset) or m.group("name") in (MANIFEST, SIDECAR):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+            removed.append(p.name)
+    return removed
 
 
 def remove_stale(directory: str | os.PathLike, dataset: str, keep: set[str]) -> list[str]:

@@ -1,7 +1,7 @@
 """The packed-SFT HDF5 contract: single source of truth for `sft.h5` / `sft_val.h5`.
 
 One file per split (`sft.h5` for train, `sft_val.h5` beside it for val), written
-atomically. Datasets, all shape (N, L) with L = `seq_len`, chunked by rows and
+atomically and renamed into place together (`write_sft_files`). Datasets, all shape (N, L) with L = `seq_len`, chunked by rows and
 fletcher32-checksummed so a flipped byte fails loudly on read:
 
     tokens        uint16 (vocab <= 65,536) or uint32   packed token ids, `pad_id` in padding
@@ -37,7 +37,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from sprout.atomic import atomic_path
+from sprout.atomic import AtomicH5
 from sprout.errors import SproutError
 
 FORMAT = "sprout-sft"
@@ -66,23 +66,44 @@ def _sha256(arr: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
 
 
-def write_sft(path, arrays: dict, attrs: dict) -> None:
-    """Atomically write the four (N, L) arrays and `attrs` (dicts are stored as JSON)."""
-    path = Path(path)
+def _fill(f, arrays: dict, attrs: dict) -> None:
     shape = arrays["tokens"].shape
     if len(shape) != 2 or any(arrays[k].shape != shape for k in DATASETS):
         raise ValueError(f"all SFT arrays must share one (N, L) shape, got {[arrays[k].shape for k in DATASETS]}")
     attrs = {**attrs, "format": FORMAT, "format_version": FORMAT_VERSION, "num_rows": shape[0],
              "seq_len": shape[1], "sha256": {k: _sha256(arrays[k]) for k in DATASETS}}
-    with atomic_path(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            for name in DATASETS:
-                f.create_dataset(name, data=arrays[name], chunks=(min(CHUNK_ROWS, max(shape[0], 1)), shape[1]),
-                                 maxshape=(None, shape[1]), fletcher32=True)
-            for key, value in attrs.items():
-                if value is None:
-                    continue
-                f.attrs[key] = json.dumps(value) if key in JSON_ATTRS else value
+    for name in DATASETS:
+        f.create_dataset(name, data=arrays[name], chunks=(min(CHUNK_ROWS, max(shape[0], 1)), shape[1]),
+                         maxshape=(None, shape[1]), fletcher32=True)
+    for key, value in attrs.items():
+        if value is None:
+            continue
+        f.attrs[key] = json.dumps(value) if key in JSON_ATTRS else value
+
+
+def write_sft(path, arrays: dict, attrs: dict) -> None:
+    """Atomically write the four (N, L) arrays and `attrs` (dicts are stored as JSON)."""
+    write_sft_files([(path, arrays, attrs)])
+
+
+def write_sft_files(files: list[tuple]) -> None:
+    """Write several SFT files, `(path, arrays, attrs)` each, renaming them into place only
+    once all are written, so a failure (a full disk) leaves every earlier file as it was."""
+    outs = []
+    try:
+        for path, arrays, attrs in files:
+            outs.append(AtomicH5(path))
+            _fill(outs[-1].file, arrays, attrs)
+            outs[-1].check()
+        for out in outs:
+            out.file.close()
+            out.check()
+    except BaseException:
+        for out in outs:
+            out.abort()
+        raise
+    for out in outs:
+        out.commit()
 
 
 class SFTFile:

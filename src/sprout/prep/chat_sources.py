@@ -23,10 +23,13 @@ Formats (field names as their publishers ship them):
             the generator's `split`: train by default, so its test problems stay unseen);
             user = the question, assistant = the worked `<think>…</think><answer>N</answer>`.
 
-Files may be `.json` (an array), `.jsonl` or `.jsonl.gz`. A line that is not UTF-8 or not
-JSON, or a row missing a field, is an error naming the file and line: these mean the file is
-not what the config says it is. Content-level problems (empty text, bad role order) are
-left to the chat template, whose errors prep scripts count as drops.
+Files may be `.json` (an array), `.jsonl`, `.jsonl.gz` or `.jsonl.zst`. A line that is not
+UTF-8 or not JSON, a row missing a field, a truncated or non-gzip `.gz` is an error naming
+the file and line: these mean the file is not what the config says it is. A record whose
+text holds a lone surrogate (an unpaired `\\ud800`-style escape, which no tokenizer takes)
+is skipped with a warning and counted as `dropped_invalid_unicode`. Content-level problems
+(empty text, bad role order) are left to the chat template, whose errors prep scripts count
+as drops.
 
 A source is read from its `path`, in which `${SPROUT_MIRROR}` stands for the data mirror
 (`sprout.mirror`: a local folder holding the files the hub would give). When the path
@@ -37,10 +40,10 @@ folder that `datasets` can load.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -51,6 +54,8 @@ from sprout.mirror import ENV as MIRROR_VARIABLE
 from sprout.mirror import expand_path, mirror_dir
 from sprout.prep.arithmetic import check_levels
 from sprout.prep.arithmetic import generate as generate_arithmetic
+from sprout.prep.sources import (Warnings, _warn, encodable, numbered_lines, open_binary, parse_source_arg, source_name,
+                                 surrogate_message)
 from sprout.rl.verifiers import format_reasoning, normalise_number
 
 FORMATS = ("alpaca", "dolly", "gsm8k", "chat", "arithmetic")
@@ -80,6 +85,30 @@ def from_dict_source(data, index: int) -> SourceConfig:
     return spec
 
 
+def source_from_arg(arg: str, fmt: str | None, taken: set[str]) -> dict:
+    """A `sources:` entry from `--source PATH[:WEIGHT]` and `--format FMT`, named after the
+    file (made unique against `taken`, which it joins). For `arithmetic` PATH is the number
+    of problems to generate."""
+    if fmt not in FORMATS:
+        raise SproutError(f"--source {arg}: --format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    spec = parse_source_arg(arg)
+    entry = {"format": fmt, "weight": 1.0 if spec.weight is None else spec.weight}
+    if fmt == "arithmetic":
+        try:
+            entry["count"] = int(spec.path)
+        except ValueError:
+            raise SproutError(f"--source {arg}: with --format arithmetic, give the number of problems (N[:WEIGHT])") from None
+        base = "arithmetic"
+    else:
+        entry["path"] = spec.path
+        base = source_name(spec)
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return {"name": name, **entry}
+
+
 @dataclass
 class Example:
     source: str
@@ -96,11 +125,36 @@ def _decode(raw: bytes, path: Path, lineno: int) -> str:
         raise SproutError(f"{path}:{lineno}: not valid UTF-8 (byte {exc.start} of the line: {raw[exc.start:exc.start + 4]!r})") from None
 
 
-def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
-    """Yield `(where, record)` from a `.json` array, `.jsonl` or `.jsonl.gz` file."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _strings_encodable(obj) -> bool:
+    if isinstance(obj, str):
+        return encodable(obj)
+    if isinstance(obj, dict):
+        return all(_strings_encodable(k) and _strings_encodable(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return all(_strings_encodable(v) for v in obj)
+    return True
+
+
+def iter_records(path: str | os.PathLike, skipped: Counter | None = None, warn=_warn) -> Iterator[tuple[str, dict]]:
+    """Yield `(where, record)` from a `.json` array, `.jsonl`, `.jsonl.gz` or `.jsonl.zst` file.
+    Records holding a lone surrogate are skipped, warned about and counted in
+    `skipped["dropped_invalid_unicode"]`."""
     path = Path(path)
     if not path.is_file():
         raise SproutError(f"{path}: source file not found")
+    warn = Warnings(warn)
+
+    def usable(raw: bytes, record, where: str) -> bool:
+        if not _SURROGATE_ESCAPE.search(raw) or _strings_encodable(record):
+            return True
+        if skipped is not None:
+            skipped["dropped_invalid_unicode"] += 1
+        warn(surrogate_message(where))
+        return False
+
     if path.suffix == ".json":
         data = path.read_bytes()
         try:
@@ -114,19 +168,22 @@ def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
             raise SproutError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
         if not isinstance(rows, list):
             raise SproutError(f"{path}: expected a JSON array of records, got {type(rows).__name__}")
+        any_escape = bool(_SURROGATE_ESCAPE.search(data))
         for i, row in enumerate(rows):
-            yield f"{path}[{i}]", row
+            if not any_escape or usable(data, row, f"{path}[{i}]"):
+                yield f"{path}[{i}]", row
         return
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+    with open_binary(path) as f:
+        for lineno, raw in numbered_lines(f, path):
             text = _decode(raw, path, lineno)
             if not text.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(text)
+                record = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise SproutError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+            if usable(raw, record, f"{path}:{lineno}"):
+                yield f"{path}:{lineno}", record
 
 
 def _field(row, key: str, where: str, optional: bool = False) -> str:
@@ -246,24 +303,28 @@ def _arithmetic_rows(spec: SourceConfig) -> Iterator[tuple[str, dict]]:
         yield f"{spec.name}[{i}] (level {p.level})", {"question": p.question, "answer": p.worked}
 
 
-def source_rows(spec: SourceConfig, mirror: str | os.PathLike | None) -> Iterator[tuple[str, dict]]:
-    """Raw records of one source: its `path` (with the mirror filled in), else the hub."""
+def source_rows(spec: SourceConfig, mirror: str | os.PathLike | None,
+                skipped: Counter | None = None) -> Iterator[tuple[str, dict]]:
+    """Raw records of one source: its `path` (with the mirror filled in), else the hub;
+    records skipped while reading are counted in `skipped` (`iter_records`)."""
     if spec.format not in CONVERTERS:
         raise SproutError(f"source {spec.name}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
     if spec.format == "arithmetic":
         return _arithmetic_rows(spec)
     if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
-        return iter_records(Path(expand_path(spec.path, mirror)))
+        return iter_records(Path(expand_path(spec.path, mirror)), skipped)
     if spec.hub:
         return _hub_rows(spec)
     raise SproutError(f"source {spec.name}: {spec.path or 'no path'} needs a mirror (--mirror DIR or SPROUT_MIRROR) "
                       "and there is no hub id")
 
 
-def read_source(spec: SourceConfig, mirror=None, max_examples: int | None = None) -> Iterator[Example]:
-    """Conversations of one source, in file order; at most `max_examples` records."""
+def read_source(spec: SourceConfig, mirror=None, max_examples: int | None = None,
+                skipped: Counter | None = None) -> Iterator[Example]:
+    """Conversations of one source, in file order; at most `max_examples` records (skipped
+    ones, counted in `skipped`, not included)."""
     convert = CONVERTERS.get(spec.format)
-    for n, (where, row) in enumerate(source_rows(spec, mirror)):
+    for n, (where, row) in enumerate(source_rows(spec, mirror, skipped)):
         if max_examples is not None and n >= max_examples:
             break
         yield Example(spec.name, convert(row, where), where)

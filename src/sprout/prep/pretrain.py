@@ -14,16 +14,27 @@
    split (`sprout.formats.h5tokens`), with a sidecar of each split's document keys; `manifest.json`
    (`sprout.formats.manifest`) is written last. Everything is written atomically, and the previous
    manifest is removed first, so an interrupted run never leaves a folder that looks valid.
+
+Failures end in one line (`SproutError`): a worker process that dies (killed, out of memory)
+stops the run naming the source it was tokenizing, instead of waiting for it for ever; a
+full disk names the file being written. The spill folder `<out>/.tmp-<name>_prep.<random>`
+holds a lock while a run uses it; the next run of the same dataset removes such folders
+whose run is gone, and the temporaries of its own outputs, and refuses to start while
+another run of it is writing into the folder. `name` must be a plain file name.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
+import glob
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,7 +43,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from sprout.formats import manifest as mf
-from sprout.atomic import sha256_file
+from sprout.atomic import check_writable, make_dir, safe_name, sha256_file
 from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.formats.shards import dtype_for_vocab
@@ -40,7 +51,7 @@ from sprout.mirror import expand_path, mirror_dir
 from sprout.prep.clean import CleanConfig, Cleaner
 from sprout.prep.keys import SplitRule, text_key
 from sprout.prep.mixture import first_occurrences, plan_split, token_targets
-from sprout.prep.sources import ReadStats, SourceSpec, iter_documents, parse_source_arg, source_name
+from sprout.prep.sources import ReadStats, SourceSpec, _warn, iter_documents, parse_source_arg, source_name
 from sprout.prep.store import SourceStore, SplitWriter, write_key_sidecar
 from sprout.tokenizer import Tokenizer, load_tokenizer
 
@@ -103,20 +114,22 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
 
 
 def _ordered_map(pool, chunks: Iterator[list[str]], in_flight: int):
-    """pool.imap with back-pressure: at most `in_flight` chunks queued, results in order."""
+    """pool.map with back-pressure: at most `in_flight` chunks queued, results in order.
+    A worker that dies raises BrokenProcessPool here (a ProcessPoolExecutor notices a dead
+    worker; multiprocessing.Pool would wait for its result for ever)."""
     if pool is None:
         for chunk in chunks:
             yield len(chunk), _process_chunk(chunk)
         return
     pending: collections.deque = collections.deque()
     for chunk in chunks:
-        pending.append((len(chunk), pool.apply_async(_process_chunk, (chunk,))))
+        pending.append((len(chunk), pool.submit(_process_chunk, chunk)))
         if len(pending) >= in_flight:
             n, res = pending.popleft()
-            yield n, res.get()
+            yield n, res.result()
     while pending:
         n, res = pending.popleft()
-        yield n, res.get()
+        yield n, res.result()
 
 
 # ---------------------------------------------------------------- main side
@@ -138,6 +151,10 @@ def resolve_sources(cfg: PrepConfig, mirror: str | None) -> list[tuple[str, Sour
         specs.append((given, spec))
     if not specs:
         raise SproutError("no sources given (--source PATH or sources: in the config)")
+    weighted = [spec.weight is not None for _, spec in specs]
+    if any(weighted) and not all(weighted):
+        unweighted = next(given for given, spec in specs if spec.weight is None)
+        raise SproutError(f"--source {unweighted}: give a mixture weight for every source or for none (PATH:WEIGHT)")
     names = [spec.name for _, spec in specs]
     if len(set(names)) != len(names):
         raise SproutError(f"source names must be unique, got {names}; set name: for each source")
@@ -159,6 +176,7 @@ def prepare(
         raise SproutError(f"--format must be bin, hdf5 or both, got {cfg.format!r}")
     if cfg.shard_tokens <= 0 or cfg.run_tokens <= 0:
         raise SproutError("shard_tokens and run_tokens must be positive")
+    safe_name(cfg.name, "name")
     given, specs = zip(*resolve_sources(cfg, mirror))
     tok = tokenizer or load_tokenizer(expand_path(cfg.tokenizer, mirror), mirror)
     try:
@@ -166,21 +184,60 @@ def prepare(
     except SproutError as exc:
         raise SproutError(f"{tok.spec}: {exc}") from None
     out = Path(cfg.out)
+    check_writable(out / mf.MANIFEST)
     mf.check_output_dir(out, cfg.name, tok.fingerprint())
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    tmpdir = Path(tempfile.mkdtemp(prefix=".tmp-prep-", dir=out))
+    make_dir(out)
     ok = False
     try:
-        stores, stats = _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress)
-        result = _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out, command or [])
+        with _spill_dir(out, cfg.name) as tmpdir:
+            stores, stats = _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress)
+            result = _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out, command or [])
         ok = True
     finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-        if not ok and created and not any(out.iterdir()):
+        if not ok and created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
     log(summary_table(result))
     return result
+
+
+@contextlib.contextmanager
+def _spill_dir(out: Path, name: str) -> Iterator[Path]:
+    """A locked temporary folder for this run's spilled documents, removed afterwards; first
+    removes what killed runs of this dataset left in `out` (their spill folders, whose lock
+    is free, and the temporaries of this dataset's outputs)."""
+    prefix = f".tmp-{name}_prep."
+    for old in sorted(out.glob(glob.escape(prefix) + "*")):
+        if old.is_dir() and not _lock(old / "lock"):
+            raise SproutError(f"{old}: another prep of dataset {name!r} is writing into {out}; wait for it or choose another --out")
+    for old in sorted(out.glob(glob.escape(prefix) + "*")):
+        shutil.rmtree(old, ignore_errors=True)
+    mf.remove_stale_temporaries(out, name)
+    try:
+        tmpdir = Path(tempfile.mkdtemp(prefix=prefix, dir=out))
+    except OSError as exc:
+        raise SproutError(f"{out}: cannot write in this folder: {exc.strerror or exc}") from None
+    lock = _lock(tmpdir / "lock")
+    try:
+        yield tmpdir
+    finally:
+        os.close(lock)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _lock(path: Path) -> int | None:
+    """An open descriptor holding an exclusive lock on `path` (created if missing), or None
+    when another process holds it. The lock goes when the process does, however it ends."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise SproutError(f"{path}: cannot create a lock file: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
@@ -192,7 +249,8 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
     spec_str = f"sentencepiece:{Path(path).resolve()}" if path else tok.spec
     pool = None
     if workers > 1:
-        pool = mp.get_context("spawn").Pool(workers, _init_worker, (spec_str, mirror, clean, dtype.str))
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                   initargs=(spec_str, mirror, clean, dtype.str))
     else:  # one worker: this process, with the tokenizer already loaded
         _STATE.update(tok=tok, cleaner=Cleaner(cfg.clean), dtype=dtype)
     stores, stats = [], []
@@ -201,16 +259,20 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
             store, st = SourceStore(tmpdir, i, dtype), ReadStats()
             docs = iter_documents(spec, cfg.text_field, strict=cfg.strict, stats=st)
             with tqdm(desc=f"{spec.name:>12}", unit="doc", disable=not progress, dynamic_ncols=True) as bar:
-                for n, res in _ordered_map(pool, _chunks(docs), 2 * workers + 2):
-                    store.append(*res)
-                    bar.update(n)
+                try:
+                    for n, res in _ordered_map(pool, _chunks(docs), 2 * workers + 2):
+                        store.append(*res)
+                        bar.update(n)
+                except BrokenProcessPool:
+                    raise SproutError(f"{spec.path}: a prep worker process died (killed or out of memory?) while "
+                                      f"tokenizing source {spec.name!r} after document {st.documents:,}; "
+                                      "nothing was written") from None
             store.finish()
             stores.append(store)
             stats.append(st)
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     return stores, stats
 
 
@@ -254,6 +316,11 @@ def _plan(cfg: PrepConfig, specs, stores: list[SourceStore]) -> _Plan:
         for spec, want, have in zip(specs, targets, natural):
             if want > 0 and have == 0:
                 raise SproutError(f"{spec.path}: weight asks for {want:,.0f} train tokens but the source has no training documents left")
+    if cfg.val_docs != 0 and (cfg.val_docs or cfg.val_frac > 0):
+        for spec, k, val in zip(specs, keep, val_ids):
+            if len(val) == 0:
+                _warn(f"{spec.path}: this source gets no validation documents ({int(k.sum()):,} kept, "
+                      f"{rule.describe()['method']} split), so validation loss does not measure it")
     return _Plan(keep, train_ids, val_ids, natural, targets, rule)
 
 
@@ -283,7 +350,8 @@ def _source_reports(cfg, specs, given, stores, stats, plan: _Plan, out_tokens: d
         reports.append({
             "name": spec.name, "path": given[i], "text_field": spec.text_field or cfg.text_field,
             "weight": spec.weight, "files": st.files,
-            "documents_read": st.documents, "invalid_json": st.invalid_json, "unterminated": st.unterminated,
+            "documents_read": st.documents, "invalid_json": st.invalid_json,
+            "invalid_unicode": st.invalid_unicode, "unterminated": st.unterminated,
             "too_short": counts.pop("too_short", 0), "non_ascii": counts.pop("non_ascii", 0),
             "duplicates": int(len(k) - k.sum()), "documents_kept": int(k.sum()),
             "train_documents": len(plan.train_ids[i]), "val_documents": len(plan.val_ids[i]),
@@ -337,15 +405,15 @@ def _write_outputs(cfg, specs, given, tok, dtype, stores, stats, out: Path, comm
 
 def summary_table(m: dict) -> str:
     """The end-of-run table: documents in, drops per reason, duplicates, tokens per source and split."""
-    cols = ["source", "docs in", "bad json", "unterm.", "short", "non-ascii", "dups", "kept", "val docs",
+    cols = ["source", "docs in", "bad json", "bad utf", "unterm.", "short", "non-ascii", "dups", "kept", "val docs",
             "train tok", "(natural)", "share", "val tok"]
     rows = []
     for s in m["sources"]:
         t = s["tokens"]
-        rows.append([s["name"], s["documents_read"], s["invalid_json"], s["unterminated"], s["too_short"],
+        rows.append([s["name"], s["documents_read"], s["invalid_json"], s.get("invalid_unicode", 0), s["unterminated"], s["too_short"],
                      s["non_ascii"], s["duplicates"], s["documents_kept"], s["val_documents"],
                      t["train"], t["train_natural"], f"{s['train_share']:.1%}", t["val"]])
-    tot = ["total"] + [sum(r[i] for r in rows) for i in range(1, 11)] + ["100.0%", sum(r[12] for r in rows)]
+    tot = ["total"] + [sum(r[i] for r in rows) for i in range(1, 12)] + ["100.0%", sum(r[13] for r in rows)]
     rows.append(tot)
     cells = [[f"{c:,}" if isinstance(c, int) else str(c) for c in r] for r in [cols] + rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]

@@ -4,7 +4,10 @@ The steps `scripts/prepare_sft_data.py` runs, in order:
 
 1. read every source (`sprout.prep.chat_sources`; `max_examples` records per source at most);
 2. validate each conversation with the chat template; invalid ones (empty content,
-   unknown role, bad role order, reserved marker text) are dropped and counted by reason;
+   unknown role, bad role order, reserved marker text) are dropped and counted by reason,
+   as are records with a lone surrogate (`dropped_invalid_unicode`, skipped while reading);
+   a source with no usable row (none read, or every one dropped) stops the prep with one
+   line naming it;
 3. exact dedup across all sources on the conversation's key (`sprout.prep.keys.conversation_key`:
    the MD5 of its lower-cased roles and contents), first wins;
 4. val split by the same key (`sprout.prep.keys.is_val` with `val_fraction`), so it is
@@ -16,7 +19,8 @@ The steps `scripts/prepare_sft_data.py` runs, in order:
    `overlong` policy decides truncate/drop; prompts longer than the context and examples
    without a trained token are dropped and counted);
 7. write `out` (train) and `out` with `_val` before the suffix (val) per `sprout.formats.sft`,
-   with every count in the `counts` attribute.
+   with every count in the `counts` attribute; both are renamed into place only when both
+   are written, and temporaries a killed earlier run left beside them are removed first.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from sprout.atomic import check_writable, remove_stale_temps, safe_name
 from sprout.chat import TEMPLATE_VERSION, ChatError, render, template_for, validate
 from sprout.errors import SproutError
-from sprout.formats.sft import val_path, write_sft
+from sprout.formats.sft import val_path, write_sft_files
 from sprout.formats.shards import dtype_for_vocab
 from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
 from sprout.prep.keys import conversation_key, is_val
@@ -59,7 +65,9 @@ def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise SproutError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
     if not cfg.sources:
-        raise SproutError("no sources configured (the config needs a `sources:` list)")
+        raise SproutError("no sources configured (--source PATH[:WEIGHT] with --format, or a `sources:` list in the config)")
+    safe_name(Path(cfg.out).name, f"out {cfg.out}")
+    check_writable(cfg.out)
     specs = [from_dict_source(s, i) for i, s in enumerate(cfg.sources)]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -78,7 +86,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
     first_drop: dict[str, str] = {}
     for spec in specs:
         c = per_source[spec.name]
-        for ex in read_source(spec, cfg.mirror, cfg.max_examples):
+        for ex in read_source(spec, cfg.mirror, cfg.max_examples, skipped=c):
             c["read"] += 1
             try:
                 validate(ex.messages)
@@ -97,6 +105,10 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
             else:
                 c["train"] += 1
                 train[spec.name].append(ex.messages)
+        if c["train"] + c["val"] + c["duplicates"] == 0:  # nothing read, or every row dropped
+            drops = ", ".join(f"{k} {v:,}" for k, v in sorted(c.items()) if k != "read") or "the source is empty"
+            raise SproutError(f"{spec.path or spec.hub or spec.name}: source {spec.name!r} has no usable rows "
+                              f"({c['read']:,} read; {drops})")
     for what, example in first_drop.items():
         log(f"dropped ({what}), first at {example}")
     t_read = time.perf_counter()
@@ -118,6 +130,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
              "config": {k: v for k, v in vars(cfg).items()}, "command": command}
     result = {"sources": {k: dict(v) for k, v in per_source.items()}}
     cache: dict[int, tuple] = {}
+    files, lines = [], []
     for split, convs, path in (("train", train_convs, cfg.out), ("val", val, val_path(cfg.out))):
         t1 = time.perf_counter()
         examples, render_drops = [], Counter()
@@ -133,10 +146,14 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
         result[split] = counts
         arrays = {"tokens": packed.tokens, "loss_mask": packed.loss_mask,
                   "segment_ids": packed.segment_ids, "position_ids": packed.position_ids}
-        write_sft(path, arrays, {**attrs, "split": split,
-                                 "counts": {"sources": result["sources"], "split": counts}})
-        log(f"{split}: {counts['rows']:,} rows x {cfg.seq_len} -> {path} "
-            f"({counts['examples_packed']:,} examples, {counts['trained_tokens']:,} trained tokens, "
-            f"packing efficiency {counts['packing_efficiency']:.3f}, {time.perf_counter() - t1:.1f}s)")
+        files.append((path, arrays, {**attrs, "split": split, "counts": {"sources": result["sources"], "split": counts}}))
+        lines.append(f"{split}: {counts['rows']:,} rows x {cfg.seq_len} -> {path} "
+                     f"({counts['examples_packed']:,} examples, {counts['trained_tokens']:,} trained tokens, "
+                     f"packing efficiency {counts['packing_efficiency']:.3f}, {time.perf_counter() - t1:.1f}s)")
+    for path, _, _ in files:
+        remove_stale_temps(path)
+    write_sft_files(files)
+    for line in lines:
+        log(line)
     result["seconds"] = {"read": round(t_read - t0, 2), "total": round(time.perf_counter() - t0, 2)}
     return result

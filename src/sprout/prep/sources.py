@@ -13,9 +13,12 @@ Formats (chosen from the file name and, for JSON, the first non-blank byte):
     owner/name                  a Hugging Face hub id, read with `datasets` in streaming mode
 A `path` may be a glob (`web/c4-sample.*.json.gz`); its files are read in sorted order.
 
-Errors name the file and the line, element or byte offset: a truncated .gz/.zst, invalid
-UTF-8, a missing or non-string text field, a file with no documents. An invalid JSON line is
-skipped, counted and warned about (the first few per file), or fails under `strict`.
+Errors name the file and the line, element or byte offset: a truncated .gz/.zst (and the
+last complete line before it), a .gz/.zst that is not compressed, invalid UTF-8, a missing
+or non-string text field, a file with no documents. An invalid JSON line is skipped, counted
+and warned about (the first few per file), or fails under `strict`. A JSON text holding a
+lone surrogate (an unpaired `\\ud800`-style escape: not encodable as UTF-8, so no tokenizer
+takes it) is skipped, counted as `invalid_unicode` and warned about the same way.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class ReadStats:
 
     documents: int = 0
     invalid_json: int = 0
+    invalid_unicode: int = 0
     unterminated: int = 0
     files: list[str] = field(default_factory=list)
 
@@ -174,7 +178,7 @@ def _iter_files(files, fld, spec, strict, stats, warn) -> Iterator[str]:
         kind = spec.format if spec.format != "auto" else _kind(path)
         if kind is None:
             raise SproutError(f"{path}: unknown file type (expected .txt, .jsonl, .json, .parquet, optionally .gz/.zst)")
-        before = stats.invalid_json + stats.unterminated
+        before = stats.invalid_json + stats.invalid_unicode + stats.unterminated
         n = 0
         if kind == "parquet":
             for n, text in enumerate(_iter_parquet(path, fld), start=1):
@@ -185,7 +189,7 @@ def _iter_files(files, fld, spec, strict, stats, warn) -> Iterator[str]:
                 for n, text in enumerate(docs, start=1):
                     yield text
         if n == 0:
-            skipped = stats.invalid_json + stats.unterminated - before
+            skipped = stats.invalid_json + stats.invalid_unicode + stats.unterminated - before
             detail = f" ({skipped} invalid or unterminated record(s) skipped)" if skipped else ""
             raise SproutError(f"{path}: empty input, no documents found{detail}")
 
@@ -234,11 +238,18 @@ class _ZstdRaw(io.RawIOBase):
                 self._dobj = self._zstd.ZstdDecompressor().decompressobj()
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 class _GzipChecked(io.RawIOBase):
     """gzip.GzipFile whose errors become SproutError naming the file and offset."""
 
     def __init__(self, f: IO[bytes], path: Path) -> None:
         self._raw, self._path = f, path
+        if f.read(2) != GZIP_MAGIC:
+            f.close()
+            raise SproutError(f"{path}: not gzip-compressed (bad magic bytes) despite the .gz suffix")
+        f.seek(0)
         self._gz = gzip.GzipFile(fileobj=f, mode="rb")
 
     def readable(self) -> bool:
@@ -303,6 +314,47 @@ def _iter_txt(f: IO[bytes], path: Path, spec: SourceSpec, stats: ReadStats) -> I
 # ---------------------------------------------------------------- JSON
 
 
+def encodable(text: str) -> bool:
+    """False for text holding a lone surrogate (from an unpaired `\\ud800`-style JSON escape),
+    which cannot be written as UTF-8."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Warnings:
+    """Warn about the first MAX_WARNINGS_PER_FILE problems of one file, then say the rest are suppressed."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self.warn, self.count = warn, 0
+
+    def __call__(self, msg: str) -> None:
+        if self.count < MAX_WARNINGS_PER_FILE:
+            last = self.count == MAX_WARNINGS_PER_FILE - 1
+            self.warn(msg + (" (further warnings for this file suppressed)" if last else ""))
+        self.count += 1
+
+
+def surrogate_message(where: str) -> str:
+    return f"{where}: text holds a lone surrogate (an unpaired \\ud800-\\udfff escape, not valid Unicode); skipped"
+
+
+def numbered_lines(f: IO[bytes], path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a binary stream; a truncated or corrupted compressed stream
+    stops with SproutError naming the file and the last complete line."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, start=1):
+            yield lineno, line
+    except SproutError as exc:
+        last = f"after line {lineno:,}, the last complete one" if lineno else "before the first line"
+        raise SproutError(f"{exc}; {last}") from None
+
+
 def _text_of(obj, fld: str, where: str) -> str:
     if not isinstance(obj, dict):
         raise SproutError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -319,14 +371,14 @@ def _iter_json_any(f, path: Path, fld: str, strict: bool, stats: ReadStats, warn
     head = f.peek(64) if hasattr(f, "peek") else b""
     first = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
     if first == b"[":
-        yield from _iter_json_array(f, path, fld)
+        yield from _iter_json_array(f, path, fld, stats, warn)
     else:
         yield from _iter_jsonl(f, path, fld, strict, stats, warn)
 
 
 def _iter_jsonl(f, path: Path, fld: str, strict: bool, stats: ReadStats, warn) -> Iterator[str]:
-    warned = 0
-    for lineno, line in enumerate(f, start=1):
+    warn = Warnings(warn)
+    for lineno, line in numbered_lines(f, path):
         if not line.strip():
             continue
         try:
@@ -336,18 +388,22 @@ def _iter_jsonl(f, path: Path, fld: str, strict: bool, stats: ReadStats, warn) -
             if strict:
                 raise SproutError(msg) from None
             stats.invalid_json += 1
-            if warned < MAX_WARNINGS_PER_FILE:
-                warn(msg + "; skipped" + (" (further warnings for this file suppressed)" if warned == MAX_WARNINGS_PER_FILE - 1 else ""))
-                warned += 1
+            warn(msg + "; skipped")
             continue
-        yield _text_of(obj, fld, f"{path}:{lineno}")
+        text = _text_of(obj, fld, f"{path}:{lineno}")
+        if not encodable(text):
+            stats.invalid_unicode += 1
+            warn(surrogate_message(f"{path}:{lineno}"))
+            continue
+        yield text
 
 
 _WS = re.compile(r"\s*")
 
 
-def _iter_json_array(f, path: Path, fld: str) -> Iterator[str]:
+def _iter_json_array(f, path: Path, fld: str, stats: ReadStats, warn) -> Iterator[str]:
     """Elements of a top-level JSON array, decoded one at a time from a sliding buffer."""
+    warn = Warnings(warn)
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8-sig")("strict")
     buf, pos, offset, eof, index = "", 0, 0, False, 0  # offset: chars consumed before buf
@@ -391,7 +447,12 @@ def _iter_json_array(f, path: Path, fld: str) -> Iterator[str]:
                     raise SproutError(f"{path}: invalid JSON in array element {index} at character {offset + exc.pos:,}: {exc.msg}") from None
                 more(max(want, len(buf)))  # grow geometrically: no quadratic re-parsing
         pos = end
-        yield _text_of(obj, fld, f"{path}: array element {index}")
+        text = _text_of(obj, fld, f"{path}: array element {index}")
+        if encodable(text):
+            yield text
+        else:
+            stats.invalid_unicode += 1
+            warn(surrogate_message(f"{path}: array element {index}"))
         index += 1
         skip_ws()
         ch = buf[pos : pos + 1]

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from sprout.atomic import atomic_write, sha256_file
+from sprout.atomic import atomic_write, sha256_file, write_error
 from sprout.errors import SproutError
 from sprout.formats.h5tokens import H5TokenWriter, h5_name
 from sprout.prep.keys import KEY_DTYPE
@@ -39,21 +39,32 @@ class SourceStore:
     def __init__(self, tmpdir: Path, index: int, dtype: np.dtype) -> None:
         self.dtype = dtype
         self.paths = {kind: tmpdir / f"source{index}.{kind}" for kind in ("tokens", "lengths", "keys")}
-        self._files = {kind: open(path, "wb") for kind, path in self.paths.items()}
+        self._files = {}
+        for kind, path in self.paths.items():
+            try:
+                self._files[kind] = open(path, "wb")
+            except OSError as exc:
+                raise write_error(path, exc) from None
         self.counts: Counter = Counter()
         self.n_docs = 0
         self._offsets: np.ndarray | None = None
 
     def append(self, tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray, counts: Counter) -> None:
-        self._files["tokens"].write(tokens.tobytes())
-        self._files["lengths"].write(lengths.astype(np.uint32).tobytes())
-        self._files["keys"].write(np.ascontiguousarray(keys, dtype=np.uint8).tobytes())
+        for kind, data in (("tokens", tokens), ("lengths", lengths.astype(np.uint32)),
+                           ("keys", np.ascontiguousarray(keys, dtype=np.uint8))):
+            try:
+                self._files[kind].write(data.tobytes())
+            except OSError as exc:
+                raise write_error(self.paths[kind], exc) from None
         self.counts.update(counts)
         self.n_docs += len(lengths)
 
     def finish(self) -> None:
-        for f in self._files.values():
-            f.close()
+        for kind, f in self._files.items():
+            try:
+                f.close()
+            except OSError as exc:
+                raise write_error(self.paths[kind], exc) from None
         self.lengths = np.fromfile(self.paths["lengths"], dtype=np.uint32)
 
     def key_half(self, half: str) -> np.ndarray:
@@ -120,7 +131,10 @@ class SplitWriter:
                 self._open_shard()
             take = min(len(tokens), self._left)
             payload = tokens[:take].astype(self.dtype, copy=False).tobytes()
-            self._file.write(payload)
+            try:
+                self._file.write(payload)
+            except OSError as exc:
+                raise write_error(self.out / self.shards[-1]["file"], exc) from None
             self._sha.update(payload)
             self._left -= take
             tokens = tokens[take:]
@@ -138,7 +152,10 @@ class SplitWriter:
         self._ctx = atomic_write(self.out / name, "wb")
         self._file = self._ctx.__enter__()
         header = encode_header(self._left, self.dtype)
-        self._file.write(header)
+        try:
+            self._file.write(header)
+        except OSError as exc:
+            raise write_error(self.out / name, exc) from None
         self._sha = hashlib.sha256(header)
         self.shards.append({"file": name, "num_tokens": self._left, "sha256": None})
 
@@ -156,7 +173,7 @@ class SplitWriter:
 
     def abort(self) -> None:
         if self._ctx is not None:
-            with contextlib.suppress(RuntimeError):
+            with contextlib.suppress(Exception):  # the write error itself is already on its way up
                 self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)  # removes the temp file
         if self.h5 is not None:
             self.h5.abort()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from sprout.atomic import atomic_write
+from sprout.atomic import atomic_write, check_writable, remove_stale_temps, safe_name
 from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.mirror import expand_path, mirror_dir
@@ -63,7 +63,10 @@ def train_sentencepiece(
     character_coverage: float = 0.9995,
     num_threads: int | None = None,
 ) -> Path:
-    """Train a SentencePiece BPE model on `texts`; writes PREFIX.model and PREFIX.vocab atomically.
+    """Train a SentencePiece BPE model on `texts`; writes PREFIX.model and PREFIX.vocab atomically,
+    as a pair: both are written to temporaries and renamed only when both are complete, so a
+    full disk never leaves a .model without its .vocab. Temporaries a killed earlier run left
+    beside them are removed first.
 
     Byte fallback, identity normalisation, no whitespace clean-up and no dummy prefix, so
     decoding gives back the original bytes. Digits are split one per token.
@@ -71,6 +74,10 @@ def train_sentencepiece(
     import sentencepiece as spm
 
     out_prefix = Path(out_prefix)
+    safe_name(out_prefix.name, f"{out_prefix}: output name")
+    model_path = out_prefix.with_name(out_prefix.name + ".model")
+    vocab_path = out_prefix.with_name(out_prefix.name + ".vocab")
+    check_writable(model_path)
     if vocab_size < len(SPECIAL_PIECES) + 256 + 1:
         raise SproutError(f"vocab size {vocab_size} is too small: byte fallback alone needs {len(SPECIAL_PIECES) + 256} ids")
     max_piece = 1 << 16
@@ -91,13 +98,16 @@ def train_sentencepiece(
     proto = model.getvalue()
     if not proto:
         raise SproutError(f"{out_prefix}.model: SentencePiece training produced no model (no training text?)")
-    model_path = out_prefix.with_name(out_prefix.name + ".model")
-    with atomic_write(model_path, "wb") as f:
-        f.write(proto)
     sp = spm.SentencePieceProcessor(model_proto=proto)
-    with atomic_write(out_prefix.with_name(out_prefix.name + ".vocab"), "w") as f:
+    for path in (model_path, vocab_path):
+        remove_stale_temps(path)
+    # the .vocab block closes (and renames) first, the .model after it; a failure in either
+    # block removes both temporaries, so the old pair (if any) stays as it was
+    with atomic_write(model_path, "wb") as model_file, atomic_write(vocab_path, "w") as vocab_file:
         for i in range(sp.get_piece_size()):
-            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n")
+            vocab_file.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n")
+        model_file.write(proto)
+        model_file.flush()  # a failed write must surface before the .vocab is renamed
     return model_path
 
 
