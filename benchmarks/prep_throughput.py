@@ -15,12 +15,19 @@ from other processes hits both alike. Peak RSS is measured in fresh child proces
 1x and 10x inputs (main process, and the largest worker).
 The shard size (50M tokens) exceeds the 1x output, so a shard buffer would show up here.
 
+Hashing (what start-up verification and `verify_shards.py` spend their time on): on one
+core, over a --hash-mb file already in the page cache, `sprout.atomic.sha256_file` against
+reading the same bytes with no hashing and against `hashlib.file_digest`; the median of
+--rounds passes each. It needs no mirror (`--hash-only` runs just this).
+
     .venv/bin/python benchmarks/prep_throughput.py [--mb 50] [--rounds 3]   # mirror: sprout.mirror.mirror_dir()
+    .venv/bin/python benchmarks/prep_throughput.py --hash-only [--hash-mb 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -31,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from sprout.atomic import HASH_BLOCK, sha256_file
 from sprout.mirror import mirror_dir
 from sprout.prep.clean import CleanConfig, Cleaner
 from sprout.prep.keys import text_key
@@ -128,6 +136,48 @@ def child_rss(src: Path, workdir: Path, workers: int) -> dict:
     return {"main": int(stdout.split()[-1]) / 1024, "worker": worker_peak / 2**20, "seconds": time.perf_counter() - start}
 
 
+def read_only(path: Path) -> None:
+    """Read the file the way sha256_file does, without hashing."""
+    buf = bytearray(HASH_BLOCK)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def hash_rates(workdir: Path, mb: int, rounds: int) -> dict[str, float]:
+    """MB/s of reading alone, sha256_file and hashlib.file_digest over one cached file."""
+    path = workdir / "hash-input.bin"
+    with open(path, "wb") as f:
+        for _ in range(mb):
+            f.write(os.urandom(1 << 20))
+    read_only(path)  # into the page cache
+    sides = {"read, no hash": read_only, "sha256_file": sha256_file}
+    if hasattr(hashlib, "file_digest"):  # Python 3.11+
+        sides["hashlib.file_digest"] = file_digest
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):  # alternate, so load from other processes hits every side alike
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            fn(path)
+            times[name].append(time.perf_counter() - start)
+    path.unlink()
+    return {name: (mb << 20) / 1e6 / statistics.median(t) for name, t in times.items()}
+
+
+def print_hash_rates(workdir: Path, mb: int, rounds: int) -> None:
+    rates = hash_rates(workdir, mb, rounds)
+    print(f"\nhashing {mb} MiB on one core (page cache warm, median of {rounds}):")
+    for name, rate in rates.items():
+        print(f"  {name:>20}  {rate:>7,.0f} MB/s")
+    print(f"  sha256_file / file_digest {rates['sha256_file'] / rates.get('hashlib.file_digest', float('nan')):.2f}x; "
+          f"hashing costs {1 - rates['sha256_file'] / rates['read, no hash']:.0%} of the read-only rate", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=50.0, help="input size for the throughput runs")
@@ -136,7 +186,13 @@ def main() -> int:
     parser.add_argument("--scale", type=int, default=10, help="RSS: compare 1x with this multiple of the input")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--rss-only", action="store_true", help="skip the throughput rounds")
+    parser.add_argument("--hash-mb", type=int, default=256, help="file size for the hashing figure")
+    parser.add_argument("--hash-only", action="store_true", help="only the hashing figure (no mirror needed)")
     args = parser.parse_args()
+    if args.hash_only:
+        with tempfile.TemporaryDirectory(prefix="prep-bench-", dir=args.workdir) as tmp:
+            print_hash_rates(Path(tmp), args.hash_mb, args.rounds)
+        return 0
     mirror = mirror_dir()
     if mirror is None or not (mirror / "MANIFEST.md").is_file():
         print(f"no data mirror at {mirror}; set SPROUT_MIRROR", file=sys.stderr)
@@ -177,6 +233,7 @@ def main() -> int:
               f"({big.stat().st_size / 1e6:.0f} MB, {big_rss['seconds']:.0f}s) = {big_rss['main'] / small_rss['main']:.2f}x; "
               f"largest worker {small_rss['worker']:.0f} vs {big_rss['worker']:.0f} = "
               f"{big_rss['worker'] / small_rss['worker']:.2f}x")
+        print_hash_rates(workdir, args.hash_mb, args.rounds)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
