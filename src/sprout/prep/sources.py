@@ -256,8 +256,8 @@ class _GzipChecked(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
-        try:
-            return self._gz.readinto(b)
+        try:  # one decompression step at a time: what precedes a truncation is still read
+            return self._gz.readinto1(b)
         except EOFError:
             raise SproutError(f"{self._path}: truncated gzip stream (compressed data ends at byte {self._raw.tell():,})") from None
         except (gzip.BadGzipFile, zlib.error, OSError) as exc:
