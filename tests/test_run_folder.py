@@ -115,3 +115,7 @@ def test_bundle_tokenizer_skips_names_and_refuses_a_different_file_in_the_run(sp
                                           r"tokenizer than .*other/"):
         bundle_tokenizer(f"sentencepiece:{other}", tmp_path / "run")
     assert json.dumps(fields)  # plain JSON for meta.json
+    gone = f"sentencepiece:{tmp_path / 'gone' / other.name}"  # a relative spec seen from elsewhere
+    assert bundle_tokenizer(gone, tmp_path / "run") == fields  # the run's own copy stands in
+    with pytest.raises(SproutError, match=r"gone/.*\.model: SentencePiece model not found"):
+        bundle_tokenizer(gone, tmp_path / "fresh_run")

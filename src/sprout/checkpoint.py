@@ -312,16 +312,19 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
     same file is already there; returns {"tokenizer_file": "tokenizer/NAME.model",
     "tokenizer_sha256": ...}. A tiktoken spec (or none) returns {}. `write=False` only computes
     the fields (the processes of a run that do not write to its folder). A different tokenizer
-    already in the run folder is refused.
+    already in the run folder is refused; when the spec does not resolve here (a relative path,
+    a resume from another directory) the run folder's own copy stands in for it.
     """
     if not spec or not spec.startswith("sentencepiece:"):
         return {}
     src = Path(spec.partition(":")[2])
-    if not src.is_file():
-        raise SproutError(f"{src}: SentencePiece model not found (tokenizer spec {spec!r})")
-    digest = sha256_file(src)
     rel = f"{TOKENIZER_DIR}/{src.name}"
     dst = Path(run_dir) / rel
+    if not src.is_file():
+        if dst.is_file():  # a resume from elsewhere: the spec was relative, the run kept its copy
+            return {"tokenizer_file": rel, "tokenizer_sha256": sha256_file(dst)}
+        raise SproutError(f"{src}: SentencePiece model not found (tokenizer spec {spec!r})")
+    digest = sha256_file(src)
     if write:
         if dst.is_file() and sha256_file(dst) != digest:
             raise SproutError(f"{dst}: this run folder already holds a different tokenizer than {src} "
