@@ -273,7 +273,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
 
 
 def init_from_lm(path: str | os.PathLike, architecture: str, *, seed: int = 0, device: str | torch.device = "cpu"):
-    """(model in train mode, meta): a `architecture` model whose backbone is the checkpoint's.
+    """(model in train mode, meta): a model of `architecture` whose backbone is the checkpoint's.
 
     Every backbone parameter comes from the checkpoint (an LM, or a model with another head);
     the new head is initialised as a fresh model's would be, from `seed` (the global RNG is
