@@ -150,6 +150,12 @@ class Trainer:
     resolved; `grad_clip` 0 disables clipping. `meta` holds the static fields of every
     checkpoint's meta.json (model_config, tokenizer, config, resume_config); the hash of
     `resume_config` is what a resume must match. Only rank 0 writes to `out_dir`.
+
+    Handles on the policy: `model` (what accelerate prepared: the DDP wrapper, or the FSDP2
+    module; train with it), `raw_model` (the module itself) and `generation_model` (for
+    generation: the module without the DDP wrapper, called through its eager forward even
+    when train.compile is on, since decoding changes shapes at every step; the same
+    parameters, so it always generates with the current weights).
     """
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer, schedule: Callable[..., float],
