@@ -1,0 +1,211 @@
+"""What the preference stages (reward model, DPO) share: config sections, loaders, micro-batches, checks.
+
+Both stages read preference pairs (`sprout.formats.preferences`) through
+`data_loader.preferences.PreferenceLoader`: a micro-batch of B pairs is 2B rows, the chosen
+sides then the rejected sides, right-padded (see that module for every tensor). Here:
+
+- `PairBatchConfig`: the batch in pairs, `global_pairs` per optimizer step (all processes)
+  and `micro_pairs` per forward/backward on one process; the micro-steps per step follow
+  from the number of processes (`sprout.train.stage.micro_steps`);
+- `PreferenceDataConfig`: the train file, the held-out file (`preferences_test.jsonl`
+  beside it by default), the longest side in tokens (the model's context by default) and
+  what happens to a pair that does not fit (`truncation`: drop or keep_end);
+- `PreferenceStage`: the protocol's parts both stages share. Targets (`count_targets`) are
+  pairs: each real pair (`pair_mask`) counts 1, so the loop divides the summed per-pair
+  losses by the pairs of the whole global batch (all micro-batches, all processes). Tokens
+  (`num_tokens`) are every non-padding token of both sides; FLOPs (`flops`) are the trained
+  model's FLOPs per token at the micro-batch's row length × those tokens (work the stage
+  does with other models, such as a reference forward, is not counted: MFU is the trained
+  model's);
+- `open_preference_run`: reads the init checkpoint's meta and tokenizer, refuses data the
+  model cannot take (a side longer than its context), builds the accelerator and both
+  loaders, prints what was dropped or truncated, and resolves train.max_steps from
+  data.epochs when it is null.
+
+Every rank walks the held-out pairs in the same number of micro-batches (the loader pads
+ranks with pairs that count nothing), so evaluation works under FSDP, and per-source
+results are reduced over ranks with the same keys everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from data_loader.preferences import PreferenceLoader
+from sprout.chat import TEMPLATE_VERSION
+from sprout.checkpoint import checkpoint_tokenizer, read_meta
+from sprout.config import resume_free
+from sprout.errors import SproutError
+from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
+from sprout.model.transformer import ModelConfig
+from sprout.train.run import resolve_resume, start_run
+from sprout.train.stage import micro_steps
+
+
+@dataclass
+class PairBatchConfig:
+    """The batch of the preference stages, in pairs (each pair is two rows: chosen and rejected)."""
+    global_pairs: int = 64              # per optimizer step, all processes together
+    micro_pairs: int = 8                # per forward/backward on one process (2 × micro_pairs rows)
+
+
+@dataclass
+class PreferenceDataConfig:
+    # Paths may change on resume (the loader checks the pair count and global batch), and the
+    # epochs, which only set max_steps.
+    path: str = resume_free("")         # preferences.jsonl from scripts/prepare_preference_data.py
+    val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (or <name>_test.jsonl) beside it
+    seq_len: int | None = None          # longest side in tokens; None: the model's max_seq_len
+    truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
+    epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
+
+
+def held_out_path(path: str | Path) -> Path:
+    """The held-out file beside a train file: preferences_test.jsonl, else <stem>_test<suffix>."""
+    path = Path(path)
+    return path.with_name(TEST_FILE) if path.name == TRAIN_FILE else path.with_name(f"{path.stem}_test{path.suffix}")
+
+
+def pair_sources(path: str | Path, loader: PreferenceLoader) -> list[str]:
+    """The `source` of each kept pair of `loader` (a pair is one line of `path`)."""
+    by_line = [record["source"] for record in read_preferences(path)]
+    return [by_line[pair.line - 1] for pair in loader.pairs]
+
+
+class PreferenceStage:
+    """The protocol parts the preference stages share (see the module docstring). A subclass
+    gives `name`, `loss` and `evaluate`; `extend(batch, held_out)` may add tensors to each
+    micro-batch (of the train file, or of the held-out file when `held_out`)."""
+
+    generated_tokens = 0
+
+    def __init__(self, accelerator, loader: PreferenceLoader, val: PreferenceLoader, accum_steps: int):
+        self.acc, self.loader, self.val, self.accum_steps = accelerator, loader, val, accum_steps
+        self.micro_pairs = loader.batch_size // accum_steps
+
+    def extend(self, batch: dict, held_out: bool = False) -> dict:
+        return batch
+
+    def next_micro_batches(self, step: int) -> list[dict]:
+        """This rank's pairs of the step, in accum_steps micro-batches each padded to its own longest side."""
+        idx = self.loader.next_batch()["pair_index"].numpy()
+        m = self.micro_pairs
+        return [self.extend(self.loader.collate(idx[i:i + m])) for i in range(0, len(idx), m)]
+
+    def eval_batches(self) -> Iterator[dict]:
+        """This rank's held-out micro-batches on the device (the same number on every rank)."""
+        for batch in self.val.eval_batches():
+            yield {k: v.to(self.acc.device) for k, v in self.extend(batch, held_out=True).items()}
+
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return batch["pair_mask"].sum()
+
+    def num_tokens(self, batch: dict) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def flops(self, model, batch: dict) -> float:
+        flops_per_token = getattr(model, "flops_per_token", None)
+        return flops_per_token(batch["input_ids"].shape[1]) * self.num_tokens(batch) if flops_per_token else 0.0
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
+def split_sides(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [2B, ...] tensor of a micro-batch as its chosen half and its rejected half."""
+    b = x.shape[0] // 2
+    return x[:b], x[b:]
+
+
+def source_sums(prefix: str, sources: list[str], pair_index: torch.Tensor, pair_mask: torch.Tensor,
+                correct: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """{f"{prefix}{name}": correct pairs, f"count:{name}": pairs} of one micro-batch, for every
+    source name (the same keys on every rank, zeros for sources absent here)."""
+    src = np.array(sources, dtype=object)[pair_index.cpu().numpy()]
+    keep, hit = pair_mask.cpu().numpy(), correct.detach().cpu().numpy()
+    out = {}
+    for name in names:
+        sel = keep & (src == name)
+        out[f"{prefix}{name}"] = torch.tensor(float(hit[sel].sum()), dtype=torch.float64)
+        out[f"count:{name}"] = torch.tensor(float(sel.sum()), dtype=torch.float64)
+    return out
+
+
+@dataclass
+class PreferenceRun:
+    """What `open_preference_run` built: everything a preference stage's run_* needs next."""
+    cfg: object                         # the stage config with train.max_steps resolved
+    base: dict                          # the init checkpoint's meta
+    model_config: ModelConfig
+    tokenizer: object
+    accelerator: object
+    loader: PreferenceLoader
+    val: PreferenceLoader
+    accum_steps: int
+    resume: Path | None
+    data: Path
+    val_path: Path
+
+    def provenance(self) -> dict:
+        """Fields for every checkpoint's meta: tokenizer, chat template, the init checkpoint, the data."""
+        return {"tokenizer_fingerprint": self.tokenizer.fingerprint(), "template_version": TEMPLATE_VERSION,
+                "init": {"path": self.base["path"], "stage": self.base.get("stage"), "step": self.base.get("step")},
+                "preference_data": {"train": str(self.data), "val": str(self.val_path),
+                                    "pairs": self.loader.counts, "val_pairs": self.val.counts}}
+
+
+def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> PreferenceRun:
+    """Checks, accelerator, tokenizer and loaders for a preference stage (see the module docstring).
+
+    `cfg` has init, data (PreferenceDataConfig), batch (PairBatchConfig), train and out."""
+    if not cfg.init:
+        raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
+    if not cfg.data.path:
+        raise SproutError("no preference data: set data.path in the config or pass --data FILE.jsonl")
+    base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
+    if base.get("architecture", "lm") != "lm":
+        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint, "
+                          f"not architecture {base.get('architecture')!r}")
+    model_cfg = ModelConfig(**base["model_config"])
+    tok = checkpoint_tokenizer(base)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise SproutError(f"{Path(base['path']) / 'meta.json'}: its tokenizer has {tok.vocab_size} ids but the "
+                          f"model has vocab_size {model_cfg.vocab_size}")
+    seq_len = cfg.data.seq_len or model_cfg.max_seq_len
+    if seq_len > model_cfg.max_seq_len:
+        raise SproutError(f"data.seq_len {seq_len} exceeds max_seq_len {model_cfg.max_seq_len} of the init "
+                          f"checkpoint {base['path']}")
+    data = Path(cfg.data.path)
+    val = Path(cfg.data.val_path) if cfg.data.val_path else held_out_path(data)
+    if not val.is_file():
+        raise SproutError(f"{val}: held-out preference file not found (set data.val_path)")
+    resume_path = resolve_resume(resume, cfg.out)
+
+    acc = start_run(cfg.train, cfg.out)
+    accum = micro_steps(cfg.batch.global_pairs, cfg.batch.micro_pairs, acc.num_processes, unit="pairs")
+    rank, world, trunc = acc.process_index, acc.num_processes, cfg.data.truncation
+    loader = PreferenceLoader(data, tok, cfg.batch.micro_pairs * accum, seq_len, truncation=trunc,
+                              seed=cfg.train.seed, rank=rank, world_size=world)
+    if loader.steps_per_epoch == 0:
+        raise SproutError(f"{data}: {loader.num_pairs} pairs cannot fill one global batch of "
+                          f"{loader.global_batch} pairs (batch.global_pairs)")
+    val_loader = PreferenceLoader(val, tok, cfg.batch.micro_pairs, seq_len, truncation=trunc, rank=rank,
+                                  world_size=world, shuffle=False)
+    steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * loader.steps_per_epoch))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+    for path, ld in ((data, loader), (val, val_loader)):
+        c = ld.counts
+        acc.print(f"{stage_name}: {path}: {c['pairs']:,} of {c['pairs_read']:,} pairs fit {seq_len} tokens "
+                  f"({c['dropped_too_long']:,} dropped as too long, {c['truncated']:,} with a shortened prompt)")
+    acc.print(f"{stage_name}: {loader.steps_per_epoch} steps per epoch; init {base['path']} (step {base.get('step')})")
+    return PreferenceRun(cfg, base, model_cfg, tok, acc, loader, val_loader, accum, resume_path, data, val)

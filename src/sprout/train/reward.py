@@ -1,0 +1,160 @@
+"""Reward model: an SFT model with a scalar score head, trained on preference pairs as one stage of the shared loop.
+
+The model is `sprout.model.heads.RewardModel`, built by `sprout.checkpoint.init_from_lm`
+from an LM checkpoint (the SFT model): its backbone, no lm_head, a fresh score head. A
+sequence's score is the head's output at its last real token, the end-of-turn token that
+closes the response (`score_sequences`; the loader's `end_index`); the chosen and rejected
+sides of every pair of a micro-batch go through one forward (`reward_batch_loss`).
+
+Loss per pair (`sprout.losses.preference.reward_pair_loss`, TRL's RewardTrainer):
+
+    −log σ(r_c − r_r − m) + center_rewards_coefficient · (r_c + r_r)²
+
+with m the record's `margin` when `reward.use_margin` (0 for records without one). The loop
+divides the summed per-pair losses by the pairs of the whole global batch (all
+micro-batches, all processes): normaliser = pairs, nothing within a pair.
+
+Training metrics, each over the step's pairs (count = pairs): `accuracy` (r_c > r_r
+strictly; a tie counts as wrong), `margin` (r_c − r_r), `rewards/chosen` and
+`rewards/rejected` (mean scores) and `rewards/chosen_sq`, `rewards/rejected_sq` (mean
+squared scores). The loop reduces every metric as Σsum / Σcount, which a standard deviation
+is not, so the standard deviation of the step's chosen scores is read from two logged values:
+std = sqrt(rewards/chosen_sq − rewards/chosen²) (population std over the step's pairs).
+Each eval reports it directly (`val_rewards/chosen_std`).
+
+Eval over every held-out pair: `val_loss` (the loss above per pair), `val_accuracy`,
+`val_margin`, `val_rewards/{chosen,rejected}` and their `_std`, and `val_accuracy/<source>`
+for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, ...).
+
+The checkpoints hold a RewardModel (meta.json `architecture: reward`), so
+`sprout.checkpoint.load_model` returns a scorer: `score_sequences(model, ids, mask)`
+scores left- or right-padded batches alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sprout.checkpoint import init_from_lm
+from sprout.config import resume_free
+from sprout.errors import SproutError
+from sprout.losses.preference import reward_pair_loss
+from sprout.model.heads import last_index, padding_inputs, score_at
+from sprout.train.loop import TrainConfig, all_reduce_sums
+from sprout.train.optim import OptimConfig
+from sprout.train.preference_stage import (
+    PairBatchConfig,
+    PreferenceDataConfig,
+    PreferenceStage,
+    open_preference_run,
+    pair_sources,
+    source_sums,
+    split_sides,
+)
+from sprout.train.run import train_stage
+
+
+@dataclass
+class RewardLossConfig:
+    center_rewards_coefficient: float = 0.0  # TRL's RewardConfig; 0.01 is its suggested value
+    use_margin: bool = True             # subtract each record's margin (Llama 2); false: ignore margins
+
+
+@dataclass
+class RewardConfig:
+    init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    batch: PairBatchConfig = field(default_factory=PairBatchConfig)
+    reward: RewardLossConfig = field(default_factory=RewardLossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps=10, weight_decay=0.0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
+    out: str = resume_free("runs/reward")
+
+
+def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    end_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The score of each row [B]: the model's score at `end_index` (default: the row's last real
+    token), with segment and position ids from the mask, so left and right padding give the
+    same scores and each row computes what it computes alone."""
+    segment_ids, position_ids = padding_inputs(attention_mask)
+    scores = model(input_ids, segment_ids=segment_ids, position_ids=position_ids)
+    return score_at(scores, last_index(attention_mask) if end_index is None else end_index)
+
+
+def reward_batch_loss(model, batch: dict, center_rewards_coefficient: float = 0.0, use_margin: bool = True):
+    """(per-pair losses [B], r_chosen [B], r_rejected [B]) of one micro-batch of pairs, one forward."""
+    scores = score_sequences(model, batch["input_ids"], batch["attention_mask"], batch["end_index"])
+    r_chosen, r_rejected = split_sides(scores)
+    margin = batch["margin"] if use_margin else None
+    return reward_pair_loss(r_chosen, r_rejected, margin, center_rewards_coefficient), r_chosen, r_rejected
+
+
+class RewardStage(PreferenceStage):
+    name = "reward"
+
+    def __init__(self, accelerator, loader, val, accum_steps: int, loss_cfg: RewardLossConfig,
+                 val_sources: list[str] | None = None):
+        super().__init__(accelerator, loader, val, accum_steps)
+        self.loss_cfg, self.val_sources = loss_cfg, val_sources
+
+    def _pair_loss(self, model, batch: dict):
+        c = self.loss_cfg
+        return reward_batch_loss(model, batch, c.center_rewards_coefficient, c.use_margin)
+
+    def loss(self, model, batch: dict):
+        per_pair, rc, rr = self._pair_loss(model, batch)
+        keep = batch["pair_mask"]
+        n = keep.sum()
+        zero = torch.zeros((), device=per_pair.device)
+        with torch.no_grad():
+            rc, rr = torch.where(keep, rc, zero), torch.where(keep, rr, zero)
+            metrics = {"accuracy": (((rc > rr) & keep).sum(), n), "margin": ((rc - rr).sum(), n),
+                       "rewards/chosen": (rc.sum(), n), "rewards/rejected": (rr.sum(), n),
+                       "rewards/chosen_sq": ((rc * rc).sum(), n), "rewards/rejected_sq": ((rr * rr).sum(), n)}
+        return torch.where(keep, per_pair, zero).sum(), n, metrics
+
+    @torch.no_grad()
+    def evaluate(self, model) -> dict:
+        names = sorted(set(self.val_sources)) if self.val_sources else []
+        sums: dict[str, torch.Tensor | float] = dict.fromkeys(
+            ("loss", "n", "correct", "margin", "rc", "rc2", "rr", "rr2"), 0.0)
+        model.eval()
+        for batch in self.eval_batches():
+            with self.acc.autocast():
+                per_pair, rc, rr = self._pair_loss(model, batch)
+            keep = batch["pair_mask"]
+            if names:
+                for k, v in source_sums("correct:", self.val_sources, batch["pair_index"], keep, rc > rr,
+                                        names).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            rc, rr = rc[keep].double(), rr[keep].double()
+            for k, v in (("loss", per_pair[keep].sum()), ("n", keep.sum()), ("correct", (rc > rr).sum()),
+                         ("margin", (rc - rr).sum()), ("rc", rc.sum()), ("rc2", (rc * rc).sum()),
+                         ("rr", rr.sum()), ("rr2", (rr * rr).sum())):
+                sums[k] = sums[k] + v.double().cpu()
+        model.train()
+        tot = all_reduce_sums(self.acc, sums)
+        n = tot["n"]
+        if n == 0:
+            raise SproutError(f"{self.val.path}: no held-out pairs to evaluate")
+        mean_c, mean_r = tot["rc"] / n, tot["rr"] / n
+        out = {"val_loss": tot["loss"] / n, "val_accuracy": tot["correct"] / n, "val_margin": tot["margin"] / n,
+               "val_rewards/chosen": mean_c, "val_rewards/chosen_std": max(0.0, tot["rc2"] / n - mean_c ** 2) ** 0.5,
+               "val_rewards/rejected": mean_r,
+               "val_rewards/rejected_std": max(0.0, tot["rr2"] / n - mean_r ** 2) ** 0.5}
+        for name in names:
+            if tot[f"count:{name}"] > 0:
+                out[f"val_accuracy/{name}"] = tot[f"correct:{name}"] / tot[f"count:{name}"]
+        return out
+
+
+def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
+    """Check inputs, build the reward model from the init LM, resume if asked, train; returns Trainer.fit's summary."""
+    run = open_preference_run(cfg, "reward", resume)
+    cfg, acc = run.cfg, run.accelerator
+    model, _ = init_from_lm(run.base["path"], "reward", seed=cfg.train.seed)
+    stage = RewardStage(acc, run.loader, run.val, run.accum_steps, cfg.reward, pair_sources(run.val_path, run.val))
+    return train_stage(acc, model, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
+                       micro_steps=run.accum_steps, extra_meta=run.provenance())

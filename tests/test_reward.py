@@ -1,0 +1,200 @@
+"""The reward-model stage: its loss and metrics on hand-set scores, learning a seeded synthetic
+preference, scores independent of padding side, a checkpoint that loads as a scorer, exact
+resume, 1 vs 2 processes (slow), and bad preference files refused through the script."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from preference_train_fixtures import MARK, cli_flags, marked_pairs, tiny_cfg, write_lm, write_pairs
+from proc import run_group
+
+from data_loader.preferences import PreferenceLoader
+from sprout.checkpoint import load_model, read_meta
+from sprout.model.heads import RewardModel
+from sprout.train.metrics import read_metrics
+from sprout.train.reward import RewardConfig, RewardLossConfig, RewardStage, run_reward, score_sequences
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def base(sp, tmp_path_factory):
+    return write_lm(tmp_path_factory.mktemp("lm") / "ckpt", sp)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_pairs(tmp_path_factory.mktemp("prefs"), source=lambda i: ("even", "odd")[i % 2])
+
+
+@pytest.fixture(scope="module")
+def run_a(data, base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm_a")
+    return out, run_reward(tiny_cfg(RewardConfig, data, base, out))
+
+
+def train_records(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+
+
+# ---- the loss of one micro-batch, on scores set by hand ----------------------------------------------
+class FixedScores(torch.nn.Module):
+    """A 'reward model' whose score for row i is values[i] at every position."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = torch.tensor(values)
+
+    def forward(self, input_ids, *, segment_ids=None, position_ids=None):
+        return self.values[:, None].expand(input_ids.shape).clone()
+
+
+def test_loss_and_metrics_hand_computed(data, sp):
+    loader = PreferenceLoader(data, sp, batch_size=3, seq_len=64, shuffle=False)
+    batch = loader.collate([0, 1, 2], real=[True, True, False])  # pair 2 pads an eval batch: counts nothing
+    batch["margin"] = torch.tensor([0.5, 0.0, 0.0])
+    model = FixedScores([1.0, 0.5, 7.0, 0.0, 1.5, -3.0])  # chosen 1.0, 0.5, 7; rejected 0.0, 1.5, -3
+    stage = RewardStage(None, loader, loader, 1, RewardLossConfig(center_rewards_coefficient=0.1))
+    loss, n, m = stage.loss(model, batch)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    want = -math.log(sig(1.0 - 0.0 - 0.5)) + 0.1 * 1.0 ** 2 - math.log(sig(0.5 - 1.5)) + 0.1 * 2.0 ** 2
+    assert loss.item() == pytest.approx(want, rel=1e-6) and n.item() == 2
+    assert stage.count_targets(batch).item() == 2
+    value = {k: s.item() / c.item() for k, (s, c) in m.items()}
+    assert value["accuracy"] == 0.5 and value["margin"] == pytest.approx((1.0 - 1.0) / 2)
+    assert value["rewards/chosen"] == pytest.approx(0.75) and value["rewards/rejected"] == pytest.approx(0.75)
+    assert value["rewards/chosen_sq"] == pytest.approx((1.0 + 0.25) / 2)  # std = sqrt(0.625 - 0.75²) = 0.25
+    stage.loss_cfg = RewardLossConfig(use_margin=False)
+    loss2, _, _ = stage.loss(model, batch)
+    assert loss2.item() == pytest.approx(-math.log(sig(1.0)) - math.log(sig(-1.0)), rel=1e-6)
+    assert stage.num_tokens(batch) == int(batch["attention_mask"].sum())  # both sides, no padding
+
+
+# ---- the stage end to end (in-process, tiny) -------------------------------------------------------------
+def test_reward_model_learns_the_preference(run_a, base):
+    out, result = run_a
+    first, last = result["first_eval"], result["last_eval"]
+    assert first["val_accuracy"] < 0.8  # the fixture's answers have equal lengths: no free signal
+    assert last["val_accuracy"] >= 0.9 and last["val_margin"] > first["val_margin"] + 0.3
+    assert {"val_accuracy/even", "val_accuracy/odd", "val_rewards/chosen_std", "val_loss"} <= set(last)
+    assert last["val_accuracy/even"] >= 0.8 and last["val_accuracy/odd"] >= 0.8
+    rec = train_records(out)
+    assert sorted(rec) == list(range(1, 13))
+    assert {"accuracy", "margin", "rewards/chosen", "rewards/rejected", "rewards/chosen_sq",
+            "rewards/rejected_sq", "targets"} <= set(rec[1])
+    assert rec[1]["targets"] == 16  # pairs of the global batch
+    meta = read_meta(out / "checkpoints")
+    assert meta["architecture"] == "reward" and meta["stage"] == "reward" and meta["init"]["path"] == str(base)
+    model, _ = load_model(out)
+    assert isinstance(model, RewardModel)
+
+
+def test_scores_do_not_depend_on_the_padding_side(run_a, sp):
+    model, _ = load_model(run_a[0])
+    seqs = [sp.encode(f"hello {MARK} river"), sp.encode("a much longer line of several words here"), sp.encode("x")]
+    width = max(map(len, seqs))
+    right = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    left = torch.tensor([[0] * (width - len(s)) + s for s in seqs])
+    mask_r, mask_l = right.new_tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]), None
+    mask_l = right.new_tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+    with torch.no_grad():
+        r, l_ = score_sequences(model, right, mask_r), score_sequences(model, left, mask_l)
+        alone = torch.stack([score_sequences(model, torch.tensor([s]), torch.ones(1, len(s)))[0] for s in seqs])
+    assert torch.allclose(r, l_, atol=1e-5) and torch.allclose(r, alone, atol=1e-5)
+    assert r.std() > 0  # different sequences, different scores
+
+
+def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, base, tmp_path):
+    out_a, _ = run_a
+    out_b = tmp_path / "rm_b"
+    shutil.copytree(out_a / "checkpoints" / "step_00000006", out_b / "checkpoints" / "step_00000006")
+    (out_b / "checkpoints" / "latest").write_text("step_00000006\n")
+    run_reward(tiny_cfg(RewardConfig, data, base, out_b), resume="latest")
+    a, b = train_records(out_a), train_records(out_b)
+    assert sorted(b) == list(range(7, 13))
+    assert [(b[s]["loss"], b[s]["accuracy"]) for s in b] == [(a[s]["loss"], a[s]["accuracy"]) for s in b]
+
+
+# ---- bad inputs through the script: one line naming file and line, exit 2 ------------------------------------
+def good(i):
+    return marked_pairs(4, 7)[i]
+
+
+def bad_lines(case):
+    """(lines of the file, pattern the error must match)."""
+    ok = [json.dumps(good(i)) for i in range(3)]
+    if case == "malformed":
+        return ok[:1] + ['{"id": "x", "source": '] + ok[1:], r":2: invalid JSON"
+    if case == "missing":
+        return ok[:2] + [json.dumps({k: v for k, v in good(3).items() if k != "rejected"})], r":3: missing key\(s\) rejected"
+    if case == "roles":
+        return [json.dumps({**good(3), "chosen": [{"role": "user", "content": "hi"}]})] + ok, \
+            r":1: 'chosen' must be exactly one assistant message"
+    if case == "empty":
+        return ok + [json.dumps({**good(3), "rejected": [{"role": "assistant", "content": "  "}]})], r":4: 'rejected' is empty"
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["malformed", "missing", "roles", "empty"])
+def test_bad_preference_file_is_one_line(case, base, data, tmp_path):
+    lines, pattern = bad_lines(case)
+    bad = tmp_path / "preferences.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    shutil.copy(data.with_name("preferences_test.jsonl"), tmp_path / "preferences_test.jsonl")
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_reward.py"), *cli_flags(bad, base, tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: {bad}") and proc.stderr.count("\n") == 1, proc.stderr
+    import re
+    assert re.search(pattern, proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_pairs_over_the_context_are_counted_or_refused(base, data, tmp_path):
+    long = {**good(0), "id": "long", "chosen": [{"role": "assistant", "content": " ".join(["river"] * 80)}]}
+    mixed = tmp_path / "preferences.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in [good(0), long, good(1)]))
+    shutil.copy(data.with_name("preferences_test.jsonl"), tmp_path / "preferences_test.jsonl")
+    flags = cli_flags(mixed, base, tmp_path / "out", global_pairs=2, micro_pairs=1, max_steps=1, eval_every=0)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_reward.py"), *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{mixed}: 2 of 3 pairs fit 64 tokens (1 dropped as too long" in proc.stdout
+    only_long = tmp_path / "long" / "preferences.jsonl"
+    only_long.parent.mkdir()
+    only_long.write_text(json.dumps(long) + "\n")
+    shutil.copy(data.with_name("preferences_test.jsonl"), only_long.with_name("preferences_test.jsonl"))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_reward.py"),
+                           *cli_flags(only_long, base, tmp_path / "out2")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {only_long}: no pair fits seq_len 64 (1 read, 1 too long)")
+
+
+# ---- multi-process --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_gloo_processes_match_one(run_a, data, base, tmp_path):
+    out_a, _ = run_a  # 1 process × 2 micro-batches of 8 pairs
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29541",
+           str(ROOT / "scripts" / "train_reward.py"), *cli_flags(data, base, out)]
+    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) × 1 micro-steps" in proc.stdout
+    a, b = train_records(out_a), train_records(out)
+    assert sorted(a) == sorted(b)
+    diff = max(abs(a[s]["loss"] - b[s]["loss"]) for s in a)
+    print(f"reward model, 1 vs 2 processes: max |loss diff| over {len(a)} steps = {diff:.3g}")
+    assert diff < 1e-5
+    assert all(b[s]["grad_norm"] == pytest.approx(a[s]["grad_norm"], rel=1e-4) for s in a)
+    va = [r["val_accuracy"] for r in read_metrics(out_a / "metrics.jsonl") if "val_accuracy" in r]
+    vb = [r["val_accuracy"] for r in read_metrics(out / "metrics.jsonl") if "val_accuracy" in r]
+    assert va == vb
