@@ -34,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from sprout.formats.manifest import write_shard_manifest  # noqa: E402
 from sprout.formats.shards import shard_name, write_shard  # noqa: E402
 from sprout.train.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 
@@ -44,7 +45,7 @@ def synthetic_shards(folder: Path, vocab: int, train_tokens: int, val_tokens: in
     folder.mkdir(parents=True, exist_ok=True)
     write_shard(folder / shard_name("synthetic", "train", 0), rng.integers(0, vocab, train_tokens), np.uint16)
     write_shard(folder / shard_name("synthetic", "val", 0), rng.integers(0, vocab, val_tokens), np.uint16)
-    (folder / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": vocab}}))
+    write_shard_manifest(folder, "synthetic", vocab)
     return folder
 
 
@@ -80,7 +81,7 @@ def main() -> None:
         env["OMP_NUM_THREADS"] = "1"
 
     if gpu:
-        peak = max(measure_matmul_flops(n, torch.bfloat16, "cuda", seconds=2.0) for n in (4096, 8192))
+        peak = max(measure_matmul_flops(n, torch.bfloat16, "cuda", seconds=0.4) for n in (4096, 8192))
         config, vocab, seq, micro = "configs/gpt2-small/pretrain.yaml", 50257, 1024, 32768
         global_batch = micro * 4 * n_gpu
         fsdp_config = out / "fsdp.yaml"
@@ -88,7 +89,7 @@ def main() -> None:
                                .replace("num_processes: 8", f"num_processes: {n_gpu}"))
         device = f"{n_gpu} × {torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16"
     else:
-        peak = max(measure_matmul_flops(n, seconds=1.0) for n in (512, 1024))
+        peak = max(measure_matmul_flops(n, seconds=0.2) for n in (512, 1024))
         config, vocab, seq, micro = "configs/demo/pretrain.yaml", 4096, 256, 4096
         global_batch = micro * 2
         fsdp_config = ROOT / "configs/accelerate/cpu_fsdp.yaml"

@@ -70,7 +70,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     T, B, V = args.seq, args.batch, args.vocab
     tokens = B * T
-    peak = max(measure_matmul_flops(n, seconds=1.5) for n in (512, 1024, 2048))
+    peak = max(measure_matmul_flops(n, seconds=0.3) for n in (512, 1024, 2048))
     d_ff = args.d_ff or 16 * round(8 * args.d_model / 3 / 16)
 
     def sprout_model() -> Transformer:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,8 @@ from sprout.checkpoint import (
 from sprout.config import resume_free
 from sprout.errors import SproutError
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
-from sprout.train.metrics import MetricsLogger, check_trackers, measure_matmul_flops, mfu, plot_loss_curve
-from sprout.train.report import write_report
+from sprout.train.metrics import MetricsLogger, check_trackers, log_line, measure_matmul_flops, mfu, plot_loss_curve
+from sprout.train.report import start_record, write_report
 from sprout.train.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule  # noqa: F401 (re-exported)
 from sprout.train.schedule import chinchilla_steps
 from sprout.train.stage import Stage, TokenBatchConfig, TokenStage, micro_steps  # noqa: F401 (re-exported)
@@ -180,6 +181,7 @@ class Trainer:
         self.resumed_from: int | None = None
         self.last_checkpoint: Path | None = None
         self.evals: list[dict] = []
+        self.peak_source = "config"  # where peak_flops() took its figure: "config" | "measured"
 
     @property
     def world_size(self) -> int:
@@ -313,6 +315,7 @@ class Trainer:
                                  aliases=tied_aliases(self.raw_model),  # gathered: one copy per tied name
                                  optimizer=optim_state, rng_states=rngs, keep=self.cfg.keep_checkpoints,
                                  extra_state={"stage": tensors} if tensors is not None else None)
+            tqdm.write(f"saved checkpoint {path} (step {self.steps_done})")
         acc.wait_for_everyone()
         if self.out_dir is not None:
             self.last_checkpoint = self.out_dir / "checkpoints" / f"step_{self.steps_done:08d}"
@@ -366,20 +369,34 @@ class Trainer:
         return meta
 
     def peak_flops(self) -> float:
-        """Peak FLOP/s of one process for MFU: `train.peak_tflops`, or when it is 0 the best
-        matmul this process measures now (0.5 s; bf16 on a GPU under bf16 autocast, else fp32;
-        on a shared CPU the processes measure together, so each sees its share); 0.0 when
-        `train.peak_tflops` < 0 switches MFU off."""
+        """Peak FLOP/s of one process for MFU: `train.peak_tflops` (peak_source "config"), or when
+        it is 0 a matmul this process measures now (peak_source "measured": the median of 5
+        probes of 0.1 s; bf16 on a GPU under bf16 autocast, else fp32; on a shared CPU the
+        processes measure together, so each sees its share); 0.0 when `train.peak_tflops` < 0
+        switches MFU off. Every call (so every resume) measures again."""
         cfg, acc = self.cfg, self.accelerator
+        self.peak_source = "config"
         if cfg.peak_tflops != 0:
             return max(0.0, cfg.peak_tflops * 1e12)
         gpu = acc.device.type == "cuda"
         dtype = torch.bfloat16 if gpu and acc.mixed_precision == "bf16" else torch.float32
         n = 4096 if gpu else 1024
-        peak = measure_matmul_flops(n, dtype, acc.device, seconds=0.5)
+        peak = measure_matmul_flops(n, dtype, acc.device, probes=5, seconds=0.1)
+        self.peak_source = "measured"
         acc.print(f"MFU against a measured {dtype} matmul peak of {peak / 1e12:.3g} TFLOP/s per process "
                   f"(set train.peak_tflops to use the hardware's figure instead)")
         return peak
+
+    def log_samples(self, stage: Stage, logger: MetricsLogger | None) -> list[tuple[str, str]]:
+        """`stage.samples(generation_model)`: (prompt, answer) pairs generated now, logged as a
+        `samples` record for report.md (all ranks call: generation may be a collective)."""
+        self.generation_model.eval()
+        samples = stage.samples(self.generation_model)
+        self.model.train()
+        if logger:
+            logger.log({"event": "samples", "step": self.steps_done, "samples": [{"prompt": p, "answer": a}
+                        for p, a in samples], "decoding": getattr(stage, "sample_decoding", "greedy")}, track=False)
+        return samples
 
     # ---- the outer loop ----------------------------------------------------------------------
     def fit(self, stage: Stage) -> dict:
@@ -398,8 +415,14 @@ class Trainer:
         logger = MetricsLogger(self.out_dir, acc, trackers=cfg.trackers, run_config=self.meta.get("config"),
                                resume_step=self.resumed_from) if self.out_dir else None
         peak = self.peak_flops()
+        if logger and acc.is_main_process:
+            logger.log(start_record(self.steps_done, peak_flops=peak, peak_source=self.peak_source,
+                                    device=acc.device, world_size=self.world_size,
+                                    precision=acc.mixed_precision), track=False)
+        # A bar only on a terminal; in a log file (or with train.progress off) plain lines instead.
         bar = tqdm(total=cfg.max_steps, initial=self.steps_done, desc=stage.name, dynamic_ncols=True,
-                   disable=not (cfg.progress and acc.is_main_process))
+                   disable=not (cfg.progress and acc.is_main_process and sys.stderr.isatty()))
+        t_start, steps_start, shown = time.perf_counter(), self.steps_done, {}
         try:
             if self.steps_done == 0:
                 self.evaluate(stage, logger)
@@ -419,7 +442,7 @@ class Trainer:
                 window["flops"] += m["flops"]
                 window["generated"] += state["generated"]
                 bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
+                bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.3f}", **shown)
                 s, done = self.steps_done, self.steps_done == cfg.max_steps
                 if s % cfg.log_every == 0 or done:
                     wall = time.perf_counter() - t0
@@ -433,11 +456,13 @@ class Trainer:
                         record["generation/tokens_per_s"] = window["generated"] / window["batch_s"]
                     if peak > 0 and window["flops"] > 0 and train_s > 0:
                         record["mfu"] = mfu(window["flops"], train_s, peak * self.world_size)
+                    record["elapsed_s"] = time.perf_counter() - t_start  # this segment, evals included
                     if logger:
                         logger.log(record)
-                    if bar.disable and acc.is_main_process:  # no bar: a plain log line instead
-                        print(f"step {s}/{cfg.max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | "
-                              f"{tps:,.0f} tok/s", flush=True)
+                    shown = {"tok/s": f"{tps:,.0f}", **({"MFU": f"{record['mfu']:.1%}"} if "mfu" in record else {})}
+                    if bar.disable and acc.is_main_process:  # no bar: a plain log line
+                        eta = record["elapsed_s"] / (s - steps_start) * (cfg.max_steps - s)
+                        print(log_line(record, cfg.max_steps, eta), flush=True)
                     t0, steps0 = time.perf_counter(), s
                     window = dict.fromkeys(window, 0)
                 paused = time.perf_counter()
@@ -452,16 +477,23 @@ class Trainer:
                 self.evaluate(stage, logger)
             if last_save != self.steps_done:
                 self.save(stage)
+            if hasattr(stage, "samples"):  # a chat stage shows what it now answers (every rank generates)
+                self.log_samples(stage, logger)
+            if logger:
+                logger.log({"event": "end", "step": self.steps_done, "elapsed_s": time.perf_counter() - t_start},
+                           track=False)
         finally:
             bar.close()
             if logger:
                 logger.close()
         if self.out_dir and acc.is_main_process:
-            plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+            png = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
+                                  loss_label=getattr(stage, "loss_label", "loss"), title=self.out_dir.name)
             n_params = sum(p.numel() for p in self.raw_model.parameters())  # a tied matrix counts once
             ckpt = os.path.relpath(self.last_checkpoint, self.out_dir) if self.last_checkpoint else None
-            write_report(self.out_dir, stage=stage.name, meta=self.meta, num_params=n_params,
-                         world_size=self.world_size, precision=acc.mixed_precision, checkpoint=ckpt)
+            report = write_report(self.out_dir, stage=stage.name, meta=self.meta, num_params=n_params,
+                                  world_size=self.world_size, precision=acc.mixed_precision, checkpoint=ckpt)
+            print(f"report: {report}" + (f"\nloss curve: {png}" if png else ""), flush=True)
         return {"first_eval": self.evals[0] if self.evals else None,
                 "last_eval": self.evals[-1] if self.evals else None, "steps": self.steps_done,
                 "tokens": self.tokens_seen, "checkpoint": self.last_checkpoint}

@@ -3,16 +3,29 @@
 Written by rank 0 at the end of `Trainer.fit`, next to metrics.jsonl and loss.png, from
 those records and the checkpoint meta; every figure in it is read from metrics.jsonl, so
 the report can be rebuilt from a run folder at any time (`write_report`).
+
+Besides training and eval records, metrics.jsonl holds one run-start record per segment
+of the run (the first start and every resume; `start_record`): its step, the UTC time, the
+command line, the git commit of the code, the hardware, world size and precision, and the
+matmul peak its MFU is measured against with where that figure came from ("measured" at the
+start of that segment, or "config": `train.peak_tflops`). A segment's wall-clock time is the
+last `elapsed_s` it logged. Chat stages log a `samples` record: prompts and the answers the
+model generated at the end of training.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import statistics
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sprout.atomic import atomic_write
-from sprout.train.metrics import METRICS, read_metrics
+from sprout.atomic import atomic_write, sha256_file
+from sprout.train.metrics import METRICS, duration, read_metrics
 
 
 def _fmt(v) -> str:
@@ -21,12 +34,170 @@ def _fmt(v) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
+# ---- facts about the run, recorded at its start -------------------------------------------------
+def git_commit(where: str | Path | None = None) -> str:
+    """The commit checked out where the sprout code lies ("-dirty" when files differ from it), or
+    "unknown" outside a git checkout or without git; never raises."""
+    where = Path(where or Path(__file__).resolve().parent)
+    try:
+        def git(*args):
+            return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, else `platform.processor()`), or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def hardware(device) -> dict:
+    """{"cpu": model, "cpu_count": n, "gpu": name or None, "gpu_count": n} of this machine."""
+    import torch
+
+    gpu = str(device).startswith("cuda") and torch.cuda.is_available()
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count() or 0,
+            "gpu": torch.cuda.get_device_name(0) if gpu else None,
+            "gpu_count": torch.cuda.device_count() if gpu else 0}
+
+
+def start_record(step: int, *, peak_flops: float, peak_source: str, device, world_size: int,
+                 precision: str) -> dict:
+    """The run-start record of a segment (see the module docstring); `peak_flops` per process."""
+    return {"event": "start", "step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "peak_tflops": peak_flops / 1e12, "peak_source": peak_source, "world_size": world_size,
+            "precision": precision, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "git_commit": git_commit(), "hardware": hardware(device)}
+
+
+# ---- report sections ---------------------------------------------------------------------------
 def eval_table(evals: list[dict]) -> list[str]:
     """Markdown rows: one per eval record, a column per val_* field."""
     keys = sorted({k for r in evals for k in r if k.startswith("val_")})
     lines = ["| step | tokens | " + " | ".join(keys) + " |", "| ---: | ---: |" + " ---: |" * len(keys)]
     for r in evals:
         lines.append(f"| {r['step']:,} | {r['tokens']:,} | " + " | ".join(_fmt(r.get(k, "")) for k in keys) + " |")
+    return lines
+
+
+def segments(records: list[dict]) -> list[dict]:
+    """The run's segments in order: each start record with `records` (what it logged after it)."""
+    out: list[dict] = []
+    for r in records:
+        if r.get("event") == "start":
+            out.append({**r, "records": []})
+        elif out:
+            out[-1]["records"].append(r)
+    return out
+
+
+def _wall_s(segment: dict) -> float | None:
+    times = [r["elapsed_s"] for r in segment["records"] if "elapsed_s" in r]
+    return max(times) if times else None
+
+
+def _hardware_line(hw: dict) -> str:
+    cpu = f"{hw.get('cpu', 'unknown')} ({hw.get('cpu_count', '?')} cores)"
+    gpu = f"{hw['gpu_count']} × {hw['gpu']}" if hw.get("gpu") else "no GPU"
+    return f"{cpu}; {gpu}"
+
+
+def _peak(seg: dict) -> str:
+    if seg.get("peak_tflops", 0) <= 0:
+        return "no MFU (train.peak_tflops < 0)"
+    how = "measured at this start" if seg.get("peak_source") == "measured" else "train.peak_tflops"
+    return f"{seg['peak_tflops']:.3g} TFLOP/s per process ({how})"
+
+
+def run_section(segs: list[dict]) -> list[str]:
+    """Command line, commit, hardware, world size, precision, wall-clock time, then every resume."""
+    first = segs[0]
+    walls = [w for w in map(_wall_s, segs) if w is not None]
+    lines = ["## Run", "",
+             f"- command: `{first.get('command', 'unknown')}`",
+             f"- git commit: `{first.get('git_commit', 'unknown')}`",
+             f"- hardware: {_hardware_line(first.get('hardware', {}))}",
+             f"- world size {first.get('world_size')}; precision {first.get('precision')}",
+             f"- started {first.get('time')}; wall-clock time {duration(sum(walls)) if walls else 'unknown'}"
+             + (f" over {len(segs)} segments" if len(segs) > 1 else ""), ""]
+    lines += ["| segment | from step | started (UTC) | wall time | MFU against | command |",
+              "| ---: | ---: | --- | ---: | --- | --- |"]
+    for i, seg in enumerate(segs):
+        wall = _wall_s(seg)
+        what = "start" if i == 0 and seg["step"] == 0 else "resume"
+        lines.append(f"| {i + 1} ({what}) | {seg['step']:,} | {seg.get('time')} | "
+                     f"{duration(wall) if wall is not None else '—'} | {_peak(seg)} | `{seg.get('command', '')}` |")
+    for i, seg in enumerate(segs[1:], 2):
+        if seg.get("git_commit") != first.get("git_commit") or seg.get("hardware") != first.get("hardware"):
+            lines.append(f"\nSegment {i} ran on commit `{seg.get('git_commit')}`, "
+                         f"{_hardware_line(seg.get('hardware', {}))}, world size {seg.get('world_size')}.")
+    return lines + [""]
+
+
+def _init_sha256(init: dict) -> str | None:
+    """The base checkpoint's weights sha256: recorded in the meta, else read from its meta.json."""
+    if init.get("weights_sha256"):
+        return init["weights_sha256"]
+    try:
+        meta = json.loads((Path(init["path"]) / "meta.json").read_text())
+        return meta.get("files", {}).get("model.safetensors")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _data_files(meta: dict) -> list[tuple[str, str, str | None, str]]:
+    """(role, path, sha256, when) of the run's data: `meta["data"]` when the stage recorded it
+    ({role: {"path", "sha256"}}), else the config's data paths hashed now."""
+    recorded = meta.get("data")
+    if isinstance(recorded, dict) and recorded:
+        return [(role, d.get("path", "?"), d.get("sha256"), "recorded at the start")
+                for role, d in recorded.items() if isinstance(d, dict)]
+    data = meta.get("config", {}).get("data", {})
+    out = []
+    for role, key in (("train", "path"), ("val", "val_path")):
+        path = data.get(key)
+        if role == "val" and not path and data.get("path", "").endswith(".h5"):
+            path = data["path"][:-3] + "_val.h5"
+        if path and Path(path).is_file():
+            out.append((role, path, sha256_file(path), "at the end of the run"))
+    return out
+
+
+def provenance_section(meta: dict) -> list[str]:
+    """The init checkpoint and the data, with their sha256, for stages that start from a checkpoint."""
+    init = meta.get("init")
+    if not isinstance(init, dict):
+        return []
+    sha = _init_sha256(init)
+    lines = ["## Inputs", "",
+             f"- init checkpoint: `{init.get('path')}` ({init.get('stage')} step {init.get('step')}); "
+             f"weights sha256 `{sha or 'unknown'}`"]
+    for role, path, digest, when in _data_files(meta):
+        lines.append(f"- {role} data: `{path}`; sha256 `{digest or 'unknown'}` ({when})")
+    return lines + [""]
+
+
+def samples_section(records: list[dict]) -> list[str]:
+    """The last samples record: each prompt and the answer generated at the end of training."""
+    rec = next((r for r in reversed(records) if r.get("event") == "samples"), None)
+    if rec is None:
+        return []
+    lines = ["## Samples", "", f"Generated at step {rec['step']:,} ({rec.get('decoding', 'greedy')}).", ""]
+    for s in rec["samples"]:
+        answer = s["answer"].strip().replace("\n", "\n> ") or "(empty answer)"
+        lines += [f"**{s['prompt']}**", "", f"> {answer}", ""]
     return lines
 
 
@@ -37,20 +208,24 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
     records = read_metrics(out_dir / METRICS)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("val_") for k in r)]
+    segs = segments(records)
     cfg, model = meta.get("config", {}), meta.get("model_config", {})
     tcfg, ocfg = cfg.get("train", {}), cfg.get("optim", {})
     batch = ", ".join(f"{k} {_fmt(v)}" for k, v in cfg.get("batch", {}).items())
     lines = [f"# {stage} run: {out_dir.name}", "",
-             f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by sprout at the end of training.", "",
-             "## Setup", "",
-             f"- model: {num_params:,} parameters; " + ", ".join(f"{k} {model[k]}" for k in
-                                                                ("d_model", "n_layers", "n_heads", "vocab_size",
-                                                                 "max_seq_len") if k in model),
-             f"- tokenizer: `{meta.get('tokenizer')}`",
-             f"- {world_size} process(es); batch: {batch or 'n/a'}; "
-             f"lr {ocfg.get('lr')} ({ocfg.get('schedule')}); mixed precision {precision}; "
-             f"compile {tcfg.get('compile')}",
-             "- full config: `config.yaml`", ""]
+             f"Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by sprout at the end of training.", ""]
+    if segs:
+        lines += run_section(segs)
+    lines += ["## Setup", "",
+              f"- model: {num_params:,} parameters; " + ", ".join(f"{k} {model[k]}" for k in
+                                                                 ("d_model", "n_layers", "n_heads", "vocab_size",
+                                                                  "max_seq_len") if k in model),
+              f"- tokenizer: `{meta.get('tokenizer')}`",
+              f"- {world_size} process(es); batch: {batch or 'n/a'}; "
+              f"lr {ocfg.get('lr')} ({ocfg.get('schedule')}); mixed precision {precision}; "
+              f"compile {tcfg.get('compile')}",
+              "- full config: `config.yaml`", ""]
+    lines += provenance_section(meta)
     if train:
         tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
         mfus = [r["mfu"] for r in train if "mfu" in r]
@@ -63,6 +238,11 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
         if tps:
             lines.append(f"- training throughput (optimizer steps only): median {statistics.median(tps):,.0f} "
                          "tokens/s" + (f", MFU {statistics.median(mfus):.1%}" if mfus else ""))
+        for i, seg in enumerate(segs if mfus else [], 1):
+            seg_mfu = [r["mfu"] for r in seg["records"] if "mfu" in r]
+            if seg_mfu:
+                lines.append(f"  - segment {i} (from step {seg['step']:,}): MFU median {statistics.median(seg_mfu):.1%}"
+                             f" against {_peak(seg)}")
         if batch_s:
             lines.append(f"- preparing each step's batches (next_micro_batches): median "
                          f"{statistics.median(batch_s):.3f} s per step"
@@ -70,6 +250,7 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
         lines.append("")
     if evals:
         lines += ["## Evaluations", "", *eval_table(evals), ""]
+    lines += samples_section(records)
     if (out_dir / "loss.png").is_file():
         lines += ["## Loss", "", "![loss curve](loss.png)", ""]
     if checkpoint is not None:

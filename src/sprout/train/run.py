@@ -29,6 +29,7 @@ from sprout.config import config_to_dict, dump_yaml, load_config, resume_config
 from sprout.train.fsdp import local_params
 from sprout.train.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
 from sprout.train.optim import build_optimizer, lr_schedule
+from sprout.train.schedule import warmup_warning
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
@@ -99,6 +100,8 @@ def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = No
     acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es)"
               + (f" × {micro_steps} micro-steps" if micro_steps else "")
               + f" | {train_cfg.max_steps} steps; batch " + ", ".join(f"{k} {v:,}" for k, v in vars(cfg.batch).items()))
+    if warning := warmup_warning(cfg.optim.warmup_steps, train_cfg.max_steps):
+        acc.print(warning)
     if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
         acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
                   f"{local_params(trainer.model):,} of {model.num_params():,}")

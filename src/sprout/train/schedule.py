@@ -41,6 +41,15 @@ def lr_at(step: int, *, peak: float, total_steps: int, warmup_steps: int = 0, ki
     return peak + (low - peak) * progress
 
 
+def warmup_warning(warmup_steps: int, total_steps: int) -> str | None:
+    """A one-line warning when the lr warmup does not end before the run does (the peak lr is
+    then never reached), else None."""
+    if warmup_steps >= total_steps > 0:
+        return (f"warning: optim.warmup_steps {warmup_steps} >= train.max_steps {total_steps}: the lr never "
+                f"reaches its peak (it ends at {min(total_steps, warmup_steps) / warmup_steps:.0%} of optim.lr)")
+    return None
+
+
 def seq_len_stages(final: int, start: int) -> list[int]:
     """[start, 2*start, ...] below `final`, then `final`: e.g. (512, 128) -> [128, 256, 512]."""
     stages, t = [], start
