@@ -4,7 +4,8 @@
     python scripts/chat.py runs/demo/sft_model --prompt "Name three colours." --temperature 0
     python scripts/chat.py runs/demo/sft_model --system "You answer briefly." --top-p 0.9 --seed 1
 
-The checkpoint may be a checkpoint dir, a run dir or its checkpoints/ folder (newest one).
+A base (pretraining) checkpoint is not chat-tuned: chat says so on stderr and carries on;
+scripts/sample.py continues raw text instead. The checkpoint may be a checkpoint dir, a run dir or its checkpoints/ folder (newest one).
 The tokenizer is the copy its run folder keeps (or, for older checkpoints, the spec its meta
 names; `--tokenizer SPEC` to point elsewhere), so this works from any directory. The history
 is rendered with the chat template and answered with KV-cache sampling until the
@@ -12,12 +13,13 @@ end-of-turn token; see sprout/model/chat_session.py.
 """
 
 import argparse
+import sys
 
 import torch
 
 from sprout.chat import ChatError
 from sprout.model.chat_session import ChatSession, load_chat_model
-from sprout.errors import run_main
+from sprout.errors import SproutError, run_main
 
 
 def main() -> None:
@@ -33,7 +35,12 @@ def main() -> None:
     p.add_argument("--tokenizer", help="tokenizer spec (default: the one in the checkpoint's meta)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
+    if args.max_new_tokens < 1:
+        raise SproutError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
     model, tok, meta = load_chat_model(args.checkpoint, args.device, args.tokenizer)
+    if meta.get("stage") == "pretrain":
+        print(f"note: {meta['path']} is a base model (pretraining), not chat-tuned: expect text that ignores "
+              f"the conversation; scripts/sample.py continues raw text", file=sys.stderr)
     session = ChatSession(model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.prompt is not None:
