@@ -16,7 +16,8 @@ a row by `sprout.prep.sft` (format: `sprout.formats.sft`). For each micro-batch 
   predicted distribution; the loop also logs `targets`, the trained tokens of the step.
 
 Eval: masked loss and token accuracy over every row of the val file (`sft_val.h5`), rows
-split across processes and the sums reduced over them.
+split across processes and the sums reduced over them. At the end of training the stage
+answers `sample_prompts` greedily (`SFTStage.samples`), shown in report.md.
 
 `run_sft(cfg, resume)` is what `scripts/train_sft.py` does after parsing its arguments:
 start from a base checkpoint (`init`; the model config comes from its meta), refuse SFT data
@@ -37,10 +38,11 @@ import numpy as np
 import torch
 
 from data_loader.sft import SFTLoader, shift
-from sprout.chat import TEMPLATE_VERSION
+from sprout.chat import TEMPLATE_VERSION, ChatError
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
+from sprout.model.chat_session import ChatSession
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.sft import SFTFile, val_path
 from sprout.config import resume_free
@@ -59,6 +61,9 @@ class DataConfig:
     epochs: float = resume_free(1.0)  # sets train.max_steps when that is null
 
 
+SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one sentence about the sea.")
+
+
 @dataclass
 class SFTConfig:
     init: str = resume_free("")   # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
@@ -67,6 +72,8 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
     out: str = resume_free("runs/sft")
+    # Answered greedily at the end of training and shown in report.md ([] for none).
+    sample_prompts: list = resume_free(default_factory=lambda: list(SAMPLE_PROMPTS))
 
 
 def sft_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -85,9 +92,13 @@ class SFTStage(TokenStage):
     FLOPs count every row position, padding included (`TokenStage`)."""
 
     name = "sft"
+    loss_label = "masked loss"  # the y axis of loss.png
+    sample_decoding = "greedy, at most 64 new tokens"
 
-    def __init__(self, accelerator, loader: SFTLoader, val: SFTLoader, accum_steps: int):
+    def __init__(self, accelerator, loader: SFTLoader, val: SFTLoader, accum_steps: int, *,
+                 tokenizer=None, sample_prompts=()):
         self.acc, self.loader, self.val, self.accum_steps = accelerator, loader, val, accum_steps
+        self.tokenizer, self.sample_prompts = tokenizer, list(sample_prompts)
 
     def next_micro_batches(self, step: int) -> list[dict]:
         """One loader batch (this rank's share of the global batch) cut into accum_steps micro-batches."""
@@ -126,6 +137,22 @@ class SFTStage(TokenStage):
         if tot["n"] == 0:
             raise SproutError(f"{val.path}: the val file has no trained tokens; nothing to evaluate")
         return {"val_loss": tot["nll"] / tot["n"], "val_accuracy": tot["correct"] / tot["n"]}
+
+    @torch.no_grad()
+    def samples(self, model) -> list[tuple[str, str]]:
+        """(prompt, answer) for each sample prompt: one user turn rendered with the chat template,
+        answered greedily (`sprout.model.chat_session.ChatSession`, temperature 0), so the
+        answers are the same on every rank and touch no RNG."""
+        if self.tokenizer is None or not self.sample_prompts:
+            return []
+        out = []
+        for prompt in self.sample_prompts:
+            session = ChatSession(model, self.tokenizer, max_new_tokens=64, temperature=0.0)
+            try:
+                out.append((prompt, session.send(prompt).text))
+            except ChatError as exc:
+                out.append((prompt, f"(not generated: {exc})"))
+        return out
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -172,6 +199,15 @@ def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, 
                           f"data with --seq-len {model_cfg.max_seq_len}")
 
 
+def _sample_tokenizer(base: dict):
+    """The base checkpoint's tokenizer for the end-of-training samples, or None (no samples)
+    when it cannot be loaded here."""
+    try:
+        return checkpoint_tokenizer(base)
+    except SproutError:
+        return None
+
+
 def _attrs(path: Path) -> dict:
     with SFTFile(path) as f:
         return f.attrs
@@ -211,7 +247,8 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
     acc.print(f"sft: {data} ({loader.num_rows:,} rows of {row_len}, {loader.steps_per_epoch} steps per epoch), "
               f"val {val} ({val_loader.num_rows:,} rows); base {base['path']} (step {base.get('step')})")
-    stage = SFTStage(acc, loader, val_loader, accum)
+    stage = SFTStage(acc, loader, val_loader, accum, tokenizer=_sample_tokenizer(base),
+                     sample_prompts=cfg.sample_prompts)
     provenance = {"tokenizer_fingerprint": attrs["tokenizer_fingerprint"],
                   "template_version": attrs["template_version"], "template": attrs["template"],
                   "init": {"path": base["path"], "stage": base.get("stage"), "step": base.get("step")}}
