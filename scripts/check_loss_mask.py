@@ -1,10 +1,15 @@
 """Check every row of a packed SFT file's loss mask, print totals, show rows highlighted.
 
     python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --show 3 --html mask.html
+    python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --rows 5,17,2328
+    python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --random 4 --seed 1
 
+Rows shown: by default --show rows that hold a packing boundary, a trained end-of-turn token
+and padding; --rows picks them by number, --random N draws N with --seed (the same rows for
+the same seed). Examples the prep truncated or dropped are summarised in warning lines.
 Exit status: 0 when every invariant of `sprout.formats.maskcheck` holds, 1 on any violation
 (each printed with its row and position), 2 when the file is missing, corrupted
-(checksum mismatch) or not an SFT file.
+(checksum mismatch), not an SFT file, or holds no rows.
 
 A preference file (`.jsonl`) is checked pair by pair as the preference loader renders it
 (`sprout.formats.pair_maskcheck`); it needs the tokenizer and the context length:
@@ -31,7 +36,8 @@ import sys
 from sprout.atomic import atomic_write
 from sprout.chat import template_for
 from sprout.errors import SproutError, run_main
-from sprout.formats.maskcheck import check_arrays, format_row, rows_html
+from sprout.formats.maskcheck import (check_arrays, format_row, parse_rows, prep_warnings, random_rows, rows_html,
+                                      telling_rows)
 from sprout.formats.pair_maskcheck import check_preferences, format_pair, pairs_html
 from sprout.formats.preference_tokens import TRUNCATIONS
 from sprout.formats.prompt_maskcheck import check_prompts, format_prompt, holds_prompts, prompts_html
@@ -43,6 +49,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("file", help="packed SFT file (.h5), preference file or RL prompt file (.jsonl)")
     parser.add_argument("--show", type=int, default=2, help="rows to print with trained tokens highlighted")
+    parser.add_argument("--rows", help="SFT files: show these rows, e.g. 5,17,2328")
+    parser.add_argument("--random", type=int, metavar="N", help="SFT files: show N rows drawn at random with --seed")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
     parser.add_argument("--html", help="also write the shown rows to this HTML page")
     parser.add_argument("--mirror", help="data mirror for tiktoken ranks (default: $SPROUT_MIRROR, else ../shared/data; see sprout.mirror)")
     parser.add_argument("--tokenizer", help="tokenizer spec, if the stored one has moved")
@@ -59,6 +68,9 @@ def main() -> int:
     with SFTFile(args.file) as f:
         arrays = f.verify()
         attrs = f.attrs
+    n_rows = len(arrays["tokens"])
+    if n_rows == 0:
+        raise SproutError(f"{args.file}: the file holds no rows; an empty SFT file fails the check")
     tok = load_tokenizer(args.tokenizer or attrs["tokenizer_spec"], mirror=args.mirror)
     if tok.fingerprint() != attrs["tokenizer_fingerprint"]:
         raise SproutError(f"{args.file}: written with tokenizer {attrs['tokenizer_spec']} "
@@ -72,15 +84,24 @@ def main() -> int:
     totals = report.totals()
 
     color = not args.no_color and sys.stdout.isatty()
-    shown = list(range(min(args.show, report.rows)))
+    if args.rows:
+        shown = parse_rows(args.rows, n_rows, args.file)
+    elif args.random:
+        shown = random_rows(n_rows, args.random, args.seed)
+    else:
+        shown = telling_rows(arrays, tpl, args.show)
     for r in shown:
         print(format_row(arrays, r, tpl, tok, color=color))
+    warnings = prep_warnings(attrs["counts"])
     if args.html:
         with atomic_write(args.html, "w") as out:
-            out.write(rows_html(arrays, shown, tpl, tok, f"loss mask: {args.file}", totals))
+            out.write(rows_html(arrays, shown, tpl, tok, f"loss mask: {args.file}", totals, warnings))
     print(f"{args.file}: {attrs['split']} split, tokenizer {attrs['tokenizer_spec']}, template {attrs['template_version']}")
+    print(f"  rows shown: {', '.join(map(str, shown))}")
     for key, value in totals.items():
         print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value:,}")
+    for line in warnings:
+        print(line, file=sys.stderr)
     if report.violations:
         for v in report.violations:
             print(f"FAIL {args.file}: {v}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """The loss-mask checker catches each kind of misaligned mask, and corrupted files fail loudly."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ from sft_fixtures import source_list, write_sources
 
 from sprout.chat import segment, template_for
 from sprout.errors import SproutError
-from sprout.formats.maskcheck import check_arrays, format_row, rows_html
+from sprout.formats.maskcheck import (CUT_LABEL, check_arrays, format_row, parse_rows, prep_warnings, random_rows,
+                                      rows_html, telling_rows)
 from sprout.formats.sft import SFTFile, write_sft
 from sprout.prep.sft import SFTDataConfig, prepare
 
@@ -135,7 +137,7 @@ def test_cli_exit_codes_and_html(clean, tok, mirror, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "rows_without_trained_token" in ok.stdout and "trained_fraction" in ok.stdout
     page = (tmp_path / "v.html").read_text()
-    assert "class='trained'" in page and "row 0" in page
+    assert "class='t trained'" in page and "<h3>row " in page
     bad = {k: v.copy() for k, v in arrays.items()}
     r, start, _, turns = first_doc_with_user_turn(bad, tok)
     bad["loss_mask"][r, start] = 1  # the first header token of the document
@@ -203,3 +205,92 @@ def test_truncated_answers_pass_only_when_recorded(tok, tmp_path):
     report = check_arrays(arrays, template_for(tok), attrs["pad_id"], attrs["vocab_size"], truncated_open=0)
     assert [v.row for v in report.violations] == [None]
     assert "end without their end-of-turn token" in report.violations[0].message
+
+
+# ---- choosing rows, warnings, the page ----------------------------------------------------------
+def cli(*args, mirror):
+    return subprocess.run([sys.executable, "scripts/check_loss_mask.py", *map(str, args), "--mirror", str(mirror)],
+                          cwd=ROOT, capture_output=True, text=True)
+
+
+def test_default_rows_show_a_boundary_a_trained_eot_and_padding(clean, tok):
+    _, arrays, _ = clean
+    tpl = template_for(tok)
+    tokens, mask, seg = arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"]
+    has = {"boundary": seg.max(axis=1) >= 2, "eot": ((tokens == tpl.eot_id) & (mask == 1)).any(axis=1),
+           "padding": (seg == 0).any(axis=1)}
+    assert all(h.any() for h in has.values()), "fixture needs each kind of row"
+    picked = telling_rows(arrays, tpl, 3)
+    assert len(picked) == len(set(picked)) and all(has[k][picked].any() for k in has)
+    one = telling_rows(arrays, tpl, 1)[0]
+    if (has["boundary"] & has["eot"] & has["padding"]).any():  # one row shows all three when one can
+        assert all(has[k][one] for k in has)
+
+
+def test_rows_by_number_and_seeded_random_rows(clean, tok, mirror):
+    path, arrays, _ = clean
+    n = len(arrays["tokens"])
+    assert parse_rows("1, 0", n, "f") == [1, 0]
+    for bad, msg in ((f"{n}", f"row {n} is past the end of f ({n:,} rows)"), ("x", "'x' is not a row number")):
+        with pytest.raises(SproutError, match=re.escape(msg)):
+            parse_rows(bad, n, "f")
+    assert random_rows(1000, 5, seed=1) == random_rows(1000, 5, seed=1) != random_rows(1000, 5, seed=2)
+    assert len(set(random_rows(1000, 5, seed=1))) == 5 and random_rows(3, 10, seed=0) == [0, 1, 2]
+    shown = cli(path, "--rows", "1,0", "--no-color", mirror=mirror)
+    assert shown.returncode == 0 and "rows shown: 1, 0" in shown.stdout
+    assert shown.stdout.index("── row 1 ") < shown.stdout.index("── row 0 ")
+    drawn = [cli(path, "--random", 2, "--seed", 5, mirror=mirror).stdout for _ in range(2)]
+    line = next(x for x in drawn[0].splitlines() if "rows shown:" in x)
+    assert line in drawn[1] and line.strip() == "rows shown: " + ", ".join(map(str, random_rows(n, 2, 5)))
+    past = cli(path, "--rows", n, mirror=mirror)
+    assert past.returncode == 2 and past.stderr.count("\n") == 1 and "past the end" in past.stderr
+
+
+def test_prep_warnings_hand_computed():
+    counts = {"split": {"examples_in": 10, "truncated": 2, "truncated_open": 1, "prompt_too_long": 3,
+                        "overlong_dropped": 0, "dropped_empty_turn": 1, "rows": 4}}
+    assert prep_warnings(counts) == [
+        "warning: 2 of 10 examples were truncated to fit seq_len (1 cut inside an answer, without their "
+        "end-of-turn token)",
+        "warning: 4 of 10 examples were dropped (dropped_empty_turn 1, prompt_too_long 3)"]
+    assert prep_warnings({"split": {"examples_in": 10, "truncated": 0}}) == []
+
+
+def test_truncation_warned_and_marked_on_the_page(tok, tmp_path, mirror):
+    sources = source_list(write_sources(tmp_path / "src"))
+    out = tmp_path / "short.h5"
+    prepare(SFTDataConfig(tokenizer=tok.spec, out=str(out), seq_len=40, sources=sources, val_fraction=0.0),
+            tok, log=lambda *_: None)
+    with SFTFile(out) as f:
+        arrays, counts = f.verify(), f.attrs["counts"]
+    open_rows = [r for r in range(len(arrays["tokens"]))
+                 if arrays["segment_ids"][r, -1] and arrays["tokens"][r, -1] != template_for(tok).eot_id]
+    assert open_rows, "fixture needs a truncated answer"
+    result = cli(out, "--rows", open_rows[0], "--html", tmp_path / "p.html", mirror=mirror)
+    assert result.returncode == 0, result.stderr
+    assert f"warning: {counts['split']['truncated']:,} of" in result.stderr and "truncated to fit" in result.stderr
+    page = (tmp_path / "p.html").read_text()
+    assert CUT_LABEL in page and "class='warn'" in page
+    ids = arrays["tokens"][open_rows[0]]
+    assert f"title='id {int(ids[-1])}'" in page  # the last token in its own box, with its id
+
+
+def test_page_names_the_eot_and_rounds_figures(clean, tok):
+    _, arrays, _ = clean
+    tpl = template_for(tok)
+    row = telling_rows(arrays, tpl, 1)[0]
+    page = rows_html(arrays, [row], tpl, tok, "t", {"trained_fraction": 0.123456, "rows": 12345})
+    assert "&lt;end-of-turn&gt;</span>" in page and f"id {tpl.eot_id}: end-of-turn" in page
+    assert "<td>12.3%</td>" in page and "<td>12,345</td>" in page and "0.123456" not in page
+    trained = int(arrays["loss_mask"][row].sum())
+    eots = int(((arrays["tokens"][row] == tpl.eot_id) & (arrays["loss_mask"][row] == 1)).sum())
+    assert page.count("class='t trained'") == trained - eots  # one box per trained token, the eot named apart
+
+
+def test_a_file_without_rows_fails_with_one_line(clean, tmp_path, mirror):
+    _, arrays, attrs = clean
+    empty = {k: v[:0] for k, v in arrays.items()}
+    path = _rewrite(tmp_path / "empty.h5", empty, attrs)
+    result = cli(path, mirror=mirror)
+    assert result.returncode == 2
+    assert result.stderr == f"error: {path}: the file holds no rows; an empty SFT file fails the check\n"

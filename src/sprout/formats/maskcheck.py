@@ -17,7 +17,12 @@ A misaligned loss mask silently wrecks SFT, so every row of a packed SFT file
   `truncated_open` count the prep stored.
 
 Violations name the row and the position in the row. `format_row` and `rows_html` show
-rows with trained tokens highlighted (ANSI in the terminal, a page for `--html`).
+rows with trained tokens highlighted (ANSI in the terminal, a page for `--html` with every
+token in its own box, the end-of-turn token named and truncated answers marked); rows are
+chosen by number (`parse_rows`), at random with a seed (`random_rows`) or, by default, as
+the rows that show the most (`telling_rows`: a packing boundary, a trained end-of-turn
+token, padding). `prep_warnings` turns the prep's counts of truncated and dropped examples
+into warning lines.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sprout.chat import ChatError, Template, mask_for, segment
+from sprout.errors import SproutError
 
 
 @dataclass
@@ -174,16 +180,78 @@ def check_arrays(arrays: dict, tpl: Template, pad_id: int, vocab_size: int,
     return report
 
 
+# ---- choosing rows and summarising the prep ---------------------------------------------------
+
+def parse_rows(text: str, n_rows: int, where: str) -> list[int]:
+    """"5,17,2328" -> [5, 17, 2328]; a row that is not a number or not in the file is refused."""
+    rows = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise SproutError(f"--rows: {part!r} is not a row number (expected e.g. 5,17,2328)")
+        if int(part) >= n_rows:
+            raise SproutError(f"--rows: row {part} is past the end of {where} ({n_rows:,} rows)")
+        rows.append(int(part))
+    return rows
+
+
+def random_rows(n_rows: int, count: int, seed: int) -> list[int]:
+    """`count` distinct rows drawn with `seed` (the same rows for the same seed), in file order."""
+    rng = np.random.default_rng(seed)
+    return sorted(rng.choice(n_rows, size=min(count, n_rows), replace=False).tolist())
+
+
+def telling_rows(arrays: dict, tpl: Template, count: int) -> list[int]:
+    """Up to `count` rows that show the most: a row holding a packing boundary (two documents),
+    a trained end-of-turn token and padding together when there is one, and the first row with
+    each of the three that no row picked so far shows; then more rows with all three, then
+    rows in file order."""
+    tokens, mask, seg = arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"]
+    boundary = seg.max(axis=1) >= 2
+    trained_eot = ((tokens == tpl.eot_id) & (mask == 1)).any(axis=1)
+    padding = (seg == 0).any(axis=1)
+    all_three = boundary & trained_eot & padding
+    picked: list[int] = []
+    for has in (all_three, boundary, trained_eot, padding):
+        hits = np.flatnonzero(has)
+        if len(hits) and not (picked and has[picked].any()):  # not yet shown by a picked row
+            picked.append(int(hits[0]))
+    more = dict.fromkeys([int(r) for r in np.flatnonzero(all_three)] + list(range(len(tokens))))
+    picked += [r for r in more if r not in picked][:max(0, count - len(picked))]
+    return picked[:count]
+
+
+def prep_warnings(counts: dict) -> list[str]:
+    """One warning line each for the examples the prep cut short and the ones it dropped
+    (from the file's `counts` attribute: `split` totals), or []."""
+    split = counts.get("split", {})
+    total = split.get("examples_in", 0)
+    lines = []
+    if split.get("truncated"):
+        inside = split.get("truncated_open", 0)
+        lines.append(f"warning: {split['truncated']:,} of {total:,} examples were truncated to fit seq_len "
+                     f"({inside:,} cut inside an answer, without their end-of-turn token)")
+    dropped = {k: v for k, v in split.items()
+               if v and (k.startswith("dropped_") or k in ("prompt_too_long", "overlong_dropped", "no_trained_token"))}
+    if dropped:
+        lines.append(f"warning: {sum(dropped.values()):,} of {total:,} examples were dropped ("
+                     + ", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items())) + ")")
+    return lines
+
+
 # ---- showing rows ------------------------------------------------------------------------
 
-PAD, HEADER, PROMPT, TRAINED = range(4)
-_ANSI = {PAD: "\x1b[2m", HEADER: "\x1b[1;34m", PROMPT: "", TRAINED: "\x1b[30;42m"}
-_CSS = {PAD: "pad", HEADER: "hdr", PROMPT: "prompt", TRAINED: "trained"}
+PAD, HEADER, PROMPT, TRAINED, CUT = range(5)
+_ANSI = {PAD: "\x1b[2m", HEADER: "\x1b[1;34m", PROMPT: "", TRAINED: "\x1b[30;42m", CUT: "\x1b[1;31m"}
+_CSS = {PAD: "pad", HEADER: "hdr", PROMPT: "prompt", TRAINED: "trained", CUT: "cut"}
+EOT_LABEL = "<end-of-turn>"
+CUT_LABEL = " ✂ truncated here (no end-of-turn) "
 
 
-def _runs(tokens, mask, seg, tpl: Template, tok) -> list[tuple[int, int, str]]:
-    """(doc, kind, text) runs for one row; headers and eot shown by their marker names."""
-    names = {tpl.eot_id: "<|endoftext|>"}
+def _spans(tokens, mask, seg, tpl: Template, tok, eot_label: str = EOT_LABEL) -> list[tuple[int, int, str, int, int]]:
+    """(doc, kind, text, start, end) runs for one row: headers by their role names, the
+    end-of-turn token as `eot_label`, padding as its length."""
+    names = {tpl.eot_id: eot_label}
     kind = np.where(seg == 0, PAD, np.where(mask == 1, TRAINED, PROMPT))
     for role, h in tpl.headers.items():  # mark header tokens
         if len(h) == 1:
@@ -204,7 +272,23 @@ def _runs(tokens, mask, seg, tpl: Template, tok) -> list[tuple[int, int, str]]:
             text = names[int(piece[0])]
         else:
             text = tok.decode(piece.tolist())
-        runs.append((int(seg[a]), int(kind[a]), text))
+        runs.append((int(seg[a]), int(kind[a]), text, a, b))
+    return runs
+
+
+def _runs(tokens, mask, seg, tpl: Template, tok) -> list[tuple[int, int, str]]:
+    """(doc, kind, text) runs of any token sequence (pairs and prompts show theirs with it);
+    the end-of-turn token shown by its text marker."""
+    return [(doc, kind, text) for doc, kind, text, _, _ in _spans(tokens, mask, seg, tpl, tok, "<|endoftext|>")]
+
+
+def _row_spans(arrays: dict, r: int, tpl: Template, tok) -> list[tuple[int, int, str, int, int]]:
+    """`_spans` of packed row `r`, plus a CUT marker after a document that fills the row without
+    its end-of-turn token (an answer the prep truncated)."""
+    tokens, seg = arrays["tokens"][r], arrays["segment_ids"][r]
+    runs = _spans(tokens, arrays["loss_mask"][r], seg, tpl, tok)
+    if len(tokens) and seg[-1] != 0 and int(tokens[-1]) != tpl.eot_id:
+        runs.append((int(seg[-1]), CUT, CUT_LABEL, len(tokens), len(tokens)))
     return runs
 
 
@@ -212,7 +296,7 @@ def format_row(arrays: dict, r: int, tpl: Template, tok, color: bool = True) -> 
     """One row as text, trained tokens highlighted (ANSI) or bracketed as [[...]] without color."""
     lines = [f"── row {r} " + "─" * 40]
     last_doc = None
-    for doc, kind, text in _runs(arrays["tokens"][r], arrays["loss_mask"][r], arrays["segment_ids"][r], tpl, tok):
+    for doc, kind, text, _, _ in _row_spans(arrays, r, tpl, tok):
         if doc != last_doc and doc != 0:
             lines.append(f"\n[doc {doc}] ")
         last_doc = doc
@@ -223,22 +307,46 @@ def format_row(arrays: dict, r: int, tpl: Template, tok, color: bool = True) -> 
     return "".join(lines[:1]) + "".join(lines[1:]) + "\n"
 
 
-def rows_html(arrays: dict, rows, tpl: Template, tok, title: str, totals: dict) -> str:
-    """A self-contained HTML page showing `rows` with trained tokens highlighted."""
+def _figure(v) -> str:
+    """A totals figure for the page: fractions as percentages with one decimal, counts with commas."""
+    if isinstance(v, float):
+        return f"{v:.1%}" if 0 <= v <= 1 else f"{v:,.2f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def rows_html(arrays: dict, rows, tpl: Template, tok, title: str, totals: dict, warnings=()) -> str:
+    """A self-contained HTML page showing `rows`: every token in its own box (id on hover),
+    trained tokens highlighted, headers, the end-of-turn token and padding named, truncated
+    answers marked; the totals rounded and the prep's warnings above."""
     parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>",
              "body{font-family:sans-serif;margin:2em} .row{white-space:pre-wrap;font-family:monospace;"
-             "border:1px solid #ccc;padding:.5em;margin:1em 0} .trained{background:#b6f2b6}"
-             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .doc{color:#888;font-size:80%}</style>",
-             f"<h1>{html.escape(title)}</h1><p>Green: trained tokens (loss_mask = 1). Blue: role headers.</p><table>"]
-    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in totals.items()]
+             "border:1px solid #ccc;padding:.5em;margin:1em 0;line-height:1.8}"
+             " .t{border:1px solid #ddd;border-radius:2px;margin:0 1px;padding:0 1px} .trained{background:#b6f2b6}"
+             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .doc{color:#888;font-size:80%}"
+             " .eot{font-weight:bold;color:#7a4b00} .cut{background:#f6c0c0;color:#900;font-weight:bold}"
+             " .warn{color:#900}</style>",
+             f"<h1>{html.escape(title)}</h1><p>Each box is one token (hover for its id). Green: trained "
+             f"tokens (loss_mask = 1). Blue: role headers. {html.escape(EOT_LABEL)}: the end-of-turn token "
+             f"(id {tpl.eot_id}). Red: an answer the prep truncated at the end of the row.</p>"]
+    parts += [f"<p class='warn'>{html.escape(w)}</p>" for w in warnings]
+    parts.append("<table>")
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(_figure(v))}</td></tr>" for k, v in totals.items()]
     parts.append("</table>")
     for r in rows:
+        ids = arrays["tokens"][r]
         parts.append(f"<h3>row {r}</h3><div class='row'>")
         last_doc = None
-        for doc, kind, text in _runs(arrays["tokens"][r], arrays["loss_mask"][r], arrays["segment_ids"][r], tpl, tok):
+        for doc, kind, text, a, b in _row_spans(arrays, r, tpl, tok):
             if doc != last_doc and doc != 0:
                 parts.append(f"<span class='doc'>{'<br>' if last_doc else ''}[doc {doc}] </span>")
             last_doc = doc
-            parts.append(f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>")
+            if kind in (PROMPT, TRAINED) and text != EOT_LABEL:
+                parts += [f"<span class='t {_CSS[kind]}' title='id {int(ids[p])}'>"
+                          f"{html.escape(tok.decode([int(ids[p])]))}</span>" for p in range(a, b)]
+            elif text == EOT_LABEL:
+                parts.append(f"<span class='t eot {_CSS[kind]}' title='id {int(ids[a])}: end-of-turn'>"
+                             f"{html.escape(text)}</span>")
+            else:
+                parts.append(f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>")
         parts.append("</div>")
     return "".join(parts) + "\n"
