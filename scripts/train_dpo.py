@@ -1,0 +1,34 @@
+"""Train a policy with DPO (or a variant: ipo, robust, simpo, orpo, ..., or a weighted mix) on preference pairs.
+
+    python scripts/train_dpo.py --config configs/demo/dpo.yaml --init runs/demo/sft_model \\
+        --data runs/demo/prefs/preferences.jsonl --out runs/demo/dpo_model
+    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/train_dpo.py --config ...
+    python scripts/train_dpo.py --config ... --out runs/x --resume            # latest checkpoint in --out
+    python scripts/train_dpo.py --config ... --dpo.loss_type '[sigmoid, sft]' --dpo.loss_weights '[1.0, 0.2]'
+    python scripts/train_dpo.py --config ... --dpo.precompute_ref_logps true  # reference log-probs cached once
+
+The held-out file is preferences_test.jsonl beside --data (data.val_path to change it). Any
+`--section.field VALUE` overrides the config; the resolved config is printed and saved as
+<out>/config.yaml. See sprout/train/dpo.py for the losses, the reference and the metrics.
+"""
+
+from sprout.errors import run_main
+from sprout.train.dpo import DPOConfig, run_dpo
+from sprout.train.run import parse_run_config, run_parser
+
+
+def main() -> None:
+    p = run_parser(__doc__, "configs/*/dpo.yaml")
+    p.add_argument("--data", metavar="FILE.jsonl",
+                   help="preference pairs (scripts/prepare_preference_data.py); overrides data.path")
+    p.add_argument("--init", metavar="CKPT", help="LM checkpoint (an SFT run dir); overrides init")
+    args, cfg = parse_run_config(p, DPOConfig)
+    if args.data:
+        cfg.data.path = args.data
+    if args.init:
+        cfg.init = args.init
+    run_dpo(cfg, resume=args.resume)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,212 @@
+"""DPO and its variants on preference pairs, as one stage of the shared loop.
+
+The policy starts from an LM checkpoint (the SFT model). For each micro-batch of pairs, the
+chosen and rejected sides go through one forward; a side's log-probability is summed over
+its response tokens (the final assistant content and its end-of-turn token;
+`sprout.losses.tokens.sequence_logps`). The loss per pair is
+`sprout.losses.preference.preference_loss` with TRL's DPOConfig options (`dpo` section):
+`loss_type` (one name or a list), `loss_weights`, `beta`, `label_smoothing`, `simpo_gamma`,
+`discopop_tau`. Normalisation: the loop divides the summed per-pair losses by the pairs of
+the whole global batch (all micro-batches, all processes); within a pair, each variant's
+own rule (none for sigmoid; per-token means for ipo, sft, simpo and orpo).
+
+The reference, for every loss_type outside `REFERENCE_FREE` (sft, simpo, orpo need none,
+and then no reference is built at all), is the checkpoint `dpo.ref` (default: init):
+- live: a frozen copy (`Trainer.prepare_frozen`: sharded like the policy under FSDP, in eval
+  mode, never trained or saved) runs a forward on each micro-batch;
+- `dpo.precompute_ref_logps: true`: the reference log-probs of every train and held-out pair
+  are computed once before training (`sprout.train.reference_logps`), cached beside the data
+  file and read from the cache by every later run; the reference model is then freed.
+
+Training metrics (TRL's names, each over its own count): per pair, rewards/chosen,
+rewards/rejected (β(logp − ref_logp); β·logp for reference-free losses), rewards/margins,
+rewards/accuracies (chosen strictly above rejected), logps/chosen, logps/rejected (summed);
+per response token, logits/chosen and logits/rejected (the mean logit over the vocabulary).
+Eval over every held-out pair: val_loss (per pair), val_rewards/accuracies,
+val_rewards/margins, val_rewards/chosen, val_rewards/rejected, val_logps/chosen,
+val_logps/rejected.
+
+FLOPs and MFU count the policy's forward and backward only (`PreferenceStage.flops`): the
+live reference forward (a third of a step's FLOPs more) is extra work that MFU leaves out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sprout.checkpoint import load_weights, read_meta
+from sprout.config import resume_free
+from sprout.errors import SproutError
+from sprout.losses.preference import (
+    REFERENCE_FREE,
+    check_preference_options,
+    loss_type_list,
+    mean_logit_sums,
+    preference_loss,
+    preference_metric_sums,
+)
+from sprout.losses.tokens import sequence_logps
+from sprout.model.transformer import Transformer
+from sprout.train.loop import TrainConfig, all_reduce_sums
+from sprout.train.optim import OptimConfig
+from sprout.train.preference_stage import PairBatchConfig, PreferenceDataConfig, PreferenceStage, open_preference_run
+from sprout.train.reference_logps import ReferenceLogps, reference_logps
+from sprout.train.run import train_stage
+
+
+@dataclass
+class DPOLossConfig:
+    """TRL's DPOConfig names; see sprout.losses.preference for each loss."""
+    loss_type: str | list = "sigmoid"   # a name or a list: sigmoid, ipo, hinge, robust, simpo, orpo, sft, ...
+    loss_weights: list | None = None    # one weight per loss_type; None: 1.0 each
+    beta: float = 0.1                   # β of every variant (ORPO's λ)
+    label_smoothing: float = 0.0        # ε of robust and exo_pair
+    simpo_gamma: float = 0.5
+    discopop_tau: float = 0.05
+    ref: str = ""                       # reference checkpoint; "": the init checkpoint
+    precompute_ref_logps: bool = False  # reference log-probs computed once and cached beside the data
+
+
+@dataclass
+class DPOConfig:
+    init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    batch: PairBatchConfig = field(default_factory=PairBatchConfig)
+    dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-7, warmup_steps=10, weight_decay=0.0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
+    out: str = resume_free("runs/dpo")
+
+
+def needs_reference(loss_cfg: DPOLossConfig) -> bool:
+    return not REFERENCE_FREE.issuperset(loss_type_list(loss_cfg.loss_type))
+
+
+def check_dpo_options(c: DPOLossConfig) -> None:
+    """Refuse options no loss can run with, naming the `dpo.` field."""
+    try:
+        check_preference_options(c.loss_type, c.loss_weights, beta=c.beta, label_smoothing=c.label_smoothing,
+                                 discopop_tau=c.discopop_tau)
+    except SproutError as exc:
+        raise SproutError(f"dpo.{exc}") from None
+
+
+def side_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed response log-probs [2B], response tokens [2B], logit sums [2B]) of one forward over
+    both sides; the logit sums (`mean_logit_sums`, no gradient) are taken before any backward."""
+    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+    logit_sums = mean_logit_sums(logits, batch["loss_mask"])
+    logps, lengths = sequence_logps(logits, batch["targets"], batch["loss_mask"], overwrite_logits=True)
+    return logps, lengths, logit_sums
+
+
+class DPOStage(PreferenceStage):
+    name = "dpo"
+
+    def __init__(self, accelerator, loader, val, accum_steps: int, loss_cfg: DPOLossConfig,
+                 ref_model: torch.nn.Module | None = None, ref_path: str | None = None,
+                 tokenizer_fingerprint: str = ""):
+        super().__init__(accelerator, loader, val, accum_steps)
+        self.loss_cfg, self.ref_path, self.fingerprint = loss_cfg, ref_path, tokenizer_fingerprint
+        self.ref_model = ref_model          # live reference (unprepared until setup)
+        self.cached: ReferenceLogps | None = None  # precomputed reference log-probs (train, val)
+
+    def setup(self, trainer) -> None:
+        """Prepare the live reference, or compute / read the cached reference log-probs and free it."""
+        if self.ref_model is None:
+            return
+        ref = trainer.prepare_frozen(self.ref_model)
+        if self.loss_cfg.precompute_ref_logps:
+            self.cached = reference_logps(self.acc, ref, self.ref_path, self.fingerprint,
+                                          (self.loader, self.val), micro_pairs=self.micro_pairs)
+            trainer.frozen.remove(ref)
+            ref = None
+        self.ref_model = ref
+
+    def extend(self, batch: dict, held_out: bool = False) -> dict:
+        """The cached reference log-probs of the batch's pairs as `ref_logps` [2B] (chosen, then rejected)."""
+        if self.cached is None:
+            return batch
+        table = self.cached.val if held_out else self.cached.train
+        idx = batch["pair_index"]
+        return {**batch, "ref_logps": torch.cat([table[0][idx], table[1][idx]])}
+
+    def _ref_logps(self, batch: dict) -> torch.Tensor | None:
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        if self.ref_model is None:
+            return None
+        with torch.no_grad():
+            logits = self.ref_model(batch["input_ids"], segment_ids=batch["segment_ids"],
+                                    position_ids=batch["position_ids"])
+            return sequence_logps(logits, batch["targets"], batch["loss_mask"])[0]
+
+    def pair_terms(self, model, batch: dict):
+        """(per-pair losses [B], metric sums over the batch's real pairs) of one micro-batch."""
+        c, keep = self.loss_cfg, batch["pair_mask"]
+        logps, lengths, logit_sums = side_logps(model, batch)
+        ref = self._ref_logps(batch)
+        b = keep.shape[0]
+        lp_c, lp_r, len_c, len_r = logps[:b], logps[b:], lengths[:b], lengths[b:]
+        ref_c, ref_r = (None, None) if ref is None else (ref[:b], ref[b:])
+        per_pair = preference_loss(c.loss_type, lp_c, lp_r, ref_c, ref_r, len_c, len_r,
+                                   loss_weights=c.loss_weights, beta=c.beta, label_smoothing=c.label_smoothing,
+                                   discopop_tau=c.discopop_tau, simpo_gamma=c.simpo_gamma)
+        k = keep.bool()
+        pick = (lambda x: None if x is None else x[k])  # noqa: E731 (padding pairs of eval count nothing)
+        metrics = preference_metric_sums(lp_c[k], lp_r[k], pick(ref_c), pick(ref_r), c.beta,
+                                         chosen_logit_sums=logit_sums[:b][k], rejected_logit_sums=logit_sums[b:][k],
+                                         chosen_lengths=len_c[k], rejected_lengths=len_r[k])
+        return per_pair, metrics
+
+    def loss(self, model, batch: dict):
+        per_pair, metrics = self.pair_terms(model, batch)
+        keep = batch["pair_mask"]
+        return torch.where(keep, per_pair, torch.zeros((), device=per_pair.device)).sum(), keep.sum(), metrics
+
+    @torch.no_grad()
+    def evaluate(self, model) -> dict:
+        names = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
+                 "logps/rejected")
+        sums: dict[str, torch.Tensor | float] = {"loss": 0.0, "n": 0.0}
+        model.eval()
+        for batch in self.eval_batches():
+            with self.acc.autocast():
+                per_pair, metrics = self.pair_terms(model, batch)
+            keep = batch["pair_mask"]
+            sums["loss"] = sums["loss"] + per_pair[keep].double().sum().cpu()
+            sums["n"] = sums["n"] + keep.sum().cpu()
+            for name in names:
+                sums[name] = sums.get(name, 0.0) + metrics[name][0].double().cpu()
+        model.train()
+        tot = all_reduce_sums(self.acc, sums)
+        if tot["n"] == 0:
+            raise SproutError(f"{self.val.path}: no held-out pairs to evaluate")
+        return {"val_loss": tot["loss"] / tot["n"], **{f"val_{k}": tot[k] / tot["n"] for k in names}}
+
+
+def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
+    """Check inputs, load the policy (and the reference unless reference-free), resume if asked,
+    train; returns Trainer.fit's summary."""
+    check_dpo_options(cfg.dpo)
+    run = open_preference_run(cfg, "dpo", resume)
+    cfg, acc = run.cfg, run.accelerator
+    policy = Transformer(run.model_config)
+    if run.resume is None:
+        load_weights(policy, run.base["path"], run.base)
+    ref_model, ref_path = None, None
+    if needs_reference(cfg.dpo):
+        ref_meta = read_meta(cfg.dpo.ref) if cfg.dpo.ref else run.base
+        if ref_meta["model_config"] != run.base["model_config"] or ref_meta.get("architecture", "lm") != "lm":
+            raise SproutError(f"{ref_meta['path']}: dpo.ref must be an LM with the init checkpoint's model config")
+        ref_model, ref_path = Transformer(run.model_config), ref_meta["path"]
+        load_weights(ref_model, ref_path, ref_meta)
+        acc.print(f"dpo: reference {ref_path}" + (" (log-probs precomputed)" if cfg.dpo.precompute_ref_logps
+                                                 else " (frozen copy)"))
+    stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
+                     run.tokenizer.fingerprint())
+    meta = {**run.provenance(), "reference": ref_path}
+    return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
+                       micro_steps=run.accum_steps, extra_meta=meta)
