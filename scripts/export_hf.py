@@ -1,0 +1,44 @@
+"""Export a checkpoint to a Hugging Face transformers folder (LlamaForCausalLM and its tokenizer).
+
+    python scripts/export_hf.py runs/demo/sft_model exports/sft
+    python -c "from transformers import AutoModelForCausalLM, AutoTokenizer; \\
+        m = AutoModelForCausalLM.from_pretrained('exports/sft'); t = AutoTokenizer.from_pretrained('exports/sft')"
+
+RUN_OR_CHECKPOINT is a checkpoint dir, a run dir or its checkpoints/ folder (newest one). OUT
+gets config.json, model.safetensors, generation_config.json and the tokenizer files with the
+chat template (see src/sprout/model/export.py). A value head is dropped (the policy LM is
+exported); a reward model becomes LlamaForSequenceClassification. Then the folder is loaded
+with transformers and checked against sprout: logits within 1e-4, tokenizer ids on sample texts
+and chat-template ids on sample conversations (`--no-check` skips this).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from sprout.errors import run_main
+from sprout.model.export import export_hf, verify_export
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="checkpoint dir, or a run dir (its latest checkpoint)")
+    p.add_argument("out", metavar="OUT", help="folder to write (refused if it exists and is not empty)")
+    p.add_argument("--tokenizer", help="tokenizer spec (default: the one the checkpoint was trained with)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--no-check", action="store_true", help="do not load the result with transformers to check it")
+    args = p.parse_args()
+    result, model, tok = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer, overwrite=args.overwrite)
+    print(f"{result.out}: {result.hf_class} from a sprout {result.architecture!r} checkpoint, "
+          f"tokenizer {tok.spec}; wrote {', '.join(result.files)}")
+    for name in result.dropped:
+        print(f"dropped {name}: transformers' {result.hf_class} has no place for it")
+    if not args.no_check:
+        check = verify_export(result.out, model, tok)
+        what = "score" if result.architecture == "reward" else "logit"
+        print(f"checked with transformers: max |{what} difference| {check['max_abs_diff']:.2g}, "
+              f"ids equal on {check['texts']} texts and {check['chats']} conversations")
+
+
+if __name__ == "__main__":
+    run_main(main)
