@@ -147,7 +147,8 @@ class SFTStage(TokenStage):
             return []
         out = []
         for prompt in self.sample_prompts:
-            session = ChatSession(model, self.tokenizer, max_new_tokens=64, temperature=0.0)
+            session = ChatSession(model, self.tokenizer, max_new_tokens=min(64, model.config.max_seq_len // 2),
+                                  temperature=0.0)  # a short answer within a small model's context
             try:
                 out.append((prompt, session.send(prompt).text))
             except ChatError as exc:
