@@ -20,7 +20,7 @@ import json
 import shlex
 import sys
 
-from sprout.config import dump_yaml, load_config, merge, parse_overrides
+from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
 from sprout.prep.preferences import PreferenceDataConfig, prepare
 
@@ -29,6 +29,7 @@ FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_frac
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_help(parser, PreferenceDataConfig)
     parser.add_argument("--config", help="YAML config (configs/demo/preferences.yaml)")
     for name, tp in FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sprout.config import dump_yaml, load_config, merge, parse_overrides
+from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
 from sprout.prep.pretrain import PrepConfig, prepare
 
@@ -25,6 +25,7 @@ FLAGS = {"text_field": str, "tokenizer": str, "out": str, "val_frac": float, "va
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_help(parser, PrepConfig)
     parser.add_argument("--config", help="YAML config (configs/demo/pretrain_data.yaml)")
     parser.add_argument("--source", action="append", help="PATH_OR_HF_ID[:WEIGHT], repeatable; replaces the config's sources")
     for name, tp in FLAGS.items():

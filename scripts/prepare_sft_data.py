@@ -27,7 +27,7 @@ import json
 import shlex
 import sys
 
-from sprout.config import dump_yaml, load_config, merge, parse_overrides
+from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import SproutError, run_main
 from sprout.prep.chat_sources import FORMATS, source_from_arg
 from sprout.prep.sft import SFTDataConfig, prepare
@@ -46,6 +46,7 @@ class _SourceAction(argparse.Action):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_help(parser, SFTDataConfig)
     parser.add_argument("--config", help="YAML config (configs/demo/sft_data.yaml)")
     for name, tp in FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)

@@ -3,11 +3,14 @@
     python scripts/pretrain.py --config configs/demo/pretrain.yaml --data runs/demo/data --out runs/demo/base
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/pretrain.py --config ...
     torchrun --nproc_per_node 8 scripts/pretrain.py --config configs/gpt2-small/pretrain.yaml
-    python scripts/pretrain.py --config ... --out runs/x --resume            # latest checkpoint in --out
+    python scripts/pretrain.py --out runs/x --resume                         # its config.yaml, latest checkpoint
+    python scripts/pretrain.py --out runs/x --resume --train.max_steps 600   # ... and train longer
     python scripts/pretrain.py --config ... --train.max_steps 50 --model.d_model 128
 
-Any `--section.field VALUE` overrides the config; the resolved config is printed and saved
-as <out>/config.yaml. See sprout/train/pretrain.py for what is checked before training.
+Any `--section.field VALUE` overrides the config (the fields are listed below); the resolved
+config is printed and saved as <out>/config.yaml. An --out that already holds a run needs
+--resume or --overwrite. Ctrl-C or SIGTERM stops after the current step with a checkpoint and
+prints the command that resumes. See sprout/train/pretrain.py for what is checked before training.
 """
 
 from sprout.errors import run_main

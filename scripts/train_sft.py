@@ -3,11 +3,13 @@
     python scripts/train_sft.py --config configs/demo/sft.yaml --init runs/demo/base \\
         --data runs/demo/sft/sft.h5 --out runs/demo/sft_model
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/train_sft.py --config ...
-    python scripts/train_sft.py --config ... --out runs/x --resume            # latest checkpoint in --out
+    python scripts/train_sft.py --out runs/x --resume                        # its config.yaml, latest checkpoint
     python scripts/train_sft.py --config ... --train.max_steps 50 --optim.lr 1e-4
 
 The val file is the `_val` one beside --data (sft_val.h5). Any `--section.field VALUE`
-overrides the config; the resolved config is printed and saved as <out>/config.yaml.
+overrides the config (the fields are listed below); the resolved config is printed and saved
+as <out>/config.yaml. An --out that already holds a run needs --resume or --overwrite. Ctrl-C
+or SIGTERM stops after the current step with a checkpoint and prints the command that resumes.
 See sprout/train/sft.py for what is checked before training.
 """
 
@@ -27,6 +29,7 @@ def main() -> None:
     if args.init:
         cfg.init = args.init
     run_sft(cfg, resume=args.resume)
+
 
 if __name__ == "__main__":
     run_main(main)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from sprout.config import dump_yaml, load_config, merge, parse_overrides
+from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
 from sprout.prep.tokenizer_train import TokenizerTrainConfig, train_from_sources
 from sprout.tokenizer import load_tokenizer
@@ -24,6 +24,7 @@ FLAGS = {"text_field": str, "vocab_size": int, "out": str, "mirror": str, "max_c
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_help(parser, TokenizerTrainConfig)
     parser.add_argument("--config", help="YAML config (configs/demo/tokenizer.yaml)")
     parser.add_argument("--source", action="append", help="PATH_OR_HF_ID, repeatable; replaces the config's sources")
     for name, tp in FLAGS.items():

@@ -1,12 +1,21 @@
-"""Configs: a YAML file, then dotted command-line overrides, into typed dataclasses.
+"""Configs: a YAML file, then command-line overrides, into typed, validated dataclasses.
 
     python scripts/pretrain.py --config configs/demo/pretrain.yaml --train.max_steps 50
 
 Each script declares a dataclass tree; `load_config` reads the YAML, applies
-`--section.field value` overrides (values parsed as YAML scalars, so `50`, `3e-4`,
-`true`, `null` and `[1, 2]` work), and builds the dataclasses, refusing unknown keys
-with an error that names the key and the file. `config_to_dict` gives the resolved
-config back for printing and saving beside a run's outputs.
+`--section.field VALUE` overrides (top-level fields as `--field VALUE`; `-` and `_` are the
+same in a name; values parsed as YAML scalars, so `50`, `3e-4`, `true`, `null` and `[1, 2]`
+work), and builds the dataclasses. Every value is checked against its field's type at load
+(`int`, `float`, `str`, `bool`, `list`, `X | None`, a nested dataclass, and `Literal[...]` for
+a field with a fixed set of values): an unknown key, a value of the wrong type, a choice
+outside the allowed ones or a NaN/inf float is refused in one line naming where it came from
+(the file or the command line), the field, the value and what was expected. A dataclass's
+own checks (`__post_init__`) raise `FieldError` to be named the same way. `config_to_dict`
+gives the resolved config back for printing and saving beside a run's outputs.
+
+`config_help(cls)` lists every field of a config for a script's --help: its dotted name, its
+type (its choices), its default and one line of meaning, taken from the field's
+`metadata["help"]` or else the comment after the field in its source.
 
 Which fields a resumed run may change is declared on the field itself:
 `resume_free(default)` (run length, logging, paths) instead of `default`; `resume_config(cfg)`
@@ -16,11 +25,16 @@ is the config without those fields, the part a checkpoint records and a resume m
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
+import io
+import math
 import os
+import tokenize
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -44,27 +58,38 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
+def option_key(arg: str) -> str:
+    """`--train.max-steps` -> `train.max_steps`: the dotted field an option names (`-` = `_`)."""
+    return arg[2:].replace("-", "_")
+
+
 def parse_overrides(argv: list[str]) -> dict:
-    """Turn `['--train.max_steps', '50', '--model.d_model=128']` into a nested dict."""
+    """Turn `['--train.max_steps', '50', '--model.d_model=128', '--val-frac', '0.1']` into a nested dict."""
     out: dict = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise SproutError(f"unrecognised argument {arg!r} (overrides look like --section.field VALUE)")
+        if not arg.startswith("--") or len(arg.split("=", 1)[0]) <= 2:
+            raise SproutError(f"command line: unrecognised argument {arg!r} (overrides look like "
+                              f"--section.field VALUE or --field VALUE)")
         if "=" in arg:
-            key, raw = arg[2:].split("=", 1)
+            name, raw = arg.split("=", 1)
             i += 1
         else:
             if i + 1 >= len(argv):
-                raise SproutError(f"override {arg} has no value")
-            key, raw = arg[2:], argv[i + 1]
+                raise SproutError(f"command line: {arg} has no value")
+            name, raw = arg, argv[i + 1]
             i += 2
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw  # not a YAML scalar: the string itself (the field's type check decides)
         node = out
-        parts = key.split(".")
+        parts = option_key(name).split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SproutError(f"command line: {name} sets a field inside a value that is not a section")
         node[parts[-1]] = value
     return out
 
@@ -89,43 +114,305 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
-def from_dict(cls: type[T], data: dict, where: str = "config") -> T:
-    """Build dataclass `cls` from `data`, recursing into nested dataclasses."""
+class FieldError(SproutError):
+    """A dataclass's own check of one of its fields (`__post_init__`): `from_dict` names the
+    field's full dotted path and where its value came from."""
+
+    def __init__(self, field: str, message: str):
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}")
+
+
+def require(ok: bool, field: str, value: Any, expected: str) -> None:
+    """`FieldError` unless `ok`: "<field>: got <value>; expected <expected>"."""
+    if not ok:
+        raise FieldError(field, f"got {value!r}; expected {expected}")
+
+
+def type_name(tp: Any) -> str:
+    """A field's type as --help and errors write it: int, float | null, {cosine, wsd, constant}."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "{" + ", ".join(str(a) for a in args) + "}"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if tp is type(None):
+        return "null"
+    if origin in (list, tuple):
+        return f"list of {type_name(args[0])}" if args else "list"
+    if dataclasses.is_dataclass(tp):
+        return "section"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _expected(tp: Any) -> str:
+    """What a value of type `tp` must be, in words: "an integer, auto or null"."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        parts = [", ".join(map(str, typing.get_args(a))) if typing.get_origin(a) is Literal else _expected(a)
+                 for a in args]
+        return ", ".join(parts[:-1]) + " or " + parts[-1]
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin in (list, tuple) or tp in (list, tuple):
+        return "a list" + (f" of {type_name(args[0])}" if args else "")
+    if dataclasses.is_dataclass(tp):
+        return "a mapping (a section)"
+    return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+            dict: "a mapping", type(None): "null"}.get(tp, type_name(tp))
+
+
+def _check_value(value: Any, tp: Any) -> Any:
+    """`value` as type `tp` (an int as a float, a numeric string as a float, a list as a tuple),
+    or ValueError when it is not one (`_expected` says what would be)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_value(value, arg)
+            except ValueError:
+                continue
+        raise ValueError
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise ValueError
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError
+        return float(value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError
+    if tp in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError
+        if args:
+            value = [_check_value(v, args[0]) for v in value]
+        return tuple(value) if (tp is tuple or origin is tuple) else list(value)
+    if tp is dict or origin is dict or dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError
+        return value
+    return value
+
+
+def _known_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted field path of dataclass `cls` (sections and their fields)."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        tp = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            keys += _known_keys(tp, f"{prefix}{f.name}.")
+    return keys
+
+
+def _flat(data: dict, prefix: str = "") -> list[str]:
+    return [k for key, v in data.items()
+            for k in (_flat(v, f"{prefix}{key}.") if isinstance(v, dict) and v else [f"{prefix}{key}"])]
+
+
+def check_overrides(cls: type, overrides: dict) -> None:
+    """Refuse a command-line key that names no field of `cls`, suggesting the closest one."""
+    known = _known_keys(cls)
+    sections = {k for k in known if any(o.startswith(k + ".") for o in known)}
+    fields = [k for k in known if k not in sections]
+    for key in _flat(overrides):
+        parts = key.split(".")
+        ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
+        if key in known or ancestors & set(fields):  # a field, or a key inside a mapping-valued field
+            continue
+        close = _closest(key, fields)
+        hint = f" (did you mean --{close}?)" if close else " (see --help for the fields)"
+        raise SproutError(f"command line: unknown option --{key}{hint}")
+
+
+def _closest(key: str, fields: list[str]) -> str | None:
+    """The field a mistyped dotted `key` most likely meant: the same name in another section,
+    else the closest spelling of the whole path, else of the last name."""
+    last = key.rsplit(".", 1)[-1]
+    same = [f for f in fields if f.rsplit(".", 1)[-1] == last]
+    if same:
+        return same[0]
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    by_last = {f.rsplit(".", 1)[-1]: f for f in reversed(fields)}
+    close = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.75)
+    return by_last[close[0]] if close else None
+
+
+def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] | frozenset = frozenset(),
+              prefix: str = "") -> T:
+    """Build dataclass `cls` from `data`, recursing into nested dataclasses, checking each
+    value against its field's type. `where` names the source in errors (a file); keys in
+    `cli` (dotted) came from the command line and are named as such."""
+
+    def origin(key: str) -> str:
+        return f"command line: --{key}" if key in cli else f"{where}: {key}"
+
     if not isinstance(data, dict):
-        raise SproutError(f"{where}: expected a mapping, got {type(data).__name__}")
+        raise SproutError(f"{origin(prefix.rstrip('.')) if prefix else where}: expected a mapping, "
+                          f"got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise SproutError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+        close = difflib.get_close_matches(unknown[0], sorted(names), n=1, cutoff=0.6)
+        hint = f"did you mean {prefix}{close[0]}? " if close else ""
+        raise SproutError(f"{where}: unknown key(s) {', '.join(prefix + u for u in unknown)} "
+                          f"({hint}known: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in data.items():
-        tp = _unwrap_optional(hints[name])
-        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-            kwargs[name] = from_dict(tp, value, f"{where}.{name}")
-        elif tp is float and isinstance(value, int) and not isinstance(value, bool):
-            kwargs[name] = float(value)
-        elif tp is float and isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
-            try:
-                kwargs[name] = float(value)
-            except ValueError:
-                raise SproutError(f"{where}.{name}: expected a number, got {value!r}") from None
-        elif tp is tuple and isinstance(value, list):
-            kwargs[name] = tuple(value)
-        else:
-            kwargs[name] = value
+        tp = hints[name]
+        inner = _unwrap_optional(tp)
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            kwargs[name] = from_dict(inner, value, where, cli=cli, prefix=f"{prefix}{name}.")
+            continue
+        try:
+            kwargs[name] = _check_value(value, tp)
+        except ValueError:
+            raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp)}") from None
     try:
         return cls(**kwargs)
+    except FieldError as exc:  # a dataclass's own check of one field
+        raise SproutError(f"{origin(prefix + exc.field)}: {exc.message}") from None
     except (SproutError, ValueError, TypeError) as exc:  # a dataclass's own validation
-        raise SproutError(f"{where}: {exc}") from None
+        raise SproutError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{exc}") from None
 
 
-def load_config(cls: type[T], path: str | os.PathLike | None, overrides: list[str] | dict | None = None) -> T:
-    """YAML file (optional) + overrides -> dataclass `cls`."""
-    data = read_yaml(path) if path else {}
+def load_config(cls: type[T], path: str | os.PathLike | None, overrides: list[str] | dict | None = None, *,
+                base: dict | None = None, where: str | None = None) -> T:
+    """YAML file (optional; else `base`, e.g. a run's saved config, named `where` in errors) +
+    command-line overrides (argv or a nested dict) -> dataclass `cls`."""
+    data = read_yaml(path) if path else dict(base or {})
+    cli: set[str] = set()
     if overrides:
-        data = merge(data, overrides if isinstance(overrides, dict) else parse_overrides(overrides))
-    return from_dict(cls, data, str(path) if path else "config")
+        overrides = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        check_overrides(cls, overrides)
+        cli = set(_flat(overrides))
+        data = merge(data, overrides)
+    return from_dict(cls, data, str(path) if path else (where or "config"), cli=cli)
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: the comment after it in `cls`'s source (with the comment lines that continue it
+    right below), else the comment lines right above it}; {} when the source is unavailable."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    comments: dict[int, str] = {}  # line index -> comment text
+    columns: dict[int, int] = {}   # line index -> the comment's column
+    code_lines: set[int] = set()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0] - 1] = tok.string.lstrip("#").strip()
+                columns[tok.start[0] - 1] = tok.start[1]
+            elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                  tokenize.ENDMARKER):
+                code_lines.add(tok.start[0] - 1)
+    except (tokenize.TokenError, IndentationError):
+        return {}
+    out: dict[str, str] = {}
+    for i, line in enumerate(lines):
+        name = line.strip().split(":", 1)[0].strip()
+        if name not in names or name in out or ":" not in line:
+            continue
+        if i in comments and i in code_lines:  # trailing comment, maybe continued below (same column)
+            text, j = [comments[i]], i + 1
+            while j in comments and j not in code_lines and columns[j] == columns[i]:
+                text.append(comments[j])
+                j += 1
+            out[name] = " ".join(text)
+        else:  # comment lines right above
+            text, j = [], i - 1
+            while j in comments and j not in code_lines and columns[j] <= len(line) - len(line.lstrip()):
+                text.insert(0, comments[j])
+                j -= 1
+            if text:
+                out[name] = " ".join(text)
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def config_fields(cls: type, prefix: str = "", default: Any = None) -> list[tuple[str, str, Any, str]]:
+    """(dotted name, type, default, meaning) of every field of `cls`; a section's fields follow
+    a row for the section itself (type "section", its docstring's first line as meaning).
+    `default`: an instance whose values are the defaults (a section's own default factory)."""
+    hints, comments = typing.get_type_hints(cls), field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        value = getattr(default, f.name) if default is not None else _default(f)
+        meaning = f.metadata.get("help") or comments.get(f.name, "")
+        inner = _unwrap_optional(tp)
+        if dataclasses.is_dataclass(inner):
+            doc = (inspect.getdoc(inner) or "").split("\n\n")[0].replace("\n", " ")
+            if doc.startswith(inner.__name__ + "("):  # dataclass's generated signature: no docstring
+                doc = ""
+            rows.append((prefix + f.name, "section", None, meaning or doc))
+            rows += config_fields(inner, f"{prefix}{f.name}.", value if dataclasses.is_dataclass(value) else None)
+        else:
+            rows.append((prefix + f.name, type_name(tp), value, meaning))
+    return rows
+
+
+def config_help(cls: type) -> str:
+    """Every field of config `cls` for a script's --help (an argparse epilog): the option that
+    sets it, its type or choices, its default and its meaning."""
+    rows = config_fields(cls)
+    width = min(34, max(len(n) for n, *_ in rows) + 3)
+    lines = [f"config fields ({cls.__name__}): set each in the YAML (section: {{field: value}}) or as",
+             "--section.field VALUE / --field VALUE on the command line (- and _ alike; VALUE read as YAML)"]
+    for name, tp, default, meaning in rows:
+        if tp == "section":
+            lines.append(f"\n  {name}:" + (f" {meaning}" if meaning else ""))
+            continue
+        shown = "(required)" if default is dataclasses.MISSING else yaml.safe_dump(default, default_flow_style=True,
+                                                                                  width=10_000).strip()
+        shown = shown.removesuffix("\n...").removesuffix(" ...").strip()
+        opt = f"--{name}"
+        head = f"    {opt:<{width}} {tp} = {shown}"
+        lines.append(head + (f"\n    {'':<{width}}   {meaning}" if meaning else ""))
+    return "\n".join(lines)
+
+
+def add_config_help(parser, cls: type) -> None:
+    """Put `config_help(cls)` at the end of `parser`'s --help, keeping its line breaks."""
+    import argparse
+
+    parser.epilog = ((parser.epilog + "\n\n") if parser.epilog else "") + config_help(cls)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def config_to_dict(cfg: Any) -> dict:

@@ -64,17 +64,17 @@ from sprout.errors import SproutError
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 4096
-    d_model: int = 256
-    n_layers: int = 6
-    n_heads: int = 8
+    vocab_size: int = 4096              # token ids the embedding holds (the tokenizer's, maybe padded)
+    d_model: int = 256                  # width of the residual stream
+    n_layers: int = 6                   # transformer blocks
+    n_heads: int = 8                    # attention (query) heads; d_model / n_heads must be even
     n_kv_heads: int | None = None  # None -> n_heads; fewer -> grouped-query attention
     d_ff: int | None = None  # None -> SwiGLU hidden: smallest multiple of 64 >= 8/3 d_model
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    max_seq_len: int = 512              # longest sequence (context) the model takes
+    rope_theta: float = 10000.0         # rotary embedding base
+    norm_eps: float = 1e-5              # RMSNorm epsilon
+    tie_embeddings: bool = False        # the output head shares the embedding matrix
+    init_std: float = 0.02              # std of the normal initial weights
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:

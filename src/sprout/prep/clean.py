@@ -33,15 +33,15 @@ _BLANK_RUNS = re.compile(r"\n{3,}")
 
 @dataclass
 class CleanConfig:
-    quotes: bool = True
-    dashes: bool = True
-    ellipsis: bool = True
-    nbsp: bool = True
-    cr: bool = True
-    whitespace: bool = True
+    quotes: bool = True                  # curly quotes -> straight
+    dashes: bool = True                  # en/em dashes -> - and ' - '
+    ellipsis: bool = True                # the ellipsis character -> ...
+    nbsp: bool = True                    # non-breaking spaces -> spaces
+    cr: bool = True                      # drop carriage returns
+    whitespace: bool = True              # trim lines, collapse runs of blank lines
     min_chars: int = 80                  # 0 disables
     max_non_ascii: float | None = 0.002  # None disables
-    dedup: bool = True
+    dedup: bool = True                   # drop exact duplicate documents
 
 
 class Cleaner:

@@ -82,12 +82,12 @@ class PreferenceSourceConfig:
 
 @dataclass
 class PreferenceDataConfig:
-    out: str = "runs/demo/preferences"
-    mirror: str | None = None
+    out: str = "runs/demo/preferences"  # output folder: preferences.jsonl, preferences_test.jsonl
+    mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
     max_examples: int | None = None  # records read per source, for quick runs
-    seed: int = 0
-    test_fraction: float = 0.05
-    dedup: bool = True
+    seed: int = 0  # generated sources and the order of each split
+    test_fraction: float = 0.05  # share of pairs (by prompt hash) in the test file
+    dedup: bool = True  # drop exact duplicates
     sources: list = field(default_factory=list)  # PreferenceSourceConfig fields, one mapping each
 
 

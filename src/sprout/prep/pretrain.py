@@ -38,7 +38,7 @@ from concurrent.futures.process import BrokenProcessPool
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Literal
 
 import numpy as np
 
@@ -63,21 +63,21 @@ CHUNK_CHARS = 1 << 20
 class PrepConfig:
     name: str = "pretrain"             # dataset name: <name>_train_000000.bin
     sources: list = field(default_factory=list)  # "PATH[:WEIGHT]" strings or SourceSpec mappings
-    text_field: str = "text"
-    tokenizer: str = "tiktoken:r50k_base"
-    out: str = "runs/data"
+    text_field: str = "text"           # JSON field holding the document text
+    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME or sentencepiece:PATH.model
+    out: str = "runs/data"             # output folder: shards, manifest.json
     mirror: str | None = None          # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
-    val_frac: float = 0.01
+    val_frac: float = 0.01             # share of documents (by hash) in the val split
     val_docs: int | None = None        # per source; overrides val_frac
-    shard_tokens: int = 100_000_000
-    run_tokens: int = 1_000_000
+    shard_tokens: int = 100_000_000    # tokens per .bin shard
+    run_tokens: int = 1_000_000        # documents are shuffled in runs of about this many tokens
     train_tokens: int | None = None    # output train size when weights are given (default: natural total)
-    token_dtype: str = "auto"          # auto | uint16 | uint32
-    format: str = "bin"                # bin | hdf5 | both
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocab fits
+    format: Literal["bin", "hdf5", "both"] = "bin"  # .bin shards, one HDF5 file, or both
     workers: int = 0                   # 0 = one per core
-    seed: int = 0
+    seed: int = 0                      # order and resampling of the documents
     strict: bool = False               # fail on an invalid JSON line instead of skipping it
-    clean: CleanConfig = field(default_factory=CleanConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)  # text cleaning (sprout.prep.clean)
 
 
 # ---------------------------------------------------------------- worker side

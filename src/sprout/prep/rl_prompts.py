@@ -92,12 +92,12 @@ class PromptSourceConfig:
 
 @dataclass
 class PromptDataConfig:
-    out: str = "runs/demo/rl_prompts"
-    mirror: str | None = None
+    out: str = "runs/demo/rl_prompts"  # output folder of the prompt files
+    mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
     max_examples: int | None = None  # records read per source, for quick runs
-    seed: int = 0
+    seed: int = 0  # generated sources and the order of each split
     test_fraction: float = 0.05  # for sources without own_split
-    dedup: bool = True
+    dedup: bool = True  # drop exact duplicates
     instruction: str | None = None  # appended to GSM8K / arithmetic questions; None: the SFT shape
     sources: list = field(default_factory=list)  # PromptSourceConfig fields, one mapping each
 

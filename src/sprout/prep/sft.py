@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +46,15 @@ from sprout.prep.packing import OVERLONG_POLICIES, pack
 
 @dataclass
 class SFTDataConfig:
-    tokenizer: str = "tiktoken:r50k_base"
-    out: str = "runs/demo/sft/sft.h5"
-    seq_len: int = 512
-    mirror: str | None = None
+    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME or sentencepiece:PATH.model
+    out: str = "runs/demo/sft/sft.h5"  # train file; val beside it with _val
+    seq_len: int = 512  # row length in tokens
+    mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
     max_examples: int | None = None  # per source, for quick runs
-    seed: int = 0
-    val_fraction: float = 0.02
-    dedup: bool = True
-    overlong: str = "truncate"  # or "drop": what happens to examples longer than seq_len
+    seed: int = 0  # resampling of weighted sources
+    val_fraction: float = 0.02  # share of conversations in the val file
+    dedup: bool = True  # drop exact duplicate conversations
+    overlong: Literal["truncate", "drop"] = "truncate"  # what happens to examples longer than seq_len
     sources: list = field(default_factory=list)  # SourceConfig fields, one mapping per source
 
 

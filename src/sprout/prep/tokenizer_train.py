@@ -114,13 +114,13 @@ def train_sentencepiece(
 @dataclass
 class TokenizerTrainConfig:
     sources: list = field(default_factory=list)  # "PATH" strings or SourceSpec mappings, as for prep
-    text_field: str = "text"
-    vocab_size: int = 4096
+    text_field: str = "text"                     # JSON field holding the document text
+    vocab_size: int = 4096                       # pieces, the special ones included
     out: str = "runs/tokenizer/sp4096"           # writes OUT.model and OUT.vocab
-    mirror: str | None = None
+    mirror: str | None = None                    # fills ${SPROUT_MIRROR} in paths
     max_chars: int = 200_000_000                 # training text cap (sources interleaved)
     clean: bool = True                           # apply the pipeline's cleaning (sprout.prep.clean) first
-    strict: bool = False
+    strict: bool = False                         # fail on an invalid JSON line instead of skipping it
     exclude_val_frac: float = 0.0                # skip the documents that prep's hash-fraction split with
                                                  # this val_frac sends to val, so val bpb is honest
 

@@ -30,11 +30,13 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 from accelerate import Accelerator
@@ -50,7 +52,7 @@ from sprout.checkpoint import (
     set_rng_state,
     tied_aliases,
 )
-from sprout.config import resume_free
+from sprout.config import require, resume_free
 from sprout.errors import SproutError
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.train.metrics import MetricsLogger, check_trackers, log_line, measure_matmul_flops, mfu, plot_loss_curve
@@ -64,19 +66,31 @@ from sprout.train.stage import Stage, TokenBatchConfig, TokenStage, micro_steps 
 class TrainConfig:
     """Run length, precision, seed and cadence of logging, eval and checkpoints. The fields
     declared `resume_free` may change when a run is resumed."""
-    max_steps: int | None = resume_free(None)   # None: the stage decides (pretraining: Chinchilla budget)
+    max_steps: int | Literal["auto"] | None = resume_free(None)  # null / auto: the stage decides (pretraining:
+    # the Chinchilla budget; SFT and preference stages: data.epochs)
     chinchilla_ratio: float = resume_free(20.0)  # tokens per parameter for that budget
-    mixed_precision: str = "auto"       # auto: bf16 on a GPU, fp32 on CPU | bf16 | no
-    compile: bool = resume_free(False)
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # auto: bf16 on a GPU, fp32 on CPU
+    compile: bool = resume_free(False)  # torch.compile the model's forward
     cpu_threads: int = resume_free(0)   # torch threads per process on CPU; 0: torch's default
-    seed: int = 1337
-    log_every: int = resume_free(10)
+    seed: int = 1337                    # initial weights, data order, dropout: every process alike
+    log_every: int = resume_free(10)    # steps between training records (metrics.jsonl, log line)
     eval_every: int = resume_free(100)  # 0: eval only before and after training
     ckpt_every: int = resume_free(100)  # 0: checkpoint only at the end
-    keep_checkpoints: int = resume_free(3)
+    keep_checkpoints: int = resume_free(3)  # newest checkpoints kept in <out>/checkpoints
     progress: bool = resume_free(True)  # tqdm bar on rank 0
-    trackers: list = resume_free(default_factory=list)  # [] | [tensorboard] | [wandb]
+    trackers: list[Literal["tensorboard", "wandb"]] = resume_free(default_factory=list)  # also log to these
     peak_tflops: float = resume_free(0.0)  # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
+
+    def __post_init__(self) -> None:
+        if self.max_steps == "auto":
+            self.max_steps = None
+        require(self.max_steps is None or self.max_steps > 0, "max_steps", self.max_steps,
+                "a positive number of steps, or null / auto for the automatic length")
+        require(self.chinchilla_ratio > 0, "chinchilla_ratio", self.chinchilla_ratio, "a positive number")
+        require(self.log_every > 0, "log_every", self.log_every, "a positive number of steps")
+        for name in ("eval_every", "ckpt_every", "cpu_threads"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "0 or a positive number")
+        require(self.keep_checkpoints > 0, "keep_checkpoints", self.keep_checkpoints, "a positive number")
 
 
 class NonFiniteLoss(SproutError):
@@ -127,6 +141,46 @@ def _diff(a, b, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [f"{prefix.rstrip('.')} {a!r} != {b!r}"]
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before they kill) during
+    `Trainer.fit`: the first asks the loop to stop after the current step, with a checkpoint,
+    the plot and report.md (`signum` is then set); a second one exits at once (SIGINT raises
+    KeyboardInterrupt, SIGTERM takes its default: the process ends). Installed only in the
+    main thread, and not over a signal the process ignores; the old handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:  # the second signal: exit now
+            self.__exit__()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        if os.environ.get("RANK", "0") == "0":
+            again = "Ctrl-C" if signum == signal.SIGINT else "send it"
+            print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint; "
+                  f"{again} again to exit at once", file=sys.stderr, flush=True)
 
 
 class Uncompiled:
@@ -410,6 +464,11 @@ class Trainer:
         next_micro_batches, e.g. generating rollouts) and `generation/tokens_per_s` (tokens the
         stage generated there, all processes, per second of that time; only when it generated).
         Eval and checkpoint time counts in none of them.
+
+        Ctrl-C or SIGTERM (`StopSignals`) stops the run after the current step: every rank
+        stops at the same step (the flag is all-reduced after each step), which is logged and
+        checkpointed, without the final eval; loss.png and report.md are written as usual and
+        the summary's `interrupted` is the signal number (else None).
         """
         cfg, acc = self.cfg, self.accelerator
         logger = MetricsLogger(self.out_dir, acc, trackers=cfg.trackers, run_config=self.meta.get("config"),
@@ -423,6 +482,7 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.steps_done, desc=stage.name, dynamic_ncols=True,
                    disable=not (cfg.progress and acc.is_main_process and sys.stderr.isatty()))
         t_start, steps_start, shown = time.perf_counter(), self.steps_done, {}
+        stop, interrupted = StopSignals().__enter__(), None
         try:
             if self.steps_done == 0:
                 self.evaluate(stage, logger)
@@ -443,7 +503,12 @@ class Trainer:
                 window["generated"] += state["generated"]
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.3f}", **shown)
-                s, done = self.steps_done, self.steps_done == cfg.max_steps
+                # A signal on any rank stops every rank after this same step.
+                flags = all_reduce_sums(acc, {"stop": float(stop.signum is not None), "signum": stop.signum or 0})
+                stopping = flags["stop"] > 0 and self.steps_done < cfg.max_steps
+                if stopping:
+                    interrupted = round(flags["signum"] / flags["stop"])  # the signal the ranks received
+                s, done = self.steps_done, self.steps_done == cfg.max_steps or stopping
                 if s % cfg.log_every == 0 or done:
                     wall = time.perf_counter() - t0
                     train_s = wall - window["batch_s"]
@@ -466,23 +531,26 @@ class Trainer:
                     t0, steps0 = time.perf_counter(), s
                     window = dict.fromkeys(window, 0)
                 paused = time.perf_counter()
-                if (cfg.eval_every and s % cfg.eval_every == 0) or done:
+                if (cfg.eval_every and s % cfg.eval_every == 0) or (done and not stopping):
                     self.evaluate(stage, logger)
                     last_eval = s
                 if (cfg.ckpt_every and s % cfg.ckpt_every == 0) or done:
                     self.save(stage)
                     last_save = s
                 t0 += time.perf_counter() - paused  # eval and checkpoint time is not training time
-            if last_eval != self.steps_done:  # stopped early (data exhausted)
+                if stopping:
+                    break
+            if last_eval != self.steps_done and interrupted is None:  # stopped early (data exhausted)
                 self.evaluate(stage, logger)
             if last_save != self.steps_done:
                 self.save(stage)
-            if hasattr(stage, "samples"):  # a chat stage shows what it now answers (every rank generates)
+            if hasattr(stage, "samples") and interrupted is None:  # a chat stage shows what it now answers (every rank generates)
                 self.log_samples(stage, logger)
             if logger:
                 logger.log({"event": "end", "step": self.steps_done, "elapsed_s": time.perf_counter() - t_start},
                            track=False)
         finally:
+            stop.__exit__()
             bar.close()
             if logger:
                 logger.close()
@@ -496,4 +564,4 @@ class Trainer:
             print(f"report: {report}" + (f"\nloss curve: {png}" if png else ""), flush=True)
         return {"first_eval": self.evals[0] if self.evals else None,
                 "last_eval": self.evals[-1] if self.evals else None, "steps": self.steps_done,
-                "tokens": self.tokens_seen, "checkpoint": self.last_checkpoint}
+                "tokens": self.tokens_seen, "checkpoint": self.last_checkpoint, "interrupted": interrupted}

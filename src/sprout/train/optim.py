@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
+from sprout.config import require
 from sprout.train.schedule import lr_at
 
 
@@ -20,15 +21,20 @@ from sprout.train.schedule import lr_at
 class OptimConfig:
     """AdamW and its learning-rate schedule (`sprout.train.schedule`)."""
     lr: float = 6e-4                    # peak lr; a stage's parameter groups may scale it
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    schedule: str = "cosine"            # cosine | wsd | constant
-    wsd_decay_frac: float = 0.2
+    min_lr_ratio: float = 0.1           # the lr decays to lr × min_lr_ratio
+    warmup_steps: int = 100             # steps of linear warmup up to lr
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # shape after warmup (wsd: warmup-stable-decay)
+    wsd_decay_frac: float = 0.2         # wsd: fraction of the steps in the final linear decay
     weight_decay: float = 0.1           # on matrices (ndim >= 2) only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9                  # AdamW's first-moment decay
+    beta2: float = 0.95                 # AdamW's second-moment decay
+    eps: float = 1e-8                   # AdamW's denominator epsilon
     grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "lr", self.lr, "a positive learning rate")
+        for name in ("min_lr_ratio", "wsd_decay_frac", "weight_decay", "grad_clip", "eps", "warmup_steps"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "0 or more")
 
 
 def decay_groups(params, weight_decay: float, **options) -> list[dict]:

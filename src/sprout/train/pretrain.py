@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ from sprout.train.schedule import seq_len_at, seq_len_stages
 class DataConfig:
     dir: str = resume_free("")     # shard folder (*_train_*.bin, *_val_*.bin, manifest.json) or a *train*.h5 file
     tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
-    sampler: str = "sequential"    # sequential (per-rank spans) | random (nanoGPT windows)
+    sampler: Literal["sequential", "random"] = "sequential"  # per-rank spans | nanoGPT random windows
     seq_len: int | None = None     # None: model.max_seq_len
     seq_len_start: int = 128       # sequence-length warmup: start here, double up to seq_len ...
     seq_warmup_frac: float = 0.1   # ... over this fraction of the steps (0 disables)
@@ -47,12 +48,12 @@ class DataConfig:
 
 @dataclass
 class PretrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the transformer's shape
+    data: DataConfig = field(default_factory=DataConfig)  # token shards, sampling and eval
     batch: TokenBatchConfig = field(default_factory=TokenBatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    out: str = resume_free("runs/pretrain")
+    out: str = resume_free("runs/pretrain")  # run folder: config.yaml, metrics, checkpoints, report
 
 
 class PretrainStage(TokenStage):

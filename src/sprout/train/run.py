@@ -1,4 +1,15 @@
-"""What every stage's script does around the loop: resume checks, config, fit, report.
+"""What every stage's script does around the loop: the run folder, config, resume, fit, report.
+
+A training script parses its arguments with `run_parser` + `parse_run_config`, which
+  - lists every config field in --help (`sprout.config.config_help`),
+  - refuses a fresh run into a folder that already holds a run (its checkpoints, metrics,
+    config.yaml, report, plot, tokenizer copy or tracker logs) unless --overwrite, which
+    deletes those files and only those (`clear_run`),
+  - on --resume, reads the run's own <out>/config.yaml (so `--out DIR --resume` is enough),
+    keeps the run's length unless --train.max_steps is given on the command line (printing
+    the change), and exits 0 with "nothing to do" when the run is already complete.
+An interrupted run (Ctrl-C or SIGTERM: `Trainer.fit`) prints the command that resumes it
+(`resume_command`) and exits with 128 + the signal number.
 
 A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`), the
 model and its `Stage`, then hands over to `train_stage`, which
@@ -17,6 +28,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -24,8 +41,9 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from sprout.atomic import atomic_write
-from sprout.checkpoint import bundle_tokenizer, resolve_checkpoint
-from sprout.config import config_to_dict, dump_yaml, load_config, resume_config
+from sprout.checkpoint import META, bundle_tokenizer, resolve_checkpoint
+from sprout.config import add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides, read_yaml, resume_config
+from sprout.errors import SproutError
 from sprout.train.fsdp import local_params
 from sprout.train.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
 from sprout.train.optim import build_optimizer, lr_schedule
@@ -33,26 +51,162 @@ from sprout.train.schedule import warmup_warning
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
-    """The arguments every training script shares: --config, --out, --resume [PATH|latest].
+    """The arguments every training script shares: --config, --out, --resume [PATH|latest], --overwrite.
 
     A script adds its own (--data, --init, ...); `parse_run_config` then reads the config with
     the remaining `--section.field VALUE` overrides.
     """
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help=f"YAML config ({config_example})")
+    p.add_argument("--config", help=f"YAML config ({config_example}); on --resume: default <out>/config.yaml")
     p.add_argument("--out", help="run directory; overrides out")
     p.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
-                   help="continue from a checkpoint (default: the latest in --out)")
+                   help="continue from a checkpoint (default: the latest in --out), with the run's own "
+                        "config.yaml and length (--train.max_steps N changes the length)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start again in an --out that holds a run: delete that run's files first")
     return p
 
 
+# ---- the run folder -----------------------------------------------------------------------------
+RUN_FILES = ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "checkpoints", "tokenizer")
+TRACKER_DIR = "sprout"  # TensorBoard's event folder: accelerate's project_dir / the project MetricsLogger names
+
+
+def _main_process() -> bool:
+    """Rank 0 of a launched run (torchrun / accelerate launch set RANK), or a lone process;
+    for what happens before the accelerator exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _note(message: str) -> None:
+    if _main_process():
+        print(message, flush=True)
+
+
+def run_files(out: str | Path) -> list[Path]:
+    """The files a run wrote in `out`: RUN_FILES that exist, and the TensorBoard folder when the
+    run's config.yaml names the tensorboard tracker. Anything else in `out` is not the run's."""
+    out = Path(out)
+    found = [out / name for name in RUN_FILES if (out / name).exists()]
+    if (out / TRACKER_DIR).is_dir() and (out / "config.yaml").is_file():
+        try:
+            trackers = (read_yaml(out / "config.yaml").get("train") or {}).get("trackers") or []
+        except SproutError:
+            trackers = []
+        if "tensorboard" in trackers:
+            found.append(out / TRACKER_DIR)
+    return found
+
+
+def latest_step(out: str | Path) -> int | None:
+    """Step of the latest checkpoint in `<out>/checkpoints`, or None when there is none."""
+    try:
+        ckpt = resolve_checkpoint(Path(out) / "checkpoints")
+        return int(json.loads((ckpt / META).read_text())["step"])
+    except (SproutError, OSError, ValueError, KeyError, TypeError):
+        steps = [int(p.name[5:]) for p in (Path(out) / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+        return max(steps) if steps else None
+
+
+def check_fresh_run(out: str | Path, overwrite: bool = False) -> None:
+    """A fresh run may start in `out` when it holds no run; with `overwrite` the old run's files
+    are deleted first (rank 0; `clear_run`). Otherwise one line says what to pass."""
+    files = run_files(out)
+    if not files:
+        return
+    if overwrite:
+        if _main_process():
+            clear_run(out, files)
+        return
+    step = latest_step(out)
+    held = f"holds a run at step {step}" if step is not None else \
+        f"holds the files of a run without a checkpoint ({', '.join(f.name for f in files)})"
+    resume = "pass --resume to continue it or " if step is not None else "pass "
+    raise SproutError(f"{out} {held}; {resume}--overwrite to start again")
+
+
+def clear_run(out: str | Path, files: list[Path] | None = None) -> None:
+    """Delete the run's files in `out` (`run_files`), nothing else."""
+    files = run_files(out) if files is None else files
+    for f in files:
+        if f.is_dir() and not f.is_symlink():
+            shutil.rmtree(f)
+        else:
+            f.unlink()
+    print(f"--overwrite: deleted the previous run's {', '.join(f.name for f in files)} in {out}", flush=True)
+
+
+def resume_command(out: str | Path, world_size: int = 1) -> str:
+    """The command line that resumes the run in `out` with this script (its own config.yaml)."""
+    cmd = shlex.join([sys.argv[0], "--out", str(out), "--resume"])
+    if world_size > 1:
+        return f"accelerate launch <the same launch options> {cmd}"
+    return f"python {cmd}"
+
+
+# ---- the config ---------------------------------------------------------------------------------
 def parse_run_config(parser: argparse.ArgumentParser, config_cls):
-    """(args, config): the YAML config with dotted overrides applied, then --out."""
-    args, overrides = parser.parse_known_args()
-    cfg = load_config(config_cls, args.config, overrides)
+    """(args, config): the YAML config with the command line's overrides applied, then --out,
+    after the run-folder checks (see the module docstring).
+
+    Fresh run: --config (or the defaults) + overrides; refused when --out holds a run, unless
+    --overwrite. --resume: the run's own <out>/config.yaml (else the checkpoint's config), or
+    --config when given (the checkpoint refuses one that differs in a field a resume may not
+    change); train.max_steps stays the run's unless given on the command line.
+    """
+    add_config_help(parser, config_cls)
+    args, rest = parser.parse_known_args()
+    overrides = parse_overrides(rest)
+    if args.resume and args.overwrite:
+        raise SproutError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
+    if not args.resume:
+        cfg = load_config(config_cls, args.config, overrides)
+        if args.out:
+            cfg.out = args.out
+        check_fresh_run(cfg.out, args.overwrite)
+        return args, cfg
+    return args, _resume_config(args, overrides, config_cls)
+
+
+def _resume_config(args, overrides: dict, config_cls):
     if args.out:
-        cfg.out = args.out
-    return args, cfg
+        out = Path(args.out)
+    elif args.resume != "latest":
+        ckpt = resolve_checkpoint(args.resume)
+        out = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+    elif args.config:
+        out = Path(load_config(config_cls, args.config, overrides).out)
+    else:
+        raise SproutError("--resume needs --out RUN_DIR (the run to continue)")
+    ckpt = resolve_checkpoint(out / "checkpoints" if args.resume == "latest" else args.resume)
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise SproutError(f"{ckpt / META}: unreadable checkpoint meta ({exc})") from None
+    saved_yaml = out / "config.yaml"
+    saved = read_yaml(saved_yaml) if saved_yaml.is_file() else meta.get("config") or {}
+    source = saved_yaml if saved_yaml.is_file() else ckpt / META
+    if args.config:
+        cfg = load_config(config_cls, args.config, overrides)
+    else:
+        cfg = load_config(config_cls, None, overrides, base=saved, where=str(source))
+    cfg.out = str(args.out) if args.out else (cfg.out if args.config else str(out))
+    saved_steps = (saved.get("train") or {}).get("max_steps")
+    if "max_steps" in (overrides.get("train") or {}):
+        if cfg.train.max_steps != saved_steps:
+            _note(f"train.max_steps {saved_steps} -> {cfg.train.max_steps or 'auto'} (from the command line)")
+    elif saved_steps is not None:
+        if args.config and cfg.train.max_steps not in (None, saved_steps):
+            _note(f"{args.config}: train.max_steps {cfg.train.max_steps} ignored: the run keeps its length of "
+                  f"{saved_steps} steps (pass --train.max_steps N to change it)")
+        cfg.train.max_steps = saved_steps
+    step = int(meta.get("step", 0))
+    if cfg.train.max_steps is not None and step >= cfg.train.max_steps:
+        _note(f"nothing to do: {out} is complete at step {step}"
+              + (f" (train.max_steps {cfg.train.max_steps})" if step > cfg.train.max_steps else "")
+              + "; pass --train.max_steps N to train longer")
+        raise SystemExit(0)
+    return cfg
 
 
 def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
@@ -63,8 +217,12 @@ def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
 
 
 def with_max_steps(cfg, num_params: int):
-    """`cfg` (with `train` and a token `batch` section) with train.max_steps resolved (Chinchilla when null)."""
+    """`cfg` (with `train` and a token `batch` section) with train.max_steps resolved (Chinchilla
+    when null / auto, printed)."""
     steps = resolve_max_steps(cfg.train, num_params, cfg.batch.global_tokens)
+    if cfg.train.max_steps is None:
+        _note(f"train.max_steps auto: {steps:,} steps ({cfg.train.chinchilla_ratio:g} tokens per parameter × "
+              f"{num_params:,} parameters / {cfg.batch.global_tokens:,} tokens per step)")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
 
 
@@ -108,11 +266,18 @@ def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = No
     result = trainer.fit(stage)
     first, last = result["first_eval"], result["last_eval"]
     for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
-                       ("after training", last)):
+                       ("after training", last if not result.get("interrupted") else None)):
         if rec is not None:
             values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_"))
             acc.print(f"{label} (step {rec['step']}): {values}")
     end_processes(acc)
+    if result.get("interrupted"):
+        signum = result["interrupted"]
+        if acc.is_main_process:
+            print(f"stopped by {signal.Signals(signum).name} at step {result['steps']} of {train_cfg.max_steps}; "
+                  f"checkpoint {result['checkpoint']}\nresume with:\n  {resume_command(out, acc.num_processes)}",
+                  flush=True)
+        raise SystemExit(128 + signum)
     return result
 
 
