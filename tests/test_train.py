@@ -1,7 +1,6 @@
 """The shared loop and the pretraining stage: schedules, normalisation, learning, exact resume,
 bad input, NaN handling, and 1 vs 2 processes (slow)."""
 
-import json
 import math
 import os
 import shutil
@@ -16,6 +15,7 @@ from proc import run_group
 
 from sprout.errors import SproutError
 from sprout.model.transformer import ModelConfig
+from sprout.formats.manifest import write_shard_manifest
 from sprout.formats.shards import shard_name, write_shard
 from sprout.config import config_to_dict, from_dict
 from sprout.train.loop import NonFiniteLoss, TokenStage, TrainConfig, Trainer, make_accelerator, micro_steps
@@ -43,7 +43,7 @@ def write_data(folder: Path) -> Path:
     write_shard(folder / shard_name("toy", "train", 0), text(30000, 1), np.uint16)
     write_shard(folder / shard_name("toy", "train", 1), text(20000, 2), np.uint16)
     write_shard(folder / shard_name("toy", "val", 0), text(4000, 3), np.uint16)
-    (folder / "manifest.json").write_text(json.dumps({"tokenizer": {"vocab_size": V}}))
+    write_shard_manifest(folder, "toy", V)
     return folder
 
 

@@ -6,13 +6,16 @@ One checkpoint is a directory:
     train_state.pt      optimizer, scheduler and RNG state: tensors and plain containers only,
                         read back with torch.load(weights_only=True), which refuses pickled code
     meta.json           format, architecture, model config, tokenizer, stage, step, tokens seen,
-                        loader state, the run's config and its hash, and the sha256 of both files above
+                        loader state, the run's config and its hash, the run's `run_id`, and the sha256 of both files above
 
 It is written into a temporary sibling directory and renamed into place, so a crash leaves
-either the old checkpoint or the complete new one. A run keeps its checkpoints under
-`<out>/checkpoints/step_XXXXXXXX/` next to `latest`, a one-line pointer written last;
-only the newest K are kept. Loading checks every file's sha256 against meta.json and refuses
-a corrupted or modified file with an error that names it.
+either the old checkpoint or the complete new one (the next save removes the temporary a
+killed save left), and a full disk ends in one line naming the checkpoint, with nothing
+partial left. A run keeps its checkpoints under `<out>/checkpoints/step_XXXXXXXX/` next to
+`latest`, a one-line pointer written last; only the newest K of the run's own checkpoints
+(same `run_id` in meta.json) are kept. Loading checks every file's sha256 against meta.json
+and refuses a corrupted or modified file, or a meta.json without the hashes, with an error
+that names it.
 
 Architecture: meta.json `architecture` says which module the weights belong to ("lm",
 "lm+value" or "reward", see `sprout.model.heads`); `save_checkpoint` reads it off the weights
@@ -38,6 +41,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -49,7 +53,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model as _load_safetensors_model
 from safetensors.torch import save_file
 
-from sprout.atomic import atomic_write, sha256_file
+from sprout.atomic import DISK_ERRNOS, atomic_write, sha256_file, write_error
 from sprout.errors import SproutError
 
 FORMAT = "sprout-checkpoint-v1"
@@ -111,7 +115,8 @@ def save_checkpoint(
             "rng": rng_states if rng_states is not None else [rng_state()],
             "extra": extra_state,
         }
-        torch.save(train_state, tmp / STATE)
+        with open(tmp / STATE, "wb") as f:  # a file object: a failed write leaves its OSError in the chain
+            torch.save(train_state, f)
         meta = dict(meta)
         meta["architecture"] = architecture_of(state)
         if dataclasses.is_dataclass(meta.get("model_config")):
@@ -130,22 +135,55 @@ def save_checkpoint(
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        disk = _disk_error(exc)
+        if disk is not None:
+            raise write_error(path, disk) from None
         raise
     return path
 
 
+def _disk_error(exc: BaseException) -> OSError | None:
+    """The full-disk / size-limit OSError behind a failed write, if that is what it was:
+    the exception itself, one in its chain (torch.save wraps it in a RuntimeError), or the
+    `(os error N)` safetensors names in its message."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, SafetensorError):
+        m = re.search(r"os error (\d+)", str(exc))
+        if m and int(m.group(1)) in DISK_ERRNOS:
+            return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+    return None
+
+
+def _run_id(step_dir: Path) -> str | None:
+    """The `run_id` in a checkpoint's meta.json; None when absent or unreadable."""
+    try:
+        return json.loads((step_dir / META).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def save_rotating(root: str | os.PathLike, step: int, model, *, keep: int = 3, **kwargs) -> Path:
-    """Save `root/step_XXXXXXXX`, then point `root/latest` at it, then drop all but the newest `keep`."""
+    """Save `root/step_XXXXXXXX`, then point `root/latest` at it, then drop all but the newest
+    `keep` of this run's checkpoints: those whose meta has the same `run_id` as `meta` (another
+    run's checkpoints in the same folder are never deleted). First removes what a save killed
+    mid-way left here (`.tmp-step_*`, `.tmp-old-step_*`; only rank 0 writes here)."""
     root = Path(root)
-    for stale in root.glob(".tmp-step_*"):  # left by a crash mid-save; only rank 0 writes here
-        shutil.rmtree(stale, ignore_errors=True)
+    for pattern in (".tmp-step_*", ".tmp-old-step_*"):
+        for stale in root.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
     path = save_checkpoint(root / f"step_{step:08d}", model, **kwargs)
     with atomic_write(root / LATEST, "w") as f:
         f.write(path.name + "\n")
     if keep > 0:
-        for old in sorted(root.glob("step_*"))[:-keep]:
+        run_id = kwargs.get("meta", {}).get("run_id")
+        own = [p for p in sorted(root.glob("step_*")) if p == path or _run_id(p) == run_id]
+        for old in own[:-keep]:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
     return path
@@ -177,7 +215,11 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise SproutError(f"{path / META}: not a {FORMAT} meta file")
     if verify:
-        for name, digest in meta.get("files", {}).items():
+        files = meta.get("files")
+        if not isinstance(files, dict) or not {WEIGHTS, STATE} <= set(files):
+            raise SproutError(f"{path / META}: no sha256 for {WEIGHTS} and {STATE} (`files` missing or incomplete); "
+                              f"refusing an unverifiable checkpoint")
+        for name, digest in files.items():
             f = path / name
             if not f.is_file():
                 raise SproutError(f"{f}: checkpoint file is missing")

@@ -8,10 +8,13 @@ a folder without one is unfinished. A JSON object with these fields (* = require
                   fingerprint is the sha256 of the tokenizer's file (SentencePiece model or
                   tiktoken ranks), so a loader can refuse a mismatched tokenizer
     token_dtype*  "uint16" | "uint32"
-    shards*       {"train": [{file, num_tokens, sha256}, ...], "val": [...]}: the `.bin`
-                  shards (`sprout.formats.shards`), in stream order; empty lists for hdf5 only
-    hdf5*         {"train": {file, num_tokens, sha256, tokens_sha256}, "val": {...}}: the
-                  `.h5` files (`sprout.formats.h5tokens`); {} for bin only
+    shards*       {"train": [{file, num_tokens, sha256, max_token_id}, ...], "val": [...]}: the
+                  `.bin` shards (`sprout.formats.shards`), in stream order; empty lists for
+                  hdf5 only. `max_token_id` (the largest id in the shard, -1 when empty) lets
+                  a trainer check the model's vocabulary without reading the ids; manifests
+                  written before it have none
+    hdf5*         {"train": {file, num_tokens, sha256, tokens_sha256, max_token_id}, "val": {...}}:
+                  the `.h5` files (`sprout.formats.h5tokens`); {} for bin only
     splits*       {"train": {documents, tokens}, "val": {documents, tokens}}
     sources*      one object per source: name, path (as given), text_field, weight, files,
                   documents_read, invalid_json, invalid_unicode (texts with a lone surrogate),
@@ -40,7 +43,7 @@ import os
 import re
 from pathlib import Path
 
-from sprout.atomic import write_json_atomic
+from sprout.atomic import sha256_file, write_json_atomic
 from sprout.errors import SproutError
 
 FORMAT = "sprout-pretrain-v1"
@@ -64,6 +67,30 @@ def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
     path = Path(directory) / MANIFEST
     write_json_atomic(path, dict(manifest, format=FORMAT))
     return path
+
+
+def write_shard_manifest(directory: str | os.PathLike, dataset: str, vocab_size: int, eot_id: int = 0) -> Path:
+    """A manifest for `.bin` shards made outside prep (synthetic test or benchmark data): each
+    `<dataset>_<split>_NNNNNN.bin` in the folder with its token count, sha256 and largest id;
+    the tokenizer is unnamed (spec "", no fingerprint), sources and split rule empty."""
+    from sprout.formats.shards import SHARD_RE, open_shard, read_header
+
+    directory = Path(directory)
+    shards: dict = {"train": [], "val": []}
+    dtype = None
+    for p in sorted(directory.glob("*.bin")):
+        m = SHARD_RE.match(p.name)
+        if m and m.group("dataset") == dataset:
+            header, tokens = read_header(p), open_shard(p)
+            dtype = header.dtype.name
+            shards[m.group("split")].append({"file": p.name, "num_tokens": header.num_tokens, "sha256": sha256_file(p),
+                                             "max_token_id": int(tokens.max()) if len(tokens) else -1})
+    splits = {k: {"documents": 0, "tokens": sum(e["num_tokens"] for e in v)} for k, v in shards.items()}
+    return write_manifest(directory, {
+        "dataset": dataset, "token_dtype": dtype or "uint16", "shards": shards, "hdf5": {}, "splits": splits,
+        "tokenizer": {"spec": "", "name": "none", "vocab_size": int(vocab_size), "eot_id": int(eot_id),
+                      "bos_id": None, "pad_id": None, "fingerprint": ""},
+        "sources": [], "split_rule": {}, "doc_hashes": {}, "command": []})
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:

@@ -13,8 +13,11 @@ Attributes: `format` = "sprout-sft", `format_version` = 1, `split` ("train"|"val
 `seq_len`, `num_rows`, `tokenizer_spec`, `tokenizer_name`, `tokenizer_fingerprint`,
 `vocab_size`, `eot_id`, `pad_id`, `template_version`, `template` (JSON: role header ids,
 eot), `counts` (JSON: per-source reads, drops by reason, dedup, split, packing totals),
-`config` (JSON: the resolved prep config), `command`, and `sha256` (JSON: a sha256 per
-dataset over its C-order bytes, checked by `SFTFile.verify`).
+`config` (JSON: the resolved prep config), `command`, `sha256` (JSON: a sha256 per
+dataset over its C-order bytes, checked by `SFTFile.verify` and, streaming, `check_hashes`),
+and `prep_run_id`: the same in both files of a pair (the first 32 hex digits of the sha256
+of the prep config, command and every dataset's sha256 of both files), so a train file and a
+val file from different prep runs are told apart (`sprout.formats.verify.verify_sft_pair`).
 
 Each row holds whole examples (conversations rendered by `sprout.chat.render`), packed
 best fit by `sprout.prep.packing`, never cut across rows (an over-long one is truncated at
@@ -86,14 +89,28 @@ def write_sft(path, arrays: dict, attrs: dict) -> None:
     write_sft_files([(path, arrays, attrs)])
 
 
+def pair_run_id(files: list[tuple]) -> str:
+    """The `prep_run_id` of files written together, `(path, arrays, attrs)` each: the first 32
+    hex digits of the sha256 of each file's config, command and split and of every dataset's
+    sha256. The same inputs give the same id (the files' bytes stay reproducible)."""
+    h = hashlib.sha256()
+    for _, arrays, attrs in files:
+        h.update(json.dumps([attrs.get(k) for k in ("config", "command", "split")], sort_keys=True, default=str).encode())
+        for name in DATASETS:
+            h.update(_sha256(arrays[name]).encode())
+    return h.hexdigest()[:32]
+
+
 def write_sft_files(files: list[tuple]) -> None:
     """Write several SFT files, `(path, arrays, attrs)` each, renaming them into place only
-    once all are written, so a failure (a full disk) leaves every earlier file as it was."""
+    once all are written, so a failure (a full disk) leaves every earlier file as it was.
+    Every file gets the same `prep_run_id` (`pair_run_id`)."""
     outs = []
+    run_id = pair_run_id(files)
     try:
         for path, arrays, attrs in files:
             outs.append(AtomicH5(path))
-            _fill(outs[-1].file, arrays, attrs)
+            _fill(outs[-1].file, arrays, {**attrs, "prep_run_id": run_id})
             outs[-1].check()
         for out in outs:
             out.file.close()
@@ -192,6 +209,22 @@ class SFTFile:
             if _sha256(arrays[name]) != self.attrs["sha256"].get(name):
                 self._fail(f"dataset {name} does not match its stored sha256 (corrupted or edited)")
         return arrays
+
+    def check_hashes(self, block_rows: int = 4096, progress=None) -> None:
+        """Compare each dataset with its stored sha256, reading `block_rows` rows at a time
+        (memory stays flat); `progress(nbytes)` is called after each block."""
+        for name in DATASETS:
+            ds, h = self._f[name], hashlib.sha256()
+            try:
+                for start in range(0, self.num_rows, block_rows):
+                    block = np.ascontiguousarray(ds[start : start + block_rows])
+                    h.update(block.tobytes())
+                    if progress is not None:
+                        progress(block.nbytes)
+            except OSError as exc:  # fletcher32 mismatch, truncated file
+                raise SFTFormatError(f"{self.path}: corrupted data ({exc})") from None
+            if h.hexdigest() != self.attrs["sha256"].get(name):
+                self._fail(f"dataset {name} does not match its stored sha256 (corrupted or edited)")
 
     def close(self) -> None:
         self._f.close()

@@ -120,10 +120,12 @@ class SplitWriter:
         self._ctx = self._file = self._sha = None
         self._left = 0
         self.h5 = H5TokenWriter(out / h5_name(dataset, split), dtype) if fmt in ("hdf5", "both") else None
-        self.num_tokens = 0
+        self.num_tokens, self.max_token_id = 0, -1
 
     def write(self, tokens: np.ndarray) -> None:
         self.num_tokens += len(tokens)
+        if len(tokens):
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
         if self.h5 is not None:
             self.h5.append(tokens)
         while self.sizes and len(tokens):
@@ -136,6 +138,8 @@ class SplitWriter:
             except OSError as exc:
                 raise write_error(self.out / self.shards[-1]["file"], exc) from None
             self._sha.update(payload)
+            if take:
+                self.shards[-1]["max_token_id"] = max(self.shards[-1]["max_token_id"], int(tokens[:take].max()))
             self._left -= take
             tokens = tokens[take:]
             if self._left == 0:
@@ -157,7 +161,7 @@ class SplitWriter:
         except OSError as exc:
             raise write_error(self.out / name, exc) from None
         self._sha = hashlib.sha256(header)
-        self.shards.append({"file": name, "num_tokens": self._left, "sha256": None})
+        self.shards.append({"file": name, "num_tokens": self._left, "sha256": None, "max_token_id": -1})
 
     def close(self, attrs: dict) -> tuple[list, dict | None]:
         """Finish; returns (shard entries, HDF5 entry or None) for the manifest."""
@@ -168,7 +172,7 @@ class SplitWriter:
             tokens_sha = self.h5.close(dict(attrs, split=self.split))
             path = self.out / h5_name(self.dataset, self.split)
             h5 = {"file": path.name, "num_tokens": self.num_tokens, "sha256": sha256_file(path),
-                  "tokens_sha256": tokens_sha}
+                  "tokens_sha256": tokens_sha, "max_token_id": self.max_token_id}
         return self.shards, h5
 
     def abort(self) -> None:
