@@ -78,7 +78,7 @@ from sprout.atomic import check_writable
 from sprout.chat import MARKERS, RESERVED, render, template_for
 from sprout.checkpoint import checkpoint_tokenizer, load_model
 from sprout.errors import SproutError
-from sprout.tokenizer import EOT
+from sprout.tokenizer import EOT, SentencePieceTokenizer, TiktokenTokenizer
 
 TEMPERATURE, TOP_P = 0.7, 1.0  # generation_config.json's sampling defaults (scripts/chat.py's)
 HEADER_CUT = r"<\|(?:system|user|assistant)\|>\n"  # tiktoken: text is cut after each role header
@@ -196,8 +196,7 @@ def _bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[byt
 
 def gpt2_vocab_and_merges(tok) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """(vocab.json, merges in rank order) rebuilt from a tiktoken tokenizer's ranks."""
-    enc = tok._enc
-    ranks = {enc.decode_single_token_bytes(i): i for i in range(tok.vocab_size) if i != tok.eot_id}
+    ranks = {tok.token_bytes_of(i): i for i in range(tok.vocab_size) if i != tok.eot_id}
     to_char = bytes_to_unicode()
 
     def show(b: bytes) -> str:
@@ -228,10 +227,17 @@ def tiktoken_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]]):
     return t
 
 
+def _processor(tok):
+    """The SentencePieceProcessor of a SentencePiece tokenizer's file (pieces, scores, kinds)."""
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(tok.path))
+
+
 def sentencepiece_pipeline(tok):
     """A `tokenizers` BPE that encodes like the SentencePiece model of `tok` (see the module doc)."""
     tk = _tokenizers()
-    sp = tok._sp
+    sp = _processor(tok)
     probe = "  a  b\t\n ﬁＡe\u0301 "
     if tok.dummy_prefix or tok.decode(tok.encode(probe)) != probe:
         raise SproutError(f"{tok.path}: only SentencePiece models with identity normalisation and no dummy "
@@ -282,8 +288,10 @@ def chat_template(tok) -> str:
 
 def tokenizer_config(tok, max_len: int) -> dict:
     """tokenizer_config.json: the fast tokenizer class, special tokens, no added BOS/EOS, the template."""
+    sp = _processor(tok) if isinstance(tok, SentencePieceTokenizer) else None
+
     def piece(i):
-        return None if i is None else (EOT if i == tok.eot_id else tok._sp.id_to_piece(i))
+        return None if i is None else (EOT if i == tok.eot_id else sp.id_to_piece(i))
 
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -296,8 +304,8 @@ def tokenizer_config(tok, max_len: int) -> dict:
         "pad_token": None if tok.pad_id is None else piece(tok.pad_id),
         "chat_template": chat_template(tok),
     }
-    if hasattr(tok, "_sp"):
-        cfg["unk_token"] = tok._sp.id_to_piece(tok._sp.unk_id())
+    if sp is not None:
+        cfg["unk_token"] = sp.id_to_piece(sp.unk_id())
     return cfg
 
 
@@ -321,13 +329,13 @@ def _write_json(path: Path, obj) -> None:
 
 def write_tokenizer(tok, folder: Path, max_len: int) -> list[str]:
     """Write the tokenizer files of `tok` into `folder`; returns their names."""
-    if hasattr(tok, "_enc"):
+    if isinstance(tok, TiktokenTokenizer):
         vocab, merges = gpt2_vocab_and_merges(tok)
         _write_json(folder / "vocab.json", vocab)
         (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
                                            encoding="utf-8")
         pipeline, extra = tiktoken_pipeline(vocab, merges), ["vocab.json", "merges.txt"]
-    elif hasattr(tok, "_sp"):
+    elif isinstance(tok, SentencePieceTokenizer):
         pipeline, extra = sentencepiece_pipeline(tok), ["tokenizer.model"]
         shutil.copyfile(tok.path, folder / "tokenizer.model")
     else:
