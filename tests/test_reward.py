@@ -4,6 +4,7 @@ resume, 1 vs 2 processes (slow), and bad preference files refused through the sc
 
 import json
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -102,7 +103,7 @@ def test_scores_do_not_depend_on_the_padding_side(run_a, sp):
     width = max(map(len, seqs))
     right = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     left = torch.tensor([[0] * (width - len(s)) + s for s in seqs])
-    mask_r, mask_l = right.new_tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]), None
+    mask_r = right.new_tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     mask_l = right.new_tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
     with torch.no_grad():
         r, l_ = score_sequences(model, right, mask_r), score_sequences(model, left, mask_l)
@@ -152,9 +153,8 @@ def test_bad_preference_file_is_one_line(case, base, data, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith(f"error: {bad}") and proc.stderr.count("\n") == 1, proc.stderr
-    import re
     assert re.search(pattern, proc.stderr), proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 def test_pairs_over_the_context_are_counted_or_refused(base, data, tmp_path):
