@@ -115,7 +115,7 @@ def llama_config(model, tok) -> dict:
         "rope_theta": float(c.rope_theta),
         "rope_scaling": None,
         "rms_norm_eps": c.norm_eps,
-        "tie_word_embeddings": bool(c.tie_embeddings),
+        "tie_word_embeddings": bool(c.tie_embeddings) and arch != "reward",  # a reward model has no lm_head
         "initializer_range": c.init_std,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -345,8 +345,7 @@ def write_tokenizer(tok, folder: Path, max_len: int) -> list[str]:
     return ["tokenizer.json", "tokenizer_config.json", *extra]
 
 
-def export_model(model, tok, out: str | os.PathLike, *, architecture: str | None = None,
-                 overwrite: bool = False) -> ExportResult:
+def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False) -> ExportResult:
     """Write `model` and `tok` as a transformers folder at `out`, atomically (see the module doc).
 
     The folder is built under a temporary sibling name and renamed into place, so `out` is
@@ -354,7 +353,7 @@ def export_model(model, tok, out: str | os.PathLike, *, architecture: str | None
     empty is refused unless `overwrite`.
     """
     out = Path(out)
-    arch = architecture or getattr(model, "architecture", "lm")
+    arch = getattr(model, "architecture", "lm")
     if tok.vocab_size > model.config.vocab_size:
         raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -398,7 +397,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenize
     with (`tokenizer`, a spec, overrides); returns (result, sprout model, sprout tokenizer)."""
     model, meta = load_model(checkpoint)
     tok = checkpoint_tokenizer(meta, tokenizer)
-    return export_model(model, tok, out, architecture=meta.get("architecture", "lm"), overwrite=overwrite), model, tok
+    return export_model(model, tok, out, overwrite=overwrite), model, tok
 
 
 # ---- checking the folder with transformers -------------------------------------------------------
