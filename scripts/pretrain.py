@@ -14,6 +14,7 @@ prints the command that resumes. See sprout/train/pretrain.py for what is checke
 """
 
 from sprout.errors import run_main
+from sprout.formats.verify import VERIFY_MODES
 from sprout.train.pretrain import PretrainConfig, run_pretrain
 from sprout.train.run import parse_run_config, run_parser
 
@@ -21,7 +22,12 @@ from sprout.train.run import parse_run_config, run_parser
 def main() -> None:
     p = run_parser(__doc__, "configs/*/pretrain.yaml")
     p.add_argument("--data", help="shard directory (or a <dataset>_train.h5 file); overrides data.dir")
+    p.add_argument("--data-verify", choices=VERIFY_MODES, help="start-up data check: full (sha256 of every "
+                   "file, the default) or sizes (skip the hashes, for data too big to hash at every start); "
+                   "overrides data.verify")
     args, cfg = parse_run_config(p, PretrainConfig)
+    if args.data_verify:
+        cfg.data.verify = args.data_verify
     if args.data:
         cfg.data.dir = args.data
     run_pretrain(cfg, resume=args.resume)

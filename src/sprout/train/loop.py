@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -231,6 +232,7 @@ class Trainer:
         self.meta = dict(meta or {})
         self.meta.setdefault("resume_config", {})
         self.meta["config_hash"] = config_hash(self.meta["resume_config"])
+        self.meta.setdefault("run_id", uuid.uuid4().hex)  # checkpoint rotation keeps to this run's own
         self.steps_done, self.tokens_seen = 0, 0
         self.resumed_from: int | None = None
         self.last_checkpoint: Path | None = None
@@ -406,6 +408,7 @@ class Trainer:
                               f"({'; '.join(diffs[:4]) or 'config hash differs'}); refusing to resume")
         if meta.get("stage") != stage.name:
             raise SproutError(f"{meta['path']}: checkpoint is from stage {meta.get('stage')!r}, not {stage.name!r}")
+        self.meta["run_id"] = meta.get("run_id") or self.meta["run_id"]  # a resumed run continues its rotation
         load_weights(self.raw_model, meta["path"], meta)  # FSDP2 shards it in place: each rank keeps its shard
         state = load_train_state(meta["path"], meta)
         self._load_optimizer_state(state["optimizer"])

@@ -6,14 +6,16 @@ sequences during the sequence-length warmup (the global batch stays fixed in tok
 evaluates val loss and val bits per byte (`sprout.bpb`) on a fixed slice of the
 val split. `run_pretrain(cfg, resume)` is everything `scripts/pretrain.py` does after
 parsing its arguments: check the data against the model before anything heavy starts,
-build model, optimizer, schedule and stage, resume if asked, train, report.
+build model, optimizer, schedule and stage, resume if asked, train, report. The data check
+(`verify_data`) proves the files are the ones prep wrote (manifest, sizes, sha256 unless
+data.verify is `sizes`) and that every token id fits the model's vocabulary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -22,8 +24,10 @@ import numpy as np
 import torch
 
 from data_loader.tokens import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
+from sprout.atomic import check_writable
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
+from sprout.formats.verify import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
@@ -44,6 +48,7 @@ class DataConfig:
     seq_len_start: int = 128       # sequence-length warmup: start here, double up to seq_len ...
     seq_warmup_frac: float = 0.1   # ... over this fraction of the steps (0 disables)
     eval_tokens: int = resume_free(262144)  # val tokens scored at each eval (the first ones of the val split)
+    verify: str = resume_free("full")  # start-up check: full (sha256 of every file) | sizes (skip the hashes)
 
 
 @dataclass
@@ -118,35 +123,31 @@ class PretrainStage(TokenStage):
         self.loader.load_state_dict(state)
 
 
-def data_info(path: str | Path, sources) -> dict:
-    """Vocab size and tokenizer spec of a dataset: its manifest.json, HDF5 attrs, else the ids."""
-    path = Path(path)
-    manifest = (path if path.is_dir() else path.parent) / "manifest.json"
-    if manifest.is_file():
-        try:
-            tok = json.loads(manifest.read_text()).get("tokenizer", {})
-        except json.JSONDecodeError as exc:
-            raise SproutError(f"{manifest}: invalid JSON ({exc})") from None
-        if "vocab_size" in tok:
-            return {"vocab_size": int(tok["vocab_size"]), "tokenizer": tok.get("spec"), "where": str(manifest)}
-    attrs = getattr(sources[0], "attrs", {})
-    if "vocab_size" in attrs:  # HDF5 token files carry the manifest fields as attributes
-        return {"vocab_size": int(attrs["vocab_size"]), "tokenizer": attrs.get("tokenizer_spec"), "where": str(path)}
-    max_id = max(int(np.max(s[:])) for s in sources if len(s))
-    return {"vocab_size": None, "max_id": max_id, "tokenizer": None, "where": str(path)}
+def is_rank0() -> bool:
+    """Whether this process is rank 0 of its launch (read before the accelerator exists)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
-def check_vocab(info: dict, model_vocab: int) -> None:
-    """The model's vocab must be the data's, or the data's padded up to a multiple of 64/128."""
-    if info["vocab_size"] is None:
-        if info["max_id"] >= model_vocab:
-            raise SproutError(f"{info['where']}: token id {info['max_id']} does not fit model.vocab_size {model_vocab}")
-        return
-    v = info["vocab_size"]
+def verify_data(data: DataConfig) -> DataCheck:
+    """The start-up check of the token data (`sprout.formats.verify.verify_token_data`): the
+    manifest, every shard's presence, size and (data.verify full) sha256, and the largest token
+    id; prints what was checked and how long it took (rank 0)."""
+    check = verify_token_data(data.dir, data.verify, show_progress=is_rank0())
+    if is_rank0():
+        print(check.report("shards" if Path(data.dir).is_dir() else "HDF5 files"), flush=True)
+    return check
+
+
+def check_vocab(check: DataCheck, model_vocab: int, where: str | Path) -> None:
+    """The model's vocab must be the data's, or the data's padded up to a multiple of 64/128,
+    and every token id must fit it."""
+    v = check.vocab_size
     allowed = {v, -(-v // 64) * 64, -(-v // 128) * 128}
     if model_vocab not in allowed:
-        raise SproutError(f"{info['where']}: data vocab is {v} but model.vocab_size is {model_vocab} "
+        raise SproutError(f"{where}: data vocab is {v} but model.vocab_size is {model_vocab} "
                           f"(use {' or '.join(map(str, sorted(allowed)))})")
+    if check.max_token_id >= model_vocab:
+        raise SproutError(f"{check.max_where}: token id {check.max_token_id} does not fit model.vocab_size {model_vocab}")
 
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
@@ -155,9 +156,10 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
     if cfg.data.sampler not in ("sequential", "random"):
         raise SproutError(f"data.sampler must be sequential or random, not {cfg.data.sampler!r}")
+    check = verify_data(cfg.data)
     train_src, val_src = open_token_sources(cfg.data.dir, "train"), open_token_sources(cfg.data.dir, "val")
-    info = data_info(cfg.data.dir, train_src + val_src)
-    check_vocab(info, cfg.model.vocab_size)
+    data_dir = Path(cfg.data.dir)
+    check_vocab(check, cfg.model.vocab_size, data_dir / "manifest.json" if data_dir.is_dir() else data_dir)
     seq_len = cfg.data.seq_len or cfg.model.max_seq_len
     if seq_len > cfg.model.max_seq_len:
         raise SproutError(f"data.seq_len {seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
@@ -166,6 +168,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
         if micro % T:
             raise SproutError(f"batch.micro_tokens {micro} is not a multiple of sequence length {T}")
     resume_path = resolve_resume(resume, cfg.out)
+    check_writable(Path(cfg.out) / "config.yaml")
 
     acc = start_run(cfg.train, cfg.out)
     accum = micro_steps(cfg.batch.global_tokens, micro, acc.num_processes)
@@ -181,7 +184,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     rank, world = acc.process_index, acc.num_processes
     loader = (DistributedTokenLoader(train_src, rank, world) if data.sampler == "sequential"
               else RandomWindowSampler(train_src, cfg.train.seed, rank, world))
-    spec = data.tokenizer or info["tokenizer"]
+    spec = data.tokenizer or check.tokenizer
     tok = load_tokenizer(spec) if spec else None
     luts = luts_to_torch(tok.byte_luts(), acc.device) if tok else None
     if tok is None:

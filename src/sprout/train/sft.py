@@ -20,8 +20,10 @@ split across processes and the sums reduced over them. At the end of training th
 answers `sample_prompts` greedily (`SFTStage.samples`), shown in report.md.
 
 `run_sft(cfg, resume)` is what `scripts/train_sft.py` does after parsing its arguments:
-start from a base checkpoint (`init`; the model config comes from its meta), refuse SFT data
-made with another tokenizer, chat template or a longer context than the model's, then
+start from a base checkpoint (`init`; the model config comes from its meta), refuse a train
+and val file from different prep runs or whose datasets no longer match their recorded
+sha256 (`sprout.formats.verify.verify_sft_pair`; data.verify `sizes` skips the hashes), refuse
+SFT data made with another tokenizer, chat template or a longer context than the model's, then
 train with the same loop, checkpoints, resume and multi-process support as pretraining.
 Each checkpoint's meta carries the tokenizer spec and fingerprint, the chat-template version
 and the base checkpoint it started from, which `scripts/chat.py` and later stages read.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from data_loader.sft import SFTLoader, shift
+from sprout.atomic import check_writable
 from sprout.chat import TEMPLATE_VERSION, ChatError
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.errors import SproutError
@@ -45,6 +49,7 @@ from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_n
 from sprout.model.chat_session import ChatSession
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.sft import SFTFile, val_path
+from sprout.formats.verify import verify_sft_pair
 from sprout.config import resume_free
 from sprout.train.loop import TrainConfig, all_reduce_sums
 from sprout.train.optim import OptimConfig
@@ -59,6 +64,7 @@ class DataConfig:
     path: str = resume_free("")   # packed train rows from scripts/prepare_sft_data.py (sft.h5)
     val_path: str | None = resume_free(None)  # None: the `_val` file beside it (sft_val.h5)
     epochs: float = resume_free(1.0)  # sets train.max_steps when that is null
+    verify: str = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
 
 
 SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one sentence about the sea.")
@@ -67,11 +73,11 @@ SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one senten
 @dataclass
 class SFTConfig:
     init: str = resume_free("")   # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # packed SFT rows and epochs
     batch: TokenBatchConfig = field(default_factory=lambda: TokenBatchConfig(global_tokens=65536, micro_tokens=8192))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
-    out: str = resume_free("runs/sft")
+    out: str = resume_free("runs/sft")  # run folder: config.yaml, metrics, checkpoints, report
     # Answered greedily at the end of training and shown in report.md ([] for none).
     sample_prompts: list = resume_free(default_factory=lambda: list(SAMPLE_PROMPTS))
 
@@ -224,12 +230,17 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
     model_cfg = ModelConfig(**base["model_config"])
     data, val = Path(cfg.data.path), Path(cfg.data.val_path or val_path(cfg.data.path))
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # the accelerator does not exist yet
+    check = verify_sft_pair(data, val, cfg.data.verify, show_progress=rank0)
+    if rank0:
+        print(check.report("SFT files"), flush=True)
     attrs = _attrs(data)
     check_sft_data(base, model_cfg, data, attrs, val, _attrs(val))
     row_len, micro = attrs["seq_len"], cfg.batch.micro_tokens
     if micro % row_len:
         raise SproutError(f"batch.micro_tokens {micro} is not a multiple of the row length {row_len} of {data}")
     resume_path = resolve_resume(resume, cfg.out)
+    check_writable(Path(cfg.out) / "config.yaml")
 
     acc = start_run(cfg.train, cfg.out)
     accum = micro_steps(cfg.batch.global_tokens, micro, acc.num_processes)
