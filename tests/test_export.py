@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from proc import run_group
 from sprout.chat import render
-from sprout.checkpoint import save_checkpoint
+from sprout.checkpoint import bundle_tokenizer, save_checkpoint
 from sprout.errors import SproutError
 from sprout.model.export import export_model, verify_export
 from sprout.model.generate import generate
@@ -126,8 +126,9 @@ def test_value_head_is_dropped(sp, tmp_path):
         assert (hf(ids).logits - model(ids)).abs().max().item() < 1e-4
 
 
-def test_reward_model_exports_as_sequence_classification(sp, tmp_path):
-    model = tiny_model(sp.vocab_size, cls=RewardModel)
+@pytest.mark.parametrize("tied", [False, True])
+def test_reward_model_exports_as_sequence_classification(tied, sp, tmp_path):
+    model = tiny_model(sp.vocab_size, cls=RewardModel, tie_embeddings=tied)
     result = export_model(model, sp, tmp_path / "hf")
     assert (result.hf_class, result.dropped) == ("LlamaForSequenceClassification", [])
     assert not (tmp_path / "hf" / "generation_config.json").exists()
@@ -237,8 +238,10 @@ def test_dummy_prefix_sentencepiece_is_refused(tmp_path):
 @pytest.mark.slow
 def test_script_exports_and_checks_a_checkpoint(sp, tmp_path):
     model = tiny_model(sp.vocab_size, n_kv_heads=2, tie_embeddings=True)
-    save_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000001", model,
-                    meta={"model_config": model.config, "tokenizer": sp.spec, "stage": "sft", "step": 1})
+    run = tmp_path / "run"  # as a training run leaves it: the tokenizer copied into the run folder
+    save_checkpoint(run / "checkpoints" / "step_00000001", model,
+                    meta={"model_config": model.config, "tokenizer": sp.spec, "stage": "sft", "step": 1,
+                          **bundle_tokenizer(sp.spec, run)})
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_00000001\n")
     cmd = [sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(tmp_path / "run"), str(tmp_path / "hf")]
     done = run_group(cmd, timeout=300)
