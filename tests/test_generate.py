@@ -1,17 +1,20 @@
 """Batched KV-cache sampling: equal to recomputation and to each row alone, stop ids, vocab
-padding, log-probs, top-k/top-p, seeding, context limits, and ranks kept in step under FSDP (slow)."""
+padding, log-probs, top-k/top-p, seeding, context limits, ranks kept in step under FSDP (slow);
+the tensor API (`generate_tokens`: shapes, masks, adjacent samples per prompt, eos/truncated
+flags, the chat stop default, the context warning) and the compiled static-cache path (slow)."""
 
 import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from sprout.errors import SproutError
-from sprout.model.generate import generate, process_logits, sample_next
+from sprout.model.generate import generate, generate_tokens, process_logits, sample_next
 from sprout.model.transformer import ModelConfig, Transformer
 
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 8], [11, 12, 13, 14]]
@@ -158,3 +161,131 @@ def test_generation_under_fsdp_keeps_every_rank_stepping(tmp_path):
         assert g["tokens"] == a.tokens and g["finished"] == a.finished
         assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
                    for x, y in zip(g["logprobs"], a.logprobs))
+
+
+# ---- the tensor API: generate_tokens -> Rollout ------------------------------------------------
+def padded(prompts, side="left"):
+    P = max(len(p) for p in prompts)
+    pad = lambda p: [0] * (P - len(p))  # noqa: E731
+    ids = [pad(p) + p if side == "left" else p + pad(p) for p in prompts]
+    mask = [pad(p) + [1] * len(p) if side == "left" else [1] * len(p) + pad(p) for p in prompts]
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+def test_generate_tokens_shapes_masks_and_flags(model):
+    ids, mask = padded(PROMPTS)
+    free = generate_tokens(model, ids, mask, max_new_tokens=12, greedy=True)
+    stop = int(free.completion_ids[1, 4])  # row 1 stops at or before step 5
+    out = generate_tokens(model, ids, mask, max_new_tokens=12, greedy=True, stop_ids={stop}, pad_id=63)
+    N, L = out.completion_ids.shape
+    assert (N, L) == (3, 12) and out.prompt_ids.shape == (3, 7) and out.prompt_mask.tolist() == mask.tolist()
+    assert torch.equal(out.lengths, out.completion_mask.sum(1)) and out.lengths[1] <= 5
+    assert torch.equal(out.eos, ~out.truncated) and bool(out.eos[1])
+    for r in range(N):
+        n = int(out.lengths[r])
+        assert out.completion_mask[r].tolist() == [1] * n + [0] * (L - n)  # right-padded
+        assert out.completion_ids[r, n:].tolist() == [63] * (L - n)
+        assert out.completion_ids[r, :n].tolist() == free.completion_ids[r, :n].tolist()
+        assert bool(out.eos[r]) == (int(out.completion_ids[r, n - 1]) == stop)
+        assert not (out.completion_ids[r, : n - 1] == stop).any()
+    assert not out.eos[0] or int(out.lengths[0]) < 12  # a row without the stop id runs to the end
+    assert all(bool(out.truncated[r]) == (int(out.lengths[r]) == 12) for r in range(N))
+
+
+def test_right_padded_or_unpadded_input_is_left_aligned(model):
+    left = generate_tokens(model, *padded(PROMPTS), max_new_tokens=6, greedy=True)
+    right = generate_tokens(model, *padded(PROMPTS, "right"), max_new_tokens=6, greedy=True)
+    assert torch.equal(left.completion_ids, right.completion_ids) and torch.equal(left.prompt_ids, right.prompt_ids)
+    alone = generate_tokens(model, torch.tensor([PROMPTS[0]]), max_new_tokens=6, greedy=True)
+    assert alone.completion_ids[0].tolist() == left.completion_ids[0].tolist()
+    with pytest.raises(SproutError, match="at least one token"):
+        generate_tokens(model, torch.tensor([[1, 2]]), torch.tensor([[0, 0]]), max_new_tokens=2)
+
+
+def test_num_generations_adjacent_and_seeded(model):
+    ids, mask = padded(PROMPTS)
+
+    def run(seed, G=4):
+        return generate_tokens(model, ids, mask, max_new_tokens=10, num_generations=G,
+                               generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = run(0), run(0), run(1)
+    assert a.completion_ids.shape == (12, 10) and torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    for i, p in enumerate(PROMPTS):
+        rows = a.prompt_ids[i * 4 : i * 4 + 4]
+        assert all(r[a.prompt_mask[i * 4] == 1].tolist() == p for r in rows)  # prompt i's G samples are adjacent
+    assert len({tuple(r) for r in a.completion_ids[:4].tolist()}) > 1  # the G samples differ
+    greedy = generate_tokens(model, ids, mask, max_new_tokens=10, num_generations=4, greedy=True)
+    assert all(torch.equal(greedy.completion_ids[i * 4], greedy.completion_ids[i * 4 + j])
+               for i in range(3) for j in range(4))
+
+
+def test_rollout_logprobs_equal_a_full_forward_at_temperature_1(model):
+    ids, mask = padded(PROMPTS)
+    out = generate_tokens(model, ids, mask, max_new_tokens=8, num_generations=2,
+                          generator=torch.Generator().manual_seed(5), stop_ids={int(7)})
+    for r in range(out.completion_ids.shape[0]):
+        prompt = out.prompt_ids[r][out.prompt_mask[r] == 1].tolist()
+        n = int(out.lengths[r])
+        toks = out.completion_ids[r, :n].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + toks]))[0, len(prompt) - 1 : -1]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+        torch.testing.assert_close(out.logprobs[r, :n], expected, rtol=0, atol=1e-5)
+        assert (out.logprobs[r, n:] == 0).all()
+
+
+def test_default_stop_is_the_chat_end_of_turn(sp):
+    from sprout.model.generate import default_stop_ids
+    from sprout.chat import template_for
+
+    tpl = template_for(sp)
+    assert default_stop_ids(sp) == {tpl.eot_id} | {h[0] for h in tpl.headers.values()}
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=sp.vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)).eval()
+    ids = torch.tensor([sp.encode("hello there")])
+    free = generate_tokens(m, ids, max_new_tokens=10, greedy=True)
+    assert not free.eos.any() and int(free.lengths[0]) == 10  # without a tokenizer nothing stops
+    with torch.no_grad():  # make the end-of-turn id twice as likely (in logits) as step 3's greedy pick
+        m.lm_head.weight[tpl.eot_id] = 2 * m.lm_head.weight[int(free.completion_ids[0, 2])]
+    out = generate_tokens(m, ids, max_new_tokens=10, greedy=True, tokenizer=sp)
+    n = int(out.lengths[0])
+    assert bool(out.eos[0]) and n <= 3 and int(out.completion_ids[0, n - 1]) == tpl.eot_id
+
+
+def test_context_warning_once_and_truncated_rows(model, monkeypatch):
+    import sprout.model.generate as gen
+
+    monkeypatch.setattr(gen, "_warned", set())
+    ids, mask = padded([[1] * 60, [2, 3]])
+    with pytest.warns(UserWarning, match="exceed the context of 64"):
+        out = generate_tokens(model, ids, mask, max_new_tokens=10, greedy=True)
+    assert out.completion_ids.shape[1] == 4 and out.truncated.all() and not out.eos.any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate_tokens(model, ids, mask, max_new_tokens=10, greedy=True)  # said once only
+        generate_tokens(model, ids, mask, max_new_tokens=4, greedy=True)  # fits: no warning
+
+
+def test_sampling_defaults_have_top_k_off(model):
+    import inspect
+
+    params = inspect.signature(generate_tokens).parameters
+    assert params["top_k"].default is None and params["top_p"].default is None
+    assert params["temperature"].default == 1.0 and params["greedy"].default is False
+    g = torch.Generator().manual_seed(0)
+    out = generate_tokens(model, torch.tensor([[1, 2, 3]]), max_new_tokens=1, num_generations=2000, generator=g)
+    assert len(set(out.completion_ids[:, 0].tolist())) > 50  # more distinct tokens than a top-50 would allow
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_gives_the_eager_tokens(model):
+    ids, mask = padded(PROMPTS)
+    for kw in (dict(greedy=True), dict(temperature=1.0)):
+        eager = generate_tokens(model, ids, mask, max_new_tokens=12, num_generations=2, compile=False,
+                                generator=torch.Generator().manual_seed(0), **kw)
+        compiled = generate_tokens(model, ids, mask, max_new_tokens=12, num_generations=2, compile=True,
+                                   generator=torch.Generator().manual_seed(0), **kw)
+        assert torch.equal(eager.completion_ids, compiled.completion_ids)
+        torch.testing.assert_close(eager.logprobs, compiled.logprobs, rtol=0, atol=1e-5)

@@ -6,9 +6,9 @@ template the SFT data was made with), samples the answer with `sprout.model.gene
 until the end-of-turn token, and appends the decoded answer to the history. So the model
 sees at inference exactly the token layout it was fine-tuned on.
 
-- Stop tokens: the end-of-turn id, plus the role headers when they are single control ids
-  (SentencePiece models trained here), in case a model starts a new turn without closing
-  its own. With plain-text markers (tiktoken) a reply is cut at the first marker text.
+- Stop tokens: `sprout.model.generate.default_stop_ids`: the end-of-turn id, plus the role
+  headers when they are single control ids (SentencePiece models trained here), in case a
+  model starts a new turn without closing its own. With plain-text markers (tiktoken) a reply is cut at the first marker text.
 - Context: when the rendered history leaves no room for an answer, the oldest exchanges
   are dropped (the system message stays); a single message that does not fit raises
   `ChatError`, as does a message the template refuses (e.g. one containing marker text),
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sprout.chat import RESERVED, TEMPLATE_VERSION, ChatError, render, template_for
+from sprout.chat import RESERVED, TEMPLATE_VERSION, ChatError, render
 from sprout.checkpoint import checkpoint_tokenizer, load_model
 from sprout.errors import SproutError
-from sprout.model.generate import generate
+from sprout.model.generate import default_stop_ids, generate
 
 
 @dataclass
@@ -67,8 +67,7 @@ class ChatSession:
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         device = next(model.parameters()).device
         self.generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
-        tpl = template_for(tok)
-        self.stop_ids = {tpl.eot_id} | ({h[0] for h in tpl.headers.values()} if tpl.kind == "special" else set())
+        self.stop_ids = default_stop_ids(tok)
         self.messages: list[dict] = []
         if system is not None:
             self.messages.append({"role": "system", "content": system})

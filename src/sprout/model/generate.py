@@ -1,19 +1,50 @@
-"""Batched sampling with the KV cache, for chat, evaluation and the RL stages' rollouts.
+"""Batched sampling with the KV cache: the RL stages' rollouts, chat and evaluation.
 
-Prompts of different lengths are left-padded into one batch: the padding gets segment
-id 0 and each prompt segment 1, and rotary positions count only real tokens, so every
-row computes exactly what it would alone (see `sprout.model.transformer.KVCache`). One prefill
-forward fills the cache; then each step feeds one token per row.
+    rollout = generate_tokens(model, input_ids, attention_mask, max_new_tokens=256,
+                              num_generations=8, tokenizer=tok, generator=g)
 
-Sampling follows the usual order (as in Hugging Face `generate`): divide the logits by
-the temperature, keep the top-k, then keep the smallest set of tokens whose probability
-reaches top-p (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration").
-Each sampled token's log-prob is taken under that processed distribution, the one the
-token was actually drawn from, which is what the RL stages need. temperature = 0 is
-greedy decoding: a point mass on the argmax, so its log-probs are 0.
+`generate_tokens` takes and returns tensors, as transformers' `generate` does: prompts
+`input_ids` [B, P] with an `attention_mask` (1 = real token; padding on either side, the
+prompts are left-aligned first) and returns a `Rollout`: completions [B*G, L] right-padded
+with their mask, each sampled token's log-prob, why each row ended, and its length. The G
+samples of prompt i are rows i*G .. i*G+G-1, side by side, so group statistics (GRPO's
+advantages) need no communication. `generate` is the list-in, list-out form for chat.
 
-Each row stops at its first token in `stop_ids` (the stop token is returned); the loop
-ends when every row has stopped, at `max_new_tokens`, or when the context is full.
+Left-padded prompts: the padding gets segment id 0 and each prompt segment 1, and rotary
+positions count only real tokens, so every row computes exactly what it would alone (see
+`sprout.model.transformer.KVCache`). One prefill forward fills the cache and computes the
+logits of each prompt's last position only; then each step feeds one token per row.
+
+Sampling follows transformers' order: divide the logits by the temperature, keep the top-k,
+then keep the smallest set of tokens whose probability reaches top-p (Holtzman et al. 2020,
+"The Curious Case of Neural Text Degeneration"). Each sampled token's log-prob is taken under
+that processed distribution, the one it was drawn from; at temperature 1 without top-k/top-p
+that is the policy's own distribution, which is what the RL losses need. Greedy decoding
+(`greedy=True` or temperature 0) is a point mass on the argmax: log-probs 0. The defaults
+differ from transformers' (its values come from the checkpoint's generation_config):
+
+    setting       generate_tokens                      transformers generate
+    sampling      on (greedy=False)                    off (do_sample=False: greedy)
+    temperature   1.0                                  1.0
+    top_k         None = off                           50
+    top_p         None = off (same as 1.0)             1.0
+    stop ids      with tokenizer=: `default_stop_ids`  eos_token_id of the generation_config
+                  (the end-of-turn id); else none
+
+Stopping: a row stops at its first token in the stop ids (kept, `eos` True); the rest run to
+`max_new_tokens` or until the context is full (`truncated` True). When the longest prompt
+plus `max_new_tokens` exceeds the model's context (`max_seq_len`), the steps are cut to fit
+and a one-line warning says so, once per process.
+
+Speed (`compile`): the eager path appends to `KVCache`, whose tensors grow with every step.
+With `compile=True` the cache is a `StaticKVCache` (shapes fixed for the whole run) and the
+one-token decode step (`model(tokens [N, 1], cache=...)`: positions and the cache index live
+in the cache as tensors) is compiled once with `torch.compile`; later calls with the same
+shapes reuse it, other cache sizes compile once more with a dynamic length. Sampling stays
+eager, so the same logits give the same tokens for a generator. Compiling takes seconds to
+minutes on a CPU, paid on the first call only; `compile="auto"` compiles when one call
+generates at least `AUTO_COMPILE_TOKENS` tokens (rows × steps) and runs eager otherwise.
+Measured in benchmarks/rl_throughput.py.
 
 Several processes (torch.distributed initialised, world size > 1): under FSDP every forward
 is a collective (each rank gathers the others' parameter shards), so no rank may leave the
@@ -21,21 +52,38 @@ loop while another still decodes. Each step all-reduces one "this rank is done" 
 rank whose rows have all stopped keeps running one-token forwards whose output is thrown
 away (no cache, no sampling, so its tokens and its generator are exactly those of a run
 alone) until every rank is done. Each rank's tokens are those of one process given its
-prompts. A single process does no collective.
-
-With `train.compile` on, pass generation the uncompiled module (the Trainer's
-`generation_model`): a compiled forward recompiles for each new cache length and decode shape.
+prompts. A single process does no collective. The eager path always runs there (`compile`
+is ignored): pass the uncompiled module (the Trainer's `generation_model`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from sprout.chat import template_for
 from sprout.errors import SproutError
 from sprout.model.heads import padding_inputs
+
+AUTO_COMPILE_TOKENS = 8192  # compile="auto": compile when rows × steps reaches this
+STATIC_CACHE_ROUND = 64  # a static cache's slots are rounded up to a multiple of this (fewer recompiles)
+
+
+@dataclass
+class Rollout:
+    """What `generate_tokens` sampled; N = B × num_generations rows, prompt i's samples adjacent."""
+
+    prompt_ids: torch.Tensor  # [N, P] long, left-padded (each prompt repeated G times)
+    prompt_mask: torch.Tensor  # [N, P] long, 1 = real token
+    completion_ids: torch.Tensor  # [N, L] long, right-padded with pad_id; the stop token included
+    completion_mask: torch.Tensor  # [N, L] long, 1 = sampled token
+    logprobs: torch.Tensor  # [N, L] float32, log-prob of each token under its sampling distribution; 0 on padding
+    eos: torch.Tensor  # [N] bool, the row ended with a stop id
+    truncated: torch.Tensor  # [N] bool, the row hit max_new_tokens or the context without a stop id
+    lengths: torch.Tensor  # [N] long, completion tokens (completion_mask.sum(1))
 
 
 @dataclass
@@ -45,6 +93,14 @@ class Generation:
     finished: list[bool]  # True where the row ended with a stop token
 
 
+def default_stop_ids(tok) -> set[int]:
+    """The stop ids of a model trained with `tok`: the chat template's end-of-turn id (also the
+    document separator of pretraining), plus the role headers when they are single control ids
+    (SentencePiece), in case a model opens a new turn without closing its own."""
+    tpl = template_for(tok)
+    return {tpl.eot_id} | ({h[0] for h in tpl.headers.values()} if tpl.kind == "special" else set())
+
+
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                    top_p: float | None = None) -> torch.Tensor:
     """Temperature, then top-k, then top-p on logits [B, V]; removed tokens get -inf.
@@ -52,7 +108,9 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | 
     top-p keeps, per row, the most probable tokens until their total probability reaches
     top_p (the token that crosses the threshold is kept, so at least one always is).
     """
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -68,7 +126,7 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None):
-    """One token per row from logits [B, V] -> (tokens [B], logprobs [B])."""
+    """One token per row from logits [B, V] -> (tokens [B], logprobs [B]); temperature 0 = argmax."""
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
@@ -77,50 +135,186 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     return tokens[:, 0], logp.gather(-1, tokens)[:, 0]
 
 
+def pad_prompts(prompts: list[list[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, P]: the prompts left-padded with id 0, mask 1 on real tokens."""
+    P = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+    return ids, mask
+
+
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, segment_ids, position_ids) [B, P]: padding segment 0 at position 0, prompts segment 1."""
-    P = max(len(p) for p in prompts)
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
-    segments, positions = padding_inputs(torch.arange(P, device=device)[None, :] >= (P - lengths)[:, None])
+    ids, mask = pad_prompts(prompts, device)
+    segments, positions = padding_inputs(mask)
     return ids, segments, positions
 
 
-@torch.no_grad()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, stop_ids=(),
-             generator: torch.Generator | None = None, vocab_size: int | None = None) -> Generation:
-    """Sample up to max_new_tokens per prompt, all rows in one batch through the KV cache.
+class StaticKVCache:
+    """A KV cache whose tensors keep their shapes for the whole run, for a compiled decode step.
 
-    `vocab_size`: the ids the tokenizer can decode; a model whose vocab is padded beyond it
-    (e.g. 50,257 → 50,304) never samples the padding ids, and log-probs are over the real ids.
+    The same two methods as `sprout.model.transformer.KVCache` (the forward calls `reserve`,
+    then `update` per layer), but the filled-slot count is a tensor (`index`), writes go
+    through `index_copy_` at tensor slot indices, and attention always reads all `max_len`
+    slots through a mask (slot already written AND same segment). So every decode step runs
+    the same graph whatever the length: compiled once. Empty slots hold segment 0 and zeros;
+    the causal part of the mask never lets a query reach them.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise SproutError("generate: every prompt needs at least one token")
+
+    def __init__(self, config, batch_size: int, max_len: int, device, dtype):
+        shape = (batch_size, config.kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.segments = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.index = torch.zeros((), dtype=torch.long, device=device)
+        self.slots = torch.arange(max_len, device=device)
+        self.max_len = max_len
+
+    def reserve(self, segment_ids: torch.Tensor | None, position_ids: torch.Tensor | None, T: int):
+        """Claim T slots; returns (slot indices [T], position_ids [B, T], attn_mask [B, 1, T, max_len])."""
+        B = self.segments.shape[0]
+        steps = torch.arange(T, device=self.slots.device)
+        new = self.index + steps
+        if position_ids is None:
+            position_ids = self.next_pos[:, None] + steps
+        if segment_ids is None:  # continue each row's last segment (segment 0 in an empty cache)
+            last = (self.index - 1).clamp(min=0).expand(B, 1)
+            segment_ids = self.segments.gather(1, last).expand(B, T)
+        self.segments.index_copy_(1, new, segment_ids)
+        self.next_pos.copy_(position_ids[:, -1] + 1)
+        self.index.add_(T)
+        causal = self.slots[None, :] <= new[:, None]  # [T, max_len]
+        same = segment_ids[:, :, None] == self.segments[:, None, :]  # [B, T, max_len]
+        return new, position_ids, (same & causal)[:, None]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        """Store keys/values [B, n_kv_heads, T, D] at `slots`; return the whole buffers (masked by reserve)."""
+        self.k[layer_idx].index_copy_(2, slots, k)
+        self.v[layer_idx].index_copy_(2, slots, v)
+        return self.k[layer_idx], self.v[layer_idx]
+
+
+def decode_step(model, tokens: torch.Tensor, cache) -> torch.Tensor:
+    """Logits [N, V] of one new token per row (tokens [N, 1]) appended to the cache."""
+    return model(tokens, cache=cache)[:, -1]
+
+
+_compiled_decode_step = None
+
+
+def compiled_decode_step():
+    """`decode_step` under torch.compile, built once per process (graphs are cached per model and shape)."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(decode_step, fullgraph=True)
+    return _compiled_decode_step
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)  # the caller of generate_tokens (past no_grad)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@torch.no_grad()
+def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                    max_new_tokens: int, num_generations: int = 1, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
+                    stop_ids=None, tokenizer=None, generator: torch.Generator | None = None,
+                    vocab_size: int | None = None, pad_id: int = 0, compile: bool | str = False) -> Rollout:
+    """Sample `num_generations` completions of up to `max_new_tokens` per prompt (see the module doc).
+
+    `tokenizer`: the model's tokenizer; gives the defaults `stop_ids = default_stop_ids(tok)` and
+    `vocab_size = tok.vocab_size`. `stop_ids` (None = those defaults, or none without a tokenizer).
+    `vocab_size`: the ids the tokenizer can decode; a model whose vocab is padded beyond it
+    (e.g. 50,257 -> 50,304) never samples the padding ids, and log-probs are over the real ids.
+    `compile`: True, False or "auto" (see the module doc).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise SproutError(f"generate: input_ids must be [batch, length] with batch >= 1, got {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise SproutError(f"generate: attention_mask {tuple(attention_mask.shape)} does not match "
+                          f"input_ids {tuple(input_ids.shape)}")
     if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
         raise SproutError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1 "
                           f"(got {temperature}, {top_k}, {top_p})")
+    if num_generations < 1 or max_new_tokens < 0:
+        raise SproutError(f"generate: need num_generations >= 1 and max_new_tokens >= 0 "
+                          f"(got {num_generations}, {max_new_tokens})")
+    if compile not in (True, False, "auto"):
+        raise SproutError(f"generate: compile must be True, False or 'auto', got {compile!r}")
+    mask = attention_mask.long()
+    lengths = mask.sum(dim=1)
+    if bool((lengths == 0).any()):
+        raise SproutError("generate: every prompt needs at least one token")
     context = model.config.max_seq_len
-    longest = max(len(p) for p in prompts)
+    longest = int(lengths.max())
     if longest > context:
         raise SproutError(f"generate: a prompt of {longest} tokens is longer than the context ({context})")
     steps = min(max_new_tokens, context - longest)
+    if steps < max_new_tokens:
+        _warn_once("context", f"generate: prompts of up to {longest} tokens + max_new_tokens {max_new_tokens} exceed "
+                              f"the context of {context}; rows stop after {steps} new tokens, marked truncated")
+
+    # Left-align (a stable sort of the mask puts each row's padding first), drop all-padding columns.
+    order = torch.sort(mask, dim=1, stable=True).indices[:, -longest:]
+    ids, mask = input_ids.gather(1, order), mask.gather(1, order)
+    if num_generations > 1:
+        ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
+    if tokenizer is not None:
+        stop_ids = default_stop_ids(tokenizer) if stop_ids is None else stop_ids
+        vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
     device = next(model.parameters()).device
-    ids, segments, positions = left_pad(prompts, device)
-    B = len(prompts)
-    uniform = all(len(p) == longest for p in prompts)  # no padding: plain causal attention
-    cache = model.new_cache(B, longest + steps)
-    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    out_tokens = torch.zeros(B, steps, dtype=torch.long, device=device)
-    out_logp = torch.zeros(B, steps, dtype=torch.float32, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    logits = model(ids, segment_ids=None if uniform else segments, position_ids=None if uniform else positions,
-                   cache=cache)[:, -1, :vocab_size]
+    ids, mask = ids.to(device), mask.to(device)
+    stops = torch.tensor(sorted(set(stop_ids or ())), dtype=torch.long, device=device)
+    temperature = 0.0 if greedy else temperature
+    use_compile = (compile is True or (compile == "auto" and ids.shape[0] * steps >= AUTO_COMPILE_TOKENS)) \
+        and not _distributed()
+
+    tokens, logp, n = _sample_loop(model, ids, mask, steps, stops, vocab_size, use_compile,
+                                   lambda logits: sample_next(logits, temperature, top_k, top_p, generator))
+    is_stop = torch.isin(tokens, stops)
+    eos = is_stop.any(dim=1)
+    out_lengths = torch.where(eos, is_stop.int().argmax(dim=1) + 1, n)
+    completion_mask = (torch.arange(n, device=device)[None, :] < out_lengths[:, None]).long()
+    return Rollout(
+        prompt_ids=ids.masked_fill(mask == 0, pad_id), prompt_mask=mask,
+        completion_ids=tokens.masked_fill(completion_mask == 0, pad_id), completion_mask=completion_mask,
+        logprobs=logp.masked_fill(completion_mask == 0, 0.0), eos=eos, truncated=~eos, lengths=out_lengths,
+    )
+
+
+def _sample_loop(model, ids, mask, steps: int, stops, vocab_size, use_compile: bool, sample):
+    """(tokens [N, n], logprobs [N, n], n): the decode loop, every row running all n steps."""
+    N, P = ids.shape
+    device = ids.device
+    out_tokens = torch.zeros(N, steps, dtype=torch.long, device=device)
+    out_logp = torch.zeros(N, steps, dtype=torch.float32, device=device)
+    if use_compile:
+        slots = -(-(P + steps) // STATIC_CACHE_ROUND) * STATIC_CACHE_ROUND
+        cache = StaticKVCache(model.config, N, slots, device, next(model.parameters()).dtype)
+        step = compiled_decode_step()
+    else:
+        cache, step = model.new_cache(N, P + steps), decode_step
+    uniform = bool(mask.all())  # no padding: plain causal attention
+    segments, positions = (None, None) if uniform else padding_inputs(mask)
+    logits = model(ids, segment_ids=segments, position_ids=positions, cache=cache, logits_to_keep=1)[:, -1]
+    done = torch.zeros(N, dtype=torch.bool, device=device)
     n, finished = 0, steps == 0
     while True:
         if not finished:
             n += 1
-            tok, logp = sample_next(logits, temperature, top_k, top_p, generator)
+            tok, logp = sample(logits[:, :vocab_size])
             out_tokens[:, n - 1], out_logp[:, n - 1] = tok, logp
             done |= torch.isin(tok, stops)
             finished = n == steps or bool(done.all())
@@ -129,26 +323,35 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
         if finished:  # another rank still decodes: keep its forwards' collectives company
             model(ids[:1, :1])
         else:
-            logits = model(tok[:, None], cache=cache)[:, -1, :vocab_size]
-    return _trim(out_tokens[:, :n].cpu(), out_logp[:, :n].cpu(), stops.cpu())
+            logits = step(model, tok[:, None], cache)
+    return out_tokens[:, :n], out_logp[:, :n], n
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, stop_ids=(),
+             generator: torch.Generator | None = None, vocab_size: int | None = None,
+             compile: bool | str = False) -> Generation:
+    """`generate_tokens` on lists: one sample per prompt, each row's tokens cut after its stop token."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise SproutError("generate: every prompt needs at least one token")
+    device = next(model.parameters()).device
+    ids, mask = pad_prompts(prompts, device)
+    out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, stop_ids=stop_ids, generator=generator, vocab_size=vocab_size,
+                          compile=compile)
+    lengths = out.lengths.tolist()
+    return Generation(
+        tokens=[row[:k] for row, k in zip(out.completion_ids.tolist(), lengths)],
+        logprobs=[row[:k] for row, k in zip(out.logprobs.tolist(), lengths)],
+        finished=out.eos.tolist(),
+    )
 
 
 def _every_rank_finished(finished: bool, device) -> bool:
     """`finished` of this process, AND-ed over all processes when there are several (a collective)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not _distributed():
         return finished
     flag = torch.tensor([int(finished)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def _trim(tokens: torch.Tensor, logp: torch.Tensor, stops: torch.Tensor) -> Generation:
-    """Cut each row after its first stop token."""
-    is_stop = torch.isin(tokens, stops)
-    finished = is_stop.any(dim=1)
-    lengths = torch.where(finished, is_stop.int().argmax(dim=1) + 1, tokens.shape[1]).tolist()
-    return Generation(
-        tokens=[row[:k] for row, k in zip(tokens.tolist(), lengths)],
-        logprobs=[row[:k] for row, k in zip(logp.tolist(), lengths)],
-        finished=finished.tolist(),
-    )

@@ -53,10 +53,11 @@ class PolicyWithValue(Transformer):
         self.value_head = _scalar_head(config)
 
     def forward(self, input_ids, *, segment_ids=None, position_ids=None, cache: KVCache | None = None,
-                return_values: bool = False):
-        """Logits [B, T, vocab] float32; with return_values, (logits, values [B, T] float32)."""
+                return_values: bool = False, logits_to_keep: int = 0):
+        """Logits [B, T, vocab] float32; with return_values, (logits, values [B, T] float32).
+        `logits_to_keep` as in `Transformer.forward` (the values stay [B, T])."""
         logits, h = super().forward(input_ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache,
-                                    return_hidden=True)
+                                    return_hidden=True, logits_to_keep=logits_to_keep)
         if not return_values:
             return logits
         return logits, self.value_head(h).squeeze(-1).float()

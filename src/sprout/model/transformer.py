@@ -27,7 +27,10 @@ of the token stored there. A batch of prompts of different lengths is left-padde
 padding given segment 0 and the prompts segment 1, so cached padding is never attended
 to; the cache also keeps each row's next rotary position, so decode steps need no
 arguments beyond the new tokens. A padded row therefore computes the same function as
-the same prompt decoded alone.
+the same prompt decoded alone. The forward uses a cache only through `reserve` (claim the
+next slots: positions, mask) and, per layer, `update` (store the new keys/values, return
+those to attend to), so another cache with these two methods plugs in unchanged
+(`sprout.model.generate.StaticKVCache`, the fixed-shape cache of compiled decoding).
 
 Initialisation (GPT-2, Radford et al. 2019; as in nanoGPT): every Linear and the
 embedding ~ N(0, init_std); the two projections that write into the residual stream
@@ -222,6 +225,14 @@ class KVCache:
         same = segment_ids[:, :, None] == self.segments[:, None, :end]  # [B, T, end]
         return start, position_ids, (same & causal)[:, None]
 
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Store keys/values [B, n_kv_heads, T, D] at slots start.. ; return all filled slots' k, v."""
+        T = k.shape[2]
+        ck, cv = self.k[layer_idx], self.v[layer_idx]
+        ck[:, :, start : start + T] = k
+        cv[:, :, start : start + T] = v
+        return ck[:, :, : start + T], cv[:, :, : start + T]
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -244,10 +255,7 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
         if cache is not None:
-            ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
-            ck[:, :, start : start + T] = k
-            cv[:, :, start : start + T] = v
-            k, v = ck[:, :, : start + T], cv[:, :, : start + T]
+            k, v = cache.update(self.layer_idx, k, v, start)
         gqa = self.n_kv_heads != self.n_heads
         if mask is None:  # causal; with a cache only when it was empty or T == 1 (see reserve)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
@@ -331,10 +339,14 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids, *, segment_ids=None, position_ids=None, cache: KVCache | None = None,
-                return_hidden: bool = False):
-        """Logits [B, T, vocab] in float32; with return_hidden, (logits, hidden_states)."""
+                return_hidden: bool = False, logits_to_keep: int = 0):
+        """Logits [B, T, vocab] in float32; with return_hidden, (logits, hidden_states).
+
+        `logits_to_keep` = k > 0: logits of the last k positions only, [B, k, vocab] (as in
+        transformers; a prefill needs the last position's alone); hidden states stay [B, T, d].
+        """
         h = self.hidden_states(input_ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache)
-        logits = self.lm_head(h).float()
+        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
         return (logits, h) if return_hidden else logits
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
