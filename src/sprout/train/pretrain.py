@@ -48,7 +48,7 @@ class DataConfig:
     seq_len_start: int = 128       # sequence-length warmup: start here, double up to seq_len ...
     seq_warmup_frac: float = 0.1   # ... over this fraction of the steps (0 disables)
     eval_tokens: int = resume_free(262144)  # val tokens scored at each eval (the first ones of the val split)
-    verify: str = resume_free("full")  # start-up check: full (sha256 of every file) | sizes (skip the hashes)
+    verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every file) | sizes (skip the hashes)
 
 
 @dataclass

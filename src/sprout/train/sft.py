@@ -36,6 +36,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ class DataConfig:
     path: str = resume_free("")   # packed train rows from scripts/prepare_sft_data.py (sft.h5)
     val_path: str | None = resume_free(None)  # None: the `_val` file beside it (sft_val.h5)
     epochs: float = resume_free(1.0)  # sets train.max_steps when that is null
-    verify: str = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
+    verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
 
 
 SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one sentence about the sea.")
