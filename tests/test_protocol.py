@@ -215,7 +215,7 @@ def test_resume_free_fields_are_declared_on_the_fields():
                                          "eval_every", "ckpt_every", "keep_checkpoints", "progress", "trackers",
                                          "peak_tflops")}
     assert resume_free_paths(PretrainConfig) == train_free | {"out", "data.dir", "data.eval_tokens", "data.verify"}
-    assert resume_free_paths(SFTConfig) == train_free | {"out", "init", "data.path", "data.val_path", "data.epochs", "data.verify"}
+    assert resume_free_paths(SFTConfig) == train_free | {"out", "init", "data.path", "data.val_path", "data.epochs", "data.verify", "sample_prompts"}
     cfg = PretrainConfig()
     kept = resume_config(cfg)
     assert "max_steps" not in kept["train"] and "dir" not in kept["data"] and "out" not in kept
