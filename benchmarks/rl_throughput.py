@@ -1,0 +1,151 @@
+"""RL throughput: rollout generation (new tokens/s), sprout against transformers at equal weights.
+
+Setup: the demo-sized model (d_model 256, 6 layers, 8 heads, vocab 4096) with random weights,
+fp32 on this machine's CPU; prompts of 16..128 random tokens, left-padded; 256 new tokens per
+row, sampled at temperature 1 with no top-k/top-p and no stop id, so every row generates all
+256 tokens in every engine. Cases (B prompts × G samples per prompt = rows):
+
+    rollouts     4 × 4 = 16   (GRPO-style groups; `generate_tokens(..., num_generations=4)`)
+    chat shape  16 × 1 = 16   (benchmarks/generate_throughput.py's batch)
+
+Engines, timed in alternation within one run, best of --rounds each:
+
+- sprout eager: `sprout.model.generate.generate_tokens`, compile=False (growing KVCache).
+- sprout compiled: compile=True (StaticKVCache, torch.compile'd decode step). The first call
+  compiles; its time is reported on its own and left out of the rate.
+- transformers: `LlamaForCausalLM.generate` with the sprout weights exported by
+  `sprout.model.export` (config and state dict); do_sample=True, top_k=0, top_p=1.0,
+  temperature=1.0, min_new_tokens = max_new_tokens, no eos. Before timing, its logits on
+  the padded prompts are checked against sprout's to 1e-4. Skipped when transformers is
+  not installed (`pip install -e '.[export]'`).
+
+    .venv/bin/python benchmarks/rl_throughput.py [--new-tokens 256] [--rounds 2] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from importlib.metadata import version
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from sprout.model.generate import generate_tokens, pad_prompts
+from sprout.model.heads import padding_inputs
+from sprout.model.transformer import ModelConfig, Transformer
+
+CASES = {"rollouts": (4, 4), "chat shape": (16, 1)}  # name -> (prompts, generations per prompt)
+
+
+def to_transformers(model):
+    """`LlamaForCausalLM` with `model`'s weights (None when transformers is not installed)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    from sprout.model.export import hf_state_dict, llama_config
+
+    no_tokenizer = SimpleNamespace(bos_id=None, eot_id=None, pad_id=None)
+    cfg = llama_config(model, no_tokenizer)
+    cfg.pop("architectures"), cfg.pop("model_type")
+    hf = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    weights, _ = hf_state_dict(model)
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight" or not model.config.tie_embeddings]:
+        raise RuntimeError(f"weights do not map: missing {missing}, unexpected {unexpected}")
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+@torch.no_grad()
+def check_logits(model, hf, ids, mask) -> float:
+    """Largest |sprout - transformers| logit on the padded prompts' real positions."""
+    segments, positions = padding_inputs(mask)
+    ours = model(ids, segment_ids=segments, position_ids=positions)
+    theirs = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    return float((ours - theirs).abs()[mask.bool()].max())
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_case(name, model, hf, prompts, G, args) -> None:
+    ids, mask = pad_prompts(prompts)
+    N, rows = args.new_tokens, len(prompts) * G
+    seed = iter(range(10**6))
+
+    def sprout(compile):
+        g = torch.Generator().manual_seed(next(seed))
+        out = generate_tokens(model, ids, mask, max_new_tokens=N, num_generations=G, generator=g, compile=compile)
+        assert int(out.lengths.min()) == N
+
+    def transformers():
+        torch.manual_seed(next(seed))
+        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                          max_new_tokens=N, min_new_tokens=N, num_return_sequences=G)
+        assert out.shape == (rows, ids.shape[1] + N)
+
+    engines = {"sprout eager": lambda: sprout(False)}
+    if not args.no_compile:
+        first = timed(lambda: sprout(True))
+        engines["sprout compiled"] = lambda: sprout(True)
+    if hf is not None:
+        err = check_logits(model, hf, ids, mask)
+        if err > 1e-4:
+            raise SystemExit(f"error: transformers' logits differ from sprout's by {err:.2e} (> 1e-4)")
+        engines["transformers"] = transformers
+    best = {k: float("inf") for k in engines}
+    for _ in range(args.rounds):
+        for k, fn in engines.items():
+            best[k] = min(best[k], timed(fn))
+    lengths = mask.sum(1)
+    print(f"\n{name}: {len(prompts)} prompts x {G} samples = {rows} rows, prompt lengths {int(lengths.min())}.."
+          f"{int(lengths.max())}, {N} new tokens per row, sampling at temperature 1")
+    if not args.no_compile:
+        print(f"  sprout compiled, first call (compiles): {first:.1f} s")
+    if hf is not None:
+        print(f"  transformers logits agree with sprout's to {err:.1e}")
+    for k, t in best.items():
+        print(f"  {k:16s} {rows * N / t:9,.0f} new tokens/s  ({t:.2f} s, best of {args.rounds})")
+    if hf is not None:
+        for k in best:
+            if k != "transformers":
+                print(f"  {k} / transformers: {best['transformers'] / best[k]:.2f}x")
+
+
+# A GRPO stage adds its step breakdown here (rollout generation, reward, reference log-probs,
+# policy forward/backward, optimizer step: seconds and share of a step), as another function
+# called from main after the rollout cases.
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2, help="timed runs per engine; the best is reported")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled sprout engine")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=6, n_heads=8, max_seq_len=128 + args.new_tokens)
+    model = Transformer(cfg).eval()
+    hf = to_transformers(model)
+    print(f"model: d_model 256, 6 layers, vocab 4096, {model.num_params():,} params, fp32, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"transformers {version('transformers') if hf is not None else 'absent'}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    rng = np.random.default_rng(0)
+    for name in args.cases.split(","):
+        B, G = CASES[name]
+        prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)]
+        run_case(name, model, hf, prompts, G, args)
+
+
+if __name__ == "__main__":
+    main()
