@@ -227,6 +227,11 @@ def prompt_key(prompt: list) -> bytes:
     return conversation_key(prompt)
 
 
+def source_prompt_id(source: str, key: bytes) -> str:
+    """A prompt's id: its source's name and the first 16 hex digits of its `prompt_key`."""
+    return f"{source}-{key.hex()[:16]}"
+
+
 # ---- the whole prep --------------------------------------------------------------------
 
 def check_config(cfg: PromptDataConfig) -> list[PromptSourceConfig]:
@@ -294,7 +299,7 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print) -> dict:
                 split = "test" if is_val(key, cfg.test_fraction) else "train"
             c[split] += 1
             split_keys[split].add(key)
-            prompt_id = f"{spec.name}-{key.hex()[:16]}"
+            prompt_id = source_prompt_id(spec.name, key)
             ids[prompt_id] += 1
             if ids[prompt_id] > 1:  # the same prompt again, kept because dedup is off
                 prompt_id = f"{prompt_id}-{ids[prompt_id] - 1}"

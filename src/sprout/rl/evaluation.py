@@ -1,17 +1,65 @@
-"""pass@k: the chance that at least one of k samples is correct, estimated from n >= k.
+"""Evaluation of a policy on prompts with gold answers: pass@k, greedy accuracy, format rate.
 
+    ev = evaluate_prompts(model, tok, prompts, n=16, ks=(1, 8), greedy=True, max_new_tokens=256, seed=0)
+    ev.metrics["pass@1"], ev.metrics["greedy/accuracy"], ev.by_level["2"]["pass@1"], ev.samples[0]
+
+pass@k: the chance that at least one of k samples is correct, estimated from n >= k.
 Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"): from n samples of
 which c are correct, the unbiased estimate is 1 - C(n - c, k) / C(n, k), the chance that a
 k-subset drawn without replacement holds a correct sample. The binomials overflow floats
 long before n is large, so it is computed as the product
 1 - prod_{i = n-c+1}^{n} (1 - k / i), which is the same number. Averaged over problems,
 each problem counts once (the normaliser of `mean_pass_at_k` is the number of problems).
+
+`evaluate_prompts` renders each prompt (records of `sprout.formats.prompts`) with the chat
+template's generation header (`sprout.chat.render`), samples n completions per prompt with
+`sprout.model.generate.generate_tokens` (temperature 1, no top-k/top-p: the policy's own
+distribution), and with `greedy` one greedy completion more. Each completion is checked by
+`sprout.rl.verifiers`: correct when the answer of its last `<answer>…</answer>` block
+matches the gold (`correctness_reward`, no fallback to a bare number), well formatted when
+it is exactly `<think>…</think><answer>…</answer>` (`format_reward`). The figures and their
+normalisers (P prompts, n samples each):
+
+    pass@k                    mean over the P prompts of pass_at_k(n, c, k)
+    greedy/accuracy           greedy completions correct / P
+    greedy/format_rate        greedy completions in the format / P
+    format/rate               sampled completions in the format / (P × n)
+    completions/mean_length   sampled completion tokens (the stop token counted) / (P × n)
+    completions/clipped_ratio sampled completions cut by max_new_tokens or the context,
+                              without a stop token / (P × n)
+
+`by_level` holds the same figures over the prompts of each curriculum level (prompts whose
+level is null are in the totals only), `samples` the first `num_samples` prompts with their
+first sampled completion (and the greedy one), its parsed answer and whether it is correct.
+
+Batches and seeds: `batch_size` prompts per `generate_tokens` call (batch_size × n rows).
+Batch j (prompts j·batch_size ...) samples with a generator seeded from (seed, j), so the
+completions depend on the seed, the prompts and batch_size, never on how many processes run.
+
+Several processes (torch.distributed initialised, e.g. by accelerate): batch j goes to rank
+j mod world_size; each rank keeps its own prompts' counts and one `all_gather_object` at the
+end gives every rank all of them, summed in prompt order, so every rank returns the same
+figures as one process would. Every rank makes the same number of `generate_tokens` calls
+(a rank without a batch in a round generates one token for a repeated prompt, counted
+nothing), as generation under FSDP needs (each forward is a collective). The model is used
+as given (an FSDP module, or the Trainer's `generation_model`); a DDP wrapper is looked
+through to its module, whose forward needs no collective.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from sprout.chat import render
+from sprout.errors import SproutError
+from sprout.model.generate import generate_tokens, pad_prompts
+from sprout.rl.verifiers import correctness_reward, format_reward, parse_answer
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,3 +77,179 @@ def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
     if not values:
         raise ValueError("mean_pass_at_k needs at least one problem")
     return math.fsum(values) / len(values)
+
+
+# ---- what one prompt scored ------------------------------------------------------------
+
+@dataclass
+class PromptOutcome:
+    """The counts of one prompt: its n sampled completions and its greedy one."""
+
+    index: int  # position in the prompt list
+    level: int | None
+    correct: int = 0  # sampled completions whose answer matches the gold
+    formatted: int = 0  # sampled completions in the reasoning format
+    tokens: int = 0  # completion tokens of the sampled completions, stop tokens counted
+    truncated: int = 0  # sampled completions without a stop token
+    greedy_correct: int = 0
+    greedy_formatted: int = 0
+
+
+@dataclass
+class Evaluation:
+    """What `evaluate_prompts` measured (the module doc names each figure)."""
+
+    metrics: dict[str, float]
+    by_level: dict[str, dict[str, float]]
+    samples: list[dict]
+    outcomes: list[PromptOutcome] = field(repr=False)
+
+    def flat(self, prefix: str = "") -> dict[str, float]:
+        """The totals and `level_<L>/<name>` per level in one dict, each key prefixed."""
+        out = {f"{prefix}{k}": v for k, v in self.metrics.items()}
+        for level, figures in self.by_level.items():
+            out.update({f"{prefix}level_{level}/{k}": v for k, v in figures.items() if k != "prompts"})
+        return out
+
+
+def summarise(outcomes: Sequence[PromptOutcome], n: int, ks: Sequence[int], greedy: bool) -> dict[str, float]:
+    """The figures of the module doc over `outcomes` (normalisers there), plus `prompts`."""
+    P = len(outcomes)
+    out: dict[str, float] = {"prompts": P}
+    if n:
+        for k in ks:
+            out[f"pass@{k}"] = mean_pass_at_k(((n, o.correct) for o in outcomes), k)
+    if greedy:
+        out["greedy/accuracy"] = sum(o.greedy_correct for o in outcomes) / P
+        out["greedy/format_rate"] = sum(o.greedy_formatted for o in outcomes) / P
+    if n:
+        out["format/rate"] = sum(o.formatted for o in outcomes) / (P * n)
+        out["completions/mean_length"] = sum(o.tokens for o in outcomes) / (P * n)
+        out["completions/clipped_ratio"] = sum(o.truncated for o in outcomes) / (P * n)
+    return out
+
+
+# ---- generation ---------------------------------------------------------------------------
+
+def batch_seed(seed: int, batch: int) -> int:
+    """The generator seed of batch `batch` under `seed` (63 bits of a hash of both)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{batch}".encode()).digest()[:8], "little") >> 1
+
+
+def completion_texts(rollout, tokenizer) -> list[str]:
+    """Each row's completion decoded, its stop token left out."""
+    texts = []
+    for row, length, eos in zip(rollout.completion_ids.tolist(), rollout.lengths.tolist(), rollout.eos.tolist()):
+        texts.append(tokenizer.decode(row[:length - 1] if eos else row[:length]))
+    return texts
+
+
+def _rank_and_world(accelerator) -> tuple[int, int]:
+    if accelerator is not None:
+        return accelerator.process_index, accelerator.num_processes
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _last_user(prompt: list) -> str:
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+
+
+@torch.no_grad()
+def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, ks: Sequence[int] = (1,),
+                     greedy: bool = False, max_new_tokens: int = 256, seed: int = 0, batch_size: int = 8,
+                     temperature: float = 1.0, accelerator=None, num_samples: int = 4) -> Evaluation:
+    """Sample and verify completions of `prompts` (records with `prompt`, `gold`, `level`,
+    optional `id`); see the module doc. `n` may be 0 when `greedy` is on (greedy only)."""
+    ks = sorted(set(int(k) for k in ks)) if n else []
+    if n < 0 or (n == 0 and not greedy):
+        raise SproutError(f"evaluate: n must be >= 1 (or 0 with greedy), got {n}")
+    if any(not 1 <= k <= n for k in ks):
+        raise SproutError(f"evaluate: every k must be in [1, n={n}], got {ks}")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise SproutError(f"evaluate: batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    if not prompts:
+        raise SproutError("evaluate: no prompts")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    context = model.config.max_seq_len
+    rendered = []
+    for i, record in enumerate(prompts):
+        ids = render(record["prompt"], tokenizer, add_generation_prompt=True)[0]
+        if len(ids) >= context:
+            raise SproutError(f"prompt {record.get('id', i)}: {len(ids)} tokens leave no room in the model's "
+                              f"context of {context}")
+        rendered.append(ids)
+    device = next(model.parameters()).device
+    rank, world = _rank_and_world(accelerator)
+    batches = [range(s, min(s + batch_size, len(prompts))) for s in range(0, len(prompts), batch_size)]
+    outcomes: list[PromptOutcome] = []
+    shown: list[dict] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for r in range(-(-len(batches) // world)):
+            j = r * world + rank
+            if j >= len(batches):  # keep the other ranks' collectives company, count nothing
+                ids, mask = pad_prompts(rendered[:1], device)
+                if n:
+                    generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer)
+                if greedy:
+                    generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer)
+                continue
+            batch = batches[j]
+            ids, mask = pad_prompts([rendered[i] for i in batch], device)
+            golds = [prompts[i]["gold"] for i in batch]
+            here = [PromptOutcome(i, prompts[i].get("level")) for i in batch]
+            texts: list[list[str]] = [[] for _ in batch]
+            if n:
+                gen = torch.Generator(device=device).manual_seed(batch_seed(seed, j))
+                out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, num_generations=n,
+                                      temperature=temperature, tokenizer=tokenizer, generator=gen)
+                flat = completion_texts(out, tokenizer)
+                correct = correctness_reward(flat, [g for g in golds for _ in range(n)])
+                formatted = format_reward(flat)
+                lengths, truncated = out.lengths.tolist(), out.truncated.tolist()
+                for b, o in enumerate(here):
+                    rows = range(b * n, (b + 1) * n)
+                    o.correct = sum(correct[i] == 1.0 for i in rows)
+                    o.formatted = sum(formatted[i] == 1.0 for i in rows)
+                    o.tokens = sum(lengths[i] for i in rows)
+                    o.truncated = sum(bool(truncated[i]) for i in rows)
+                    texts[b].append(flat[b * n])
+            if greedy:
+                out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, greedy=True, tokenizer=tokenizer)
+                flat = completion_texts(out, tokenizer)
+                correct, formatted = correctness_reward(flat, golds), format_reward(flat)
+                for b, o in enumerate(here):
+                    o.greedy_correct, o.greedy_formatted = int(correct[b] == 1.0), int(formatted[b] == 1.0)
+                    texts[b].append(flat[b])
+            outcomes += here
+            for b, i in enumerate(batch):
+                if i < num_samples:
+                    shown.append(_sample(prompts[i], i, texts[b], here[b], n, greedy))
+    finally:
+        model.train(was_training)
+    if world > 1:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (outcomes, shown))
+        outcomes = [o for part, _ in gathered for o in part]
+        shown = [s for _, part in gathered for s in part]
+    outcomes.sort(key=lambda o: o.index)
+    shown.sort(key=lambda s: s["index"])
+    levels = sorted({o.level for o in outcomes if o.level is not None})
+    by_level = {str(L): summarise([o for o in outcomes if o.level == L], n, ks, greedy) for L in levels}
+    return Evaluation(summarise(outcomes, n, ks, greedy), by_level, shown, outcomes)
+
+
+def _sample(record: dict, index: int, texts: list[str], o: PromptOutcome, n: int, greedy: bool) -> dict:
+    """One shown answer: the prompt's question, gold, first sampled and greedy completions."""
+    s = {"index": index, "id": record.get("id"), "level": record.get("level"),
+         "prompt": _last_user(record["prompt"]), "gold": record["gold"]}
+    if n:
+        s.update(completion=texts[0], answer=parse_answer(texts[0]), correct=bool(
+            correctness_reward([texts[0]], [record["gold"]])[0] == 1.0), correct_of_n=f"{o.correct}/{n}")
+    if greedy:
+        s.update(greedy_completion=texts[-1], greedy_answer=parse_answer(texts[-1]), greedy_correct=bool(o.greedy_correct))
+    return s

@@ -1,0 +1,141 @@
+"""Evaluate a policy on held-out problems with gold answers: pass@k, greedy accuracy, format rate.
+
+    python scripts/evaluate.py runs/demo/grpo --task arith --n 16 --k 1,8 --greedy
+    python scripts/evaluate.py runs/demo/sft --task gsm8k --max-examples 100 --n 0 --greedy
+    python scripts/evaluate.py runs/demo/sft --prompts runs/demo/rl_prompts/prompts_test.jsonl
+    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/evaluate.py RUN --task arith
+
+RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint); its
+tokenizer is the copy its run folder keeps. Problems (`sprout.rl.eval_tasks`): `--task
+arith` the arithmetic generator's held-out test problems, levels 1-4 (200 unless
+--max-examples); `--task gsm8k` GSM8K's test file from the data mirror (--mirror DIR, else
+$SPROUT_MIRROR, else ../shared/data), else the hub; `--prompts FILE` a prompt file
+(`sprout.formats.prompts`, e.g. a prepared prompts_test.jsonl).
+
+Each prompt gets --n samples at --temperature (default 1: the policy's own distribution)
+and, with --greedy, one greedy answer; answers are read from <answer>…</answer> only
+(`sprout.rl.evaluation` says how each figure is computed). Under several processes the
+prompts are split over them and the figures are those of one process.
+
+Writes --out (default: <run folder>/eval/<task>_step<step>.json, atomically): the figures,
+per level, the settings, the checkpoint (path, step, weights sha256) and a few answers;
+prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from sprout.atomic import sha256_file, write_json_atomic
+from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer, load_model, run_folder
+from sprout.errors import SproutError, run_main
+from sprout.rl.eval_tasks import TASKS, file_prompts, task_prompts
+from sprout.rl.evaluation import evaluate_prompts
+
+DEFAULT_KS = (1, 8)  # those at most --n, when --k is not given
+ROWS = ("pass@{k}", "greedy/accuracy", "greedy/format_rate", "format/rate", "completions/mean_length",
+        "completions/clipped_ratio")
+
+
+def parse_ks(text: str | None, n: int) -> list[int]:
+    if text is None:
+        return [k for k in DEFAULT_KS if k <= n]
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SproutError(f"--k: expected comma-separated integers like 1,8, got {text!r}") from None
+    if not ks or any(not 1 <= k <= n for k in ks):
+        raise SproutError(f"--k {text}: every k must be between 1 and --n ({n})")
+    return ks
+
+
+def table(metrics: dict, by_level: dict, ks: list[int]) -> str:
+    """The figures, one row each, a column for all prompts and one per level."""
+    columns = [("all", metrics)] + [(f"level {level}", figures) for level, figures in by_level.items()]
+    names = [r.format(k=k) for r in ROWS for k in (ks if "{k}" in r else [None])]
+    names = [name for name in ["prompts", *names] if name in metrics]
+    lines = ["".ljust(26) + "".join(title.rjust(10) for title, _ in columns)]
+    for name in names:
+        cells = [f"{fig[name]:.0f}" if name == "prompts" else f"{fig[name]:.1f}" if name == "completions/mean_length"
+                 else f"{fig[name]:.3f}"
+                 for _, fig in columns]
+        lines.append(name.ljust(26) + "".join(c.rjust(10) for c in cells))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="checkpoint dir, or a run dir (its latest checkpoint)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--task", choices=sorted(TASKS), help="built-in test problems")
+    source.add_argument("--prompts", help="a prompt JSONL file (e.g. runs/demo/rl_prompts/prompts_test.jsonl)")
+    p.add_argument("--n", type=int, default=16, help="samples per prompt (0: greedy only; default 16)")
+    p.add_argument("--k", help="pass@k for these k, comma-separated, each <= n (default: 1,8 where <= n)")
+    p.add_argument("--greedy", action="store_true", help="also one greedy answer per prompt: greedy/accuracy")
+    p.add_argument("--max-examples", type=int, help="evaluate at most this many prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (x n rows)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling (the problems never change)")
+    p.add_argument("--samples", type=int, default=4, help="answers kept in the JSON (the first prompts)")
+    p.add_argument("--out", help="the JSON to write (default: <run folder>/eval/<task>_step<step>.json)")
+    p.add_argument("--mirror", help="data mirror folder for --task gsm8k (default: sprout.mirror's rule)")
+    p.add_argument("--tokenizer", help="tokenizer spec (default: the one the checkpoint records)")
+    args = p.parse_args()
+    if args.n < 0 or (args.n == 0 and not args.greedy):
+        raise SproutError(f"--n must be at least 1 (or 0 with --greedy), not {args.n}")
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise SproutError("--max-new-tokens and --batch-size must be at least 1")
+    if args.temperature <= 0:
+        raise SproutError(f"--temperature must be > 0 (use --greedy for greedy answers), not {args.temperature}")
+    ks = parse_ks(args.k, args.n)
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    main_rank = accelerator.is_main_process
+    say = print if main_rank else (lambda *a, **k: None)
+    model, meta = load_model(args.checkpoint, accelerator.device)
+    if meta.get("architecture") == "reward":
+        raise SproutError(f"{meta['path']}/meta.json: a reward model scores text; it has no LM head to answer with")
+    tok = checkpoint_tokenizer(meta, args.tokenizer)
+    if tok.vocab_size > model.config.vocab_size:
+        raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
+    if args.prompts:
+        prompts, name = file_prompts(args.prompts, args.max_examples), Path(args.prompts).stem
+    else:
+        prompts = task_prompts(args.task, max_examples=args.max_examples, mirror=args.mirror, log=say)
+        name = args.task
+    step = meta.get("step")
+    out = Path(args.out) if args.out else run_folder(meta["path"]) / "eval" / f"{name}_step{step}.json"
+
+    ev = evaluate_prompts(model, tok, prompts, n=args.n, ks=ks, greedy=args.greedy,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size,
+                          temperature=args.temperature, accelerator=accelerator, num_samples=args.samples)
+    if main_rank:
+        result = {
+            "task": args.task, "prompts_file": args.prompts,
+            "prompts_sha256": sha256_file(args.prompts) if args.prompts else None,
+            "checkpoint": {"path": meta["path"], "stage": meta.get("stage"), "step": step,
+                           "weights_sha256": meta["files"][WEIGHTS]},
+            "settings": {"n": args.n, "ks": ks, "greedy": args.greedy, "seed": args.seed,
+                         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                         "batch_size": args.batch_size, "max_examples": args.max_examples,
+                         "processes": accelerator.num_processes, "tokenizer": tok.spec},
+            "metrics": ev.metrics, "by_level": ev.by_level, "samples": ev.samples,
+            "command": shlex.join(sys.argv),
+        }
+        write_json_atomic(out, result)
+        say(f"{name}: {len(prompts)} prompts, n={args.n}{', greedy' if args.greedy else ''}, "
+            f"{meta.get('stage') or 'checkpoint'} step {step} ({meta['path']})")
+        say(table(ev.metrics, ev.by_level, ks))
+        say(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

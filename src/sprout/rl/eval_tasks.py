@@ -1,0 +1,98 @@
+"""Evaluation prompts: the held-out problems of each task, built by the RL prompt prep's own code.
+
+    prompts = task_prompts("arith")                        # arithmetic test split, levels 1-4
+    prompts = task_prompts("gsm8k", mirror="../shared/data")  # GSM8K's test.jsonl, offline
+    prompts = file_prompts("runs/demo/rl_prompts/prompts_test.jsonl")
+
+Every record is in the prompt contract of `sprout.formats.prompts`
+(`{"id", "source", "prompt", "gold", "level"}`), made by the same steps as
+`sprout.prep.rl_prompts.prepare`: the same reader per format, the same prompt shape (the
+SFT data's: one user message holding the question), the same refusals of the chat
+template, exact dedup on the prompt, the same ids. So a problem has the same id and the
+same prompt here as in a prepared `prompts_test.jsonl`.
+
+Tasks (`TASKS`):
+
+- `arith`  the arithmetic generator's test split (`sprout.prep.arithmetic`: held out by a
+           hash of the question, never in SFT or preference data), levels 1-4 in turn,
+           `ARITH_COUNT` problems drawn with generator seed 0, whatever the sampling seed.
+           The demo's prompt prep draws its `arithmetic_test` source with that same seed,
+           so these are the first `ARITH_COUNT` of its test problems (levels 1 and 3 hold
+           only 7 test problems each; levels 2 and 4 fill the rest).
+- `gsm8k`  GSM8K's own test file (`openai/gsm8k`, config `main`, 1,319 problems), read
+           from the data mirror (`sprout.mirror`), else from the hub. Level null.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from sprout.errors import SproutError
+from sprout.formats.prompts import read_prompts
+from sprout.prep.rl_prompts import (Drop, PromptDataConfig, PromptSourceConfig, check_config, check_content,
+                                    prompt_key, read_items, source_prompt_id)
+
+ARITH_COUNT = 200  # arith problems when no max_examples is given
+TASKS = {
+    "arith": PromptSourceConfig(name="arithmetic_test", format="arithmetic", count=ARITH_COUNT,
+                                levels=[1, 2, 3, 4], split="test", seed=0),
+    "gsm8k": PromptSourceConfig(name="gsm8k_test", format="gsm8k", path="${SPROUT_MIRROR}/sft/gsm8k/test.jsonl",
+                                hub="openai/gsm8k", hub_config="main", split="test"),
+}
+
+
+def task_prompts(task: str, *, max_examples: int | None = None, mirror: str | None = None,
+                 instruction: str | None = None, log=print) -> list[dict]:
+    """The prompt records of `task` (one of `TASKS`), at most `max_examples` of them (for
+    arith: exactly that many problems drawn, when the split holds them). Records the prep
+    would drop (no final answer, a gold that is not a number, a prompt the chat template
+    refuses, a repeated prompt) are left out and counted in one `log` line per reason."""
+    if task not in TASKS:
+        raise SproutError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")
+    if max_examples is not None and max_examples < 1:
+        raise SproutError(f"max_examples must be >= 1, got {max_examples}")
+    spec = dataclasses.replace(TASKS[task])
+    if spec.format == "arithmetic" and max_examples is not None:
+        spec.count = max_examples
+    cfg = PromptDataConfig(mirror=mirror, max_examples=max_examples, instruction=instruction,
+                           sources=[dataclasses.asdict(spec)])
+    (spec,) = check_config(cfg)
+    records, seen, dropped = [], set(), Counter()
+    for _, item in read_items(spec, cfg):
+        try:
+            if isinstance(item, Drop):
+                raise item
+            check_content(item)
+        except Drop as drop:
+            dropped[drop.reason] += 1
+            continue
+        key = prompt_key(item.prompt)
+        if key in seen:
+            dropped["duplicate"] += 1
+            continue
+        seen.add(key)
+        records.append({"id": source_prompt_id(spec.name, key), "source": spec.name, "prompt": item.prompt,
+                        "gold": item.gold, "level": item.level})
+    for reason, count in sorted(dropped.items()):
+        log(f"{task}: left out {count} record(s): {reason}")
+    if not records:
+        raise SproutError(f"task {task}: no prompts to evaluate")
+    return records
+
+
+def file_prompts(path, max_examples: int | None = None) -> list[dict]:
+    """The records of a prompt file (`sprout.formats.prompts`, e.g. a prepared
+    `prompts_test.jsonl`), the first `max_examples` of them when given."""
+    if max_examples is not None and max_examples < 1:
+        raise SproutError(f"max_examples must be >= 1, got {max_examples}")
+    records = []
+    for record in read_prompts(path):
+        if max_examples is not None and len(records) >= max_examples:
+            break
+        records.append(record)
+    if not records:
+        raise SproutError(f"{path}: no prompts to evaluate")
+    return records
