@@ -226,3 +226,20 @@ def test_two_processes_give_the_figures_of_one(base, tmp_path):
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert b["settings"]["processes"] == 2
     assert (a["metrics"], a["by_level"], a["samples"]) == (b["metrics"], b["by_level"], b["samples"])
+
+
+@pytest.mark.slow
+def test_evaluation_of_an_fsdp_model_equals_one_process(sp, tmp_path):
+    """evaluate_prompts on the FSDP2 module itself (every forward a collective), rank 1 with a
+    padding round: the figures of the unsharded model in one process."""
+    from fsdp_eval_worker import PROMPTS, SETTINGS, model
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", "29553",
+           str(ROOT / "tests" / "fsdp_eval_worker.py"), sp.spec, str(tmp_path)]
+    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "fsdp.json").read_text())
+    alone = evaluate_prompts(model(), sp, PROMPTS, **SETTINGS)
+    assert got == json.loads(json.dumps({"metrics": alone.metrics, "by_level": alone.by_level,
+                                         "samples": alone.samples}))
