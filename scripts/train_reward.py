@@ -12,6 +12,7 @@ The held-out file is preferences_test.jsonl beside --data (data.val_path to chan
 """
 
 from sprout.errors import run_main
+from sprout.formats.verify import VERIFY_MODES
 from sprout.train.reward import RewardConfig, run_reward
 from sprout.train.run import parse_run_config, run_parser
 
@@ -21,7 +22,12 @@ def main() -> None:
     p.add_argument("--data", metavar="FILE.jsonl",
                    help="preference pairs (scripts/prepare_preference_data.py); overrides data.path")
     p.add_argument("--init", metavar="CKPT", help="LM checkpoint (an SFT run dir); overrides init")
+    p.add_argument("--data-verify", choices=VERIFY_MODES, help="start-up data check: full (both files listed "
+                   "in the prep's manifest.json with their sha256, the default) or sizes (listed only, no "
+                   "hashing); overrides data.verify")
     args, cfg = parse_run_config(p, RewardConfig)
+    if args.data_verify:
+        cfg.data.verify = args.data_verify
     if args.data:
         cfg.data.path = args.data
     if args.init:

@@ -157,6 +157,37 @@ def test_bad_preference_file_is_one_line(case, base, data, tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
+def test_a_file_edited_after_prep_is_refused_unless_data_verify_sizes(base, tmp_path, capsys):
+    """Prep writes the files and their sha256 into manifest.json; one changed answer afterwards
+    is refused at start with one line (data.verify full), and let through by data.verify sizes,
+    which checks only that both files are listed."""
+    from sprout.formats.verify import verify_preference_data
+    from sprout.prep.preferences import PreferenceDataConfig as PrepConfig
+    from sprout.prep.preferences import prepare
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in marked_pairs(60, 3)))
+    out = tmp_path / "prefs"
+    prepare(PrepConfig(out=str(out), test_fraction=0.2,
+                       sources=[{"name": "marked", "format": "jsonl", "path": str(raw)}]), log=lambda *_: None)
+    data = out / "preferences.jsonl"
+    check = verify_preference_data(data, out / "preferences_test.jsonl")
+    assert check.files == 2 and check.hashed and not check.notes
+    assert check.report("preference files").startswith("data: verified 2 preference files")
+
+    data.write_text(data.read_text().replace(MARK, "zebra", 1))  # still a valid file
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_reward.py"),
+                           *cli_flags(data, base, tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr == f"error: {data}: sha256 does not match {out / 'manifest.json'} " \
+                          f"(edited, or from another prep run)\n"
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    capsys.readouterr()
+    run_reward(tiny_cfg(RewardConfig, data, base, tmp_path / "sizes", verify="sizes", global_pairs=4,
+                        micro_pairs=4, max_steps=1, eval_every=0))
+    assert "data: checked 2 preference files" in capsys.readouterr().out
+
 def test_pairs_over_the_context_are_counted_or_refused(base, data, tmp_path):
     long = {**good(0), "id": "long", "chosen": [{"role": "assistant", "content": " ".join(["river"] * 80)}]}
     mixed = tmp_path / "preferences.jsonl"

@@ -17,8 +17,10 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
   model's FLOPs per token at the micro-batch's row length × those tokens (work the stage
   does with other models, such as a reference forward, is not counted: MFU is the trained
   model's);
-- `open_preference_run`: reads the init checkpoint's meta and tokenizer, refuses data the
-  model cannot take (a side longer than its context), builds the accelerator and both
+- `open_preference_run`: checks both files against the preference `manifest.json` beside
+  them (`sprout.formats.verify.verify_preference_data`: listed, and their sha256 unless
+  data.verify is `sizes`; its report printed on rank 0), reads the init checkpoint's meta
+  and tokenizer, refuses data the model cannot take (a side longer than its context), builds the accelerator and both
   loaders, prints what was dropped or truncated, and resolves train.max_steps from
   data.epochs when it is null.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -44,6 +47,7 @@ from sprout.checkpoint import checkpoint_tokenizer, read_meta
 from sprout.config import resume_free
 from sprout.errors import SproutError
 from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
+from sprout.formats.verify import verify_preference_data
 from sprout.model.transformer import ModelConfig
 from sprout.train.run import resolve_resume, start_run
 from sprout.train.stage import micro_steps
@@ -65,6 +69,8 @@ class PreferenceDataConfig:
     seq_len: int | None = None          # longest side in tokens; None: the model's max_seq_len
     truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
     epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
+    verify: str = resume_free("full")   # start-up check against the prep's manifest.json: full (listed, and
+                                        # the sha256 of both files) | sizes (listed only, no hashing)
 
 
 def held_out_path(path: str | Path) -> Path:
@@ -189,6 +195,9 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     val = Path(cfg.data.val_path) if cfg.data.val_path else held_out_path(data)
     if not val.is_file():
         raise SproutError(f"{val}: held-out preference file not found (set data.val_path)")
+    check = verify_preference_data(data, val, cfg.data.verify)
+    if int(os.environ.get("RANK", "0")) == 0:  # the accelerator does not exist yet
+        print(check.report("preference files"), flush=True)
     resume_path = resolve_resume(resume, cfg.out)
 
     acc = start_run(cfg.train, cfg.out)
