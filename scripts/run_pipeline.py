@@ -1,0 +1,56 @@
+"""Run a whole pipeline preset, stage by stage, skipping what is done; then write its report card.
+
+    python scripts/run_pipeline.py --preset demo                   # configs/pipelines/demo.yaml, into runs/demo
+    python scripts/run_pipeline.py --preset demo --to sft          # the stages up to SFT
+    python scripts/run_pipeline.py --preset demo --from dpo        # DPO and everything after it, again
+    python scripts/run_pipeline.py --preset gpt2-small --out runs/gpt2 --mirror ../shared/data
+    python scripts/run_pipeline.py --preset my_chain.yaml --report-only
+
+A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
+checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
+runs again with everything after it; `<out>/pipeline_state.json` records why (see
+sprout/pipeline.py for the preset format and the rules). Stopped or killed at any moment, the
+same command carries on. The report card (`<out>/report.md`, `<out>/report/`) compares every
+stage's checkpoint on one table, read from the stages' metrics.jsonl and evaluation files
+(sprout/train/report_card.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sprout.errors import SproutError, run_main
+from sprout.pipeline import StageFailed, load_preset, preset_path, read_state, run_pipeline
+from sprout.train.report_card import write_report_card
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", required=True, help="demo | gpt2-small (configs/pipelines/<name>.yaml) or PATH.yaml")
+    p.add_argument("--from", dest="start", metavar="STAGE", help="run this stage and every later one again "
+                   "(the earlier ones must be done)")
+    p.add_argument("--to", dest="end", metavar="STAGE", help="stop after this stage")
+    p.add_argument("--out", help="output root (default: the preset's out)")
+    p.add_argument("--mirror", help="data mirror folder, passed to every stage as SPROUT_MIRROR")
+    p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done")
+    p.add_argument("--no-report", action="store_true", help="skip the report card")
+    args = p.parse_args()
+    preset = load_preset(preset_path(args.preset), args.out)
+    failed = None
+    if not args.report_only:
+        try:
+            run_pipeline(preset, args.start, args.end, mirror=args.mirror)
+        except StageFailed as exc:
+            failed = exc
+    if not args.no_report and (preset.out / "pipeline_state.json").is_file():
+        report = write_report_card(preset, read_state(preset.out))
+        print(f"report card: {report}")
+    if failed is not None:
+        print(f"error: {failed}", file=sys.stderr)
+        return failed.code
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

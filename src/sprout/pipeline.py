@@ -1,0 +1,464 @@
+"""The pipeline runner: every stage of a preset, in order, skipping what is done.
+
+A preset (configs/pipelines/*.yaml) is a YAML mapping:
+
+    out: runs/demo                # the output root; every stage's `out` is relative to it
+    launcher: python              # how train and eval stages run: python | accelerate
+    accelerate_config: null       # the --config_file of `accelerate launch` (launcher: accelerate)
+    stages:
+      - name: pretrain            # a word; other stages name it in `inputs` and as {pretrain}
+        kind: train               # prep | train | eval
+        script: scripts/pretrain.py
+        config: configs/demo/pretrain.yaml       # passed as --config; its sha256 is an input
+        inputs: [pretrain_data]   # the earlier stages whose outputs this one reads
+        out: base                 # its output: a folder, a file, or a file prefix
+        outputs: [...]            # prep/eval: the files that are its output (default: `out`)
+        args: [--data, "{pretrain_data}"]        # {stage} is that stage's out path, {out} its own
+                                                 # (a train stage gets --out <its out> at the end)
+
+Relative `script` and `config` paths are read from the repository root; `out` paths from
+the current directory. A prep stage runs as a plain process; a train or eval stage runs
+under `accelerate launch --config_file <accelerate_config>` when the launcher is
+`accelerate`, else as a plain process. `args` may be a list of argument lists: one command
+each, run in order (an eval stage's tasks).
+
+What happens to each stage (`<out>/pipeline_state.json`, written atomically, records for
+each its input hashes and, once it completes, its output hashes):
+  - its inputs are the sha256 of its config file, its command line, and the input and output
+    hashes of the stages it reads, so a change anywhere upstream reaches it;
+  - done (same inputs, outputs verify) -> skipped with a note. Outputs verify when a prep or
+    eval stage's files have the sha256 recorded, and a train stage's latest checkpoint
+    verifies (`sprout.checkpoint.read_meta`) and holds the recorded weights;
+  - interrupted (same inputs, no completion recorded): a train stage with a checkpoint resumes
+    from it (`--out DIR --resume`, which says "nothing to do" for a complete run), any other
+    stage runs again;
+  - otherwise it runs afresh (`--overwrite` for a train stage whose folder holds a run).
+A stage whose script or config does not exist stops the pipeline with one line naming it,
+when that stage is reached. One runner at a time per output root (`pipeline.lock`); at start
+the temporaries a killed write left (`.tmp-*`, `sprout.atomic`) are removed from the root.
+A child process dies with the runner (Linux: PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sprout.atomic import make_dir, sha256_file, write_json_atomic
+from sprout.config import read_yaml
+from sprout.errors import SproutError
+from sprout.mirror import ENV as MIRROR_ENV
+from sprout.mirror import REPO_ROOT
+
+KINDS = ("prep", "train", "eval")
+LAUNCHERS = ("python", "accelerate")
+STATE = "pipeline_state.json"
+LOCK = "pipeline.lock"
+PRESETS = REPO_ROOT / "configs" / "pipelines"
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+# ---- the preset ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Stage:
+    name: str
+    kind: str
+    script: Path
+    out: str | None = None              # relative to the output root
+    config: Path | None = None
+    inputs: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[str] | None = None    # relative to the output root
+    commands: list[list[str]] = dataclasses.field(default_factory=lambda: [[]])  # argument templates
+    role: str = ""                      # what the report card reads from it: pretrain, sft, reward, dpo, ...
+
+
+@dataclasses.dataclass
+class Preset:
+    path: Path
+    out: Path
+    launcher: str
+    accelerate_config: Path | None
+    stages: list[Stage]
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise SproutError(f"{self.path}: no stage named {name!r} (stages: {', '.join(s.name for s in self.stages)})")
+
+    def out_of(self, stage: Stage) -> Path | None:
+        return self.out / stage.out if stage.out else None
+
+
+def preset_path(preset: str) -> Path:
+    """A preset name (configs/pipelines/<name>.yaml) or a YAML path."""
+    if preset.endswith((".yaml", ".yml")) or os.sep in preset:
+        return Path(preset)
+    path = PRESETS / f"{preset}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+        raise SproutError(f"--preset {preset}: no {path} (presets: {', '.join(known)}; or give a PATH.yaml)")
+    return path
+
+
+def _repo_path(value: str) -> Path:
+    path = Path(value)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def _str_list(where: str, value) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                              for v in value):
+        raise SproutError(f"{where}: expected a list of strings, got {value!r}")
+    return [str(v) for v in value]
+
+
+def load_preset(path: str | Path, out: str | Path | None = None) -> Preset:
+    """Read and check a preset; `out` overrides its output root."""
+    path = Path(path)
+    data = read_yaml(path)
+    known = {"out", "launcher", "accelerate_config", "stages"}
+    if extra := set(data) - known:
+        raise SproutError(f"{path}: unknown key(s) {', '.join(sorted(extra))} (known: {', '.join(sorted(known))})")
+    launcher = data.get("launcher", "python")
+    if launcher not in LAUNCHERS:
+        raise SproutError(f"{path}: launcher: {launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    acc_cfg = data.get("accelerate_config")
+    if launcher == "accelerate" and not acc_cfg:
+        raise SproutError(f"{path}: launcher accelerate needs accelerate_config (an accelerate config file)")
+    root = out if out is not None else data.get("out")
+    if not root:
+        raise SproutError(f"{path}: out: the output root is missing (or pass --out DIR)")
+    stages_data = data.get("stages")
+    if not isinstance(stages_data, list) or not stages_data:
+        raise SproutError(f"{path}: stages: expected a non-empty list of stages")
+    stages: list[Stage] = []
+    fields = {"name", "kind", "script", "config", "inputs", "out", "outputs", "args", "role"}
+    for i, raw in enumerate(stages_data):
+        where = f"{path}: stages[{i}]"
+        if not isinstance(raw, dict):
+            raise SproutError(f"{where}: expected a mapping")
+        name = raw.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise SproutError(f"{where}: name: expected a word (letters, digits, _), got {name!r}")
+        where = f"{path}: stage {name}"
+        if extra := set(raw) - fields:
+            raise SproutError(f"{where}: unknown key(s) {', '.join(sorted(extra))} (known: {', '.join(sorted(fields))})")
+        if any(s.name == name for s in stages):
+            raise SproutError(f"{where}: a second stage with this name")
+        kind = raw.get("kind")
+        if kind not in KINDS:
+            raise SproutError(f"{where}: kind: {kind!r} is not one of {', '.join(KINDS)}")
+        if not isinstance(raw.get("script"), str):
+            raise SproutError(f"{where}: script: expected a path")
+        inputs = _str_list(f"{where}: inputs", raw.get("inputs", []))
+        for name_in in inputs:
+            if not any(s.name == name_in for s in stages):
+                raise SproutError(f"{where}: inputs: {name_in!r} is not an earlier stage")
+        args = raw.get("args", [])
+        commands = [_str_list(f"{where}: args", a) for a in args] if args and isinstance(args[0], list) \
+            else [_str_list(f"{where}: args", args)]
+        for arg in (a for c in commands for a in c):
+            for ref in PLACEHOLDER.findall(arg):
+                if ref != "out" and ref not in inputs:
+                    raise SproutError(f"{where}: args: {{{ref}}} names no stage in its inputs ({', '.join(inputs) or 'none'})")
+        if kind == "train" and not raw.get("out"):
+            raise SproutError(f"{where}: out: a train stage needs its run folder")
+        outputs = raw.get("outputs")
+        script = raw["script"]
+        role = raw.get("role") or Path(script).stem.removeprefix("train_")
+        stages.append(Stage(name=name, kind=kind, script=_repo_path(script), out=raw.get("out"),
+                            config=_repo_path(raw["config"]) if raw.get("config") else None, inputs=inputs,
+                            outputs=None if outputs is None else _str_list(f"{where}: outputs", outputs),
+                            commands=commands, role=role))
+    return Preset(path=path, out=Path(root), launcher=launcher,
+                  accelerate_config=_repo_path(acc_cfg) if acc_cfg else None, stages=stages)
+
+
+def select(preset: Preset, start: str | None, end: str | None) -> tuple[list[Stage], list[Stage]]:
+    """(stages before --from, stages from --from to --to), in the preset's order."""
+    names = [s.name for s in preset.stages]
+    i = names.index(preset.stage(start).name) if start else 0
+    j = names.index(preset.stage(end).name) if end else len(names) - 1
+    if i > j:
+        raise SproutError(f"--from {start} comes after --to {end} in {preset.path}")
+    return preset.stages[:i], preset.stages[i:j + 1]
+
+
+# ---- commands and hashes ------------------------------------------------------------------------
+def command_args(preset: Preset, stage: Stage) -> list[list[str]]:
+    """Each command's arguments with {stage} and {out} filled in (paths under the output root)."""
+    paths = {s.name: str(preset.out_of(s)) for s in preset.stages if s.out}
+    paths["out"] = str(preset.out_of(stage)) if stage.out else ""
+
+    def fill(arg: str) -> str:
+        def one(m: re.Match) -> str:
+            if m.group(1) not in paths or not paths[m.group(1)]:
+                raise SproutError(f"{preset.path}: stage {stage.name}: {{{m.group(1)}}} has no out path")
+            return paths[m.group(1)]
+        return PLACEHOLDER.sub(one, arg)
+
+    config = ["--config", str(stage.config)] if stage.config else []
+    run_dir = ["--out", paths["out"]] if stage.kind == "train" else []  # a trainer's run folder
+    return [config + [fill(a) for a in args] + run_dir for args in stage.commands]
+
+
+def launch_prefix(preset: Preset, stage: Stage) -> list[str]:
+    if stage.kind != "prep" and preset.launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(preset.accelerate_config)]
+    return [sys.executable]
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def stage_inputs(preset: Preset, stage: Stage, state: dict) -> dict:
+    """What a stage's result depends on: config sha256, command lines, upstream hashes."""
+    for path, what in ((stage.script, "script"), (stage.config, "config")):
+        if path is not None and not path.is_file():
+            raise SproutError(f"{path}: stage {stage.name}'s {what} does not exist (yet)")
+    upstream = {}
+    for name in stage.inputs:
+        rec = state["stages"].get(name)
+        if not rec or rec.get("status") != "done":
+            raise SproutError(f"stage {stage.name} needs stage {name}, which is not done (run it first)")
+        upstream[name] = {"inputs": rec["input_hash"], "outputs": rec["output_hash"]}
+    return {"script": str(stage.script.relative_to(REPO_ROOT) if stage.script.is_relative_to(REPO_ROOT)
+                          else stage.script),
+            "config_sha256": sha256_file(stage.config) if stage.config else None,
+            "commands": command_args(preset, stage), "upstream": upstream}
+
+
+def output_files(preset: Preset, stage: Stage) -> list[Path]:
+    """A prep or eval stage's output files: `outputs` (each a file or a folder's files) or `out`."""
+    named = stage.outputs if stage.outputs is not None else ([stage.out] if stage.out else [])
+    files = []
+    for rel in named:
+        path = preset.out / rel
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".tmp-"))
+        else:
+            files.append(path)
+    return files
+
+
+def hash_outputs(preset: Preset, stage: Stage) -> dict[str, str]:
+    """{path relative to the output root: sha256} of a prep or eval stage's outputs."""
+    found = {}
+    for f in output_files(preset, stage):
+        if not f.is_file():
+            raise SproutError(f"{f}: stage {stage.name} finished without writing it")
+        found[str(f.relative_to(preset.out))] = sha256_file(f)
+    return found
+
+
+def checkpoint_weights(run_dir: Path) -> tuple[str, int] | None:
+    """(weights sha256, step) of a run folder's latest checkpoint when it verifies, else None."""
+    from sprout.checkpoint import WEIGHTS, read_meta  # torch: only when a train stage is checked
+    try:
+        meta = read_meta(run_dir / "checkpoints", verify=True)
+    except (SproutError, OSError):
+        return None
+    return meta["files"][WEIGHTS], int(meta.get("step", 0))
+
+
+def outputs_verify(preset: Preset, stage: Stage, rec: dict) -> bool:
+    """Whether a stage recorded as done still has the outputs it recorded."""
+    if stage.kind == "train":
+        found = checkpoint_weights(preset.out_of(stage))
+        return found is not None and found[0] == rec.get("outputs", {}).get("weights_sha256")
+    try:
+        return hash_outputs(preset, stage) == rec.get("outputs")
+    except (SproutError, OSError):
+        return False
+
+
+# ---- state, lock, temporaries -------------------------------------------------------------------
+def read_state(root: Path) -> dict:
+    path = root / STATE
+    if not path.is_file():
+        return {"stages": {}}
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SproutError(f"{path}: unreadable pipeline state ({exc}); delete it to run every stage again") from None
+    if not isinstance(state, dict) or not isinstance(state.get("stages"), dict):
+        raise SproutError(f"{path}: not a pipeline state file (no `stages` mapping)")
+    return state
+
+
+def write_state(root: Path, state: dict) -> None:
+    write_json_atomic(root / STATE, state)
+
+
+@contextlib.contextmanager
+def locked(root: Path):
+    """Hold `<root>/pipeline.lock` (flock) for the runner's lifetime; a second runner is refused."""
+    make_dir(root)
+    f = open(root / LOCK, "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise SproutError(f"{root / LOCK}: another pipeline runner is using {root}") from None
+    try:
+        yield
+    finally:
+        f.close()
+
+
+def remove_temporaries(root: Path) -> list[Path]:
+    """Delete every `.tmp-*` file or folder under `root` (what killed atomic writes left)."""
+    removed = []
+    for folder, dirs, files in os.walk(root):
+        for name in [d for d in dirs if d.startswith(".tmp-")]:
+            shutil.rmtree(Path(folder) / name, ignore_errors=True)
+            dirs.remove(name)
+            removed.append(Path(folder) / name)
+        for name in files:
+            if name.startswith(".tmp-"):
+                with contextlib.suppress(FileNotFoundError):
+                    (Path(folder) / name).unlink()
+                removed.append(Path(folder) / name)
+    return removed
+
+
+# ---- running ------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the runner dies (Linux), so no orphan keeps writing."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class StageFailed(Exception):
+    """A stage's process exited non-zero (its own output says why); `code`: the runner's exit status."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def run_child(cmd: list[str], env: dict) -> int:
+    """Run one command; SIGTERM to the runner is passed on to it (Ctrl-C reaches it directly, as
+    its process group's terminal signal), and the runner waits for it to stop."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    previous = {}
+
+    def forward(signum, _frame):
+        if signum == signal.SIGTERM:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, forward)
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_message(stage: Stage, code: int) -> StageFailed:
+    if code < 0:
+        name = signal.Signals(-code).name
+        return StageFailed(f"stage {stage.name} was killed by {name}; run the pipeline again to "
+                           f"{'resume it' if stage.kind == 'train' else 'run it again'}", 128 - code)
+    if code in (130, 143):  # interrupted by Ctrl-C / SIGTERM: the trainer saved a checkpoint
+        return StageFailed(f"stage {stage.name} was interrupted; run the pipeline again to resume it", code)
+    return StageFailed(f"stage {stage.name} failed ({stage.script.name} exited with status {code}; "
+                       f"its output above says why)", 1)
+
+
+def run_stage(preset: Preset, stage: Stage, state: dict, env: dict, *, force: bool = False, log=print) -> str:
+    """Bring one stage up to date; returns what was done: skipped | resumed | ran."""
+    inputs = stage_inputs(preset, stage, state)
+    input_hash = digest(inputs)
+    rec = state["stages"].get(stage.name) or {}
+    same = rec.get("input_hash") == input_hash and not force
+    if same and rec.get("status") == "done" and outputs_verify(preset, stage, rec):
+        log(f"==> {stage.name}: done, skipped (inputs unchanged, outputs verified)")
+        return "skipped"
+    out = preset.out_of(stage)
+    resume = stage.kind == "train" and same and rec.get("status") == "running" and checkpoint_weights(out) is not None
+    if stage.kind == "train" and resume:
+        commands = [["--out", str(out), "--resume"]]
+        log(f"==> {stage.name}: resuming from its latest checkpoint ({out})")
+    else:
+        commands = command_args(preset, stage)
+        why = ("interrupted, running it again" if same and rec.get("status") == "running" else
+               "its outputs do not verify, running it again" if same else
+               "forced (--from)" if force and rec else
+               "inputs changed, running it again" if rec else "running")
+        log(f"==> {stage.name}: {why}")
+        if stage.kind == "train":
+            commands = [c + ["--overwrite"] for c in commands]  # deletes only a run's own files, if any
+    state["stages"][stage.name] = {"status": "running", "input_hash": input_hash, "inputs": inputs,
+                                   "wall_s": rec.get("wall_s", 0.0) if resume else 0.0}
+    write_state(preset.out, state)
+    start = time.perf_counter()
+    try:
+        for args in commands:
+            cmd = launch_prefix(preset, stage) + [str(stage.script), *args]
+            log("$ " + shlex.join(["python", *cmd[1:]] if cmd[0] == sys.executable else cmd))
+            sys.stdout.flush()
+            code = run_child(cmd, env)
+            if code != 0:
+                raise _exit_message(stage, code)
+    finally:
+        state["stages"][stage.name]["wall_s"] += time.perf_counter() - start
+        write_state(preset.out, state)
+    if stage.kind == "train":
+        found = checkpoint_weights(out)
+        if found is None:
+            raise SproutError(f"{out}/checkpoints: stage {stage.name} finished without a checkpoint that verifies")
+        outputs = {"weights_sha256": found[0], "step": found[1]}
+        output_hash = found[0]
+    else:
+        outputs = hash_outputs(preset, stage)
+        output_hash = digest(outputs)
+    state["stages"][stage.name].update(status="done", outputs=outputs, output_hash=output_hash)
+    write_state(preset.out, state)
+    return "resumed" if resume else "ran"
+
+
+def run_pipeline(preset: Preset, start: str | None = None, end: str | None = None, *,
+                 mirror: str | None = None, log=print) -> dict:
+    """Run the preset's stages from `start` to `end` (names; default: all); returns the state.
+
+    With `start`, the stages before it must be done (they are checked, never run) and
+    `start` and every stage after it run again. Raises StageFailed when a stage's process fails.
+    """
+    before, chosen = select(preset, start, end)
+    env = dict(os.environ)
+    if mirror:
+        env[MIRROR_ENV] = str(Path(mirror).resolve())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with locked(preset.out):
+        if removed := remove_temporaries(preset.out):
+            log(f"removed {len(removed)} temporary file(s) a killed write left under {preset.out}")
+        state = read_state(preset.out)
+        for stage in before:
+            rec = state["stages"].get(stage.name) or {}
+            if rec.get("status") != "done" or not outputs_verify(preset, stage, rec):
+                raise SproutError(f"--from {start}: the earlier stage {stage.name} is not done; "
+                                  f"run without --from (or --from {stage.name})")
+        t0 = time.perf_counter()
+        for stage in chosen:
+            run_stage(preset, stage, state, env, force=start is not None, log=log)
+        log(f"pipeline: {len(chosen)} stage(s) up to date in {time.perf_counter() - t0:.1f}s ({preset.out})")
+    return state

@@ -1,0 +1,249 @@
+"""The report card of a pipeline run: every stage's checkpoint compared on one table.
+
+`write_report_card(preset, state)` writes, for the stages `sprout.pipeline` recorded as done,
+
+    <out>/report.md                 the table, the plots, the answers, wall time and tokens/s
+    <out>/report/report_card.json   the table's figures, as read (what a test compares)
+    <out>/report/*.png              loss curves of every train stage; reward-model accuracy;
+                                    DPO margins and chosen log-probs; RL reward, KL, entropy and
+                                    completion length; pass@1 by stage
+    <out>/report/answers.json       the same prompts answered greedily by each policy, kept
+                                    with the weights' sha256 so a later report reuses them
+
+Every figure is read back from a train stage's own metrics.jsonl (its last eval record:
+`val_bpb`; `val_loss` of an SFT run, the masked loss per trained token; `val_accuracy` of a
+reward model, held-out pairs ranked right / pairs; `val_rewards/accuracies` of DPO) or from
+the JSON scripts/evaluate.py wrote for it (an eval stage whose input it is: `arith.json`
+pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (prompts × n);
+`gsm8k.json` pass@1). Tokens/s is the mean of the training records' `tokens_per_s`; wall time
+is the runner's, summed over a stage's interrupted segments. A stage without a figure shows
+a dash. Role of a stage (what it is read for): the preset's `role`, by default its script's
+name without `train_` (pretrain, sft, reward, dpo, ppo, grpo).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
+from sprout.train.metrics import METRICS, duration, read_metrics
+from sprout.train.sft import SAMPLE_PROMPTS
+
+REPORT_DIR = "report"
+ANSWER_TOKENS = 64
+# column: (title, role that logs it or None for any, metrics key) read from the last eval record
+EVAL_COLUMNS = {"val_bpb": ("val bpb", None, "val_bpb"),
+                "sft_val_loss": ("SFT val masked loss", "sft", "val_loss"),
+                "rm_val_accuracy": ("RM val accuracy", "reward", "val_accuracy"),
+                "dpo_val_accuracy": ("DPO val reward accuracy", "dpo", "val_rewards/accuracies")}
+# column: (title, eval task, metric in its JSON)
+TASK_COLUMNS = {"arith_pass@1": ("arith pass@1", "arith", "pass@1"),
+                "arith_pass@8": ("arith pass@8", "arith", "pass@8"),
+                "gsm8k_pass@1": ("GSM8K pass@1", "gsm8k", "pass@1"),
+                "mean_length": ("mean completion length", "arith", "completions/mean_length")}
+PLOTS = {"reward": ("reward_model.png", ["accuracy", "val_accuracy", "margin"]),
+         "dpo": ("dpo.png", ["rewards/margins", "val_rewards/margins", "logps/chosen", "val_logps/chosen"]),
+         "rl": ("rl.png", ["reward", "objective/kl", "kl", "entropy", "completions/mean_length"])}
+
+
+def eval_files(preset, stage_name: str, state: dict) -> dict[str, dict]:
+    """{task: the evaluate.py JSON} for every done eval stage that reads `stage_name`."""
+    found = {}
+    for s in preset.stages:
+        if s.kind != "eval" or stage_name not in s.inputs or state["stages"].get(s.name, {}).get("status") != "done":
+            continue
+        for rel in state["stages"][s.name].get("outputs", {}):
+            path = preset.out / rel
+            if path.suffix == ".json":
+                data = json.loads(path.read_text())
+                found[data.get("task") or path.stem] = data
+    return found
+
+
+def stage_rows(preset, state: dict) -> list[dict]:
+    """One row per done train stage: its figures (None where it has none), step, throughput."""
+    rows = []
+    for s in preset.stages:
+        rec = state["stages"].get(s.name) or {}
+        if s.kind != "train" or rec.get("status") != "done":
+            continue
+        records = read_metrics(preset.out_of(s) / METRICS)
+        evals = [r for r in records if "event" not in r and any(k.startswith("val_") for k in r)]
+        last = evals[-1] if evals else {}
+        train = [r for r in records if "tokens_per_s" in r]
+        row = {"stage": s.name, "role": s.role, "step": rec["outputs"]["step"],
+               "weights_sha256": rec["outputs"]["weights_sha256"], "wall_s": rec.get("wall_s"),
+               "tokens_per_s": sum(r["tokens_per_s"] for r in train) / len(train) if train else None}
+        for col, (_, role, key) in EVAL_COLUMNS.items():
+            row[col] = last.get(key) if role in (None, s.role) else None
+        tasks = eval_files(preset, s.name, state)
+        for col, (_, task, key) in TASK_COLUMNS.items():
+            row[col] = (tasks.get(task) or {}).get("metrics", {}).get(key)
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, col: str) -> str:
+    if value is None:
+        return "–"
+    if col == "mean_length":
+        return f"{value:.1f}"
+    return f"{value:.4f}" if col in ("val_bpb", "sft_val_loss") else f"{value:.3f}"
+
+
+def _savefig(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_loss_curves(runs: dict[str, list[dict]], path: Path) -> Path | None:
+    """One panel per train stage: train loss (line) and val loss (points) against step."""
+    if not runs:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.6 * len(runs), 3.2), dpi=110, squeeze=False)
+    for ax, (name, records) in zip(axes[0], runs.items()):
+        train = [(r["step"], r["loss"]) for r in records if "loss" in r and "event" not in r]
+        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+        if train:
+            ax.plot(*zip(*train), lw=1.2, label="train")
+        if val:
+            ax.plot(*zip(*val), "o-", ms=3, label="val")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _savefig(fig, path)
+    return path
+
+
+def plot_metrics(runs: dict[str, list[dict]], keys: list[str], path: Path) -> Path | None:
+    """One panel per metric key that any of `runs` logs, a line per run."""
+    keys = [k for k in keys if any(k in r for recs in runs.values() for r in recs)]
+    if not keys:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), dpi=110, squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, records in runs.items():
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points), "o-" if key.startswith("val_") else "-", ms=3, lw=1.2, label=name)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _savefig(fig, path)
+    return path
+
+
+def plot_pass_at_1(rows: list[dict], path: Path) -> Path | None:
+    bars = [(r["stage"], r["arith_pass@1"], r["gsm8k_pass@1"]) for r in rows
+            if r["arith_pass@1"] is not None or r["gsm8k_pass@1"] is not None]
+    if not bars:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(1.6 * len(bars) + 2, 3.2), dpi=110)
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] or 0 for b in bars], 0.4, label="arith pass@1")
+    ax.bar([x + 0.2 for x in xs], [b[2] or 0 for b in bars], 0.4, label="GSM8K pass@1")
+    ax.set_xticks(list(xs), [b[0] for b in bars])
+    ax.set_ylabel("pass@1")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _savefig(fig, path)
+    return path
+
+
+def greedy_answers(preset, rows: list[dict], cache_path: Path, prompts=SAMPLE_PROMPTS) -> dict:
+    """{stage: {weights_sha256, answers}} for every policy row (not reward models): the prompts
+    answered greedily (`ChatSession`, temperature 0, at most ANSWER_TOKENS tokens); reused from
+    the cache when the weights and prompts are unchanged."""
+    from sprout.model.chat_session import ChatSession, load_chat_model
+
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    result = {}
+    for row in rows:
+        if row["role"] == "reward":
+            continue
+        old = cache.get(row["stage"]) or {}
+        if old.get("weights_sha256") == row["weights_sha256"] and old.get("prompts") == list(prompts):
+            result[row["stage"]] = old
+            continue
+        model, tok, _ = load_chat_model(preset.out_of(preset.stage(row["stage"])))
+        answers = []
+        for prompt in prompts:
+            session = ChatSession(model, tok, max_new_tokens=ANSWER_TOKENS, temperature=0.0)
+            answers.append(session.send(prompt).text)
+        result[row["stage"]] = {"weights_sha256": row["weights_sha256"], "prompts": list(prompts), "answers": answers}
+    write_json_atomic(cache_path, result)
+    return result
+
+
+def hardware() -> str:
+    import torch
+
+    cpu = f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} CPU cores"
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}; {cpu}"
+    return cpu
+
+
+def write_report_card(preset, state: dict, *, answers: bool = True) -> Path:
+    """Write report.md, report/report_card.json and the plots for the done stages; returns report.md."""
+    folder = make_dir(preset.out / REPORT_DIR)
+    rows = stage_rows(preset, state)
+    runs = {r["stage"]: read_metrics(preset.out_of(preset.stage(r["stage"])) / METRICS) for r in rows}
+    by_role = lambda roles: {n: recs for n, recs in runs.items() if preset.stage(n).role in roles}  # noqa: E731
+    plots = {"loss curves": plot_loss_curves(runs, folder / "loss_curves.png"),
+             "reward model": plot_metrics(by_role({"reward"}), PLOTS["reward"][1], folder / PLOTS["reward"][0]),
+             "DPO": plot_metrics(by_role({"dpo"}), PLOTS["dpo"][1], folder / PLOTS["dpo"][0]),
+             "RL": plot_metrics(by_role({"ppo", "grpo"}), PLOTS["rl"][1], folder / PLOTS["rl"][0]),
+             "pass@1 by stage": plot_pass_at_1(rows, folder / "pass_at_1.png")}
+    said = greedy_answers(preset, rows, folder / "answers.json") if answers else {}
+    write_json_atomic(folder / "report_card.json", {"rows": rows})
+
+    columns = {**{c: t for c, (t, _, _) in EVAL_COLUMNS.items()}, **{c: t for c, (t, _, _) in TASK_COLUMNS.items()}}
+    lines = [f"# Report card: {preset.out}", "",
+             f"Preset `{preset.path}`; one row per stage checkpoint (step, weights sha256). Figures are read "
+             f"from each stage's metrics.jsonl (last eval) and scripts/evaluate.py's JSON; – where a stage has none.",
+             "", "| stage | step | " + " | ".join(columns.values()) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |"]
+    for r in rows:
+        lines.append(f"| {r['stage']} | {r['step']} | " + " | ".join(_fmt(r[c], c) for c in columns) + " |")
+    lines += ["", f"## Wall time and throughput ({hardware()})", "", "| stage | kind | wall time | train tokens/s |",
+              "| --- | --- | ---: | ---: |"]
+    tps = {r["stage"]: r["tokens_per_s"] for r in rows}
+    for s in preset.stages:
+        rec = state["stages"].get(s.name) or {}
+        if rec.get("status") == "done":
+            t = tps.get(s.name)
+            lines.append(f"| {s.name} | {s.kind} | {duration(rec.get('wall_s') or 0)} | "
+                         f"{f'{t:,.0f}' if t is not None else '–'} |")
+    for title, path in plots.items():
+        if path is not None:
+            lines += ["", f"## {title}", "", f"![{title}]({REPORT_DIR}/{path.name})"]
+    if said:
+        lines += ["", f"## The same prompts, answered greedily (at most {ANSWER_TOKENS} tokens)"]
+        for i, prompt in enumerate(SAMPLE_PROMPTS):
+            lines += ["", f"> {prompt}", ""]
+            lines += [f"- **{stage}**: {' '.join(a['answers'][i].split()) or '(empty)'}" for stage, a in said.items()]
+    path = preset.out / "report.md"
+    with atomic_write(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,242 @@
+"""The pipeline runner (sprout.pipeline, scripts/run_pipeline.py) and its report card, on a tiny
+preset written here: tokenizer -> pretrain data -> pretrain -> SFT data -> SFT -> preference
+data -> reward model, DPO, each a few steps of a tiny model.
+
+Skips what is done, resumes a killed stage from its checkpoint to the same weights, re-runs a
+stage whose config changed and what follows it, and the report card's figures are the stages'
+own metrics. The slow test kills the runner at ten seeded random moments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from data_fixtures import make_docs
+from sprout.errors import SproutError
+from sprout.pipeline import digest, load_preset, read_state, select
+from sprout.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ("pretrain", "sft", "reward", "dpo")
+TRAIN_FLAGS = ["--train.progress", "false", "--train.peak_tflops", "-1"]
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def tiny_preset(folder: Path) -> Path:
+    """A preset of the eight stages that exist, with configs for a 2-layer, 32-wide model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n\n".join(make_docs(300, seed=1)) + "\n")
+    model = {"vocab_size": 320, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 128}
+    train = {"mixed_precision": "no", "seed": 0, "log_every": 1, "keep_checkpoints": 2}
+    optim = {"lr": 3.0e-3, "warmup_steps": 1, "min_lr_ratio": 0.1}
+    pairs = {"global_pairs": 8, "micro_pairs": 4}
+    cfg = {
+        "tokenizer": {"sources": [str(corpus)], "vocab_size": 320, "clean": False},
+        "pretrain_data": {"name": "tiny", "sources": [str(corpus)], "val_frac": 0.1, "shard_tokens": 20000,
+                          "run_tokens": 2000, "workers": 1, "format": "bin", "clean": {"min_chars": 10}},
+        "pretrain": {"model": model, "data": {"seq_len": 64, "seq_len_start": 64, "eval_tokens": 2048},
+                     "batch": {"global_tokens": 1024, "micro_tokens": 512}, "optim": optim,
+                     "train": {**train, "max_steps": 8, "eval_every": 4, "ckpt_every": 2}},
+        "sft_data": {"seq_len": 128, "val_fraction": 0.1, "sources": [
+            {"name": "arithmetic", "format": "arithmetic", "count": 300, "levels": [1, 2]}]},
+        "sft": {"batch": {"global_tokens": 1024, "micro_tokens": 512}, "optim": optim,
+                "train": {**train, "max_steps": 6, "eval_every": 3, "ckpt_every": 2}},
+        "preferences": {"test_fraction": 0.2, "sources": [
+            {"name": "arithmetic", "format": "arithmetic", "count": 120, "levels": [1, 2], "split": "train"}]},
+        "reward": {"batch": pairs, "optim": optim, "train": {**train, "max_steps": 4, "eval_every": 2, "ckpt_every": 2}},
+        "dpo": {"batch": pairs, "optim": optim, "train": {**train, "max_steps": 4, "eval_every": 2, "ckpt_every": 2}},
+    }
+    paths = {name: str(write_yaml(folder / f"{name}.yaml", c)) for name, c in cfg.items()}
+    stages = [
+        {"name": "tokenizer", "kind": "prep", "script": "scripts/train_tokenizer.py", "config": paths["tokenizer"],
+         "out": "tokenizer/sp", "outputs": ["tokenizer/sp.model", "tokenizer/sp.vocab"], "args": ["--out", "{out}"]},
+        {"name": "pretrain_data", "kind": "prep", "script": "scripts/prepare_pretrain_data.py",
+         "config": paths["pretrain_data"], "inputs": ["tokenizer"], "out": "data",
+         "args": ["--tokenizer", "sentencepiece:{tokenizer}.model", "--out", "{out}", "--no-progress"]},
+        {"name": "pretrain", "kind": "train", "script": "scripts/pretrain.py", "config": paths["pretrain"],
+         "inputs": ["pretrain_data"], "out": "base", "args": ["--data", "{pretrain_data}", *TRAIN_FLAGS]},
+        {"name": "sft_data", "kind": "prep", "script": "scripts/prepare_sft_data.py", "config": paths["sft_data"],
+         "inputs": ["tokenizer"], "out": "sft/sft.h5", "outputs": ["sft/sft.h5", "sft/sft_val.h5"],
+         "args": ["--tokenizer", "sentencepiece:{tokenizer}.model", "--out", "{out}"]},
+        {"name": "sft", "kind": "train", "script": "scripts/train_sft.py", "config": paths["sft"],
+         "inputs": ["pretrain", "sft_data"], "out": "sft_model",
+         "args": ["--init", "{pretrain}", "--data", "{sft_data}", *TRAIN_FLAGS]},
+        {"name": "preferences", "kind": "prep", "script": "scripts/prepare_preference_data.py",
+         "config": paths["preferences"], "out": "prefs",
+         "outputs": ["prefs/preferences.jsonl", "prefs/preferences_test.jsonl", "prefs/manifest.json"],
+         "args": ["--out", "{out}"]},
+        {"name": "reward", "kind": "train", "script": "scripts/train_reward.py", "config": paths["reward"],
+         "inputs": ["sft", "preferences"], "out": "reward_model",
+         "args": ["--init", "{sft}", "--data", "{preferences}/preferences.jsonl", *TRAIN_FLAGS]},
+        {"name": "dpo", "kind": "train", "script": "scripts/train_dpo.py", "config": paths["dpo"],
+         "inputs": ["sft", "preferences"], "out": "dpo_model",
+         "args": ["--init", "{sft}", "--data", "{preferences}/preferences.jsonl", *TRAIN_FLAGS]},
+    ]
+    return write_yaml(folder / "tiny.yaml", {"out": str(folder / "runs"), "launcher": "python", "stages": stages})
+
+
+def runner(preset: Path, *args: str, out: Path | None = None) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "scripts" / "run_pipeline.py"), "--preset", str(preset), *args]
+    return cmd + (["--out", str(out)] if out else [])
+
+
+def run(preset: Path, *args: str, out: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(runner(preset, *args, out=out), capture_output=True, text=True, timeout=timeout, env=env)
+    return proc
+
+
+def notes(proc: subprocess.CompletedProcess) -> dict[str, str]:
+    """{stage: what the runner said it did} from its `==> stage: ...` lines."""
+    return {line[4:].split(":")[0]: line.split(": ", 1)[1] for line in proc.stdout.splitlines()
+            if line.startswith("==> ")}
+
+
+def weights(out: Path) -> dict[str, str]:
+    state = read_state(out)
+    return {name: state["stages"][name]["outputs"]["weights_sha256"] for name in TRAIN}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run of the tiny preset: (preset path, output root)."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    preset = tiny_preset(folder)
+    proc = run(preset)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return preset, folder / "runs"
+
+
+# ---- the preset ---------------------------------------------------------------------------------
+def test_presets_in_the_repository_load_and_chain_their_stages():
+    for name in ("demo", "gpt2-small"):
+        preset = load_preset(ROOT / "configs" / "pipelines" / f"{name}.yaml")
+        names = [s.name for s in preset.stages]
+        assert names.index("pretrain") < names.index("sft") < names.index("dpo") < names.index("grpo")
+        assert preset.stage("reward").inputs[0] == "sft" and preset.stage("dpo").inputs[0] == "sft"
+        assert {"dpo", "reward"} <= set(preset.stage("ppo").inputs) and "ppo" in preset.stage("grpo").inputs
+    gpu = load_preset(ROOT / "configs" / "pipelines" / "gpt2-small.yaml")
+    assert gpu.launcher == "accelerate" and gpu.accelerate_config.is_file()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kind": "build"}, "stage b: kind: 'build' is not one of prep, train, eval"),
+    ({"inputs": ["c"]}, "stage b: inputs: 'c' is not an earlier stage"),
+    ({"args": ["{c}"]}, "stage b: args: {c} names no stage in its inputs (a)"),
+    ({"colour": 1}, "stage b: unknown key(s) colour"),
+])
+def test_a_bad_preset_is_refused_in_one_line_naming_the_stage(tmp_path, change, message):
+    stages = [{"name": "a", "kind": "prep", "script": "x.py", "out": "a"},
+              {"name": "b", "kind": "prep", "script": "x.py", "inputs": ["a"], "out": "b", **change}]
+    path = write_yaml(tmp_path / "p.yaml", {"out": str(tmp_path / "runs"), "stages": stages})
+    with pytest.raises(SproutError, match=message.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{")):
+        load_preset(path)
+
+
+def test_from_and_to_select_a_range(tmp_path):
+    preset = load_preset(tiny_preset(tmp_path))
+    before, chosen = select(preset, "sft_data", "reward")
+    assert [s.name for s in before] == ["tokenizer", "pretrain_data", "pretrain"]
+    assert [s.name for s in chosen] == ["sft_data", "sft", "preferences", "reward"]
+    with pytest.raises(SproutError, match="no stage named 'ppo'"):
+        select(preset, None, "ppo")
+
+
+def test_a_missing_script_fails_with_one_line_when_its_stage_is_reached(tmp_path):
+    stages = [{"name": "a", "kind": "prep", "script": "scripts/verify_shards.py", "args": ["--help"]},
+              {"name": "ppo", "kind": "train", "script": "scripts/train_not_yet.py", "inputs": ["a"], "out": "ppo"}]
+    preset = write_yaml(tmp_path / "p.yaml", {"out": str(tmp_path / "runs"), "stages": stages})
+    proc = run(preset, "--no-report")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {ROOT}/scripts/train_not_yet.py: stage ppo's script does not "
+                                                f"exist (yet)"]
+    assert "==> a: running" in proc.stdout and "==> ppo" not in proc.stdout  # the stage before it ran
+
+
+# ---- skip, resume, re-run -----------------------------------------------------------------------
+def test_a_second_run_skips_every_stage(reference):
+    preset, out = reference
+    before = (out / "pipeline_state.json").read_text()
+    proc = run(preset, "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    said = notes(proc)
+    assert list(said) == ["tokenizer", "pretrain_data", "pretrain", "sft_data", "sft", "preferences", "reward", "dpo"]
+    assert all(v.startswith("done, skipped") for v in said.values()), said
+    assert (out / "pipeline_state.json").read_text() == before
+    assert not any(p.name.startswith(".tmp-") for p in out.rglob("*"))
+
+
+def test_a_stage_killed_mid_run_resumes_to_the_same_weights(reference, tmp_path):
+    preset, ref_out = reference
+    out = tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(runner(preset, "--to", "pretrain", "--no-report", out=out), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    latest = out / "base" / "checkpoints" / "latest"
+    while not latest.is_file() and proc.poll() is None:  # the first checkpoint (step 2 of 8)
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children()
+    assert children, "the pretraining process had already finished"
+    children[0].kill()
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 137 and "stage pretrain was killed by SIGKILL; run the pipeline again to resume it" in text
+    rerun = run(preset, "--to", "pretrain", "--no-report", out=out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert notes(rerun)["pretrain"].startswith("resuming from its latest checkpoint")
+    assert "--resume" in rerun.stdout
+    state, ref_state = read_state(out), read_state(ref_out)
+    assert state["stages"]["pretrain"]["outputs"] == ref_state["stages"]["pretrain"]["outputs"]
+
+
+def test_a_changed_config_reruns_its_stage_and_everything_after_it(reference, tmp_path):
+    preset_path, ref_out = reference
+    # a copy of the finished run, then the SFT config changes: SFT, reward and DPO re-run
+    import shutil
+    out = tmp_path / "runs"
+    shutil.copytree(ref_out, out)
+    preset = load_preset(preset_path, out)
+    sft_cfg = preset.stage("sft").config
+    original = sft_cfg.read_text()
+    try:
+        data = yaml.safe_load(original)
+        data["optim"]["lr"] = 1.0e-3
+        sft_cfg.write_text(yaml.safe_dump(data))
+        proc = run(preset_path, "--no-report", out=out)
+    finally:
+        sft_cfg.write_text(original)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = notes(proc)
+    assert {k for k, v in said.items() if v.startswith("done, skipped")} == \
+        {"tokenizer", "pretrain_data", "pretrain", "sft_data", "preferences"}
+    assert {k for k, v in said.items() if v.startswith("inputs changed")} == {"sft", "reward", "dpo"}
+    assert "--overwrite" in proc.stdout
+    new, old = weights(out), weights(ref_out)
+    assert new["pretrain"] == old["pretrain"] and all(new[s] != old[s] for s in ("sft", "reward", "dpo"))
+
+
+def test_input_hashes_name_config_command_and_upstream(reference):
+    preset_path, out = reference
+    state = read_state(out)
+    sft = state["stages"]["sft"]
+    assert set(sft["inputs"]["upstream"]) == {"pretrain", "sft_data"}
+    assert sft["inputs"]["upstream"]["pretrain"]["outputs"] == state["stages"]["pretrain"]["outputs"]["weights_sha256"]
+    assert sft["input_hash"] == digest(sft["inputs"])
+    preset = load_preset(preset_path)
+    from sprout.atomic import sha256_file
+    assert sft["inputs"]["config_sha256"] == sha256_file(preset.stage("sft").config)
