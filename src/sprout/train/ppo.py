@@ -1,0 +1,478 @@
+"""PPO (RLHF's classic stage): a policy with a value head, rewards from a reward model and/or verifiers,
+per-token KL to a frozen reference, GAE, clipped policy and value losses, as one stage of the shared loop.
+
+Models. The trained module is `sprout.model.heads.PolicyWithValue`: the policy and its critic
+share one backbone, the value head is one more Linear (architecture "lm+value"; the head is
+in every checkpoint and resumes with it). It is built from the init LM (`init_from_lm`); its
+value head is fresh (`ppo.value_init: policy`) or a copy of the reward model's score head
+(`value_init: reward`). TRL keeps a separate value model initialised from the whole reward
+model; sharing the backbone costs no second model, optimizer state or forward, at the price
+of a critic whose features are the policy's (only the head comes from the reward model, so
+it starts as the reward model's head read on the policy's backbone, not as the reward model).
+The value head has its own learning rate (`ppo.value_lr`, or optim.lr × `ppo.vf_lr_scale`).
+Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the reward model
+(`reward_model`, a `scripts/train_reward.py` run; same tokenizer as the policy).
+
+Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
+`batch.num_generations` completions (default 1). A completion's score is
+`ppo.reward_model_weight` × the reward model's score, read at the completion's last token (its
+end-of-turn; `sprout.train.reward.score_sequences` on prompt + completion), plus the weighted
+verifier rewards (`rewards.reward_funcs`, `rewards.reward_weights`; weights 0 for a reward model
+alone). A completion without an end-of-turn token (truncated) has `ppo.missing_eos_penalty`
+subtracted from its score (`ppo.missing_eos: penalty`) or is scored 0 (`zero`). Token rewards
+(`sprout.rl.advantages.token_rewards`): -kl_coef × KL on every completion token
+(`ppo.kl_in: reward`, the default; KL = k1 or k3 of the old policy against the reference,
+`ppo.kl_estimator`) plus the score on the last completion token; with `kl_in: loss` the token
+rewards are the score alone and kl_coef × KL per token is added to the loss instead. kl_coef is
+fixed (`ppo.kl_coef`) or, with `ppo.adaptive_kl`, steered towards `ppo.target_kl` over
+`ppo.horizon` (`sprout.rl.kl.AdaptiveKLController`), updated after each batch from that
+batch's objective/kl with n_steps = the batch's completions; its value is resume state.
+`ppo.whiten_rewards` whitens the token rewards (mean kept, TRL). Advantages and returns by GAE
+(`ppo.gamma`, `ppo.lam`; `sprout.rl.advantages.gae`: no bootstrap past a completion's last
+token); advantages are whitened. Both whitenings run over the completion tokens of the whole
+global batch (`whiten_global`: sums all-reduced over processes).
+
+Updates. The buffer serves `ppo.num_ppo_epochs` passes, each over `batch.num_mini_batches`
+mini-batches (this rank's rows shuffled per pass, a seeded permutation held in the buffer):
+one optimizer step per mini-batch, in micro-batches of `batch.micro_completions`. Per token:
+
+    clipped surrogate (ppo.cliprange; ppo.dual_clip c bounds a negative advantage's loss by -c A)
+  + vf_coef × 0.5 max((V - R)^2, (clip(V, V_old ± cliprange_value) - R)^2)
+  - entropy_coef × entropy           (when entropy_coef > 0)
+  + kl_coef × KL                     (kl_in: loss only)
+
+Normaliser: the completion tokens of the global mini-batch (every micro-batch on every
+process; `count_targets` = the micro-batch's completion tokens), so the step's loss is the
+token mean of the sum above whatever the split into micro-batches and processes (TRL takes
+the token mean per micro-batch).
+
+Metrics (TRL's names). Of the rollout batch, over the global batch (sum, count pairs):
+objective/kl (mean over sequences of the summed per-token KL of the estimator in use),
+objective/kl_k1 and objective/kl_k3 (both estimators, always), objective/kl_coef,
+objective/entropy (mean over sequences of -sum log pi_old), objective/scores (mean score),
+objective/non_score_reward (mean over sequences of -kl_coef × summed KL), objective/rlhf_reward
+(scores + non_score_reward), rewards/reward_model/mean, rewards/<fn>/mean|std,
+val/explained_variance (1 - Var(R - V_old) / Var(R) over completion tokens),
+val/num_eos_tokens, completions/mean_length|max_length|min_length|clipped_ratio, and rank 0's
+seconds per batch in time/generation_s, time/reward_model_s, time/reference_s,
+time/values_s (old log-probs and values). Per token of the step's mini-batch: loss/policy
+(the clipped surrogate), val/loss, val/clipfrac (share where the clipped value loss is the
+larger), policy/clipfrac (share where the ratio's clip is active), clip_ratio/low_mean|
+high_mean, policy/approxkl (0.5 × mean (log pi - log pi_old)^2), policy/entropy, kl (kl_in:
+loss). The loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's greedy
+val_accuracy, val_format, val_mean_length on the held-out prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from sprout.checkpoint import init_from_lm, load_model, load_weights
+from sprout.config import require, resume_free
+from sprout.errors import SproutError
+from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
+from sprout.model.transformer import Transformer
+from sprout.rl.advantages import gae, token_rewards
+from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k3
+from sprout.rl.verifiers import reward_metrics
+from sprout.train.loop import TrainConfig, all_reduce_sums
+from sprout.train.optim import OptimConfig, decay_groups
+from sprout.train.reward import score_sequences
+from sprout.train.rl_stage import (
+    PromptBatchConfig,
+    RewardsConfig,
+    RLDataConfig,
+    RLStage,
+    RolloutConfig,
+    build_rewards,
+    completion_logps,
+    open_rl_run,
+    pack_stats,
+    trim,
+)
+from sprout.train.run import train_stage
+
+
+# ---- config -------------------------------------------------------------------------------------
+@dataclass
+class PPOBatchConfig(PromptBatchConfig):
+    """The RL batch with PPO's defaults: one completion per prompt, and mini-batches."""
+    num_generations: int = 1            # completions per prompt (PPO needs no groups)
+    num_mini_batches: int = 1           # optimizer steps per pass over a generation batch (TRL's)
+
+    def __post_init__(self) -> None:
+        for name in ("global_prompts", "micro_completions", "num_generations", "num_mini_batches"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "a positive number")
+
+
+@dataclass
+class PPOLossConfig:
+    """TRL's PPOConfig names where it has them (module doc)."""
+    reward_model_weight: float = 1.0    # weight of the reward model's score (with a reward_model)
+    missing_eos: Literal["penalty", "zero"] = "penalty"  # a completion without end-of-turn: penalised or scored 0
+    missing_eos_penalty: float = 1.0    # subtracted from its score (missing_eos: penalty)
+    kl_coef: float = 0.05               # KL weight (the adaptive controller's initial value)
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    kl_in: Literal["reward", "loss"] = "reward"
+    adaptive_kl: bool = False           # steer kl_coef towards target_kl (Ziegler et al. 2019)
+    target_kl: float = 6.0              # objective/kl the adaptive controller aims at (nats per sequence)
+    horizon: int = 10000                # the adaptive controller's horizon, in completions
+    gamma: float = 1.0                  # GAE discount
+    lam: float = 0.95                   # GAE lambda
+    whiten_rewards: bool = False        # whiten the token rewards (mean kept) before GAE
+    cliprange: float = 0.2              # policy ratio clip
+    dual_clip: float | None = None      # c > 1 (3 in Ye et al. 2020): a negative advantage's loss is at most -c A
+    vf_coef: float = 0.1                # weight of the value loss
+    cliprange_value: float = 0.2        # value clip around the old values
+    entropy_coef: float = 0.0           # entropy bonus
+    num_ppo_epochs: int = 4             # passes over each generation batch
+    value_init: Literal["policy", "reward"] = "policy"  # value head: fresh, or the reward model's score head
+    value_lr: float | None = None       # the value head's peak lr; None: optim.lr × vf_lr_scale
+    vf_lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("kl_coef", "missing_eos_penalty", "vf_coef", "entropy_coef", "cliprange_value"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        require(self.cliprange > 0, "cliprange", self.cliprange, "> 0")
+        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", self.dual_clip, "> 1 (or null)")
+        require(0 <= self.gamma <= 1, "gamma", self.gamma, "in [0, 1]")
+        require(0 <= self.lam <= 1, "lam", self.lam, "in [0, 1]")
+        require(self.target_kl > 0, "target_kl", self.target_kl, "> 0")
+        require(self.horizon > 0, "horizon", self.horizon, "> 0")
+        require(self.num_ppo_epochs >= 1, "num_ppo_epochs", self.num_ppo_epochs, ">= 1")
+        require(self.value_lr is None or self.value_lr > 0, "value_lr", self.value_lr, "> 0 (or null)")
+        require(self.vf_lr_scale > 0, "vf_lr_scale", self.vf_lr_scale, "> 0")
+
+
+@dataclass
+class PPOConfig:
+    init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
+    reward_model: str = resume_free("")  # a reward model run (scripts/train_reward.py); "" = verifiers only
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    batch: PPOBatchConfig = field(default_factory=PPOBatchConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    ppo: PPOLossConfig = field(default_factory=PPOLossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=50))
+    out: str = resume_free("runs/ppo")
+
+
+# ---- pure pieces --------------------------------------------------------------------------------
+def advantages_and_returns(scores: torch.Tensor, per_token_kl: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor, kl_coef: float, gamma: float, lam: float,
+                           whiten_rewards=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token rewards, raw GAE advantages, returns) [N, L] in float64: the score [N] on each
+    completion's last token, -kl_coef × KL on every token, optionally whitened
+    (`whiten_rewards(x, mask)`), then `gae` over the old values."""
+    rewards = token_rewards(scores.double(), per_token_kl.double(), mask, kl_coef)
+    if whiten_rewards is not None:
+        rewards = whiten_rewards(rewards, mask)
+    adv, returns = gae(rewards, values.double(), mask, gamma, lam)
+    return rewards, adv, returns
+
+
+def whiten_global(acc, x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """`sprout.rl.advantages.masked_whiten` over the masked positions of every process: the
+    mean, then the Bessel-corrected variance, from sums all-reduced in float64. Masked-out
+    positions are 0."""
+    m, xd = mask.double(), x.double()
+    s = all_reduce_sums(acc, {"sum": (xd * m).sum(), "n": m.sum()})
+    if s["n"] < 2:
+        raise SproutError(f"whitening needs at least 2 completion tokens in the global batch, got {int(s['n'])}")
+    mean = s["sum"] / s["n"]
+    var = all_reduce_sums(acc, {"sq": ((xd - mean) ** 2 * m).sum()})["sq"] / (s["n"] - 1)
+    out = (xd - mean) * (var + 1e-8) ** -0.5
+    return (out if shift_mean else out + mean) * m
+
+
+class WithValues:
+    """The policy called as a plain LM (what `completion_logps` calls) that keeps its values:
+    after a call, `values` [B, T] holds the value head's output at every input position."""
+
+    def __init__(self, model):
+        self.model, self.values = model, None
+
+    def __call__(self, input_ids, **kwargs):
+        logits, self.values = self.model(input_ids, return_values=True, **kwargs)
+        return logits
+
+
+def logps_and_values(model, batch: dict, temperature: float = 1.0, entropy: bool = False,
+                     entropy_grad: bool = False):
+    """(log-probs, values, entropy) [N, L] of the completion tokens: each value is V of the state
+    before its token (read at the position that predicts it). Off-mask positions hold garbage."""
+    net = WithValues(model)
+    logps, ent = completion_logps(net, batch, temperature, entropy=entropy, entropy_grad=entropy_grad)
+    return logps, net.values[:, -batch["completion_ids"].shape[1]:], ent
+
+
+# ---- the stage ----------------------------------------------------------------------------------
+class PPOStage(RLStage):
+    name = "ppo"
+
+    def __init__(self, accelerator, tokenizer, loader, val, batch: PPOBatchConfig, rollout: RolloutConfig, rewards,
+                 *, ppo: PPOLossConfig, ref_model: torch.nn.Module, reward_model=None, weight_decay: float = 0.0,
+                 seed: int = 0, eval_batch: int = 32):
+        c = ppo
+        super().__init__(accelerator, tokenizer, loader, val, batch, rollout, rewards,
+                         num_iterations=c.num_ppo_epochs * batch.num_mini_batches, seed=seed, eval_batch=eval_batch)
+        self.cfg, self.ref_model, self.reward_model, self.weight_decay = c, ref_model, reward_model, weight_decay
+        self.M = batch.num_mini_batches
+        local = self.loader.per_rank * self.G
+        if local % (self.M * batch.micro_completions):
+            raise SproutError(f"batch: {self.loader.per_rank} prompt(s) per process × num_generations {self.G} = "
+                              f"{local} completions is not a multiple of batch.num_mini_batches {self.M} × "
+                              f"batch.micro_completions {batch.micro_completions}")
+        self.mini_rows = local // self.M
+        self.accum_steps = self.mini_rows // batch.micro_completions
+        self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.horizon) if c.adaptive_kl
+                       else FixedKLController(c.kl_coef))
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        self.ref_model = trainer.prepare_frozen(self.ref_model)
+        if self.reward_model is not None:
+            self.reward_model = trainer.prepare_frozen(self.reward_model)
+
+    def param_groups(self, model) -> list[dict]:
+        """The backbone and lm_head as `decay_groups`; the value head alone at value_lr (or
+        optim.lr × vf_lr_scale), without weight decay, named for its lr in the logs."""
+        head = model.value_head.weight
+        rest = [p for p in model.parameters() if p.requires_grad and p is not head]
+        value = {"params": [head], "weight_decay": 0.0, "name": "value_head"}
+        value.update({"lr": self.cfg.value_lr} if self.cfg.value_lr else {"lr_scale": self.cfg.vf_lr_scale})
+        return decay_groups(rest, self.weight_decay) + [value]
+
+    # ---- the rollout batch ----
+    @torch.no_grad()
+    def reward_model_scores(self, rollout: dict) -> torch.Tensor:
+        """The reward model's score [N] float64 of each prompt + completion, read at the
+        completion's last token, in micro-batches."""
+        out, m, dev = [], self.batch_cfg.micro_completions, self.acc.device
+        n = rollout["completion_ids"].shape[0]
+        for i in range(0, n, m):
+            part = trim({k: v[i:i + m] for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2})
+            ids = torch.cat([part["prompt_ids"], part["completion_ids"]], dim=1).to(dev)
+            mask = torch.cat([part["prompt_mask"], part["completion_mask"]], dim=1).to(dev)
+            with self.acc.autocast():
+                out.append(score_sequences(self.reward_model, ids, mask).double().cpu())
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def old_logps_and_values(self, rollout: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's log-probs and values [N, L] (0 off the mask), in micro-batches."""
+        lps, vals, m, dev = [], [], self.batch_cfg.micro_completions, self.acc.device
+        n, L = rollout["completion_ids"].shape
+        for i in range(0, n, m):
+            part = trim({k: v[i:i + m].to(dev) for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2})
+            with self.acc.autocast():
+                lp, v, _ = logps_and_values(self.model, part, self.rollout.temperature)
+            lps.append(torch.nn.functional.pad(lp.float().cpu(), (0, L - lp.shape[1])))
+            vals.append(torch.nn.functional.pad(v.float().cpu(), (0, L - v.shape[1])))
+        mask = rollout["completion_mask"]
+        return torch.cat(lps) * mask, torch.cat(vals) * mask
+
+    def scores_of(self, rollout: dict, idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores [N] after the missing-eos rule, reward model scores [N] (0 without one),
+        verifier values [N, F]), float64."""
+        c = self.cfg
+        totals, per_fn = self.score(rollout, idx)
+        rm = self.reward_model_scores(rollout) if self.reward_model is not None else torch.zeros_like(totals)
+        scores = totals + c.reward_model_weight * rm
+        missing = rollout["truncated"].bool()
+        scores = torch.where(missing, scores - c.missing_eos_penalty if c.missing_eos == "penalty"
+                             else torch.zeros_like(scores), scores)
+        return scores, rm, per_fn
+
+    def fill_buffer(self) -> tuple[dict, dict]:
+        c, acc = self.cfg, self.acc
+        times = {}
+        t = time.perf_counter()
+        idx = self.loader.next_prompts()
+        rollout = self.sample(idx)
+        times["time/generation_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        scores, rm, per_fn = self.scores_of(rollout, idx)
+        times["time/reward_model_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        rollout["old_logps"], rollout["old_values"] = self.old_logps_and_values(rollout)
+        times["time/values_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        rollout["ref_logps"] = self.logps_of(self.ref_model, rollout)
+        times["time/reference_s"] = time.perf_counter() - t
+        mask = rollout["completion_mask"]
+        k1 = kl_k1(rollout["old_logps"], rollout["ref_logps"]).double() * mask
+        k3 = kl_k3(rollout["old_logps"], rollout["ref_logps"]).double() * mask
+        kl = k1 if c.kl_estimator == "k1" else k3
+        kl_coef = self.kl_ctl.value
+        whiten = (lambda x, m: whiten_global(acc, x, m, shift_mean=False)) if c.whiten_rewards else None
+        _, adv, returns = advantages_and_returns(scores, kl if c.kl_in == "reward" else torch.zeros_like(kl),
+                                                 rollout["old_values"], mask, kl_coef, c.gamma, c.lam, whiten)
+        rollout["advantages"] = whiten_global(acc, adv, mask).float()
+        rollout["returns"] = returns.float()
+        rollout["scores"] = scores.float()
+        rollout["kl_coef"] = torch.full_like(scores, kl_coef)
+        n = scores.shape[0]
+        rollout["order"] = torch.stack([torch.randperm(n, generator=self.generator, device=self.generator.device)
+                                        for _ in range(c.num_ppo_epochs)]).cpu()
+        # the global batch, in rank order: one row per completion
+        table = self.gather(torch.cat([torch.stack([scores, rm, k1.sum(1), k3.sum(1), kl.sum(1),
+                                                    -(rollout["old_logps"].double() * mask).sum(1),
+                                                    rollout["lengths"].double(), rollout["truncated"].double()],
+                                                   dim=1), per_fn], dim=1))
+        stats = self.buffer_stats(table, rollout, kl_coef, times)
+        self.kl_ctl.update(stats["objective/kl"][0] / stats["objective/kl"][1], int(table.shape[0]))
+        rollout.pop("lengths")
+        return rollout, stats
+
+    def buffer_stats(self, table: torch.Tensor, rollout: dict, kl_coef: float, times: dict) -> dict:
+        """The rollout batch's figures over the global batch as {name: (sum, count)} (module doc)."""
+        mask = rollout["completion_mask"].double()
+        R, V = rollout["returns"].double(), rollout["old_values"].double()
+        s = all_reduce_sums(self.acc, {"n": mask.sum(), "r": (R * mask).sum(), "r2": (R * R * mask).sum(),
+                                       "e": ((R - V) * mask).sum(), "e2": ((R - V) ** 2 * mask).sum()})
+        var_r = s["r2"] / s["n"] - (s["r"] / s["n"]) ** 2
+        var_e = s["e2"] / s["n"] - (s["e"] / s["n"]) ** 2
+        n = table.shape[0]
+        scores, kl = table[:, 0], table[:, 4]
+        non_score = -kl_coef * kl
+        lengths = table[:, 6]
+        stats = {"objective/kl": (float(kl.sum()), n), "objective/kl_k1": (float(table[:, 2].sum()), n),
+                 "objective/kl_k3": (float(table[:, 3].sum()), n), "objective/kl_coef": (kl_coef, 1),
+                 "objective/entropy": (float(table[:, 5].sum()), n), "objective/scores": (float(scores.sum()), n),
+                 "objective/non_score_reward": (float(non_score.sum()), n),
+                 "objective/rlhf_reward": (float((scores + non_score).sum()), n),
+                 "val/explained_variance": (1.0 - var_e / var_r if var_r > 0 else float("nan"), 1),
+                 "val/num_eos_tokens": (float(n - table[:, 7].sum()), 1),
+                 "completions/mean_length": (float(lengths.sum()), n),
+                 "completions/max_length": (float(lengths.max()), 1),
+                 "completions/min_length": (float(lengths.min()), 1),
+                 "completions/clipped_ratio": (float(table[:, 7].sum()), n)}
+        if self.reward_model is not None:
+            stats["rewards/reward_model/mean"] = (float(table[:, 1].sum()), n)
+        per_fn = {r.name: [None if v != v else v for v in table[:, 8 + i].tolist()]
+                  for i, r in enumerate(self.rewards)}
+        stats.update({k: (v, 1) for k, v in reward_metrics(per_fn).items()})
+        stats.update({k: (v, 1) for k, v in times.items()})
+        if stats["val/explained_variance"][0] != stats["val/explained_variance"][0]:
+            del stats["val/explained_variance"]  # constant returns: no variance to explain
+        return stats
+
+    def next_micro_batches(self, step: int) -> list[dict]:
+        """The next mini-batch of the buffer (pass k // M, mini-batch k % M of this rank's
+        shuffled rows) in micro-batches; a new buffer (rollouts) when it is used up."""
+        self.generated_tokens = 0
+        if self.buffer is None or self.served >= self.num_iterations:
+            self.buffer, stats = self.fill_buffer()
+            self.buffer["stats"] = pack_stats(stats, self.acc.is_main_process)
+            self.buffer["stat_names"] = list(stats)
+            self.served = 0
+        epoch, mini = divmod(self.served, self.M)
+        self.served += 1
+        b, m = self.buffer, self.batch_cfg.micro_completions
+        rows = b["order"][epoch][mini * self.mini_rows:(mini + 1) * self.mini_rows]
+        data = {k: v[rows] for k, v in b.items() if k not in ("stats", "stat_names", "order")}
+        out = [trim({k: v[i:i + m] for k, v in data.items()}) for i in range(0, self.mini_rows, m)]
+        out[0] = {**out[0], "stats": b["stats"], "stat_names": b["stat_names"]}
+        return out
+
+    def tensor_state(self) -> dict:
+        return {**super().tensor_state(), "kl_ctl": self.kl_ctl.state_dict()}
+
+    def load_tensor_state(self, state: dict | None) -> None:
+        super().load_tensor_state(state)
+        if state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+
+    # ---- the loss ----
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return batch["completion_mask"].long().sum()
+
+    def loss(self, model, batch: dict):
+        c = self.cfg
+        mask = batch["completion_mask"]
+        real = mask.bool()
+        zero = torch.zeros((), device=mask.device)
+        logps, values, entropy = logps_and_values(model, batch, self.rollout.temperature, entropy=True,
+                                                  entropy_grad=c.entropy_coef > 0)
+        logps, values = torch.where(real, logps, zero), torch.where(real, values, zero)
+        old_values, returns = batch["old_values"], batch["returns"]
+        per_token_vf = value_loss(values, old_values, returns, c.cliprange_value)
+        kl_coef = float(batch["kl_coef"][0])
+        kl = None
+        if c.kl_in == "loss":
+            kl = torch.where(real, kl_estimate(logps, batch["ref_logps"], c.kl_estimator), zero)
+        out = policy_loss(logps, batch["old_logps"], batch["advantages"], mask, loss_type="dapo",
+                          epsilon=c.cliprange, dual_clip=c.dual_clip, per_token_kl=kl, beta=kl_coef,
+                          entropy=entropy, entropy_coef=c.entropy_coef, per_token_value_loss=per_token_vf,
+                          vf_coef=c.vf_coef)
+        m = mask.to(logps.dtype)
+        tokens = mask.long().sum()
+        with torch.no_grad():
+            log_ratio = logps - batch["old_logps"]
+            surrogate = clipped_surrogate(log_ratio, batch["advantages"], c.cliprange, dual_clip=c.dual_clip)
+            clipped_v = torch.clamp(values, old_values - c.cliprange_value, old_values + c.cliprange_value)
+            v_clipped = ((clipped_v - returns) ** 2 > (values - returns) ** 2).to(m.dtype)
+            metrics = {"loss/policy": ((surrogate * m).sum(), tokens), "val/loss": ((per_token_vf * m).sum(), tokens),
+                       "val/clipfrac": ((v_clipped * m).sum(), tokens),
+                       "policy/approxkl": ((0.5 * log_ratio ** 2 * m).sum(), tokens)}
+        names = {"clip_ratio/region_mean": "policy/clipfrac", "entropy": "policy/entropy"}
+        metrics.update({names.get(k, k): v for k, v in out.metrics.items()})
+        return out.loss_sum, out.denominator, {**metrics, **self.stat_metrics(batch)}
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def load_reward_model(path: str, policy_meta: dict, longest: int):
+    """The frozen reward model of `path`, checked against the policy: architecture "reward",
+    the same tokenizer, a context that holds `longest` tokens."""
+    model, meta = load_model(path)
+    where = Path(meta["path"]) / "meta.json"
+    if meta.get("architecture") != "reward":
+        raise SproutError(f"{where}: reward_model must be a reward model checkpoint, "
+                          f"not architecture {meta.get('architecture', 'lm')!r}")
+    if meta.get("tokenizer_fingerprint") != policy_meta.get("tokenizer_fingerprint"):
+        raise SproutError(f"{where}: the reward model's tokenizer differs from the policy's "
+                          f"({meta.get('tokenizer')} vs {policy_meta.get('tokenizer')})")
+    if model.config.max_seq_len < longest:
+        raise SproutError(f"{where}: max_seq_len {model.config.max_seq_len} is shorter than data.max_prompt_length "
+                          f"+ rollout.max_completion_length = {longest}")
+    return model, meta
+
+
+def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
+    """Check inputs, build the policy with its value head, the reference and the reward model,
+    resume if asked, train; returns Trainer.fit's summary."""
+    c = cfg.ppo
+    if c.value_init == "reward" and not cfg.reward_model:
+        raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")
+    run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * cfg.batch.num_mini_batches, resume)
+    cfg, acc = run.cfg, run.accelerator
+    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
+    rm, rm_meta = None, None
+    if cfg.reward_model:
+        rm, rm_meta = load_reward_model(cfg.reward_model, run.base,
+                                        cfg.data.max_prompt_length + cfg.rollout.max_completion_length)
+        acc.print(f"ppo: reward model {rm_meta['path']} (frozen), weight {c.reward_model_weight}")
+    policy, _ = init_from_lm(run.base["path"], "lm+value", seed=cfg.train.seed)
+    if c.value_init == "reward" and run.resume is None:
+        if rm.score_head.weight.shape != policy.value_head.weight.shape:
+            raise SproutError(f"{rm_meta['path']}: the reward model's d_model differs from the policy's; "
+                              f"use ppo.value_init policy")
+        policy.value_head.weight.data.copy_(rm.score_head.weight.data)
+    ref = Transformer(run.model_config)
+    load_weights(ref, run.base["path"], run.base)
+    acc.print(f"ppo: reference {run.base['path']} (frozen copy); KL {c.kl_estimator} in the {c.kl_in}, "
+              f"kl_coef {c.kl_coef}{' (adaptive)' if c.adaptive_kl else ''}; value head from the {c.value_init}")
+    stage = PPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, ppo=c, ref_model=ref,
+                     reward_model=rm, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
+                     eval_batch=cfg.data.eval_batch)
+    meta = {**run.provenance(), "reference": run.base["path"],
+            "reward_model": rm_meta["path"] if rm_meta else None}
+    return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
+                       micro_steps=stage.accum_steps, extra_meta=meta)
