@@ -445,6 +445,14 @@ def load_reward_model(path: str, policy_meta: dict, longest: int):
     return model, meta
 
 
+def init_value_head(policy, reward_model, where) -> None:
+    """The policy's value head set to a copy of the reward model's score head (`value_init: reward`)."""
+    if reward_model.score_head.weight.shape != policy.value_head.weight.shape:
+        raise SproutError(f"{where}: the reward model's d_model differs from the policy's; use ppo.value_init policy")
+    with torch.no_grad():
+        policy.value_head.weight.copy_(reward_model.score_head.weight)
+
+
 def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     """Check inputs, build the policy with its value head, the reference and the reward model,
     resume if asked, train; returns Trainer.fit's summary."""
@@ -461,10 +469,7 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
         acc.print(f"ppo: reward model {rm_meta['path']} (frozen), weight {c.reward_model_weight}")
     policy, _ = init_from_lm(run.base["path"], "lm+value", seed=cfg.train.seed)
     if c.value_init == "reward" and run.resume is None:
-        if rm.score_head.weight.shape != policy.value_head.weight.shape:
-            raise SproutError(f"{rm_meta['path']}: the reward model's d_model differs from the policy's; "
-                              f"use ppo.value_init policy")
-        policy.value_head.weight.data.copy_(rm.score_head.weight.data)
+        init_value_head(policy, rm, rm_meta["path"])
     ref = Transformer(run.model_config)
     load_weights(ref, run.base["path"], run.base)
     acc.print(f"ppo: reference {run.base['path']} (frozen copy); KL {c.kl_estimator} in the {c.kl_in}, "
