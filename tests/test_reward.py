@@ -20,7 +20,15 @@ from data_loader.preferences import PreferenceLoader
 from sprout.checkpoint import load_model, read_meta
 from sprout.model.heads import RewardModel
 from sprout.train.metrics import read_metrics
-from sprout.train.reward import RewardConfig, RewardLossConfig, RewardStage, run_reward, score_sequences
+from sprout.train.loop import TrainConfig, Trainer, make_accelerator
+from sprout.train.reward import (
+    RewardConfig,
+    RewardLossConfig,
+    RewardStage,
+    population_std,
+    run_reward,
+    score_sequences,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +86,40 @@ def test_loss_and_metrics_hand_computed(data, sp):
     assert stage.num_tokens(batch) == int(batch["attention_mask"].sum())  # both sides, no padding
 
 
+
+class TableScores(torch.nn.Module):
+    """A 'reward model' whose score for a row is table[the row's ids] at every position, plus a
+    parameter (at 0) for the optimizer to hold."""
+
+    def __init__(self, table: dict):
+        super().__init__()
+        self.table, self.w = table, torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, *, segment_ids=None, position_ids=None):
+        values = torch.tensor([self.table[tuple(row.tolist())] for row in input_ids])
+        return values[:, None].expand(input_ids.shape) + self.w
+
+
+def test_reward_std_is_over_the_global_batch_by_hand(data, sp):
+    """Two micro-batches of 2 pairs in one step: chosen scores 1, 3 | 0, 4 (mean 2, mean square
+    6.5: std sqrt(2.5) = 1.581, where the mean of the micro-batch stds would be 1.5), rejected
+    0, 0 | 2, -2 (std sqrt(2))."""
+    assert population_std(2.0, 6.5) == pytest.approx(math.sqrt(2.5))
+    assert population_std(1.0, 1.0 - 1e-12) == 0.0  # rounding below zero
+    loader = PreferenceLoader(data, sp, batch_size=4, seq_len=64, shuffle=False)
+    batches = [loader.collate([0, 1]), loader.collate([2, 3])]
+    scores = [[1.0, 3.0, 0.0, 0.0], [0.0, 4.0, 2.0, -2.0]]  # per micro-batch: chosen, chosen, rejected, rejected
+    table = {tuple(row.tolist()): v for b, vals in zip(batches, scores) for row, v in zip(b["input_ids"], vals)}
+    model = TableScores(table)
+    cfg = TrainConfig(max_steps=1, progress=False, peak_tflops=-1)
+    trainer = Trainer(make_accelerator(cfg), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      lambda step, peak: peak, cfg)
+    stage = RewardStage(trainer.accelerator, loader, loader, 2, RewardLossConfig())
+    m = trainer.step(batches, stage)
+    assert m["targets"] == 4 and m["rewards/chosen"] == pytest.approx(2.0)
+    assert m["rewards/chosen_std"] == pytest.approx(math.sqrt(2.5), rel=1e-6)
+    assert m["rewards/rejected_std"] == pytest.approx(math.sqrt(2.0), rel=1e-6)
+
 # ---- the stage end to end (in-process, tiny) -------------------------------------------------------------
 def test_reward_model_learns_the_preference(run_a, base):
     out, result = run_a
@@ -89,7 +131,9 @@ def test_reward_model_learns_the_preference(run_a, base):
     rec = train_records(out)
     assert sorted(rec) == list(range(1, 13))
     assert {"accuracy", "margin", "rewards/chosen", "rewards/rejected", "rewards/chosen_sq",
-            "rewards/rejected_sq", "targets"} <= set(rec[1])
+            "rewards/rejected_sq", "rewards/chosen_std", "rewards/rejected_std", "targets"} <= set(rec[1])
+    assert rec[1]["rewards/chosen_std"] == pytest.approx(
+        math.sqrt(rec[1]["rewards/chosen_sq"] - rec[1]["rewards/chosen"] ** 2), rel=1e-6, abs=1e-9)
     assert rec[1]["targets"] == 16  # pairs of the global batch
     meta = read_meta(out / "checkpoints")
     assert meta["architecture"] == "reward" and meta["stage"] == "reward" and meta["init"]["path"] == str(base)

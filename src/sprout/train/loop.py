@@ -15,7 +15,9 @@ Two layers, so that stages which do not read "a batch from a loader" still share
   4. clip, set each parameter group's lr from the schedule, AdamW step.
   The gradient is then d(sum of per-target losses)/N whatever the split into micro-batches
   and processes, so 1 process with 2 micro-steps equals 2 processes with 1. The logged loss
-  is the reduced loss sum / N; each metric is its reduced sum / its reduced count.
+  is the reduced loss sum / N; each metric is its reduced sum / its reduced count. A stage
+  may add figures that are not such a ratio (a standard deviation) with an optional
+  `derived_metrics(reduced) -> dict`, called with those reduced metrics.
 
 `Trainer.fit(stage)` repeats steps, logs, evaluates, checkpoints and resumes. What a stage
 gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs, parameter
@@ -275,7 +277,8 @@ class Trainer:
 
         Returns the step's reduced figures: loss (sum / N), lr (of the first parameter group;
         `lr/<name>` for a named group with another base lr), grad_norm, targets (N), tokens
-        and flops (all processes), and each metric's sum / count (left out when its count is 0).
+        and flops (all processes), each metric's sum / count (left out when its count is 0) and
+        what `stage.derived_metrics` computes from those, when the stage has one.
         """
         acc, model, device = self.accelerator, self.model, self.accelerator.device
         model.train()
@@ -332,6 +335,9 @@ class Trainer:
         for k in metric_names:
             if totals[f"count:{k}"] > 0:
                 result[k] = totals[f"sum:{k}"] / totals[f"count:{k}"]
+        derived = getattr(stage, "derived_metrics", None)
+        if derived is not None:  # figures that are no sum / count (a std), from the reduced metrics
+            result.update(derived({k: result[k] for k in metric_names if k in result}))
         return result
 
     def _stop_non_finite(self, what: str) -> None:

@@ -18,9 +18,11 @@ Training metrics, each over the step's pairs (count = pairs): `accuracy` (r_c > 
 strictly; a tie counts as wrong), `margin` (r_c − r_r), `rewards/chosen` and
 `rewards/rejected` (mean scores) and `rewards/chosen_sq`, `rewards/rejected_sq` (mean
 squared scores). The loop reduces every metric as Σsum / Σcount, which a standard deviation
-is not, so the standard deviation of the step's chosen scores is read from two logged values:
-std = sqrt(rewards/chosen_sq − rewards/chosen²) (population std over the step's pairs).
-Each eval reports it directly (`val_rewards/chosen_std`).
+is not; `RewardStage.derived_metrics` then gives `rewards/chosen_std` and
+`rewards/rejected_std` from the reduced means (`population_std`): the population standard
+deviation over the real pairs of the whole global batch (all micro-batches, all processes),
+sqrt(mean(r²) − mean(r)²), not an average of per-micro-batch stds. Each eval reports the
+same over every held-out pair (`val_rewards/chosen_std`).
 
 Eval over every held-out pair: `val_loss` (the loss above per pair), `val_accuracy`,
 `val_margin`, `val_rewards/{chosen,rejected}` and their `_std`, and `val_accuracy/<source>`
@@ -73,6 +75,13 @@ class RewardConfig:
     out: str = resume_free("runs/reward")
 
 
+def population_std(mean: float, mean_sq: float) -> float:
+    """The population standard deviation of values with mean `mean` and mean square `mean_sq`:
+    sqrt(mean_sq − mean²), normalised by the number of values (not n − 1); a negative
+    difference left by rounding counts as 0."""
+    return max(0.0, mean_sq - mean * mean) ** 0.5
+
+
 def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     end_index: torch.Tensor | None = None) -> torch.Tensor:
     """The score of each row [B]: the model's score at `end_index` (default: the row's last real
@@ -115,6 +124,12 @@ class RewardStage(PreferenceStage):
                        "rewards/chosen_sq": ((rc * rc).sum(), n), "rewards/rejected_sq": ((rr * rr).sum(), n)}
         return torch.where(keep, per_pair, zero).sum(), n, metrics
 
+    def derived_metrics(self, reduced: dict) -> dict:
+        """rewards/chosen_std and rewards/rejected_std of the step: population std over the global
+        batch's real pairs, from the reduced mean and mean square (see the module docstring)."""
+        return {f"rewards/{side}_std": population_std(reduced[f"rewards/{side}"], reduced[f"rewards/{side}_sq"])
+                for side in ("chosen", "rejected") if f"rewards/{side}_sq" in reduced}
+
     @torch.no_grad()
     def evaluate(self, model) -> dict:
         names = sorted(set(self.val_sources)) if self.val_sources else []
@@ -141,9 +156,8 @@ class RewardStage(PreferenceStage):
             raise SproutError(f"{self.val.path}: no held-out pairs to evaluate")
         mean_c, mean_r = tot["rc"] / n, tot["rr"] / n
         out = {"val_loss": tot["loss"] / n, "val_accuracy": tot["correct"] / n, "val_margin": tot["margin"] / n,
-               "val_rewards/chosen": mean_c, "val_rewards/chosen_std": max(0.0, tot["rc2"] / n - mean_c ** 2) ** 0.5,
-               "val_rewards/rejected": mean_r,
-               "val_rewards/rejected_std": max(0.0, tot["rr2"] / n - mean_r ** 2) ** 0.5}
+               "val_rewards/chosen": mean_c, "val_rewards/chosen_std": population_std(mean_c, tot["rc2"] / n),
+               "val_rewards/rejected": mean_r, "val_rewards/rejected_std": population_std(mean_r, tot["rr2"] / n)}
         for name in names:
             if tot[f"count:{name}"] > 0:
                 out[f"val_accuracy/{name}"] = tot[f"correct:{name}"] / tot[f"count:{name}"]

@@ -19,6 +19,8 @@ A stage is any object with (`TokenStage` gives the defaults marked *, for batche
         tokens the forward/backward processes (tokens seen, training tokens/s)
     flops(model, batch) -> float                                * model.flops_per_token(T) × tokens
         training FLOPs of the batch's forward + backward (MFU); 0 = no MFU
+    derived_metrics(reduced) -> {name: float}                   optional; figures that are no sum / count
+                                                                (a std), from the step's reduced metrics
     evaluate(model) -> {"val_...": float}                       reduced over ranks (all_reduce_sums)
     state_dict() -> dict ; load_state_dict(dict)                loader position, saved in meta.json
     tensor_state() -> dict ; load_tensor_state(dict | None)     optional; this rank's tensors (rollout
