@@ -1,0 +1,33 @@
+"""Train a policy with GRPO (or Dr. GRPO, DAPO, GSPO, RLOO) on prompts with verifiable answers.
+
+    python scripts/prepare_rl_prompts.py --config configs/demo/rl_prompts.yaml
+    python scripts/train_grpo.py --config configs/demo/grpo.yaml --init runs/demo/sft_model
+    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/train_grpo.py --config ...
+    python scripts/train_grpo.py --config ... --out runs/x --resume            # latest checkpoint in --out
+    python scripts/train_grpo.py --config ... --grpo.loss_type grpo --grpo.beta 0.04 --grpo.num_iterations 2
+
+The held-out file is prompts_test.jsonl beside --data (data.val_path to change it). Any
+`--section.field VALUE` overrides the config; the resolved config is printed and saved as
+<out>/config.yaml. See sprout/train/grpo.py for the loss, the advantages and the metrics,
+and sprout/train/rl_stage.py for the rollouts and the buffer.
+"""
+
+from sprout.errors import run_main
+from sprout.train.grpo import GRPOConfig, run_grpo
+from sprout.train.run import parse_run_config, run_parser
+
+
+def main() -> None:
+    p = run_parser(__doc__, "configs/*/grpo.yaml")
+    p.add_argument("--data", metavar="FILE.jsonl", help="RL prompts (scripts/prepare_rl_prompts.py); overrides data.path")
+    p.add_argument("--init", metavar="CKPT", help="LM checkpoint (an SFT run dir); overrides init")
+    args, cfg = parse_run_config(p, GRPOConfig)
+    if args.data:
+        cfg.data.path = args.data
+    if args.init:
+        cfg.init = args.init
+    run_grpo(cfg, resume=args.resume)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,272 @@
+"""GRPO (and its variants: Dr. GRPO, DAPO, GSPO, RLOO) on verifiable rewards, as one stage of the shared loop.
+
+The rollout buffer, prompts, rewards and held-out eval are `sprout.train.rl_stage`'s. Per
+generation batch (`GRPOStage.fill_buffer`):
+
+- each prompt of this rank gets G = batch.num_generations completions, scored by the reward
+  functions; with `grpo.dynamic_sampling` a group whose rewards all agree (it teaches
+  nothing) is set aside and more prompts are drawn, round after round, until every rank
+  holds its share of informative groups or `grpo.max_generation_rounds` rounds were run;
+  a batch still short is topped up with set-aside groups (advantage 0) and counted in
+  `dynamic_sampling/short_batches`; `dynamic_sampling/rounds` is the rounds it took;
+- old log-probs (and the frozen reference's when `grpo.beta` > 0) come from one no-grad
+  forward per buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
+  its reward before the advantages; `loss` (default) adds β × KL per token to the loss;
+- advantages per group (`sprout.rl.advantages.group_advantages`: `grpo.advantage` grpo |
+  rloo | dr_grpo, `grpo.scale_rewards` group | batch | none; batch scaling divides by the
+  std of the rewards of the whole global batch, gathered from every rank).
+
+The buffer then serves `grpo.num_iterations` (μ) optimizer steps. Per micro-batch the loss is
+`sprout.losses.policy.policy_loss`: the clipped ratio (`epsilon`, `epsilon_high`, `delta`)
+of token or sequence (GSPO) importance weights (`importance_sampling_level`), + β × KL (k1
+or k3) per token, - entropy_coef × entropy, normalised by `grpo.loss_type` over the whole
+global batch: the stage's `count_targets` is `sprout.losses.policy.denominator` of the
+micro-batch's loss mask, so the loop divides the summed loss by
+  grpo      the sequences of the global batch (each sequence's token mean, then their mean),
+  bnpo/dapo the completion tokens of the global batch,
+  dr_grpo   the sequences × rollout.max_completion_length,
+whatever the split into micro-batches and processes (a global batch with no completion token
+left in the loss counts 1, as TRL clamps its token count). `mask_truncated_completions`: a
+completion that hit max_completion_length without a stop id leaves the loss mask (its
+tokens count in no loss and no token denominator; it still counts as a sequence for grpo
+and dr_grpo, as TRL). With β = 0 no reference model is built at all.
+
+Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std
+(over every group generated, set-aside ones included), completions/mean_length|max_length|
+min_length|clipped_ratio, kl, entropy (per completion token), clip_ratio/low_mean|
+high_mean|region_mean, sampling/logp_diff_mean|max, dynamic_sampling/rounds|short_batches;
+the loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's val_accuracy,
+val_format, val_mean_length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from sprout.checkpoint import load_weights
+from sprout.config import require, resume_free
+from sprout.losses.policy import denominator, policy_loss
+from sprout.model.transformer import Transformer
+from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
+from sprout.rl.kl import kl_estimate
+from sprout.rl.verifiers import reward_metrics
+from sprout.train.loop import TrainConfig, all_reduce_sums
+from sprout.train.optim import OptimConfig
+from sprout.train.rl_stage import (
+    PromptBatchConfig,
+    RewardsConfig,
+    RLDataConfig,
+    RLStage,
+    RolloutConfig,
+    build_rewards,
+    completion_logps,
+    concat_rollouts,
+    open_rl_run,
+)
+from sprout.train.run import train_stage
+
+
+@dataclass
+class GRPOLossConfig:
+    """TRL's GRPOConfig names where it has them; see sprout.losses.policy and sprout.rl.advantages."""
+    advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
+    scale_rewards: str | None = None    # group | batch | none; None: the advantage's default (grpo: group)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None   # None: epsilon (clip-higher when larger)
+    delta: float | None = None          # two-sided clipping: the ratio is capped at delta (> 1)
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    num_iterations: int = 1             # μ: optimizer steps per generation batch
+    beta: float = 0.0                   # KL weight; 0: no reference model at all
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
+    max_generation_rounds: int = 4      # rounds of generation per batch with dynamic_sampling
+    entropy_coef: float = 0.0           # entropy bonus
+
+    def __post_init__(self) -> None:
+        require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", self.scale_rewards,
+                "group, batch, none or null")
+        require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards",
+                self.scale_rewards, "none (or null) with advantage dr_grpo")
+        require(self.epsilon > 0, "epsilon", self.epsilon, "> 0")
+        require(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", self.epsilon_high, "> 0")
+        require(self.delta is None or self.delta > 1, "delta", self.delta, "> 1")
+        require(self.num_iterations >= 1, "num_iterations", self.num_iterations, ">= 1")
+        require(self.beta >= 0, "beta", self.beta, ">= 0")
+        require(self.max_generation_rounds >= 1, "max_generation_rounds", self.max_generation_rounds, ">= 1")
+
+
+@dataclass
+class GRPOConfig:
+    init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    batch: PromptBatchConfig = field(default_factory=PromptBatchConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=50))
+    out: str = resume_free("runs/grpo")
+
+
+class GRPOStage(RLStage):
+    name = "grpo"
+
+    def __init__(self, *args, grpo: GRPOLossConfig, ref_model: torch.nn.Module | None = None, **kw):
+        super().__init__(*args, num_iterations=grpo.num_iterations, **kw)
+        self.cfg, self.ref_model = grpo, ref_model
+        self.scale = DEFAULT_SCALE[grpo.advantage] if grpo.scale_rewards is None else grpo.scale_rewards
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self.ref_model is not None:
+            self.ref_model = trainer.prepare_frozen(self.ref_model)
+
+    # ---- rollouts ----
+    def sample_groups(self) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
+        """(rollout, reward totals [N], per-function values [N, F], counts) of this rank's groups,
+        with dynamic sampling's rounds (module doc)."""
+        c, G, need = self.cfg, self.G, self.loader.per_rank
+        kept, spare, counts = [], [], {"rounds": 0, "groups": 0, "zero_std": 0}
+        while True:
+            counts["rounds"] += 1
+            idx = self.loader.next_prompts()  # every rank draws, full or not: the order stays shared
+            if len(kept) < need or self.sharded:  # under FSDP every rank generates (a collective)
+                rollout = self.sample(idx)
+                totals, per_fn = self.score(rollout, idx)
+                for j in range(len(idx)):
+                    rows = slice(j * G, (j + 1) * G)
+                    zero = bool(torch.isclose(totals[rows].std(), torch.zeros((), dtype=torch.float64)))
+                    counts["groups"] += 1
+                    counts["zero_std"] += zero
+                    group = ({k: v[rows] for k, v in rollout.items()}, totals[rows], per_fn[rows])
+                    (spare if zero and c.dynamic_sampling else kept).append(group)
+            kept = kept[:need]
+            if not c.dynamic_sampling:
+                break
+            short = all_reduce_sums(self.acc, {"short": float(len(kept) < need)})["short"]
+            if short == 0 or counts["rounds"] >= c.max_generation_rounds:
+                break
+        counts["short"] = float(len(kept) < need)
+        if len(kept) < need:  # the most recent set-aside groups fill the rest (advantage 0)
+            kept += spare[len(spare) - (need - len(kept)):]
+        rollout = concat_rollouts([g[0] for g in kept])
+        return rollout, torch.cat([g[1] for g in kept]), torch.cat([g[2] for g in kept]), counts
+
+    def fill_buffer(self) -> tuple[dict, dict]:
+        c, acc = self.cfg, self.acc
+        rollout, totals, per_fn, counts = self.sample_groups()
+        mask = rollout["completion_mask"]
+        rollout["old_logps"] = self.logps_of(self.model, rollout)
+        kl_sums = None
+        if self.ref_model is not None:
+            rollout["ref_logps"] = self.logps_of(self.ref_model, rollout)
+            if c.kl_in == "reward":
+                kl = kl_estimate(rollout["old_logps"], rollout["ref_logps"], c.kl_estimator) * mask
+                kl_sums = (float(kl.sum()), float(mask.sum()))
+                totals_adv = totals - c.beta * kl.sum(dim=1).double()
+        if kl_sums is None:
+            totals_adv = totals
+        # the global batch, in rank order: [reward for advantages, reward, length, truncated, per function]
+        table = self.gather(torch.cat([torch.stack([totals_adv, totals, rollout["lengths"].double(),
+                                                    rollout["truncated"].double()], dim=1), per_fn], dim=1))
+        if self.scale == "batch":
+            adv = group_advantages(totals_adv, self.G, c.advantage, "none").advantages
+            adv = adv / (table[:, 0].std() + STD_EPS)
+        else:
+            adv = group_advantages(totals_adv, self.G, c.advantage, self.scale).advantages
+        rollout["advantages"] = adv.float()
+        stats = self.buffer_stats(table, rollout, counts, kl_sums)
+        rollout.pop("lengths")
+        # TRL clamps the token denominator to 1: a global batch whose every completion left the
+        # loss (all truncated, masked) counts one target, on rank 0's first micro-batch.
+        empty = denominator(self.loss_mask(rollout), c.loss_type, self.rollout.max_completion_length)
+        empty = all_reduce_sums(acc, {"n": empty})["n"] == 0
+        rollout["extra_target"] = torch.zeros(rollout["advantages"].shape[0], dtype=torch.long)
+        rollout["extra_target"][0] = int(empty and acc.is_main_process)
+        return rollout, stats
+
+    def buffer_stats(self, table: torch.Tensor, rollout: dict, counts: dict, kl_sums) -> dict:
+        """The buffer's figures over the global batch as {name: (sum, count)} (rl_stage doc)."""
+        acc, G = self.acc, self.G
+        red = all_reduce_sums(acc, {"groups": counts["groups"], "zero_std": counts["zero_std"],
+                                    "short": counts["short"], **dict(zip(("kl", "kl_n"), kl_sums or (0, 0)))})
+        mask = rollout["completion_mask"].bool()
+        diff = (rollout["old_logps"] - rollout["sampler_logps"]).abs()[mask]
+        d = all_reduce_sums(acc, {"sum": diff.double().sum(), "n": float(diff.numel())})
+        diff_max = float(self.gather(diff.max().reshape(1) if diff.numel() else torch.zeros(1)).max())
+        n, lengths = table.shape[0], table[:, 2]
+        stats = {"reward": (float(table[:, 1].sum()), n),
+                 "reward_std": (float(table[:, 0].view(-1, G).std(dim=1).sum()), n // G),
+                 "frac_reward_zero_std": (red["zero_std"], red["groups"]),
+                 "completions/mean_length": (float(lengths.sum()), n),
+                 "completions/max_length": (float(lengths.max()), 1),
+                 "completions/min_length": (float(lengths.min()), 1),
+                 "completions/clipped_ratio": (float(table[:, 3].sum()), n),
+                 "sampling/logp_diff_mean": (d["sum"], d["n"]), "sampling/logp_diff_max": (diff_max, 1)}
+        per_fn = {r.name: [None if math.isnan(v) else v for v in table[:, 4 + i].tolist()]
+                  for i, r in enumerate(self.rewards)}
+        stats.update({k: (v, 1) for k, v in reward_metrics(per_fn).items()})
+        if kl_sums is not None:
+            stats["kl"] = (red["kl"], red["kl_n"])
+        if self.cfg.dynamic_sampling:
+            stats["dynamic_sampling/rounds"] = (counts["rounds"], 1)
+            stats["dynamic_sampling/short_batches"] = (float(red["short"] > 0), 1)
+        return stats
+
+    # ---- the loss ----
+    def loss_mask(self, batch: dict) -> torch.Tensor:
+        mask = batch["completion_mask"]
+        if self.cfg.mask_truncated_completions:
+            mask = mask * (~batch["truncated"].bool())[:, None].to(mask.dtype)
+        return mask
+
+    def count_targets(self, batch: dict) -> torch.Tensor:
+        return denominator(self.loss_mask(batch), self.cfg.loss_type, self.rollout.max_completion_length) \
+            + batch["extra_target"].sum()
+
+    def loss(self, model, batch: dict):
+        c = self.cfg
+        real = batch["completion_mask"].bool()
+        logps, entropy = completion_logps(model, batch, self.rollout.temperature, entropy=True,
+                                          entropy_grad=c.entropy_coef > 0)
+        logps = torch.where(real, logps, torch.zeros((), device=logps.device))
+        kl = None
+        if self.ref_model is not None and c.kl_in == "loss":
+            kl = kl_estimate(logps, batch["ref_logps"], c.kl_estimator)
+            kl = torch.where(real, kl, torch.zeros((), device=kl.device))
+        out = policy_loss(logps, batch["old_logps"], batch["advantages"], self.loss_mask(batch),
+                          loss_type=c.loss_type, max_completion_length=self.rollout.max_completion_length,
+                          epsilon=c.epsilon, epsilon_high=c.epsilon_high, delta=c.delta,
+                          importance_sampling=c.importance_sampling_level, per_token_kl=kl, beta=c.beta,
+                          entropy=entropy, entropy_coef=c.entropy_coef)
+        n = out.denominator + batch["extra_target"].sum()
+        return out.loss_sum, n, {**out.metrics, **self.stat_metrics(batch)}
+
+
+def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
+    """Check inputs, load the policy (and the reference when grpo.beta > 0), resume if asked,
+    train; returns Trainer.fit's summary."""
+    run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
+    cfg, acc = run.cfg, run.accelerator
+    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
+    policy = Transformer(run.model_config)
+    if run.resume is None:
+        load_weights(policy, run.base["path"], run.base)
+    ref = None
+    if cfg.grpo.beta > 0:
+        ref = Transformer(run.model_config)
+        load_weights(ref, run.base["path"], run.base)
+        acc.print(f"grpo: reference {run.base['path']} (frozen copy), beta {cfg.grpo.beta}, KL in the {cfg.grpo.kl_in}")
+    stage = GRPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, grpo=cfg.grpo,
+                      ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch)
+    meta = {**run.provenance(), "reference": run.base["path"] if ref is not None else None}
+    return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
+                       micro_steps=stage.accum_steps, extra_meta=meta)
+

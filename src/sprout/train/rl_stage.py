@@ -1,0 +1,450 @@
+"""What the RL stages (GRPO, PPO) share: prompts, rollouts, rewards, a rollout buffer, held-out eval.
+
+An RL stage keeps a rollout buffer and feeds the shared loop (`sprout.train.loop`) from it:
+
+  1. prompts: `data_loader.prompts.PromptLoader` reads an RL prompt file (`sprout.formats.prompts`), renders each
+     prompt with the chat template (`sprout.chat.render`, ending on the assistant header) and
+     drops prompts longer than `data.max_prompt_length` tokens (counted and printed). Each
+     epoch is a seeded permutation; every global batch of `batch.global_prompts` prompts is
+     cut into one contiguous slice per rank, so ranks never share a prompt. Its position
+     (epoch, batch) is the stage's `state_dict`.
+  2. rollouts: `RLStage.sample` generates `batch.num_generations` (G) completions of each of
+     this rank's prompts with `trainer.generation_model` (`sprout.model.generate.generate_tokens`,
+     no gradients) and the stage's own `torch.Generator` (seeded by train.seed and the rank),
+     so all G completions of a prompt stay on its rank, adjacent. The default sampling
+     (temperature 1, no top-k, no top-p) draws from the policy's own distribution.
+  3. rewards: the completions, decoded without their stop token, are scored by
+     `rewards.reward_funcs` weighted by `rewards.reward_weights`
+     (`sprout.rl.verifiers.combine_rewards`).
+  4. log-probs: `completion_logps` (the loss's own forward, no gradient) gives the old
+     log-probs, and the frozen reference's when the stage has one, once per buffer.
+  5. the stage subclass (GRPO, PPO) turns rewards into advantages, then the buffer serves
+     `num_iterations` optimizer steps, each over all of its completions in micro-batches of
+     `batch.micro_completions`.
+
+Old log-probs are always recomputed by that forward (one extra forward per buffer), never
+taken from the sampler: the sampler's come from the KV-cached decode, which differs from
+the full forward by float error, and from a processed distribution when temperature,
+top-k or top-p change it. Their difference is logged as `sampling/logp_diff_mean` (per
+completion token) and `sampling/logp_diff_max`. With a temperature other than 1 every
+log-prob (old, reference, current) is that of logits / temperature, as TRL's GRPO does.
+
+The buffer (its tensors, how many of its iterations were served) and the generator's state
+are the stage's `tensor_state`, saved in each checkpoint, so a checkpoint may fall inside a
+buffer and a resume continues exactly where the run was.
+
+Figures of the buffer itself (reward, lengths, ...) are computed once over the global batch
+(gathered from every rank) and ride on the first micro-batch of each step as (sum, count)
+pairs on rank 0 ((0, 0) elsewhere), so the loop's reduction gives them exactly and each
+step logs the figures of the rollouts it trains on.
+
+Held-out eval (`evaluate`): every prompt of `data.val_path` (at most `data.eval_prompts`)
+answered greedily: `val_accuracy` (greedy pass@1 under the correctness reward),
+`val_format` (share in the reasoning format) and `val_mean_length` (completion tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data_loader.prompts import PromptLoader
+
+from sprout.chat import TEMPLATE_VERSION
+from sprout.checkpoint import checkpoint_tokenizer, read_meta
+from sprout.config import require, resume_free
+from sprout.errors import SproutError
+from sprout.formats.prompts import TEST_FILE, TRAIN_FILE
+from sprout.losses.policy import token_entropy
+from sprout.model.generate import generate_tokens
+from sprout.model.heads import padding_inputs
+from sprout.model.transformer import ModelConfig
+from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
+from sprout.train.loop import all_reduce_sums
+from sprout.train.run import resolve_resume, start_run
+
+
+# ---- config sections ----------------------------------------------------------------------------
+@dataclass
+class PromptBatchConfig:
+    """The batch of the RL stages: prompts per optimizer step and completions per prompt."""
+    global_prompts: int = 16            # prompts per generation batch, all processes together
+    num_generations: int = 8            # G completions per prompt (a group; all on the prompt's rank)
+    micro_completions: int = 16         # completions per forward/backward on one process
+
+    def __post_init__(self) -> None:
+        for name in ("global_prompts", "micro_completions"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "a positive number")
+        require(self.num_generations >= 2, "num_generations", self.num_generations, "at least 2 (a group)")
+
+
+@dataclass
+class RLDataConfig:
+    path: str = resume_free("")         # prompts.jsonl from scripts/prepare_rl_prompts.py
+    val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside it
+    max_prompt_length: int = 512        # longer prompts (rendered, in tokens) are dropped and counted
+    eval_prompts: int = resume_free(256)  # held-out prompts answered greedily per eval (0: all)
+    eval_batch: int = resume_free(32)   # prompts per greedy generation call in eval
+    epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
+
+
+@dataclass
+class RolloutConfig:
+    max_completion_length: int = 256    # new tokens per completion (a row without a stop id is truncated)
+    temperature: float = 1.0            # 1 with no top-k/top-p: the sampler's distribution is the policy's
+    top_k: int | None = None
+    top_p: float | None = None
+    compile: bool = resume_free(False)  # compile the decode step (single process only; see model/generate.py)
+
+    def __post_init__(self) -> None:
+        require(self.max_completion_length > 0, "max_completion_length", self.max_completion_length,
+                "a positive number of tokens")
+        require(self.temperature > 0, "temperature", self.temperature, "> 0 (RL samples)")
+
+
+REWARD_FUNCS = ("correctness", "format", "overlong")
+
+
+@dataclass
+class RewardsConfig:
+    # correctness, format, overlong, or "module:function" (TRL's signature: fn(completions, **columns) -> floats)
+    reward_funcs: list = dataclasses.field(default_factory=lambda: ["correctness", "format"])
+    reward_weights: list | None = None  # one per function; None: 1.0 each
+    overlong_cache_length: int = 0      # overlong: the last this many tokens before max_completion_length ramp to -1
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.reward_funcs if f not in REWARD_FUNCS and ":" not in str(f)]
+        require(self.reward_funcs and not unknown, "reward_funcs", self.reward_funcs,
+                f"a non-empty list of {', '.join(REWARD_FUNCS)} or module:function")
+        require(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
+                "reward_weights", self.reward_weights, f"one weight per reward function ({len(self.reward_funcs)})")
+        require("overlong" not in self.reward_funcs or self.overlong_cache_length > 0, "overlong_cache_length",
+                self.overlong_cache_length, "> 0 when reward_funcs has overlong")
+
+
+def import_reward(spec: str):
+    """The function named by "module:function" (the module importable from sys.path)."""
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SproutError(f"rewards.reward_funcs: cannot import {spec!r} ({exc})") from None
+
+
+def build_rewards(cfg: RewardsConfig, max_completion_length: int) -> list[WeightedReward]:
+    """The configured reward functions with their weights; each is named in metrics by its
+    config name (`rewards/<name>/mean`; a "module:function" by its function's name)."""
+    weights = cfg.reward_weights or [1.0] * len(cfg.reward_funcs)
+    fns = {"correctness": correctness_reward, "format": format_reward}
+    fns.update({spec.partition(":")[2]: import_reward(spec) for spec in cfg.reward_funcs if ":" in spec})
+    if "overlong" in cfg.reward_funcs:
+        if cfg.overlong_cache_length > max_completion_length:
+            raise SproutError(f"rewards.overlong_cache_length {cfg.overlong_cache_length} exceeds "
+                              f"rollout.max_completion_length {max_completion_length}")
+        fns["overlong"] = SoftOverlongPenalty(max_completion_length, cfg.overlong_cache_length)
+    names = [spec.partition(":")[2] if ":" in spec else spec for spec in cfg.reward_funcs]
+    return [WeightedReward(name, fns[name], float(w)) for name, w in zip(names, weights)]
+
+
+# ---- the forward every RL loss shares -----------------------------------------------------------
+def completion_logps(model, batch: dict, temperature: float = 1.0, entropy: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [N, L] of the completion tokens given their prompts (left-padded prompt
+    then right-padded completion in one row; padding computes nothing, `padding_inputs`), of
+    logits / temperature; with `entropy`, each position's entropy too (with a gradient only
+    when `entropy_grad`). Positions off the completion mask hold garbage: mask them."""
+    completion = batch["completion_ids"]
+    L = completion.shape[1]
+    ids = torch.cat([batch["prompt_ids"], completion], dim=1)[:, :-1]
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)[:, :-1]
+    segments, positions = padding_inputs(mask)
+    logits = model(ids, segment_ids=segments, position_ids=positions, logits_to_keep=L)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = logits.gather(-1, completion[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = token_entropy(logits)
+    return logps, ent
+
+
+def trim(batch: dict) -> dict:
+    """A micro-batch without the prompt columns that are padding in every row, nor the
+    completion columns past its longest completion (both compute nothing)."""
+    pm, cm = batch["prompt_mask"], batch["completion_mask"]
+    start = int((pm.sum(0) > 0).long().argmax()) if bool(pm.any()) else 0
+    end = max(1, int(cm.sum(1).max()))
+    out = {}
+    for k, v in batch.items():
+        if torch.is_tensor(v) and v.dim() == 2 and k.startswith("prompt_"):
+            out[k] = v[:, start:]
+        elif torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == cm.shape[1]:
+            out[k] = v[:, :end]
+        else:
+            out[k] = v
+    return out
+
+
+def concat_rollouts(parts: list[dict]) -> dict:
+    """Rollout dicts of [n, ...] tensors as one: prompt columns left-padded and completion
+    columns right-padded (with 0) to the widest part, other tensors concatenated."""
+    out = {}
+    for k in parts[0]:
+        vs = [p[k] for p in parts]
+        if vs[0].dim() == 2:
+            width = max(v.shape[1] for v in vs)
+            left = k.startswith("prompt_")
+            vs = [torch.nn.functional.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1])) for v in vs]
+        out[k] = torch.cat(vs)
+    return out
+
+
+def pack_stats(stats: dict[str, tuple[float, float]], main: bool) -> torch.Tensor:
+    """Buffer figures as a [K, 2] (sum, count) tensor: as given on rank 0, zeros elsewhere."""
+    t = torch.tensor([list(v) for v in stats.values()], dtype=torch.float64).reshape(-1, 2)
+    return t if main else torch.zeros_like(t)
+
+
+# ---- the stage ----------------------------------------------------------------------------------
+class RLStage:
+    """The rollout buffer and everything around it (module doc). A subclass gives `name`,
+    `fill_buffer()` -> (buffer dict of [N, ...] tensors, stats {name: (sum, count)}),
+    `loss` and `count_targets`."""
+
+    generated_tokens = 0
+    loss_label = "policy loss"
+
+    def __init__(self, accelerator, tokenizer, loader: PromptLoader, val: PromptLoader, batch: PromptBatchConfig,
+                 rollout: RolloutConfig, rewards: list[WeightedReward], *, num_iterations: int = 1, seed: int = 0,
+                 eval_batch: int = 32):
+        self.acc, self.tok, self.loader, self.val = accelerator, tokenizer, loader, val
+        self.batch_cfg, self.rollout, self.rewards = batch, rollout, rewards
+        self.num_iterations, self.eval_batch = num_iterations, eval_batch
+        self.G = batch.num_generations
+        local = loader.per_rank * self.G
+        if local % batch.micro_completions:
+            raise SproutError(f"{loader.per_rank} prompt(s) per process × num_generations {self.G} = {local} "
+                              f"completions is not a multiple of batch.micro_completions {batch.micro_completions}")
+        self.accum_steps = local // batch.micro_completions
+        self.generator = torch.Generator(device=accelerator.device)
+        self.generator.manual_seed(seed * 1000 + accelerator.process_index)
+        self.buffer: dict | None = None
+        self.served = 0                   # iterations of the buffer already served
+        self.model = None                 # the policy for generation and old log-probs (setup)
+        self.sharded = False
+
+    def setup(self, trainer) -> None:
+        self.model, self.sharded = trainer.generation_model, trainer.sharded
+
+    # ---- rollouts ----
+    def sample(self, idx: np.ndarray, ids: list[list[int]] | None = None) -> dict:
+        """G completions of each prompt `idx` of the train loader: a dict of [N, ...] tensors
+        (prompt_ids/mask, completion_ids/mask, sampler_logps, truncated, lengths) and `texts`."""
+        prompts = ids if ids is not None else [self.loader.ids[i] for i in idx]
+        P = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=self.acc.device)
+        mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=self.acc.device)
+        r = self.rollout
+        self.model.eval()
+        with self.acc.autocast():
+            out = generate_tokens(self.model, input_ids, mask, max_new_tokens=r.max_completion_length,
+                                  num_generations=self.G, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                  tokenizer=self.tok, generator=self.generator, compile=r.compile)
+        self.model.train()
+        self.generated_tokens += int(out.lengths.sum())
+        return {"prompt_ids": out.prompt_ids.cpu(), "prompt_mask": out.prompt_mask.cpu(),
+                "completion_ids": out.completion_ids.cpu(), "completion_mask": out.completion_mask.cpu(),
+                "sampler_logps": out.logprobs.cpu(), "truncated": out.truncated.cpu(), "lengths": out.lengths.cpu()}
+
+    def texts(self, rollout: dict) -> list[str]:
+        """Each completion decoded without its stop token."""
+        ids, lengths, truncated = rollout["completion_ids"], rollout["lengths"], rollout["truncated"]
+        return [self.tok.decode(row[:int(n) - (0 if t else 1)].tolist())
+                for row, n, t in zip(ids, lengths, truncated)]
+
+    def score(self, rollout: dict, idx: np.ndarray):
+        """(totals [N] float64, per-function values [N, F] with NaN where a function abstained)."""
+        gold = [self.loader.gold[i] for i in idx for _ in range(self.G)]
+        combined = combine_rewards(self.rewards, self.texts(rollout), gold=gold,
+                                   completion_lengths=rollout["lengths"].tolist())
+        per_fn = torch.tensor([[math.nan if v is None else v for v in combined.per_function[r.name]]
+                               for r in self.rewards], dtype=torch.float64).T
+        return torch.tensor(combined.totals, dtype=torch.float64), per_fn
+
+    @torch.no_grad()
+    def logps_of(self, model, rollout: dict) -> torch.Tensor:
+        """`completion_logps` of every row of `rollout` under `model`, in micro-batches, no gradient."""
+        n, m, out = rollout["completion_ids"].shape[0], self.batch_cfg.micro_completions, []
+        L = rollout["completion_ids"].shape[1]
+        dev = self.acc.device
+        for i in range(0, n, m):
+            part = trim({k: v[i:i + m].to(dev) for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2})
+            with self.acc.autocast():
+                lp, _ = completion_logps(model, part, self.rollout.temperature)
+            out.append(torch.nn.functional.pad(lp.float().cpu(), (0, L - lp.shape[1])))
+        return torch.cat(out) * rollout["completion_mask"]
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` [n, ...] of every rank, concatenated in rank order (every rank has the same n)."""
+        if self.acc.num_processes == 1:
+            return t
+        return self.acc.gather(t.to(self.acc.device)).cpu()
+
+    # ---- the protocol ----
+    def fill_buffer(self) -> tuple[dict, dict]:
+        raise NotImplementedError
+
+    def next_micro_batches(self, step: int) -> list[dict]:
+        """The next iteration over the buffer; a new buffer (rollouts) when it is used up."""
+        self.generated_tokens = 0
+        if self.buffer is None or self.served >= self.num_iterations:
+            self.buffer, stats = self.fill_buffer()
+            self.buffer["stats"] = pack_stats(stats, self.acc.is_main_process)
+            self.buffer["stat_names"] = list(stats)
+            self.served = 0
+        self.served += 1
+        b, m = self.buffer, self.batch_cfg.micro_completions
+        n = b["completion_ids"].shape[0]
+        rows = {k: v for k, v in b.items() if k not in ("stats", "stat_names")}
+        out = [trim({k: v[i:i + m] for k, v in rows.items()}) for i in range(0, n, m)]
+        out[0] = {**out[0], "stats": b["stats"], "stat_names": b["stat_names"]}
+        return out
+
+    @staticmethod
+    def stat_metrics(batch: dict) -> dict[str, tuple]:
+        if "stats" not in batch:
+            return {}
+        return {name: (s[0], s[1]) for name, s in zip(batch["stat_names"], batch["stats"])}
+
+    def num_tokens(self, batch: dict) -> int:
+        return int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+
+    def flops(self, model, batch: dict) -> float:
+        flops_per_token = getattr(model, "flops_per_token", None)
+        T = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+        return flops_per_token(T) * self.num_tokens(batch) if flops_per_token else 0.0
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def tensor_state(self) -> dict:
+        return {"buffer": self.buffer, "served": self.served, "generator": self.generator.get_state()}
+
+    def load_tensor_state(self, state: dict | None) -> None:
+        if not state:
+            return
+        self.buffer, self.served = state["buffer"], int(state["served"])
+        self.generator.set_state(state["generator"])
+
+    # ---- held-out eval ----
+    @torch.no_grad()
+    def evaluate(self, model) -> dict:
+        """Greedy answers to the held-out prompts (module doc); every rank makes the same calls."""
+        val, world, rank = self.val, self.acc.num_processes, self.acc.process_index
+        mine = list(range(rank, val.num_prompts, world))
+        per_rank = -(-val.num_prompts // world)
+        gen = self.model if self.model is not None else model
+        sums = {"correct": 0.0, "format": 0.0, "length": 0.0, "n": 0.0}
+        gen.eval()
+        for i in range(0, per_rank, self.eval_batch):
+            idx = mine[i:i + self.eval_batch]
+            real = len(idx)
+            idx = idx + [0] * (min(self.eval_batch, per_rank - i) - real)  # padding rows count nothing
+            prompts = [val.ids[j] for j in idx]
+            P = max(len(p) for p in prompts)
+            ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=self.acc.device)
+            mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=self.acc.device)
+            with self.acc.autocast():
+                out = generate_tokens(gen, ids, mask, max_new_tokens=self.rollout.max_completion_length,
+                                      greedy=True, tokenizer=self.tok)
+            texts = [self.tok.decode(row[:int(n) - (1 if e else 0)].tolist())
+                     for row, n, e in zip(out.completion_ids.cpu(), out.lengths, out.eos)][:real]
+            gold = [val.gold[j] for j in idx[:real]]
+            sums["correct"] += sum(v or 0.0 for v in correctness_reward(texts, gold))
+            sums["format"] += sum(format_reward(texts))
+            sums["length"] += float(out.lengths[:real].sum())
+            sums["n"] += real
+        gen.train()
+        tot = all_reduce_sums(self.acc, sums)
+        if tot["n"] == 0:
+            raise SproutError(f"{val.path}: no held-out prompts to evaluate")
+        return {"val_accuracy": tot["correct"] / tot["n"], "val_format": tot["format"] / tot["n"],
+                "val_mean_length": tot["length"] / tot["n"]}
+
+
+# ---- the run ------------------------------------------------------------------------------------
+@dataclass
+class RLRun:
+    """What `open_rl_run` built for an RL stage's run_* function."""
+    cfg: object                         # the config with train.max_steps resolved
+    base: dict                          # the init checkpoint's meta
+    model_config: ModelConfig
+    tokenizer: object
+    accelerator: object
+    loader: PromptLoader
+    val: PromptLoader
+    resume: Path | None
+
+    def provenance(self) -> dict:
+        return {"tokenizer_fingerprint": self.tokenizer.fingerprint(), "template_version": TEMPLATE_VERSION,
+                "init": {"path": self.base["path"], "stage": self.base.get("stage"), "step": self.base.get("step")},
+                "prompts": {"train": str(self.loader.path), "val": str(self.val.path),
+                            "prompts": self.loader.num_prompts, "val_prompts": self.val.num_prompts}}
+
+
+def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | None = None) -> RLRun:
+    """Checks, accelerator, tokenizer and prompt loaders for an RL stage. `cfg` has init, data
+    (RLDataConfig), batch (PromptBatchConfig), rollout, train and out."""
+    if not cfg.init:
+        raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
+    if not cfg.data.path:
+        raise SproutError("no prompts: set data.path in the config or pass --data prompts.jsonl")
+    base = read_meta(cfg.init)
+    if base.get("architecture", "lm") != "lm":
+        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint, "
+                          f"not architecture {base.get('architecture')!r}")
+    model_cfg = ModelConfig(**base["model_config"])
+    tok = checkpoint_tokenizer(base)
+    data = Path(cfg.data.path)
+    val = Path(cfg.data.val_path) if cfg.data.val_path else (
+        data.with_name(TEST_FILE) if data.name == TRAIN_FILE else data.with_name(f"{data.stem}_test{data.suffix}"))
+    if not val.is_file():
+        raise SproutError(f"{val}: held-out prompt file not found (set data.val_path)")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+    if longest > model_cfg.max_seq_len:
+        raise SproutError(f"data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_completion_length "
+                          f"{cfg.rollout.max_completion_length} exceeds max_seq_len {model_cfg.max_seq_len} of "
+                          f"{base['path']}")
+    resume_path = resolve_resume(resume, cfg.out)
+    acc = start_run(cfg.train, cfg.out)
+    rank, world = acc.process_index, acc.num_processes
+    loader = PromptLoader(data, tok, cfg.data.max_prompt_length, cfg.batch.global_prompts, seed=cfg.train.seed,
+                          rank=rank, world_size=world)
+    val_loader = PromptLoader(val, tok, cfg.data.max_prompt_length, world, rank=rank, world_size=world,
+                              shuffle=False, limit=cfg.data.eval_prompts)
+    if loader.batches_per_epoch == 0:
+        raise SproutError(f"{data}: {loader.num_prompts} prompts (of {loader.read}) cannot fill one global batch "
+                          f"of {cfg.batch.global_prompts} (batch.global_prompts)")
+    local = cfg.batch.global_prompts // world * cfg.batch.num_generations
+    if local % cfg.batch.micro_completions:
+        raise SproutError(f"batch: {cfg.batch.global_prompts // world} prompt(s) per process × num_generations "
+                          f"{cfg.batch.num_generations} = {local} completions is not a multiple of "
+                          f"batch.micro_completions {cfg.batch.micro_completions}")
+    steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * loader.batches_per_epoch)) * num_iterations
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+    for path, ld in ((data, loader), (val, val_loader)):
+        acc.print(f"{stage_name}: {path}: {ld.num_prompts:,} of {ld.read:,} prompts fit {cfg.data.max_prompt_length} "
+                  f"tokens ({ld.dropped:,} dropped as too long)")
+    acc.print(f"{stage_name}: {loader.batches_per_epoch} generation batches per epoch; init {base['path']} "
+              f"(step {base.get('step')})")
+    return RLRun(cfg, base, model_cfg, tok, acc, loader, val_loader, resume_path)

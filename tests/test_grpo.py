@@ -1,0 +1,253 @@
+"""The GRPO stage: every loss_type's normaliser is exact under accumulation (and 2 processes, slow),
+old log-probs equal a recompute, dynamic sampling refills, beta = 0 builds no reference, exact
+resume at a rollout boundary and inside a buffer, and the mean reward rises under RL."""
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from grpo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_prompt_files, write_sft_lm
+from preference_train_fixtures import write_lm
+from proc import run_group
+from safetensors.torch import load_file
+
+from sprout.checkpoint import load_model, read_meta
+from sprout.errors import SproutError
+from sprout.train.grpo import GRPOLossConfig, GRPOStage, run_grpo
+from sprout.train.loop import Trainer
+from sprout.train.metrics import read_metrics
+from data_loader.prompts import PromptLoader
+from sprout.train.rl_stage import PromptBatchConfig, RolloutConfig, build_rewards, completion_logps
+from sprout.train.rl_stage import RewardsConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def base(sp, tmp_path_factory):
+    return write_lm(tmp_path_factory.mktemp("lm") / "ckpt", sp)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_prompt_files(tmp_path_factory.mktemp("prompts"))
+
+
+@pytest.fixture(scope="module")
+def sft_base(sp, tmp_path_factory):
+    """The tiny LM briefly taught to answer `<answer>N</answer>` (~15 s): some completions stop,
+    some are truncated, about half the answers are single digits."""
+    return write_sft_lm(tmp_path_factory.mktemp("sft") / "ckpt", sp, steps=40)
+
+
+def train_records(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(read_meta(out / "checkpoints")["path"] + "/model.safetensors"))
+
+
+def make_stage(sp, base, data, *, rollout=None, batch=None, rewards=("grpo_fixtures:digit_share",), **grpo):
+    """A GRPOStage on one process with the init model as its policy (no Trainer)."""
+    model, _ = load_model(base)
+    acc = Accelerator(cpu=True)
+    batch = batch or PromptBatchConfig(global_prompts=2, num_generations=4, micro_completions=4)
+    rollout = rollout or RolloutConfig(max_completion_length=12)
+    loader = PromptLoader(data, sp, 24, batch.global_prompts, seed=0)
+    val = PromptLoader(data.with_name("prompts_test.jsonl"), sp, 24, 1, shuffle=False)
+    stage = GRPOStage(acc, sp, loader, val, batch, rollout,
+                      build_rewards(RewardsConfig(reward_funcs=list(rewards)), rollout.max_completion_length),
+                      grpo=GRPOLossConfig(**grpo), seed=0)
+    stage.setup(SimpleNamespace(generation_model=model, sharded=False, prepare_frozen=lambda m: m))
+    return stage, model
+
+
+# ---- normalisers ----------------------------------------------------------------------------------------------
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+@pytest.fixture(scope="module")
+def one_by_one(sft_base, data, tmp_path_factory):
+    """Per loss_type: 2 steps of 1 process × 1 micro-batch of 8 completions (per-prompt sampling)."""
+    outs = {}
+    for loss_type in LOSS_TYPES:
+        out = tmp_path_factory.mktemp(f"one_{loss_type}")
+        run_per_prompt(tiny_cfg(data, sft_base, out, loss_type=loss_type, micro_completions=8, max_steps=2,
+                                num_iterations=2, beta=0.1, mask_truncated_completions=True))
+        outs[loss_type] = out
+    return outs
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_normaliser_is_exact_under_accumulation(loss_type, one_by_one, sft_base, data, tmp_path):
+    """1 process × 4 micro-batches of 2 completions == 1 process × 1 of 8: losses and weights."""
+    out = tmp_path / "four"
+    run_per_prompt(tiny_cfg(data, sft_base, out, loss_type=loss_type, micro_completions=2, max_steps=2,
+                            num_iterations=2, beta=0.1, mask_truncated_completions=True))
+    a, b = train_records(one_by_one[loss_type]), train_records(out)
+    assert a[1]["targets"] == b[1]["targets"]
+    for s in (1, 2):
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
+        assert b[s]["kl"] == pytest.approx(a[s]["kl"], abs=1e-6)
+    assert a[2]["kl"] > 0 and a[2]["loss"] != 0  # the second step trains on moved weights
+    wa, wb = final_weights(one_by_one[loss_type]), final_weights(out)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_denominators_follow_the_loss_type(sp, sft_base, data):
+    """count_targets: grpo sequences, bnpo/dapo completion tokens (truncated ones left out), dr_grpo
+    sequences × max_completion_length."""
+    counts = {}
+    for loss_type in LOSS_TYPES:
+        stage, _ = make_stage(sp, sft_base, data, loss_type=loss_type, mask_truncated_completions=True)
+        batches = stage.next_micro_batches(0)
+        counts[loss_type] = sum(int(stage.count_targets(b)) for b in batches)
+        kept = sum(int((b["completion_mask"] * ~b["truncated"][:, None]).sum()) for b in batches)
+        every = sum(int(b["completion_mask"].sum()) for b in batches)
+    assert counts["grpo"] == 8 and counts["dr_grpo"] == 8 * 12
+    assert 0 < counts["bnpo"] == counts["dapo"] == kept < every  # truncated completions left out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_two_processes_match_one(loss_type, one_by_one, sft_base, data, tmp_path):
+    """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8."""
+    out = tmp_path / "ddp"
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(config_dict(data, sft_base, out, loss_type=loss_type, micro_completions=2, max_steps=2,
+                                          num_iterations=2, beta=0.1, mask_truncated_completions=True)))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29547",
+           str(ROOT / "tests" / "grpo_fixtures.py"), str(cfg)]
+    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) × 2 micro-steps" in proc.stdout
+    a, b = train_records(one_by_one[loss_type]), train_records(out)
+    for s in (1, 2):
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
+        assert b[s]["reward"] == pytest.approx(a[s]["reward"], abs=1e-9)
+    wa, wb = final_weights(one_by_one[loss_type]), final_weights(out)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+# ---- the buffer -----------------------------------------------------------------------------------------------
+def test_old_logps_equal_a_recompute_at_temperature_1(sp, base, data):
+    stage, model = make_stage(sp, base, data)
+    batches = stage.next_micro_batches(0)
+    buf = stage.buffer
+    mask = buf["completion_mask"].bool()
+    assert (buf["old_logps"] - buf["sampler_logps"]).abs()[mask].max() < 1e-5  # the sampler's distribution
+    with torch.no_grad():
+        again, _ = completion_logps(model, buf)  # the whole buffer at once, untrimmed
+    assert (again - buf["old_logps"]).abs()[mask].max() < 1e-5
+    logged = dict(zip(buf["stat_names"], buf["stats"].tolist()))
+    assert logged["sampling/logp_diff_max"][0] < 1e-5
+    assert len(batches) == 2 and stage.generated_tokens == int(mask.sum())
+
+
+def test_top_k_sampling_recomputes_the_policy_logps(sp, base, data):
+    """With top-k the sampler's log-probs are those of the truncated distribution: the old
+    log-probs are the policy's (the recompute), and the difference is logged."""
+    stage, model = make_stage(sp, base, data, rollout=RolloutConfig(max_completion_length=12, top_k=5))
+    stage.next_micro_batches(0)
+    buf = stage.buffer
+    mask = buf["completion_mask"].bool()
+    with torch.no_grad():
+        again, _ = completion_logps(model, buf)
+    assert (again - buf["old_logps"]).abs()[mask].max() < 1e-5
+    assert (buf["old_logps"] - buf["sampler_logps"])[mask].max() < -1e-3  # top-k renormalised: sampler's higher
+    logged = dict(zip(buf["stat_names"], buf["stats"].tolist()))
+    assert logged["sampling/logp_diff_mean"][0] / logged["sampling/logp_diff_mean"][1] > 1e-3
+
+
+def test_dynamic_sampling_refills_with_informative_groups(sp, base, data):
+    stage, _ = make_stage(sp, base, data, rewards=("grpo_fixtures:parity",), dynamic_sampling=True,
+                          max_generation_rounds=8)
+    stage.next_micro_batches(0)
+    buf = stage.buffer
+    rewards_std = buf["advantages"].view(-1, 4).abs().sum(1)
+    assert (rewards_std > 0).all()  # every kept group has rewards that differ
+    logged = {k: s / c for k, (s, c) in zip(buf["stat_names"], buf["stats"].tolist())}
+    assert logged["dynamic_sampling/rounds"] >= 2 and logged["dynamic_sampling/short_batches"] == 0
+    assert 0 < logged["frac_reward_zero_std"] < 1
+    assert stage.loader.batch == logged["dynamic_sampling/rounds"]  # one global batch of prompts per round
+
+
+def test_dynamic_sampling_counts_a_short_batch(sp, base, data):
+    stage, _ = make_stage(sp, base, data, rewards=("grpo_fixtures:constant",), dynamic_sampling=True,
+                          max_generation_rounds=2)
+    batches = stage.next_micro_batches(0)
+    logged = {k: s / c for k, (s, c) in zip(stage.buffer["stat_names"], stage.buffer["stats"].tolist())}
+    assert logged["dynamic_sampling/rounds"] == 2 and logged["dynamic_sampling/short_batches"] == 1
+    assert logged["frac_reward_zero_std"] == 1.0
+    assert sum(b["completion_ids"].shape[0] for b in batches) == 8 and (stage.buffer["advantages"] == 0).all()
+
+
+# ---- the reference --------------------------------------------------------------------------------------------
+def test_beta_zero_builds_no_reference(base, data, tmp_path, monkeypatch):
+    calls = []
+    original = Trainer.prepare_frozen
+    monkeypatch.setattr(Trainer, "prepare_frozen", lambda self, m: calls.append(m) or original(self, m))
+    run_grpo(tiny_cfg(data, base, tmp_path / "b0", beta=0.0, max_steps=1))
+    assert calls == [] and read_meta(tmp_path / "b0" / "checkpoints")["reference"] is None
+    rec = train_records(tmp_path / "b0")[1]
+    assert "kl" not in rec and "entropy" in rec and "rewards/digit_share/mean" in rec
+    run_grpo(tiny_cfg(data, base, tmp_path / "b1", beta=0.1, max_steps=1))
+    assert len(calls) == 1 and read_meta(tmp_path / "b1" / "checkpoints")["reference"] is not None
+
+
+# ---- resume ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run_a(base, data, tmp_path_factory):
+    """6 steps, μ = 2 (a new buffer at steps 1, 3, 5), a checkpoint after every step, KL in the reward."""
+    out = tmp_path_factory.mktemp("grpo_a")
+    run_grpo(tiny_cfg(data, base, out, max_steps=6, num_iterations=2, ckpt_every=1, keep_checkpoints=10,
+                      beta=0.05, kl_in="reward", eval_every=3))
+    return out
+
+
+@pytest.mark.parametrize("step", [3, 4], ids=["mid_buffer", "rollout_boundary"])
+def test_resume_matches_an_uninterrupted_run_bit_for_bit(step, run_a, base, data, tmp_path):
+    out_b = tmp_path / "grpo_b"
+    name = f"step_{step:08d}"
+    shutil.copytree(run_a / "checkpoints" / name, out_b / "checkpoints" / name)
+    (out_b / "checkpoints" / "latest").write_text(name + "\n")
+    run_grpo(tiny_cfg(data, base, out_b, max_steps=6, num_iterations=2, ckpt_every=1, keep_checkpoints=10,
+                      beta=0.05, kl_in="reward", eval_every=3), resume="latest")
+    a, b = train_records(run_a), train_records(out_b)
+    assert sorted(b) == list(range(step + 1, 7))
+    keys = ("loss", "reward", "kl", "grad_norm", "completions/mean_length")
+    assert [[b[s][k] for k in keys] for s in b] == [[a[s][k] for k in keys] for s in b]
+
+
+# ---- learning -------------------------------------------------------------------------------------------------
+def test_mean_reward_rises_under_rl(base, data, tmp_path):
+    """From a random tiny model, the share of digits in its answers (a reward it can reach by
+    moving its token distribution) rises well above where it starts within 30 steps."""
+    out = tmp_path / "learn"
+    run_grpo(tiny_cfg(data, base, out, max_steps=30, global_prompts=4, num_generations=8, micro_completions=16,
+                      max_completion_length=8, lr=1e-2, loss_type="dapo"))
+    rec = train_records(out)
+    start = np.mean([rec[s]["reward"] for s in (1, 2, 3)])
+    end = np.mean([rec[s]["reward"] for s in (28, 29, 30)])
+    print(f"mean digit share: {start:.3f} -> {end:.3f}")
+    assert end > start + 0.2
+
+
+# ---- refused options ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("values, pattern", [
+    ({"micro_completions": 3}, r"not a multiple of batch.micro_completions 3"),
+    ({"max_prompt_length": 60}, r"data.max_prompt_length 60 \+ rollout.max_completion_length 12 exceeds max_seq_len"),
+    ({"reward_funcs": ["grpo_fixtures:nothing"]}, r"rewards.reward_funcs: cannot import 'grpo_fixtures:nothing'"),
+])
+def test_bad_options_are_refused_in_one_line(values, pattern, base, data, tmp_path):
+    with pytest.raises(SproutError, match=pattern):
+        run_grpo(tiny_cfg(data, base, tmp_path / "out", **values))
