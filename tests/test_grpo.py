@@ -229,17 +229,19 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(step, run_a, base, data
 
 
 # ---- learning -------------------------------------------------------------------------------------------------
-def test_mean_reward_rises_under_rl(base, data, tmp_path):
-    """From a random tiny model, the share of digits in its answers (a reward it can reach by
-    moving its token distribution) rises well above where it starts within 30 steps."""
+@pytest.mark.slow
+def test_mean_reward_rises_under_rl(sft_base, data, tmp_path):
+    """The briefly taught model answers with a single digit about half the time; rewarding that
+    (and nothing else) for 30 steps of RL (15 buffers, μ = 2) makes it the rule."""
     out = tmp_path / "learn"
-    run_grpo(tiny_cfg(data, base, out, max_steps=30, global_prompts=4, num_generations=8, micro_completions=16,
-                      max_completion_length=8, lr=1e-2, loss_type="dapo"))
+    run_grpo(tiny_cfg(data, sft_base, out, reward_funcs=["grpo_fixtures:single_digit"], max_steps=30,
+                      global_prompts=4, num_generations=8, micro_completions=32, num_iterations=2, loss_type="grpo",
+                      lr=2e-3))
     rec = train_records(out)
-    start = np.mean([rec[s]["reward"] for s in (1, 2, 3)])
-    end = np.mean([rec[s]["reward"] for s in (28, 29, 30)])
-    print(f"mean digit share: {start:.3f} -> {end:.3f}")
-    assert end > start + 0.2
+    start = np.mean([rec[s]["reward"] for s in (1, 3, 5)])  # one step per buffer: 3 buffers each
+    end = np.mean([rec[s]["reward"] for s in (26, 28, 30)])
+    print(f"single-digit answers: {start:.3f} -> {end:.3f}")
+    assert start < 0.7 and end > start + 0.2
 
 
 # ---- refused options ------------------------------------------------------------------------------------------
