@@ -125,11 +125,66 @@ def run_case(name, model, hf, prompts, G, args) -> None:
 # called from main after the rollout cases.
 
 
+# ---- PPO's step breakdown ------------------------------------------------------------------------
+def ppo_breakdown(cfg, prompts, args) -> None:
+    """One PPO generation batch on the rollouts shape (len(prompts) prompts × 4 samples), timed
+    phase by phase, best of --rounds: generation, reward-model scoring, the reference forward,
+    the policy's old log-probs and values, and the update (forward + backward of the clipped
+    policy and value losses, optimizer step) over the whole batch as one mini-batch."""
+    from sprout.losses.policy import policy_loss, value_loss
+    from sprout.model.heads import PolicyWithValue, RewardModel
+    from sprout.train.ppo import logps_and_values
+    from sprout.train.reward import score_sequences
+    from sprout.train.rl_stage import completion_logps
+
+    torch.manual_seed(1)
+    policy, ref, rm = PolicyWithValue(cfg), Transformer(cfg).eval(), RewardModel(cfg).eval()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    ids, mask = pad_prompts(prompts)
+    out = generate_tokens(policy.eval(), ids, mask, max_new_tokens=args.new_tokens, num_generations=4,
+                          generator=torch.Generator().manual_seed(0))
+    batch = {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask, "completion_ids": out.completion_ids,
+             "completion_mask": out.completion_mask}
+    full_ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
+    full_mask = torch.cat([out.prompt_mask, out.completion_mask], dim=1)
+    with torch.no_grad():
+        old, old_v, _ = logps_and_values(policy, batch)
+    adv, returns = torch.randn_like(old), torch.randn_like(old)
+
+    def update():
+        lp, v, _ = logps_and_values(policy.train(), batch)
+        vf = value_loss(v, old_v, returns, 0.2)
+        loss = policy_loss(lp, old, adv, batch["completion_mask"], epsilon=0.2, per_token_value_loss=vf, vf_coef=0.1)
+        (loss.loss_sum / loss.denominator).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def no_grad(fn):
+        return lambda: torch.no_grad()(fn)()
+
+    phases = {
+        "generation": lambda: generate_tokens(policy.eval(), ids, mask, max_new_tokens=args.new_tokens,
+                                              num_generations=4, generator=torch.Generator().manual_seed(0)),
+        "reward model": no_grad(lambda: score_sequences(rm, full_ids, full_mask)),
+        "reference forward": no_grad(lambda: completion_logps(ref, batch)),
+        "old logps + values": no_grad(lambda: logps_and_values(policy.eval(), batch)),
+        "value + policy update": update,
+    }
+    best = {k: min(timed(fn) for _ in range(args.rounds)) for k, fn in phases.items()}
+    total = sum(best.values())
+    print(f"\nPPO step breakdown: {len(prompts)} prompts x 4 samples, {args.new_tokens} new tokens per row "
+          f"(policy with value head, reference and reward model of the same size; best of {args.rounds})")
+    for k, t in best.items():
+        print(f"  {k:22s} {t:6.2f} s  {t / total:6.1%}")
+    print(f"  {'total':22s} {total:6.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2, help="timed runs per engine; the best is reported")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled sprout engine")
+    ap.add_argument("--no-ppo", action="store_true", help="skip PPO's step breakdown")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -145,6 +200,10 @@ def main() -> None:
         B, G = CASES[name]
         prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)]
         run_case(name, model, hf, prompts, G, args)
+    if not args.no_ppo:
+        B, _ = CASES["rollouts"]
+        ppo_breakdown(cfg, [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)],
+                      args)
 
 
 if __name__ == "__main__":
