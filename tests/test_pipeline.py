@@ -240,3 +240,80 @@ def test_input_hashes_name_config_command_and_upstream(reference):
     preset = load_preset(preset_path)
     from sprout.atomic import sha256_file
     assert sft["inputs"]["config_sha256"] == sha256_file(preset.stage("sft").config)
+
+
+# ---- the report card ----------------------------------------------------------------------------
+QUALITY = ("step", "weights_sha256", "val_bpb", "sft_val_loss", "rm_val_accuracy", "dpo_val_accuracy",
+           "arith_pass@1", "arith_pass@8", "gsm8k_pass@1", "mean_length")
+
+
+def figures(out: Path) -> dict[str, dict]:
+    rows = json.loads((out / "report" / "report_card.json").read_text())["rows"]
+    return {r["stage"]: {k: r[k] for k in QUALITY} for r in rows}
+
+
+def test_report_card_figures_are_the_stages_own_metrics(reference):
+    _, out = reference
+    card = json.loads((out / "report" / "report_card.json").read_text())["rows"]
+    assert [r["stage"] for r in card] == list(TRAIN)
+
+    def last(run: str, key: str):
+        return [r for r in read_metrics(out / run / "metrics.jsonl") if key in r and "event" not in r][-1][key]
+
+    rows = {r["stage"]: r for r in card}
+    assert rows["pretrain"]["val_bpb"] == last("base", "val_bpb")
+    assert rows["sft"]["sft_val_loss"] == last("sft_model", "val_loss")
+    assert rows["reward"]["rm_val_accuracy"] == last("reward_model", "val_accuracy")
+    assert rows["dpo"]["dpo_val_accuracy"] == last("dpo_model", "val_rewards/accuracies")
+    assert rows["pretrain"]["sft_val_loss"] is None and rows["sft"]["rm_val_accuracy"] is None
+    speeds = [r["tokens_per_s"] for r in read_metrics(out / "sft_model" / "metrics.jsonl") if "tokens_per_s" in r]
+    assert rows["sft"]["tokens_per_s"] == pytest.approx(sum(speeds) / len(speeds))
+    report = (out / "report.md").read_text()
+    assert f"| dpo | 4 | – | – | – | {rows['dpo']['dpo_val_accuracy']:.3f} |" in report
+    for png in ("loss_curves.png", "reward_model.png", "dpo.png"):
+        assert (out / "report" / png).read_bytes()[:4] == b"\x89PNG"
+    answers = json.loads((out / "report" / "answers.json").read_text())
+    assert set(answers) == {"pretrain", "sft", "dpo"} and all(len(a["answers"]) == 3 for a in answers.values())
+
+
+def test_eval_json_figures_fill_the_task_columns(reference, tmp_path):
+    """An eval stage's evaluate.py JSON (written here in its format) fills pass@k and length."""
+    from sprout.train.report_card import stage_rows
+    preset_path, ref_out = reference
+    preset = load_preset(preset_path)
+    state = read_state(ref_out)
+    evals = ref_out / "eval" / "sft"
+    evals.mkdir(parents=True, exist_ok=True)
+    arith = {"task": "arith", "metrics": {"pass@1": 0.25, "pass@8": 0.5, "completions/mean_length": 31.5}}
+    gsm8k = {"task": "gsm8k", "metrics": {"pass@1": 0.125}}
+    for name, data in (("arith", arith), ("gsm8k", gsm8k)):
+        (evals / f"{name}.json").write_text(json.dumps(data))
+    preset.stages.append(load_preset(write_yaml(tmp_path / "e.yaml", {"out": str(ref_out), "stages": [
+        {"name": "sft", "kind": "prep", "script": "x.py"},
+        {"name": "eval_sft", "kind": "eval", "script": "x.py", "inputs": ["sft"], "out": "eval/sft"}]})).stages[1])
+    state = {"stages": {**state["stages"], "eval_sft": {"status": "done", "outputs": {
+        "eval/sft/arith.json": "-", "eval/sft/gsm8k.json": "-"}}}}
+    row = {r["stage"]: r for r in stage_rows(preset, state)}["sft"]
+    assert (row["arith_pass@1"], row["arith_pass@8"], row["gsm8k_pass@1"], row["mean_length"]) == (0.25, 0.5, 0.125, 31.5)
+    assert {r["stage"]: r for r in stage_rows(preset, state)}["dpo"]["arith_pass@1"] is None
+
+
+# ---- killed at random moments -------------------------------------------------------------------
+@pytest.mark.slow
+def test_killed_at_ten_random_moments_ends_as_an_uninterrupted_run(reference, tmp_path):
+    preset, ref_out = reference
+    out = tmp_path / "runs"
+    rng = random.Random(7)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for moment in sorted(rng.uniform(0.5, 25.0) for _ in range(10)):
+        proc = subprocess.Popen(runner(preset, out=out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        time.sleep(moment)  # where in the pipeline the kill lands; the assertions hold at any moment
+        family = [proc] if proc.poll() is not None else [psutil.Process(proc.pid), *psutil.Process(proc.pid).children()]
+        proc.kill()
+        proc.wait()
+        psutil.wait_procs([p for p in family if isinstance(p, psutil.Process)], timeout=60)  # children die with it
+    final = run(preset, out=out)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert weights(out) == weights(ref_out)
+    assert figures(out) == figures(ref_out)
+    assert not [p for p in out.rglob("*") if p.name.startswith(".tmp-")]

@@ -228,7 +228,9 @@ def digest(obj) -> str:
 
 
 def stage_inputs(preset: Preset, stage: Stage, state: dict) -> dict:
-    """What a stage's result depends on: config sha256, command lines, upstream hashes."""
+    """What a stage's result depends on: config sha256, command lines (the output root written
+    as {root}, so a moved or copied root keeps its hashes), upstream hashes."""
+    root = str(preset.out)
     for path, what in ((stage.script, "script"), (stage.config, "config")):
         if path is not None and not path.is_file():
             raise SproutError(f"{path}: stage {stage.name}'s {what} does not exist (yet)")
@@ -241,7 +243,8 @@ def stage_inputs(preset: Preset, stage: Stage, state: dict) -> dict:
     return {"script": str(stage.script.relative_to(REPO_ROOT) if stage.script.is_relative_to(REPO_ROOT)
                           else stage.script),
             "config_sha256": sha256_file(stage.config) if stage.config else None,
-            "commands": command_args(preset, stage), "upstream": upstream}
+            "commands": [[a.replace(root, "{root}") for a in c] for c in command_args(preset, stage)],
+            "upstream": upstream}
 
 
 def output_files(preset: Preset, stage: Stage) -> list[Path]:
