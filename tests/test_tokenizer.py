@@ -139,6 +139,22 @@ def test_train_sentencepiece_rejects_tiny_vocab_and_no_text(tmp_path):
     assert not (tmp_path / "x.model").exists()
 
 
+def test_split_digits_spells_numbers_digit_by_digit(tmp_path):
+    """Trained on text full of the same years, BPE merges them into pieces unless split_digits
+    is on; either way the text round-trips."""
+    texts = [f"In {year} the river rose, and in {year} it fell again." for year in (1999, 2019, 2024)] * 50
+    pieces = {}
+    for split in (True, False):
+        model = train_sentencepiece(iter(texts), tmp_path / f"sd_{split}", 300, split_digits=split)
+        tok = load_tokenizer(f"sentencepiece:{model}")
+        ids = tok.encode("In 2019 the river rose")
+        assert tok.decode(ids) == "In 2019 the river rose"
+        pieces[split] = [tok.decode([i]) for i in ids]
+    assert {"2", "0", "1", "9"} <= set(pieces[True]) and not any(
+        len(p) > 1 and any(c.isdigit() for c in p) for p in pieces[True])
+    assert any(sum(c.isdigit() for c in p) > 1 for p in pieces[False])
+
+
 # ---------------------------------------------------------------- bits per byte
 
 

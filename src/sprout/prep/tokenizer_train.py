@@ -5,7 +5,7 @@
 `train_sentencepiece` trains the BPE models sprout uses (Sennrich et al. 2016 via Kudo &
 Richardson 2018): byte fallback, identity normalisation and no dummy prefix, so
 `decode(encode(text)) == text` and separately encoded pieces concatenate exactly, digits
-split one per token, and the special pieces later stages need at fixed ids 0..6
+split one per token (`split_digits`, on by default), and the special pieces later stages need at fixed ids 0..6
 (`SPECIAL_PIECES`: pad, unk, bos, `<|endoftext|>` as eos, then the chat role markers as
 control symbols).
 
@@ -62,6 +62,7 @@ def train_sentencepiece(
     max_chars: int = 200_000_000,
     character_coverage: float = 0.9995,
     num_threads: int | None = None,
+    split_digits: bool = True,
 ) -> Path:
     """Train a SentencePiece BPE model on `texts`; writes PREFIX.model and PREFIX.vocab atomically,
     as a pair: both are written to temporaries and renamed only when both are complete, so a
@@ -69,7 +70,9 @@ def train_sentencepiece(
     beside them are removed first.
 
     Byte fallback, identity normalisation, no whitespace clean-up and no dummy prefix, so
-    decoding gives back the original bytes. Digits are split one per token.
+    decoding gives back the original bytes. With `split_digits` every digit is its own piece
+    (sentencepiece's `split_digits`), so a number is always spelt digit by digit; without it BPE
+    may merge frequent numbers ("2019", "100") into single pieces.
     """
     import sentencepiece as spm
 
@@ -87,7 +90,7 @@ def train_sentencepiece(
         spm.SentencePieceTrainer.train(
             sentence_iterator=pieces, model_writer=model, model_type="bpe", vocab_size=vocab_size,
             byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
+            add_dummy_prefix=False, split_digits=split_digits, allow_whitespace_only_pieces=True,
             character_coverage=character_coverage, max_sentence_length=max_piece * 4,
             pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=SPECIAL_PIECES[0], unk_piece=SPECIAL_PIECES[1],
             bos_piece=SPECIAL_PIECES[2], eos_piece=SPECIAL_PIECES[3], control_symbols=list(CONTROL_SYMBOLS),
@@ -123,6 +126,7 @@ class TokenizerTrainConfig:
     strict: bool = False                         # fail on an invalid JSON line instead of skipping it
     exclude_val_frac: float = 0.0                # skip the documents that prep's hash-fraction split with
                                                  # this val_frac sends to val, so val bpb is honest
+    split_digits: bool = True                    # every digit its own piece (numbers spelt digit by digit)
 
 
 def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
@@ -150,4 +154,5 @@ def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
                     if key_low(text_key(text)) >= threshold:
                         yield text
 
-    return train_sentencepiece(interleaved(), cfg.out, cfg.vocab_size, max_chars=cfg.max_chars)
+    return train_sentencepiece(interleaved(), cfg.out, cfg.vocab_size, max_chars=cfg.max_chars,
+                               split_digits=cfg.split_digits)
