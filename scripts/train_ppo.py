@@ -1,7 +1,8 @@
 """Train a policy with PPO: a value head, rewards from a reward model and/or verifiers, KL to a frozen reference.
 
     python scripts/prepare_rl_prompts.py --config configs/demo/rl_prompts.yaml
-    python scripts/train_ppo.py --config configs/demo/ppo.yaml --init runs/demo/sft_model --reward-model runs/demo/reward_model
+    python scripts/train_ppo.py --config configs/demo/ppo.yaml --init runs/demo/sft_model \\
+        --reward-model runs/demo/reward_model
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/train_ppo.py --config ...
     python scripts/train_ppo.py --config ... --out runs/x --resume            # latest checkpoint in --out
     python scripts/train_ppo.py --config ... --ppo.kl_in loss --ppo.adaptive_kl true --ppo.target_kl 2
@@ -19,7 +20,8 @@ from sprout.train.run import parse_run_config, run_parser
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/ppo.yaml")
-    p.add_argument("--data", metavar="FILE.jsonl", help="RL prompts (scripts/prepare_rl_prompts.py); overrides data.path")
+    p.add_argument("--data", metavar="FILE.jsonl",
+                   help="RL prompts (scripts/prepare_rl_prompts.py); overrides data.path")
     p.add_argument("--init", metavar="CKPT", help="LM checkpoint (an SFT run dir); overrides init")
     p.add_argument("--reward-model", metavar="RUN", help="reward model run or checkpoint; overrides reward_model")
     args, cfg = parse_run_config(p, PPOConfig)

@@ -25,7 +25,7 @@ from sprout.train.ppo import PPOConfig, PPOStage, run_ppo
 from sprout.train.reward import score_sequences
 
 SECTIONS = {
-    "data": ("path", "val_path", "max_prompt_length", "eval_prompts", "eval_batch"),
+    "data": ("path", "val_path", "max_prompt_length", "eval_prompts", "eval_batch", "eval_num_generations"),
     "batch": ("global_prompts", "num_generations", "micro_completions", "num_mini_batches"),
     "rollout": ("max_completion_length", "temperature", "top_k", "top_p"),
     "rewards": ("reward_funcs", "reward_weights"),
@@ -39,8 +39,8 @@ SECTIONS = {
 
 
 def config_dict(data: Path, init: Path, out: Path, reward_model: Path | None = None, **values) -> dict:
-    defaults = {"max_prompt_length": 24, "eval_prompts": 8, "eval_batch": 8, "global_prompts": 4,
-                "num_generations": 2, "micro_completions": 4, "max_completion_length": 12,
+    defaults = {"max_prompt_length": 24, "eval_prompts": 8, "eval_batch": 8, "eval_num_generations": 0,
+                "global_prompts": 4, "num_generations": 2, "micro_completions": 4, "max_completion_length": 12,
                 "reward_funcs": ["grpo_fixtures:digit_share"], "num_ppo_epochs": 1, "lr": 3e-3, "warmup_steps": 0,
                 "schedule": "constant", "max_steps": 4, "log_every": 1, "eval_every": 0, "ckpt_every": 0,
                 "progress": False, "peak_tflops": -1.0}

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
+from data_loader.prompts import PromptLoader
 from grpo_fixtures import write_prompt_files
 from ppo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_digit_reward_model
 from preference_train_fixtures import write_lm
@@ -38,7 +39,7 @@ from sprout.train.ppo import (
     whiten_global,
 )
 from sprout.train.reward import score_sequences
-from sprout.train.rl_stage import PromptLoader, RewardsConfig, RolloutConfig, build_rewards
+from sprout.train.rl_stage import RewardsConfig, RolloutConfig, build_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,7 +279,8 @@ def test_mean_verifier_reward_rises(base, data, tmp_path):
 @pytest.mark.slow
 def test_the_reward_models_preference_is_learnt_with_bounded_kl(base, data, rm_path, tmp_path):
     """Rewards from a reward model that prefers digits alone (verifier weight 0): its score rises
-    while the KL to the reference stays bounded by the KL penalty."""
+    while the KL to the reference stays bounded: the KL penalty at its largest costs less than
+    the score gained, and the penalised reward (objective/rlhf_reward) rises too."""
     out = tmp_path / "rm_learn"
     run_ppo(tiny_cfg(data, base, out, rm_path, max_steps=30, global_prompts=16, num_generations=1,
                      micro_completions=16, max_completion_length=8, lr=1e-2, num_ppo_epochs=1, kl_coef=0.05,
@@ -288,7 +290,8 @@ def test_the_reward_models_preference_is_learnt_with_bounded_kl(base, data, rm_p
     end = np.mean([rec[s]["rewards/reward_model/mean"] for s in (28, 29, 30)])
     kl = max(rec[s]["objective/kl"] for s in rec)
     print(f"reward model score: {start:.3f} -> {end:.3f}; largest objective/kl {kl:.3f}")
-    assert end > start + 0.5 and kl < 10.0
+    rlhf = [np.mean([rec[s]["objective/rlhf_reward"] for s in steps]) for steps in ((1, 2, 3), (28, 29, 30))]
+    assert end > start + 0.5 and 0.05 * kl < end - start and rlhf[1] > rlhf[0] + 0.5
 
 
 # ---- refused options ----------------------------------------------------------------------------------------------

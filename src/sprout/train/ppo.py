@@ -59,8 +59,8 @@ time/values_s (old log-probs and values). Per token of the step's mini-batch: lo
 (the clipped surrogate), val/loss, val/clipfrac (share where the clipped value loss is the
 larger), policy/clipfrac (share where the ratio's clip is active), clip_ratio/low_mean|
 high_mean, policy/approxkl (0.5 × mean (log pi - log pi_old)^2), policy/entropy, kl (kl_in:
-loss). The loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's greedy
-val_accuracy, val_format, val_mean_length on the held-out prompts.
+loss). The loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's held-out
+figures (`RLStage.evaluate`).
 """
 
 from __future__ import annotations
@@ -218,10 +218,11 @@ class PPOStage(RLStage):
 
     def __init__(self, accelerator, tokenizer, loader, val, batch: PPOBatchConfig, rollout: RolloutConfig, rewards,
                  *, ppo: PPOLossConfig, ref_model: torch.nn.Module, reward_model=None, weight_decay: float = 0.0,
-                 seed: int = 0, eval_batch: int = 32):
+                 seed: int = 0, eval_batch: int = 32, eval_generations: int = 0):
         c = ppo
         super().__init__(accelerator, tokenizer, loader, val, batch, rollout, rewards,
-                         num_iterations=c.num_ppo_epochs * batch.num_mini_batches, seed=seed, eval_batch=eval_batch)
+                         num_iterations=c.num_ppo_epochs * batch.num_mini_batches, seed=seed, eval_batch=eval_batch,
+                         eval_generations=eval_generations)
         self.cfg, self.ref_model, self.reward_model, self.weight_decay = c, ref_model, reward_model, weight_decay
         self.M = batch.num_mini_batches
         local = self.loader.per_rank * self.G
@@ -476,7 +477,7 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
               f"kl_coef {c.kl_coef}{' (adaptive)' if c.adaptive_kl else ''}; value head from the {c.value_init}")
     stage = PPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, ppo=c, ref_model=ref,
                      reward_model=rm, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
-                     eval_batch=cfg.data.eval_batch)
+                     eval_batch=cfg.data.eval_batch, eval_generations=cfg.data.eval_num_generations)
     meta = {**run.provenance(), "reference": run.base["path"],
             "reward_model": rm_meta["path"] if rm_meta else None}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
