@@ -28,6 +28,7 @@ class PromptLoader:
         self.path, self.seed, self.rank, self.world_size, self.shuffle = Path(path), seed, rank, world_size, shuffle
         self.ids: list[list[int]] = []
         self.gold: list[str] = []
+        self.records: list[dict] = []  # the kept records themselves (for evaluation)
         self.read, self.dropped = 0, 0
         for record in read_prompts(self.path):
             if limit and len(self.ids) >= limit:
@@ -42,6 +43,7 @@ class PromptLoader:
                 continue
             self.ids.append(ids)
             self.gold.append(record["gold"])
+            self.records.append(record)
         if global_prompts % world_size:
             raise SproutError(f"batch.global_prompts {global_prompts} is not a multiple of {world_size} processes")
         self.global_prompts, self.per_rank = global_prompts, global_prompts // world_size

@@ -196,7 +196,9 @@ def test_beta_zero_builds_no_reference(base, data, tmp_path, monkeypatch):
     calls = []
     original = Trainer.prepare_frozen
     monkeypatch.setattr(Trainer, "prepare_frozen", lambda self, m: calls.append(m) or original(self, m))
-    run_grpo(tiny_cfg(data, base, tmp_path / "b0", beta=0.0, max_steps=1))
+    result = run_grpo(tiny_cfg(data, base, tmp_path / "b0", beta=0.0, max_steps=1))
+    assert {"val_pass@1", "val_pass@4", "val_accuracy", "val_format", "val_mean_length",
+            "val_level_1/pass@1"} <= set(result["last_eval"])
     assert calls == [] and read_meta(tmp_path / "b0" / "checkpoints")["reference"] is None
     rec = train_records(tmp_path / "b0")[1]
     assert "kl" not in rec and "entropy" in rec and "rewards/digit_share/mean" in rec

@@ -35,8 +35,8 @@ Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_ze
 (over every group generated, set-aside ones included), completions/mean_length|max_length|
 min_length|clipped_ratio, kl, entropy (per completion token), clip_ratio/low_mean|
 high_mean|region_mean, sampling/logp_diff_mean|max, dynamic_sampling/rounds|short_batches;
-the loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's val_accuracy,
-val_format, val_mean_length.
+the loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's (val_pass@1,
+val_accuracy, val_format, val_mean_length, ...).
 """
 
 from __future__ import annotations
@@ -265,7 +265,8 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
         load_weights(ref, run.base["path"], run.base)
         acc.print(f"grpo: reference {run.base['path']} (frozen copy), beta {cfg.grpo.beta}, KL in the {cfg.grpo.kl_in}")
     stage = GRPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, grpo=cfg.grpo,
-                      ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch)
+                      ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch,
+                      eval_generations=cfg.data.eval_num_generations)
     meta = {**run.provenance(), "reference": run.base["path"] if ref is not None else None}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)

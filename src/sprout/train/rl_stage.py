@@ -38,9 +38,13 @@ Figures of the buffer itself (reward, lengths, ...) are computed once over the g
 pairs on rank 0 ((0, 0) elsewhere), so the loop's reduction gives them exactly and each
 step logs the figures of the rollouts it trains on.
 
-Held-out eval (`evaluate`): every prompt of `data.val_path` (at most `data.eval_prompts`)
-answered greedily: `val_accuracy` (greedy pass@1 under the correctness reward),
-`val_format` (share in the reasoning format) and `val_mean_length` (completion tokens).
+Held-out eval (`evaluate`): the prompts of `data.val_path` (the first `data.eval_prompts`)
+through `sprout.rl.evaluation.evaluate_prompts` (greedy, and `data.eval_num_generations`
+samples each at temperature 1, seeded by train.seed: the same answers on any number of
+processes). Logged: every figure it gives, prefixed `val_` (val_pass@1, val_pass@n,
+val_greedy/accuracy, val_format/rate, per level val_level_<L>/...), and the short names
+`val_accuracy` (greedy accuracy), `val_format` (greedy format rate) and `val_mean_length`
+(sampled completion tokens).
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
 from sprout.model.transformer import ModelConfig
+from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
-from sprout.train.loop import all_reduce_sums
 from sprout.train.run import resolve_resume, start_run
 
 
@@ -90,7 +94,8 @@ class RLDataConfig:
     val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside it
     max_prompt_length: int = 512        # longer prompts (rendered, in tokens) are dropped and counted
     eval_prompts: int = resume_free(256)  # held-out prompts answered greedily per eval (0: all)
-    eval_batch: int = resume_free(32)   # prompts per greedy generation call in eval
+    eval_batch: int = resume_free(32)   # prompts per generation call in eval
+    eval_num_generations: int = resume_free(4)  # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
     epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
 
 
@@ -223,10 +228,11 @@ class RLStage:
 
     def __init__(self, accelerator, tokenizer, loader: PromptLoader, val: PromptLoader, batch: PromptBatchConfig,
                  rollout: RolloutConfig, rewards: list[WeightedReward], *, num_iterations: int = 1, seed: int = 0,
-                 eval_batch: int = 32):
+                 eval_batch: int = 32, eval_generations: int = 0):
         self.acc, self.tok, self.loader, self.val = accelerator, tokenizer, loader, val
         self.batch_cfg, self.rollout, self.rewards = batch, rollout, rewards
-        self.num_iterations, self.eval_batch = num_iterations, eval_batch
+        self.num_iterations, self.eval_batch, self.eval_generations, self.seed = \
+            num_iterations, eval_batch, eval_generations, seed
         self.G = batch.num_generations
         local = loader.per_rank * self.G
         if local % batch.micro_completions:
@@ -347,39 +353,18 @@ class RLStage:
         self.generator.set_state(state["generator"])
 
     # ---- held-out eval ----
-    @torch.no_grad()
     def evaluate(self, model) -> dict:
-        """Greedy answers to the held-out prompts (module doc); every rank makes the same calls."""
-        val, world, rank = self.val, self.acc.num_processes, self.acc.process_index
-        mine = list(range(rank, val.num_prompts, world))
-        per_rank = -(-val.num_prompts // world)
-        gen = self.model if self.model is not None else model
-        sums = {"correct": 0.0, "format": 0.0, "length": 0.0, "n": 0.0}
-        gen.eval()
-        for i in range(0, per_rank, self.eval_batch):
-            idx = mine[i:i + self.eval_batch]
-            real = len(idx)
-            idx = idx + [0] * (min(self.eval_batch, per_rank - i) - real)  # padding rows count nothing
-            prompts = [val.ids[j] for j in idx]
-            P = max(len(p) for p in prompts)
-            ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=self.acc.device)
-            mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=self.acc.device)
-            with self.acc.autocast():
-                out = generate_tokens(gen, ids, mask, max_new_tokens=self.rollout.max_completion_length,
-                                      greedy=True, tokenizer=self.tok)
-            texts = [self.tok.decode(row[:int(n) - (1 if e else 0)].tolist())
-                     for row, n, e in zip(out.completion_ids.cpu(), out.lengths, out.eos)][:real]
-            gold = [val.gold[j] for j in idx[:real]]
-            sums["correct"] += sum(v or 0.0 for v in correctness_reward(texts, gold))
-            sums["format"] += sum(format_reward(texts))
-            sums["length"] += float(out.lengths[:real].sum())
-            sums["n"] += real
-        gen.train()
-        tot = all_reduce_sums(self.acc, sums)
-        if tot["n"] == 0:
-            raise SproutError(f"{val.path}: no held-out prompts to evaluate")
-        return {"val_accuracy": tot["correct"] / tot["n"], "val_format": tot["format"] / tot["n"],
-                "val_mean_length": tot["length"] / tot["n"]}
+        """`sprout.rl.evaluation.evaluate_prompts` on the held-out prompts (module doc)."""
+        n = self.eval_generations
+        ev = evaluate_prompts(self.model if self.model is not None else model, self.tok, self.val.records, n=n,
+                              ks=sorted({1, n}) if n else (), greedy=True,
+                              max_new_tokens=self.rollout.max_completion_length, seed=self.seed,
+                              batch_size=self.eval_batch, accelerator=self.acc)
+        out = {k: v for k, v in ev.flat("val_").items() if not k.endswith("prompts")}
+        out["val_accuracy"], out["val_format"] = ev.metrics["greedy/accuracy"], ev.metrics["greedy/format_rate"]
+        if n:
+            out["val_mean_length"] = ev.metrics["completions/mean_length"]
+        return out
 
 
 # ---- the run ------------------------------------------------------------------------------------
