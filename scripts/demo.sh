@@ -37,4 +37,34 @@ for q in "What is the capital of France?" "Give three tips for staying healthy."
   printf '\n> %s\n' "$q"
   $PY scripts/chat.py "$DEMO/sft_model" --prompt "$q" --temperature 0.8 --top-p 0.9 --seed 0 --max-new-tokens 96
 done
+
+step "8. prepare the preference pairs (HH-RLHF + UltraFeedback + arithmetic) and check their loss mask"
+$PY scripts/prepare_preference_data.py --config configs/demo/preferences.yaml --out "$DEMO/prefs"
+$PY scripts/check_loss_mask.py "$DEMO/prefs/preferences.jsonl" --tokenizer "sentencepiece:$DEMO/tokenizer/sp4096.model" \
+    --seq-len 256 --show 1 --html "$DEMO/prefs/loss_mask.html"
+
+step "9. reward model from the fine-tuned model"
+$PY scripts/train_reward.py --config configs/demo/reward.yaml --init "$DEMO/sft_model" \
+    --data "$DEMO/prefs/preferences.jsonl" --out "$DEMO/reward_model" --train.progress false
+
+step "10. DPO from the fine-tuned model (its own frozen reference)"
+$PY scripts/train_dpo.py --config configs/demo/dpo.yaml --init "$DEMO/sft_model" \
+    --data "$DEMO/prefs/preferences.jsonl" --out "$DEMO/dpo_model" --train.progress false
+
+step "11. held-out preference results (first and last eval of each run's metrics.jsonl)"
+$PY - "$DEMO" <<'PYEOF'
+import sys
+from pathlib import Path
+from sprout.train.metrics import read_metrics
+
+demo = Path(sys.argv[1])
+for run, keys in (("reward_model", ("val_accuracy", "val_margin")),
+                  ("dpo_model", ("val_rewards/accuracies", "val_rewards/margins"))):
+    evals = [r for r in read_metrics(demo / run / "metrics.jsonl") if keys[0] in r]
+    first, last = evals[0], evals[-1]
+    shown = list(keys) + sorted(k for k in last if k.startswith("val_accuracy/"))  # per source
+    print(f"{run} (step {first['step']} -> {last['step']}):")
+    for k in shown:
+        print(f"  {k:28s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}")
+PYEOF
 printf '\nDemo finished: outputs in %s (report.md, metrics.jsonl and loss.png in each run folder).\n' "$DEMO"

@@ -1,7 +1,7 @@
 """Prepare preference pairs: HH-RLHF, UltraFeedback, local JSONL and arithmetic -> preference JSONL.
 
     python scripts/prepare_preference_data.py --config configs/demo/preferences.yaml \\
-        --mirror ../shared/data --out runs/demo/preferences
+        --mirror ../shared/data --out runs/demo/prefs
 
 `${SPROUT_MIRROR}` in source paths is the data mirror: --mirror DIR, else $SPROUT_MIRROR, else
 ../shared/data beside the repository when it exists (`sprout.mirror`); without one, the

@@ -82,7 +82,7 @@ class PreferenceSourceConfig:
 
 @dataclass
 class PreferenceDataConfig:
-    out: str = "runs/demo/preferences"  # output folder: preferences.jsonl, preferences_test.jsonl
+    out: str = "runs/demo/prefs"  # output folder: preferences.jsonl, preferences_test.jsonl
     mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
     max_examples: int | None = None  # records read per source, for quick runs
     seed: int = 0  # generated sources and the order of each split
