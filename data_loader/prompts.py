@@ -2,7 +2,8 @@
 
 `PromptLoader` renders each prompt with the chat template (`sprout.chat.render`, ending on
 the assistant header, so generation continues with the answer) and drops prompts longer
-than `max_prompt_length` tokens (`read` and `dropped` count them). Each epoch is a permutation
+than `max_prompt_length` tokens (`read` and `dropped` count them); with `sources`, only
+prompts of those sources are kept (`other_sources` counts the rest). Each epoch is a permutation
 seeded by (seed, epoch); the epoch is cut into global batches of `global_prompts` and every
 global batch into one contiguous slice per rank (`next_prompts`), so ranks never share a
 prompt and stay in step however many batches they draw. Its position (epoch, batch) is its
@@ -24,16 +25,20 @@ class PromptLoader:
     """The prompts of one file, rendered; this rank's slice of each seeded global batch (module doc)."""
 
     def __init__(self, path, tok, max_prompt_length: int, global_prompts: int = 1, *, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, limit: int = 0):
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, limit: int = 0,
+                 sources: list[str] | None = None):
         self.path, self.seed, self.rank, self.world_size, self.shuffle = Path(path), seed, rank, world_size, shuffle
         self.ids: list[list[int]] = []
         self.gold: list[str] = []
         self.records: list[dict] = []  # the kept records themselves (for evaluation)
-        self.read, self.dropped = 0, 0
+        self.read, self.dropped, self.other_sources = 0, 0, 0
         for record in read_prompts(self.path):
             if limit and len(self.ids) >= limit:
                 break
             self.read += 1
+            if sources is not None and record["source"] not in sources:
+                self.other_sources += 1
+                continue
             try:
                 ids, _ = render(record["prompt"], tok, add_generation_prompt=True)
             except ChatError as exc:

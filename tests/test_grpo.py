@@ -197,8 +197,8 @@ def test_beta_zero_builds_no_reference(base, data, tmp_path, monkeypatch):
     original = Trainer.prepare_frozen
     monkeypatch.setattr(Trainer, "prepare_frozen", lambda self, m: calls.append(m) or original(self, m))
     result = run_grpo(tiny_cfg(data, base, tmp_path / "b0", beta=0.0, max_steps=1))
-    assert {"val_pass@1", "val_pass@4", "val_accuracy", "val_format", "val_mean_length",
-            "val_level_1/pass@1"} <= set(result["last_eval"])
+    assert {"val_pass@1", "val_pass@4", "val_greedy/accuracy", "val_accuracy", "val_format",
+            "val_mean_length"} <= set(result["last_eval"])
     assert calls == [] and read_meta(tmp_path / "b0" / "checkpoints")["reference"] is None
     rec = train_records(tmp_path / "b0")[1]
     assert "kl" not in rec and "entropy" in rec and "rewards/digit_share/mean" in rec
@@ -255,3 +255,28 @@ def test_mean_reward_rises_under_rl(sft_base, data, tmp_path):
 def test_bad_options_are_refused_in_one_line(values, pattern, base, data, tmp_path):
     with pytest.raises(SproutError, match=pattern):
         run_grpo(tiny_cfg(data, base, tmp_path / "out", **values))
+
+
+# ---- prompts --------------------------------------------------------------------------------------------------
+def test_prompt_batches_are_seeded_disjoint_over_ranks_and_filtered(sp, data, tmp_path):
+    """Two ranks' slices of a global batch are disjoint and together the 1-process batch; a resumed
+    loader continues the order; long prompts and other sources are left out and counted."""
+    one = PromptLoader(data, sp, 24, 4, seed=3)
+    ranks = [PromptLoader(data, sp, 24, 4, seed=3, rank=r, world_size=2) for r in range(2)]
+    for _ in range(20):  # past an epoch (16 batches of 4)
+        whole, parts = one.next_prompts(), [r.next_prompts() for r in ranks]
+        assert list(whole) == list(parts[0]) + list(parts[1]) and not set(parts[0]) & set(parts[1])
+    again = PromptLoader(data, sp, 24, 4, seed=3)
+    again.load_state_dict(one.state_dict())
+    assert list(again.next_prompts()) == list(one.next_prompts())
+    assert one.epoch == 1 and list(one.order(0)) != list(one.order(1))
+    with pytest.raises(SproutError, match="global_prompts 8, this run has 4"):
+        again.load_state_dict({**one.state_dict(), "global_prompts": 8})
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    mixed = tmp_path / "prompts.jsonl"
+    mixed.write_text("".join(json.dumps({**r, "source": "other" if i % 4 == 0 else r["source"]}) + "\n"
+                             for i, r in enumerate(records)))
+    kept = PromptLoader(mixed, sp, 24, 1, sources=["arithmetic"])
+    assert (kept.num_prompts, kept.other_sources) == (48, 16)
+    short = PromptLoader(data, sp, 12, 1)
+    assert short.dropped > 0 and short.num_prompts + short.dropped == 64

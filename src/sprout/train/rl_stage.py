@@ -41,10 +41,10 @@ step logs the figures of the rollouts it trains on.
 Held-out eval (`evaluate`): the prompts of `data.val_path` (the first `data.eval_prompts`)
 through `sprout.rl.evaluation.evaluate_prompts` (greedy, and `data.eval_num_generations`
 samples each at temperature 1, seeded by train.seed: the same answers on any number of
-processes). Logged: every figure it gives, prefixed `val_` (val_pass@1, val_pass@n,
-val_greedy/accuracy, val_format/rate, per level val_level_<L>/...), and the short names
-`val_accuracy` (greedy accuracy), `val_format` (greedy format rate) and `val_mean_length`
-(sampled completion tokens).
+processes). Logged: every total it gives, prefixed `val_` (val_pass@1, val_pass@n,
+val_greedy/accuracy, val_format/rate, ...; scripts/evaluate.py also gives them per level),
+and the short names `val_accuracy` (greedy accuracy), `val_format` (greedy format rate) and,
+with samples, `val_mean_length` (sampled completion tokens).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class RLDataConfig:
     path: str = resume_free("")         # prompts.jsonl from scripts/prepare_rl_prompts.py
     val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside it
     max_prompt_length: int = 512        # longer prompts (rendered, in tokens) are dropped and counted
-    eval_prompts: int = resume_free(256)  # held-out prompts answered greedily per eval (0: all)
+    sources: list | None = None         # keep only the prompts of these sources (both files); None: all
+    eval_prompts: int = resume_free(256)  # held-out prompts per eval (the file's first; 0: all)
     eval_batch: int = resume_free(32)   # prompts per generation call in eval
     eval_num_generations: int = resume_free(4)  # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
     epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
@@ -360,7 +361,7 @@ class RLStage:
                               ks=sorted({1, n}) if n else (), greedy=True,
                               max_new_tokens=self.rollout.max_completion_length, seed=self.seed,
                               batch_size=self.eval_batch, accelerator=self.acc)
-        out = {k: v for k, v in ev.flat("val_").items() if not k.endswith("prompts")}
+        out = {f"val_{k}": v for k, v in ev.metrics.items() if k != "prompts"}
         out["val_accuracy"], out["val_format"] = ev.metrics["greedy/accuracy"], ev.metrics["greedy/format_rate"]
         if n:
             out["val_mean_length"] = ev.metrics["completions/mean_length"]
@@ -414,9 +415,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     acc = start_run(cfg.train, cfg.out)
     rank, world = acc.process_index, acc.num_processes
     loader = PromptLoader(data, tok, cfg.data.max_prompt_length, cfg.batch.global_prompts, seed=cfg.train.seed,
-                          rank=rank, world_size=world)
+                          rank=rank, world_size=world, sources=cfg.data.sources)
     val_loader = PromptLoader(val, tok, cfg.data.max_prompt_length, world, rank=rank, world_size=world,
-                              shuffle=False, limit=cfg.data.eval_prompts)
+                              shuffle=False, limit=cfg.data.eval_prompts, sources=cfg.data.sources)
     if loader.batches_per_epoch == 0:
         raise SproutError(f"{data}: {loader.num_prompts} prompts (of {loader.read}) cannot fill one global batch "
                           f"of {cfg.batch.global_prompts} (batch.global_prompts)")
@@ -428,8 +429,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * loader.batches_per_epoch)) * num_iterations
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
     for path, ld in ((data, loader), (val, val_loader)):
+        others = f", {ld.other_sources:,} of other sources left out" if cfg.data.sources is not None else ""
         acc.print(f"{stage_name}: {path}: {ld.num_prompts:,} of {ld.read:,} prompts fit {cfg.data.max_prompt_length} "
-                  f"tokens ({ld.dropped:,} dropped as too long)")
+                  f"tokens ({ld.dropped:,} dropped as too long{others})")
     acc.print(f"{stage_name}: {loader.batches_per_epoch} generation batches per epoch; init {base['path']} "
               f"(step {base.get('step')})")
     return RLRun(cfg, base, model_cfg, tok, acc, loader, val_loader, resume_path)
