@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from sprout.checkpoint import load_model, read_meta
 from sprout.errors import SproutError
+from sprout.rl.advantages import group_advantages
 from sprout.train.grpo import GRPOLossConfig, GRPOStage, run_grpo
 from sprout.train.loop import Trainer
 from sprout.train.metrics import read_metrics
@@ -280,3 +281,16 @@ def test_prompt_batches_are_seeded_disjoint_over_ranks_and_filtered(sp, data, tm
     assert (kept.num_prompts, kept.other_sources) == (48, 16)
     short = PromptLoader(data, sp, 12, 1)
     assert short.dropped > 0 and short.num_prompts + short.dropped == 64
+
+
+@pytest.mark.parametrize("advantage, scale", [("grpo", "batch"), ("rloo", None), ("dr_grpo", None)])
+def test_buffer_advantages_are_the_group_advantages_of_its_rewards(advantage, scale, sp, sft_base, data):
+    stage, _ = make_stage(sp, sft_base, data, advantage=advantage, scale_rewards=scale)
+    seen = []
+    score = stage.score
+    stage.score = lambda rollout, idx: seen.append(score(rollout, idx)) or seen[-1]
+    stage.next_micro_batches(0)
+    totals = seen[0][0]
+    want = group_advantages(totals, 4, advantage, scale).advantages.float()
+    assert torch.allclose(stage.buffer["advantages"], want, atol=1e-6)
+    assert totals.std() > 0  # not a trivial batch
