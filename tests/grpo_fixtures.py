@@ -91,7 +91,7 @@ def constant(completions, **_):
 
 
 SECTIONS = {
-    "data": ("path", "val_path", "max_prompt_length", "eval_prompts", "eval_batch"),
+    "data": ("path", "val_path", "max_prompt_length", "eval_prompts", "eval_batch", "eval_num_generations"),
     "batch": ("global_prompts", "num_generations", "micro_completions"),
     "rollout": ("max_completion_length", "temperature", "top_k", "top_p"),
     "rewards": ("reward_funcs", "reward_weights"),

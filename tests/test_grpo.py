@@ -294,3 +294,18 @@ def test_buffer_advantages_are_the_group_advantages_of_its_rewards(advantage, sc
     want = group_advantages(totals, 4, advantage, scale).advantages.float()
     assert torch.allclose(stage.buffer["advantages"], want, atol=1e-6)
     assert totals.std() > 0  # not a trivial batch
+
+
+def test_entropy_bonus_lowers_the_loss_by_its_weighted_entropy(sp, sft_base, data):
+    """loss(entropy_coef c) = loss(0) - c × the entropy aggregated like the loss (dapo: per token)."""
+    stage, model = make_stage(sp, sft_base, data)
+    batch = stage.next_micro_batches(0)[0]
+    plain, n, metrics = stage.loss(model, batch)
+    stage.cfg.entropy_coef = 0.1
+    bonus, n2, _ = stage.loss(model, batch)
+    bonus_value = bonus.detach().item()
+    entropy_sum = metrics["entropy"][0]
+    assert int(n) == int(n2) == int(batch["completion_mask"].sum())
+    assert bonus_value == pytest.approx(plain.detach().item() - 0.1 * float(entropy_sum), abs=1e-4)
+    bonus.backward()
+    assert model.lm_head.weight.grad is not None
