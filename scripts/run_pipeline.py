@@ -44,7 +44,8 @@ def main() -> int:
         except StageFailed as exc:
             failed = exc
     if not args.no_report and (preset.out / "pipeline_state.json").is_file():
-        report = write_report_card(preset, read_state(preset.out))
+        print("\n==> report card")
+        report = write_report_card(preset, read_state(preset.out), log=print)
         print(f"report card: {report}")
     if failed is not None:
         print(f"error: {failed}", file=sys.stderr)

@@ -271,6 +271,11 @@ def test_report_card_figures_are_the_stages_own_metrics(reference):
     assert rows["sft"]["tokens_per_s"] == pytest.approx(sum(speeds) / len(speeds))
     report = (out / "report.md").read_text()
     assert f"| dpo | 4 | – | – | – | {rows['dpo']['dpo_val_accuracy']:.3f} |" in report
+    for run, key, stage in (("reward_model", "val_accuracy", "reward"), ("dpo_model", "val_rewards/margins", "dpo")):
+        evals = [r for r in read_metrics(out / run / "metrics.jsonl") if key in r]
+        assert f"{stage} (held-out pairs, step {evals[0]['step']} -> {evals[-1]['step']}):" in report
+        assert f"  {key:28s} {evals[0][key]:8.3f} -> {evals[-1][key]:8.3f}" in report  # first eval -> last
+    assert "  val_accuracy/arithmetic " in report  # the reward model's accuracy per source
     for png in ("loss_curves.png", "reward_model.png", "dpo.png"):
         assert (out / "report" / png).read_bytes()[:4] == b"\x89PNG"
     answers = json.loads((out / "report" / "answers.json").read_text())

@@ -15,7 +15,8 @@ Every figure is read back from a train stage's own metrics.jsonl (its last eval 
 reward model, held-out pairs ranked right / pairs; `val_rewards/accuracies` of DPO) or from
 the JSON scripts/evaluate.py wrote for it (an eval stage whose input it is: `arith.json`
 pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (prompts × n);
-`gsm8k.json` pass@1). Tokens/s is the mean of the training records' `tokens_per_s`; wall time
+`gsm8k.json` pass@1). The reward-model and DPO stages' held-out accuracy and margin (and the
+reward model's accuracy per source) are shown first eval -> last eval. Tokens/s is the mean of the training records' `tokens_per_s`; wall time
 is the runner's, summed over a stage's interrupted segments. A stage without a figure shows
 a dash. Role of a stage (what it is read for): the preset's `role`, by default its script's
 name without `train_` (pretrain, sft, reward, dpo, ppo, grpo).
@@ -43,6 +44,9 @@ TASK_COLUMNS = {"arith_pass@1": ("arith pass@1", "arith", "pass@1"),
                 "arith_pass@8": ("arith pass@8", "arith", "pass@8"),
                 "gsm8k_pass@1": ("GSM8K pass@1", "gsm8k", "pass@1"),
                 "mean_length": ("mean completion length", "arith", "completions/mean_length")}
+# role: the held-out figures shown first eval -> last eval (and every `<first>/<source>` logged)
+PREFERENCE_FIGURES = {"reward": ("val_accuracy", "val_margin"),
+                      "dpo": ("val_rewards/accuracies", "val_rewards/margins")}
 PLOTS = {"reward": ("reward_model.png", ["accuracy", "val_accuracy", "margin"]),
          "dpo": ("dpo.png", ["rewards/margins", "val_rewards/margins", "logps/chosen", "val_logps/chosen"]),
          "rl": ("rl.png", ["reward", "objective/kl", "kl", "entropy", "completions/mean_length"])}
@@ -83,6 +87,25 @@ def stage_rows(preset, state: dict) -> list[dict]:
             row[col] = (tasks.get(task) or {}).get("metrics", {}).get(key)
         rows.append(row)
     return rows
+
+
+def preference_lines(preset, rows: list[dict]) -> list[str]:
+    """The reward-model and DPO stages' held-out figures, first eval -> last eval: accuracy (pairs
+    ranked right / pairs), margin (mean over pairs) and, for a reward model, accuracy per source."""
+    lines = []
+    for row in rows:
+        keys = PREFERENCE_FIGURES.get(row["role"])
+        if keys is None:
+            continue
+        records = read_metrics(preset.out_of(preset.stage(row["stage"])) / METRICS)
+        evals = [r for r in records if keys[0] in r]
+        if not evals:
+            continue
+        first, last = evals[0], evals[-1]
+        lines.append(f"{row['stage']} (held-out pairs, step {first['step']} -> {last['step']}):")
+        for k in list(keys) + sorted(k for k in last if k.startswith(keys[0] + "/")):
+            lines.append(f"  {k:28s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}")
+    return lines
 
 
 def _fmt(value, col: str) -> str:
@@ -204,8 +227,9 @@ def hardware() -> str:
     return cpu
 
 
-def write_report_card(preset, state: dict, *, answers: bool = True) -> Path:
-    """Write report.md, report/report_card.json and the plots for the done stages; returns report.md."""
+def write_report_card(preset, state: dict, *, answers: bool = True, log=None) -> Path:
+    """Write report.md, report/report_card.json and the plots for the done stages; returns report.md.
+    With `log` (print), the tables, the preference figures and the answers are shown there too."""
     folder = make_dir(preset.out / REPORT_DIR)
     rows = stage_rows(preset, state)
     runs = {r["stage"]: read_metrics(preset.out_of(preset.stage(r["stage"])) / METRICS) for r in rows}
@@ -235,14 +259,22 @@ def write_report_card(preset, state: dict, *, answers: bool = True) -> Path:
             t = tps.get(s.name)
             lines.append(f"| {s.name} | {s.kind} | {duration(rec.get('wall_s') or 0)} | "
                          f"{f'{t:,.0f}' if t is not None else '–'} |")
+    shown = lines[3:]  # the two tables
+    prefs = preference_lines(preset, rows)
+    if prefs:
+        lines += ["", "## Preferences, held out", "", "```", *prefs, "```"]
     for title, path in plots.items():
         if path is not None:
             lines += ["", f"## {title}", "", f"![{title}]({REPORT_DIR}/{path.name})"]
+    answered = []
     if said:
-        lines += ["", f"## The same prompts, answered greedily (at most {ANSWER_TOKENS} tokens)"]
+        answered = ["", f"## The same prompts, answered greedily (at most {ANSWER_TOKENS} tokens)"]
         for i, prompt in enumerate(SAMPLE_PROMPTS):
-            lines += ["", f"> {prompt}", ""]
-            lines += [f"- **{stage}**: {' '.join(a['answers'][i].split()) or '(empty)'}" for stage, a in said.items()]
+            answered += ["", f"> {prompt}", ""]
+            answered += [f"- **{stage}**: {' '.join(a['answers'][i].split()) or '(empty)'}" for stage, a in said.items()]
+        lines += answered
+    if log is not None:
+        log("\n".join(shown + [""] + prefs + answered))
     path = preset.out / "report.md"
     with atomic_write(path, "w") as f:
         f.write("\n".join(lines) + "\n")
