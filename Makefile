@@ -21,7 +21,7 @@ test-fast: venv
 	$(PYBIN) -m pytest -q -m "not slow"
 
 demo: venv
-	SPROUT_MIRROR=$(MIRROR) DEMO=$(DEMO) bash scripts/demo.sh
+	$(PYBIN) scripts/run_pipeline.py --preset demo --out $(DEMO) --mirror $(MIRROR)
 
 bench: venv
 	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/prep_throughput.py
