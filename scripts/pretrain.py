@@ -14,22 +14,16 @@ prints the command that resumes. See sprout/train/pretrain.py for what is checke
 """
 
 from sprout.errors import run_main
-from sprout.formats.verify import VERIFY_MODES
 from sprout.train.pretrain import PretrainConfig, run_pretrain
-from sprout.train.run import parse_run_config, run_parser
+from sprout.train.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/pretrain.yaml")
-    p.add_argument("--data", help="shard directory (or a <dataset>_train.h5 file); overrides data.dir")
-    p.add_argument("--data-verify", choices=VERIFY_MODES, help="start-up data check: full (sha256 of every "
-                   "file, the default) or sizes (skip the hashes, for data too big to hash at every start); "
-                   "overrides data.verify")
+    add_input_flags(p, data_help="shard directory (or a <dataset>_train.h5 file)", data_field="dir",
+                    verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, PretrainConfig)
-    if args.data_verify:
-        cfg.data.verify = args.data_verify
-    if args.data:
-        cfg.data.dir = args.data
+    apply_input_flags(args, cfg)
     run_pretrain(cfg, resume=args.resume)
 
 

@@ -14,18 +14,15 @@ and sprout/train/rl_stage.py for the rollouts and the buffer.
 
 from sprout.errors import run_main
 from sprout.train.grpo import GRPOConfig, run_grpo
-from sprout.train.run import parse_run_config, run_parser
+from sprout.train.run import add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/grpo.yaml")
-    p.add_argument("--data", metavar="FILE.jsonl", help="RL prompts (scripts/prepare_rl_prompts.py); overrides data.path")
-    p.add_argument("--init", metavar="CKPT", help="LM checkpoint (an SFT run dir); overrides init")
+    add_input_flags(p, data_help="RL prompts (scripts/prepare_rl_prompts.py)", data_metavar="FILE.jsonl",
+                    init_help="LM checkpoint (an SFT run dir)")
     args, cfg = parse_run_config(p, GRPOConfig)
-    if args.data:
-        cfg.data.path = args.data
-    if args.init:
-        cfg.init = args.init
+    apply_input_flags(args, cfg)
     run_grpo(cfg, resume=args.resume)
 
 

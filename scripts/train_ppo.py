@@ -15,20 +15,16 @@ and sprout/train/rl_stage.py for the rollouts and the buffer.
 
 from sprout.errors import run_main
 from sprout.train.ppo import PPOConfig, run_ppo
-from sprout.train.run import parse_run_config, run_parser
+from sprout.train.run import add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/ppo.yaml")
-    p.add_argument("--data", metavar="FILE.jsonl",
-                   help="RL prompts (scripts/prepare_rl_prompts.py); overrides data.path")
-    p.add_argument("--init", metavar="CKPT", help="LM checkpoint (an SFT run dir); overrides init")
+    add_input_flags(p, data_help="RL prompts (scripts/prepare_rl_prompts.py)", data_metavar="FILE.jsonl",
+                    init_help="LM checkpoint (an SFT run dir)")
     p.add_argument("--reward-model", metavar="RUN", help="reward model run or checkpoint; overrides reward_model")
     args, cfg = parse_run_config(p, PPOConfig)
-    if args.data:
-        cfg.data.path = args.data
-    if args.init:
-        cfg.init = args.init
+    apply_input_flags(args, cfg)
     if args.reward_model:
         cfg.reward_model = args.reward_model
     run_ppo(cfg, resume=args.resume)

@@ -12,26 +12,16 @@ The held-out file is preferences_test.jsonl beside --data (data.val_path to chan
 """
 
 from sprout.errors import run_main
-from sprout.formats.verify import VERIFY_MODES
 from sprout.train.reward import RewardConfig, run_reward
-from sprout.train.run import parse_run_config, run_parser
+from sprout.train.run import VERIFY_MANIFEST_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/reward.yaml")
-    p.add_argument("--data", metavar="FILE.jsonl",
-                   help="preference pairs (scripts/prepare_preference_data.py); overrides data.path")
-    p.add_argument("--init", metavar="CKPT", help="LM checkpoint (an SFT run dir); overrides init")
-    p.add_argument("--data-verify", choices=VERIFY_MODES, help="start-up data check: full (both files listed "
-                   "in the prep's manifest.json with their sha256, the default) or sizes (listed only, no "
-                   "hashing); overrides data.verify")
+    add_input_flags(p, data_help="preference pairs (scripts/prepare_preference_data.py)", data_metavar="FILE.jsonl",
+                    init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, RewardConfig)
-    if args.data_verify:
-        cfg.data.verify = args.data_verify
-    if args.data:
-        cfg.data.path = args.data
-    if args.init:
-        cfg.init = args.init
+    apply_input_flags(args, cfg)
     run_reward(cfg, resume=args.resume)
 
 

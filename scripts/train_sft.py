@@ -14,26 +14,16 @@ See sprout/train/sft.py for what is checked before training.
 """
 
 from sprout.errors import run_main
-from sprout.formats.verify import VERIFY_MODES
-from sprout.train.run import parse_run_config, run_parser
+from sprout.train.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
 from sprout.train.sft import SFTConfig, run_sft
 
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/sft.yaml")
-    p.add_argument("--data", metavar="FILE.h5",
-                   help="packed SFT rows (scripts/prepare_sft_data.py); overrides data.path")
-    p.add_argument("--init", metavar="CKPT", help="base checkpoint, or its run dir; overrides init")
-    p.add_argument("--data-verify", choices=VERIFY_MODES, help="start-up data check: full (sha256 of every "
-                   "file, the default) or sizes (skip the hashes, for data too big to hash at every start); "
-                   "overrides data.verify")
+    add_input_flags(p, data_help="packed SFT rows (scripts/prepare_sft_data.py)", data_metavar="FILE.h5",
+                    init_help="base checkpoint, or its run dir", verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, SFTConfig)
-    if args.data_verify:
-        cfg.data.verify = args.data_verify
-    if args.data:
-        cfg.data.path = args.data
-    if args.init:
-        cfg.init = args.init
+    apply_input_flags(args, cfg)
     run_sft(cfg, resume=args.resume)
 
 

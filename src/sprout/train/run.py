@@ -44,6 +44,7 @@ from sprout.atomic import atomic_write
 from sprout.checkpoint import META, bundle_tokenizer, resolve_checkpoint
 from sprout.config import add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides, read_yaml, resume_config
 from sprout.errors import SproutError
+from sprout.formats.verify import VERIFY_MODES
 from sprout.train.fsdp import local_params
 from sprout.train.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
 from sprout.train.optim import build_optimizer, lr_schedule
@@ -65,6 +66,36 @@ def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="start again in an --out that holds a run: delete that run's files first")
     return p
+
+
+VERIFY_FILES_HELP = ("start-up data check: full (sha256 of every file, the default) or sizes (skip the hashes, "
+                     "for data too big to hash at every start); overrides data.verify")
+VERIFY_MANIFEST_HELP = ("start-up data check: full (both files listed in the prep's manifest.json with their "
+                        "sha256, the default) or sizes (listed only, no hashing); overrides data.verify")
+
+
+def add_input_flags(parser: argparse.ArgumentParser, *, data_help: str, data_metavar: str | None = None,
+                    data_field: str = "path", init_help: str | None = None,
+                    verify_help: str | None = None) -> None:
+    """The input flags of a training script: --data (overrides data.<data_field>), --init when
+    `init_help` is given, --data-verify when `verify_help` is given; `apply_input_flags` copies
+    them into the config."""
+    parser.add_argument("--data", metavar=data_metavar, help=f"{data_help}; overrides data.{data_field}")
+    if init_help is not None:
+        parser.add_argument("--init", metavar="CKPT", help=f"{init_help}; overrides init")
+    if verify_help is not None:
+        parser.add_argument("--data-verify", choices=VERIFY_MODES, help=verify_help)
+    parser.set_defaults(input_data_field=data_field)
+
+
+def apply_input_flags(args: argparse.Namespace, cfg) -> None:
+    """Copy the flags of `add_input_flags` that were given into `cfg` (data.verify, data.<field>, init)."""
+    if getattr(args, "data_verify", None):
+        cfg.data.verify = args.data_verify
+    if args.data:
+        setattr(cfg.data, args.input_data_field, args.data)
+    if getattr(args, "init", None):
+        cfg.init = args.init
 
 
 # ---- the run folder -----------------------------------------------------------------------------
