@@ -15,31 +15,20 @@ pairs too.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 
-from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
+from sprout.prep.cli import parse_prep_config, prep_parser
 from sprout.prep.preferences import PreferenceDataConfig, prepare
 
 FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_config_help(parser, PreferenceDataConfig)
-    parser.add_argument("--config", help="YAML config (configs/demo/preferences.yaml)")
-    for name, tp in FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)
-    parser.add_argument("--no-dedup", action="store_true", help="keep exact duplicate pairs")
-    args, rest = parser.parse_known_args()
-    overrides = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
-    if args.no_dedup:
-        overrides["dedup"] = False
-    cfg = load_config(PreferenceDataConfig, args.config, merge(parse_overrides(rest), overrides))
-    print(dump_yaml(cfg), end="")
+    parser = prep_parser(__doc__, PreferenceDataConfig, "configs/demo/preferences.yaml", FLAGS)
+    _, cfg = parse_prep_config(parser, PreferenceDataConfig, FLAGS, dedup_help="keep exact duplicate pairs")
     manifest = prepare(cfg, command=shlex.join(sys.argv))
     print(json.dumps({k: manifest[k] for k in ("files", "sources", "dropped")}, indent=2))
     return 0

@@ -15,31 +15,20 @@ see `sprout.prep.rl_prompts` for the steps. Flags override the config; other
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 
-from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import run_main
+from sprout.prep.cli import parse_prep_config, prep_parser
 from sprout.prep.rl_prompts import PromptDataConfig, prepare
 
 FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_config_help(parser, PromptDataConfig)
-    parser.add_argument("--config", help="YAML config (configs/demo/rl_prompts.yaml)")
-    for name, tp in FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)
-    parser.add_argument("--no-dedup", action="store_true", help="keep prompts seen before")
-    args, rest = parser.parse_known_args()
-    overrides = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
-    if args.no_dedup:
-        overrides["dedup"] = False
-    cfg = load_config(PromptDataConfig, args.config, merge(parse_overrides(rest), overrides))
-    print(dump_yaml(cfg), end="")
+    parser = prep_parser(__doc__, PromptDataConfig, "configs/demo/rl_prompts.yaml", FLAGS)
+    _, cfg = parse_prep_config(parser, PromptDataConfig, FLAGS, dedup_help="keep prompts seen before")
     manifest = prepare(cfg, command=shlex.join(sys.argv))
     print(json.dumps({k: manifest[k] for k in ("files", "sources", "dropped", "levels")}, indent=2))
     return 0

@@ -27,9 +27,9 @@ import json
 import shlex
 import sys
 
-from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
 from sprout.errors import SproutError, run_main
 from sprout.prep.chat_sources import FORMATS, source_from_arg
+from sprout.prep.cli import parse_prep_config, prep_parser
 from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.tokenizer import load_tokenizer
 
@@ -44,29 +44,25 @@ class _SourceAction(argparse.Action):
         getattr(namespace, self.dest).append((value, getattr(namespace, "source_format", None)))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_config_help(parser, SFTDataConfig)
-    parser.add_argument("--config", help="YAML config (configs/demo/sft_data.yaml)")
-    for name, tp in FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)
-    parser.add_argument("--source", action=_SourceAction, dest="sources", default=[],
-                        help="PATH[:WEIGHT] in the current --format, repeatable; replaces the config's sources")
-    parser.add_argument("--format", dest="source_format", help=f"format of the --source flags after it: {', '.join(FORMATS)}")
-    parser.add_argument("--no-dedup", action="store_true", help="keep exact duplicate conversations")
-    args, rest = parser.parse_known_args()
-    overrides = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
-    if args.no_dedup:
-        overrides["dedup"] = False
+def _source_overrides(args: argparse.Namespace) -> dict:
+    """{"sources": [...]} from the --source/--format flags, or {} without them."""
     if args.sources:
         if args.source_format is None:
             raise SproutError("--source needs --format (one of " + ", ".join(FORMATS) + ")")
         taken: set[str] = set()
-        overrides["sources"] = [source_from_arg(arg, fmt or args.source_format, taken) for arg, fmt in args.sources]
-    elif args.source_format:
+        return {"sources": [source_from_arg(arg, fmt or args.source_format, taken) for arg, fmt in args.sources]}
+    if args.source_format:
         raise SproutError("--format names the format of --source files; give --source PATH[:WEIGHT] after it")
-    cfg = load_config(SFTDataConfig, args.config, merge(parse_overrides(rest), overrides))
-    print(dump_yaml(cfg), end="")
+    return {}
+
+
+def main() -> int:
+    parser = prep_parser(__doc__, SFTDataConfig, "configs/demo/sft_data.yaml", FLAGS)
+    parser.add_argument("--source", action=_SourceAction, dest="sources", default=[],
+                        help="PATH[:WEIGHT] in the current --format, repeatable; replaces the config's sources")
+    parser.add_argument("--format", dest="source_format", help=f"format of the --source flags after it: {', '.join(FORMATS)}")
+    _, cfg = parse_prep_config(parser, SFTDataConfig, FLAGS, dedup_help="keep exact duplicate conversations",
+                               extra_overrides=_source_overrides)
     tok = load_tokenizer(cfg.tokenizer, mirror=cfg.mirror)
     result = prepare(cfg, tok, command=shlex.join(sys.argv))
     print(json.dumps(result, indent=2))
