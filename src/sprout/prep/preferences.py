@@ -51,9 +51,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sprout.atomic import sha256_file, write_json_atomic
+from sprout.atomic import write_json_atomic
 from sprout.chat import ROLES, ChatError, validate
-from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.mirror import ENV as MIRROR_VARIABLE
 from sprout.mirror import expand_path, mirror_dir
@@ -61,6 +60,8 @@ from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import _field, _hub_rows, iter_records
 from sprout.prep.keys import SplitRule, conversation_key, is_val
+from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
+                                 write_split_files)
 
 FORMATS = ("hh_rlhf", "ultrafeedback", "jsonl", "arithmetic")
 
@@ -89,14 +90,6 @@ class PreferenceDataConfig:
     test_fraction: float = 0.05  # share of pairs (by prompt hash) in the test file
     dedup: bool = True  # drop exact duplicates
     sources: list = field(default_factory=list)  # PreferenceSourceConfig fields, one mapping each
-
-
-class Drop(Exception):
-    """A pair that is counted and left out (not an error): `reason` is the count's key."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason = reason
 
 
 # ---- one record -> (prompt, chosen, rejected, margin) ----------------------------------
@@ -273,27 +266,12 @@ def prompt_key(prompt: list) -> bytes:
 def check_config(cfg: PreferenceDataConfig) -> list[PreferenceSourceConfig]:
     if not 0.0 <= cfg.test_fraction < 1.0:
         raise SproutError(f"test_fraction must be in [0, 1), got {cfg.test_fraction}")
-    if not cfg.sources:
-        raise SproutError("no sources configured (the config needs a `sources:` list)")
-    specs = []
-    for i, data in enumerate(cfg.sources):
-        spec = from_dict(PreferenceSourceConfig, data, f"sources[{i}]")
-        where = f"sources[{i}] ({spec.name})"
-        if spec.format not in FORMATS:
-            raise SproutError(f"{where}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
-        if spec.format == "arithmetic":
-            spec.levels = list(arithmetic.check_levels(spec.levels, where))
-            if spec.count <= 0:
-                raise SproutError(f"{where}: count must be > 0 for an arithmetic source")
-            if not 0.0 <= spec.broken_format_fraction <= 1.0:
-                raise SproutError(f"{where}: broken_format_fraction must be in [0, 1], got {spec.broken_format_fraction}")
-        elif not spec.path and not spec.hub:
-            raise SproutError(f"{where}: needs a path or a hub id")
-        specs.append(spec)
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise SproutError(f"source names must be unique, got {names}")
-    return specs
+    return check_sources(cfg.sources, PreferenceSourceConfig, FORMATS, _check_spec)
+
+
+def _check_spec(spec: PreferenceSourceConfig, where: str) -> None:
+    if spec.format == "arithmetic" and not 0.0 <= spec.broken_format_fraction <= 1.0:
+        raise SproutError(f"{where}: broken_format_fraction must be in [0, 1], got {spec.broken_format_fraction}")
 
 
 def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
@@ -307,17 +285,9 @@ def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
     first_drop: dict[str, str] = {}
     for spec in specs:
         c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
-        for where, pair in read_pairs(spec, cfg.mirror, cfg.seed, cfg.max_examples, c):
-            c["read"] += 1
-            try:
-                if isinstance(pair, Drop):
-                    raise pair
-                prompt, chosen, rejected, margin = pair
-                check_content(prompt, chosen, rejected)
-            except Drop as drop:
-                c[f"dropped_{drop.reason}"] += 1
-                first_drop.setdefault(f"{spec.name}/{drop.reason}", f"{where}: {drop}")
-                continue
+        pairs = read_pairs(spec, cfg.mirror, cfg.seed, cfg.max_examples, c)
+        for prompt, chosen, rejected, margin in kept_records(pairs, c, first_drop, spec.name,
+                                                             lambda pair: check_content(*pair[:3])):
             key = pair_key(prompt, chosen, rejected)
             if cfg.dedup and key in seen:
                 c["duplicates"] += 1
@@ -325,31 +295,19 @@ def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
             seen.add(key)
             split = "test" if is_val(prompt_key(prompt), cfg.test_fraction) else "train"
             c[split] += 1
-            pair_id = f"{spec.name}-{key.hex()[:16]}"
-            ids[pair_id] += 1
-            if ids[pair_id] > 1:  # the same pair again, kept because dedup is off
-                pair_id = f"{pair_id}-{ids[pair_id] - 1}"
-            record = {"id": pair_id, "source": spec.name, "prompt": prompt,
+            record = {"id": record_id(ids, f"{spec.name}-{key.hex()[:16]}"), "source": spec.name, "prompt": prompt,
                       "chosen": [_msg("assistant", chosen)], "rejected": [_msg("assistant", rejected)]}
             if margin is not None:
                 record["margin"] = margin
             splits[split].append(record)
-    for what, example in first_drop.items():
-        log(f"dropped ({what}), first at {example}")
+    log_first_drops(first_drop, log)
 
-    files = {}
-    for split, name in (("train", TRAIN_FILE), ("test", TEST_FILE)):
-        random.Random(f"{cfg.seed}-{split}").shuffle(splits[split])
-        n = write_preferences(out / name, splits[split])
-        files[split] = {"path": name, "records": n, "sha256": sha256_file(out / name)}
-        log(f"{split}: {n:,} pairs -> {out / name}")
-    dropped = Counter()
-    for c in per_source.values():
-        dropped.update({k[len("dropped_"):]: v for k, v in c.items() if k.startswith("dropped_")})
+    files = write_split_files(out, splits, {"train": TRAIN_FILE, "test": TEST_FILE}, cfg.seed, write_preferences,
+                              "pairs", log)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
         "sources": {name: {"format": s.format, **dict(per_source[name])} for name, s in zip(per_source, specs)},
-        "dropped": dict(sorted(dropped.items())), "first_drops": first_drop,
+        "dropped": dropped_totals(per_source), "first_drops": first_drop,
         "split": {"by": "prompt", "test_fraction": cfg.test_fraction,
                   **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents")},
         "dedup": {"enabled": cfg.dedup, "key": "conversation_key(prompt + [chosen, rejected])"},

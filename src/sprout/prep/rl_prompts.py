@@ -53,14 +53,12 @@ file and line: it means the file is not what the config says it is.
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sprout.atomic import sha256_file, write_json_atomic
+from sprout.atomic import write_json_atomic
 from sprout.chat import ROLES, ChatError, validate
-from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.formats.prompts import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.mirror import ENV as MIRROR_VARIABLE
@@ -68,6 +66,8 @@ from sprout.mirror import expand_path, mirror_dir
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import _field, _hub_rows, gsm8k_gold, iter_records
 from sprout.prep.keys import SplitRule, conversation_key, is_val
+from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
+                                 write_split_files)
 from sprout.rl.verifiers import normalise_number
 
 FORMATS = ("gsm8k", "arithmetic", "jsonl")
@@ -100,14 +100,6 @@ class PromptDataConfig:
     dedup: bool = True  # drop exact duplicates
     instruction: str | None = None  # appended to GSM8K / arithmetic questions; None: the SFT shape
     sources: list = field(default_factory=list)  # PromptSourceConfig fields, one mapping each
-
-
-class Drop(Exception):
-    """A record that is counted and left out (not an error): `reason` is the count's key."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(detail or reason)
-        self.reason = reason
 
 
 @dataclass
@@ -239,29 +231,14 @@ def check_config(cfg: PromptDataConfig) -> list[PromptSourceConfig]:
         raise SproutError(f"test_fraction must be in [0, 1), got {cfg.test_fraction}")
     if cfg.max_examples is not None and cfg.max_examples < 0:
         raise SproutError(f"max_examples must be >= 0, got {cfg.max_examples}")
-    if not cfg.sources:
-        raise SproutError("no sources configured (the config needs a `sources:` list)")
-    specs = []
-    for i, data in enumerate(cfg.sources):
-        spec = from_dict(PromptSourceConfig, data, f"sources[{i}]")
-        where = f"sources[{i}] ({spec.name})"
-        if spec.format not in FORMATS:
-            raise SproutError(f"{where}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
-        if spec.format == "arithmetic":
-            spec.levels = list(arithmetic.check_levels(spec.levels, where))
-            if spec.count <= 0:
-                raise SproutError(f"{where}: count must be > 0 for an arithmetic source")
-            if spec.split not in arithmetic.SPLITS:
-                raise SproutError(f"{where}: split must be one of {', '.join(arithmetic.SPLITS)}, got {spec.split!r}")
-        elif not spec.path and not spec.hub:
-            raise SproutError(f"{where}: needs a path or a hub id")
-        if spec.own_split and spec.split not in SPLITS:
-            raise SproutError(f"{where}: own_split needs split train or test, got {spec.split!r}")
-        specs.append(spec)
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise SproutError(f"source names must be unique, got {names}")
-    return specs
+    return check_sources(cfg.sources, PromptSourceConfig, FORMATS, _check_spec)
+
+
+def _check_spec(spec: PromptSourceConfig, where: str) -> None:
+    if spec.format == "arithmetic" and spec.split not in arithmetic.SPLITS:
+        raise SproutError(f"{where}: split must be one of {', '.join(arithmetic.SPLITS)}, got {spec.split!r}")
+    if spec.own_split and spec.split not in SPLITS:
+        raise SproutError(f"{where}: own_split needs split train or test, got {spec.split!r}")
 
 
 def prepare(cfg: PromptDataConfig, command: str = "", log=print) -> dict:
@@ -276,16 +253,7 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print) -> dict:
     first_drop: dict[str, str] = {}
     for spec in specs:
         c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
-        for where, item in read_items(spec, cfg):
-            c["read"] += 1
-            try:
-                if isinstance(item, Drop):
-                    raise item
-                check_content(item)
-            except Drop as drop:
-                c[f"dropped_{drop.reason}"] += 1
-                first_drop.setdefault(f"{spec.name}/{drop.reason}", f"{where}: {drop}")
-                continue
+        for item in kept_records(read_items(spec, cfg), c, first_drop, spec.name, check_content):
             key = prompt_key(item.prompt)
             if cfg.dedup and key in seen:
                 c["duplicates"] += 1
@@ -299,31 +267,19 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print) -> dict:
                 split = "test" if is_val(key, cfg.test_fraction) else "train"
             c[split] += 1
             split_keys[split].add(key)
-            prompt_id = source_prompt_id(spec.name, key)
-            ids[prompt_id] += 1
-            if ids[prompt_id] > 1:  # the same prompt again, kept because dedup is off
-                prompt_id = f"{prompt_id}-{ids[prompt_id] - 1}"
-            splits[split].append({"id": prompt_id, "source": spec.name, "prompt": item.prompt,
+            splits[split].append({"id": record_id(ids, source_prompt_id(spec.name, key)), "source": spec.name, "prompt": item.prompt,
                                   "gold": item.gold, "level": item.level})
-    for what, example in first_drop.items():
-        log(f"dropped ({what}), first at {example}")
+    log_first_drops(first_drop, log)
 
-    files, levels = {}, {}
-    for split, name in (("train", TRAIN_FILE), ("test", TEST_FILE)):
-        random.Random(f"{cfg.seed}-{split}").shuffle(splits[split])
-        n = write_prompts(out / name, splits[split])
-        files[split] = {"path": name, "records": n, "sha256": sha256_file(out / name)}
-        levels[split] = dict(sorted(Counter("null" if r["level"] is None else str(r["level"])
-                                            for r in splits[split]).items()))
-        log(f"{split}: {n:,} prompts -> {out / name}")
-    dropped = Counter()
-    for c in per_source.values():
-        dropped.update({k[len("dropped_"):]: v for k, v in c.items() if k.startswith("dropped_")})
+    files = write_split_files(out, splits, {"train": TRAIN_FILE, "test": TEST_FILE}, cfg.seed, write_prompts,
+                              "prompts", log)
+    levels = {split: dict(sorted(Counter("null" if r["level"] is None else str(r["level"])
+                                         for r in records).items())) for split, records in splits.items()}
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
         "sources": {s.name: {"format": s.format, "own_split": s.split if s.own_split else None,
                              **dict(per_source[s.name])} for s in specs},
-        "dropped": dict(sorted(dropped.items())), "first_drops": first_drop, "levels": levels,
+        "dropped": dropped_totals(per_source), "first_drops": first_drop, "levels": levels,
         "split": {"by": "prompt", "test_fraction": cfg.test_fraction,
                   **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents"),
                   "own_split_sources": {s.name: s.split for s in specs if s.own_split},

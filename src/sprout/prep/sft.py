@@ -42,6 +42,7 @@ from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
 from sprout.prep.keys import conversation_key, is_val
 from sprout.prep.mixture import resample
 from sprout.prep.packing import OVERLONG_POLICIES, pack
+from sprout.prep.records import kept_records, log_first_drops
 
 
 @dataclass
@@ -87,14 +88,8 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
     first_drop: dict[str, str] = {}
     for spec in specs:
         c = per_source[spec.name]
-        for ex in read_source(spec, cfg.mirror, cfg.max_examples, skipped=c):
-            c["read"] += 1
-            try:
-                validate(ex.messages)
-            except ChatError as exc:
-                c[f"dropped_{exc.reason}"] += 1
-                first_drop.setdefault(f"{spec.name}/{exc.reason}", f"{ex.where}: {exc}")
-                continue
+        rows = ((ex.where, ex) for ex in read_source(spec, cfg.mirror, cfg.max_examples, skipped=c))
+        for ex in kept_records(rows, c, first_drop, spec.name, lambda ex: validate(ex.messages)):
             key = conversation_key(ex.messages)
             if cfg.dedup and key in seen:
                 c["duplicates"] += 1
@@ -110,8 +105,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
             drops = ", ".join(f"{k} {v:,}" for k, v in sorted(c.items()) if k != "read") or "the source is empty"
             raise SproutError(f"{spec.path or spec.hub or spec.name}: source {spec.name!r} has no usable rows "
                               f"({c['read']:,} read; {drops})")
-    for what, example in first_drop.items():
-        log(f"dropped ({what}), first at {example}")
+    log_first_drops(first_drop, log)
     t_read = time.perf_counter()
 
     train_convs = []
