@@ -44,6 +44,28 @@ def check_messages(value, name: str) -> list:
     return value
 
 
+def check_prompt_record(record, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> list:
+    """The checks every record with an id, a source and a prompt shares: a JSON object with all
+    of `keys` and nothing else but `optional` ones, non-empty string 'id' and 'source', and a
+    'prompt' of messages ending with a user turn. Returns the prompt; raises `SproutError`
+    (without the location: callers add it) otherwise."""
+    if not isinstance(record, dict):
+        raise SproutError(f"expected a JSON object, got {type(record).__name__}")
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise SproutError(f"missing key(s) {', '.join(missing)}")
+    unknown = sorted(set(record) - set(keys) - set(optional))
+    if unknown:
+        raise SproutError(f"unknown key(s) {', '.join(unknown)}")
+    for k in ("id", "source"):
+        if not isinstance(record[k], str) or not record[k]:
+            raise SproutError(f"{k!r} must be a non-empty string")
+    prompt = check_messages(record["prompt"], "prompt")
+    if prompt[-1]["role"] != "user":
+        raise SproutError(f"prompt must end with a user turn, ends with {prompt[-1]['role']}")
+    return prompt
+
+
 def _lines(path: Path, what: str) -> Iterator[tuple[int, bytes]]:
     if not path.is_file():
         raise SproutError(f"{path}: {what} not found")

@@ -314,6 +314,15 @@ def _figure(v) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
+def html_head(title: str, css: str, intro: str, totals: dict) -> list[str]:
+    """The opening of a self-contained check page: `title`, the style sheet `css`, a heading,
+    the `intro` paragraph (HTML) and a table of `totals` (as `str` gives them)."""
+    return [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>", css, "</style>",
+            f"<h1>{html.escape(title)}</h1><p>{intro}</p><table>",
+            *[f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in totals.items()],
+            "</table>"]
+
+
 def rows_html(arrays: dict, rows, tpl: Template, tok, title: str, totals: dict, warnings=()) -> str:
     """A self-contained HTML page showing `rows`: every token in its own box (id on hover),
     trained tokens highlighted, headers, the end-of-turn token and padding named, truncated

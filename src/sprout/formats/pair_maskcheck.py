@@ -32,7 +32,7 @@ import numpy as np
 
 from sprout.chat import ChatError, Template, segment
 from sprout.errors import SproutError
-from sprout.formats.maskcheck import _ANSI, _CSS, TRAINED, _describe, _runs
+from sprout.formats.maskcheck import _ANSI, _CSS, TRAINED, _describe, _runs, html_head
 from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair, records_to_render
 
 
@@ -214,14 +214,10 @@ def format_pair(pair: PairTokens, tpl: Template, tok, color: bool = True) -> str
 
 def pairs_html(pairs, tpl: Template, tok, title: str, totals: dict) -> str:
     """A self-contained HTML page showing both sides of `pairs` with trained tokens highlighted."""
-    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>",
-             "body{font-family:sans-serif;margin:2em} .side{white-space:pre-wrap;font-family:monospace;"
-             "border:1px solid #ccc;padding:.5em;margin:.5em 0} .trained{background:#b6f2b6}"
-             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .label{color:#888}</style>",
-             f"<h1>{html.escape(title)}</h1><p>Green: trained tokens (the response and its end-of-turn token). "
-             "Blue: role headers.</p><table>"]
-    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in totals.items()]
-    parts.append("</table>")
+    parts = html_head(title, "body{font-family:sans-serif;margin:2em} .side{white-space:pre-wrap;"
+                             "font-family:monospace;border:1px solid #ccc;padding:.5em;margin:.5em 0} .trained{background:#b6f2b6}"
+                             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .label{color:#888}",
+                      "Green: trained tokens (the response and its end-of-turn token). Blue: role headers.", totals)
     for pair in pairs:
         parts.append(f"<h3>{html.escape(_title(pair))}</h3>")
         for side in SIDES:

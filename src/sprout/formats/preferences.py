@@ -37,7 +37,7 @@ from typing import Iterable, Iterator
 from sprout.chat import ChatError, validate
 from sprout.errors import SproutError
 from sprout.formats.jsonl import check_messages as _messages
-from sprout.formats.jsonl import read_records, verify_records, write_records
+from sprout.formats.jsonl import check_prompt_record, read_records, verify_records, write_records
 
 FORMAT = "sprout-preferences"
 FORMAT_VERSION = 1
@@ -60,20 +60,7 @@ def _answer(value, name: str) -> str:
 def check_pair(record) -> dict:
     """Return `record` when it is a valid preference pair; raise `SproutError` (without the
     location: callers add it) saying what is wrong otherwise."""
-    if not isinstance(record, dict):
-        raise SproutError(f"expected a JSON object, got {type(record).__name__}")
-    missing = [k for k in KEYS if k not in record]
-    if missing:
-        raise SproutError(f"missing key(s) {', '.join(missing)}")
-    unknown = sorted(set(record) - set(KEYS) - set(OPTIONAL_KEYS))
-    if unknown:
-        raise SproutError(f"unknown key(s) {', '.join(unknown)}")
-    for k in ("id", "source"):
-        if not isinstance(record[k], str) or not record[k]:
-            raise SproutError(f"{k!r} must be a non-empty string")
-    prompt = _messages(record["prompt"], "prompt")
-    if prompt[-1]["role"] != "user":
-        raise SproutError(f"prompt must end with a user turn, ends with {prompt[-1]['role']}")
+    prompt = check_prompt_record(record, KEYS, OPTIONAL_KEYS)
     chosen = _answer(record["chosen"], "chosen")
     rejected = _answer(record["rejected"], "rejected")
     if chosen.strip() == rejected.strip():

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sprout.chat import ChatError, Template, render, segment
-from sprout.formats.maskcheck import _ANSI, _CSS, _runs
+from sprout.formats.maskcheck import _ANSI, _CSS, _runs, html_head
 from sprout.formats.prompts import read_prompts
 
 
@@ -144,14 +144,11 @@ def format_prompt(item: RenderedPrompt, tpl: Template, tok, color: bool = True) 
 
 def prompts_html(items, tpl: Template, tok, title: str, totals: dict) -> str:
     """A self-contained HTML page showing rendered prompts with the role headers marked."""
-    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>",
-             "body{font-family:sans-serif;margin:2em} .prompt{white-space:pre-wrap;font-family:monospace;"
-             "border:1px solid #ccc;padding:.5em;margin:.5em 0} .trained{background:#b6f2b6}"
-             " .hdr{color:#1f4fbf;font-weight:bold}</style>",
-             f"<h1>{html.escape(title)}</h1><p>Blue: role headers; the last one opens the answer the policy "
-             "generates. No token of a prompt is trained.</p><table>"]
-    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in totals.items()]
-    parts.append("</table>")
+    parts = html_head(title, "body{font-family:sans-serif;margin:2em} .prompt{white-space:pre-wrap;"
+                             "font-family:monospace;border:1px solid #ccc;padding:.5em;margin:.5em 0} .trained{background:#b6f2b6}"
+                             " .hdr{color:#1f4fbf;font-weight:bold}",
+                      "Blue: role headers; the last one opens the answer the policy generates. "
+                      "No token of a prompt is trained.", totals)
     for item in items:
         parts.append(f"<h3>{html.escape(_title(item))}</h3><div class='prompt'>")
         parts += [f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>" for kind, text in _prompt_runs(item, tpl, tok)]

@@ -37,7 +37,7 @@ from typing import Iterable, Iterator
 
 from sprout.chat import ChatError, validate
 from sprout.errors import SproutError
-from sprout.formats.jsonl import check_messages, read_records, verify_records, write_records
+from sprout.formats.jsonl import check_prompt_record, read_records, verify_records, write_records
 from sprout.rl.verifiers import normalise_number
 
 FORMAT = "sprout-prompts"
@@ -50,20 +50,7 @@ KEYS = ("id", "source", "prompt", "gold", "level")
 def check_prompt(record) -> dict:
     """Return `record` when it is a valid RL prompt; raise `SproutError` (without the
     location: callers add it) saying what is wrong otherwise."""
-    if not isinstance(record, dict):
-        raise SproutError(f"expected a JSON object, got {type(record).__name__}")
-    missing = [k for k in KEYS if k not in record]
-    if missing:
-        raise SproutError(f"missing key(s) {', '.join(missing)}")
-    unknown = sorted(set(record) - set(KEYS))
-    if unknown:
-        raise SproutError(f"unknown key(s) {', '.join(unknown)}")
-    for k in ("id", "source"):
-        if not isinstance(record[k], str) or not record[k]:
-            raise SproutError(f"{k!r} must be a non-empty string")
-    prompt = check_messages(record["prompt"], "prompt")
-    if prompt[-1]["role"] != "user":
-        raise SproutError(f"prompt must end with a user turn, ends with {prompt[-1]['role']}")
+    prompt = check_prompt_record(record, KEYS)
     try:
         validate(prompt, add_generation_prompt=True)
     except ChatError as exc:
