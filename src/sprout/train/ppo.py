@@ -92,7 +92,6 @@ from sprout.train.rl_stage import (
     build_rewards,
     completion_logps,
     open_rl_run,
-    pack_stats,
     trim,
 )
 from sprout.train.run import train_stage
@@ -368,20 +367,11 @@ class PPOStage(RLStage):
     def next_micro_batches(self, step: int) -> list[dict]:
         """The next mini-batch of the buffer (pass k // M, mini-batch k % M of this rank's
         shuffled rows) in micro-batches; a new buffer (rollouts) when it is used up."""
-        self.generated_tokens = 0
-        if self.buffer is None or self.served >= self.num_iterations:
-            self.buffer, stats = self.fill_buffer()
-            self.buffer["stats"] = pack_stats(stats, self.acc.is_main_process)
-            self.buffer["stat_names"] = list(stats)
-            self.served = 0
-        epoch, mini = divmod(self.served, self.M)
-        self.served += 1
-        b, m = self.buffer, self.batch_cfg.micro_completions
+        b = self.serve_buffer()
+        epoch, mini = divmod(self.served - 1, self.M)
         rows = b["order"][epoch][mini * self.mini_rows:(mini + 1) * self.mini_rows]
         data = {k: v[rows] for k, v in b.items() if k not in ("stats", "stat_names", "order")}
-        out = [trim({k: v[i:i + m] for k, v in data.items()}) for i in range(0, self.mini_rows, m)]
-        out[0] = {**out[0], "stats": b["stats"], "stat_names": b["stat_names"]}
-        return out
+        return self.micro_batches(data, self.mini_rows)
 
     def tensor_state(self) -> dict:
         return {**super().tensor_state(), "kl_ctl": self.kl_ctl.state_dict()}

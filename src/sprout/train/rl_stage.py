@@ -310,6 +310,13 @@ class RLStage:
 
     def next_micro_batches(self, step: int) -> list[dict]:
         """The next iteration over the buffer; a new buffer (rollouts) when it is used up."""
+        b = self.serve_buffer()
+        rows = {k: v for k, v in b.items() if k not in ("stats", "stat_names")}
+        return self.micro_batches(rows, b["completion_ids"].shape[0])
+
+    def serve_buffer(self) -> dict:
+        """The buffer for this step, refilled (`fill_buffer`, its stats packed) once it has been
+        served `num_iterations` times; counts this serving in `served` (1 after a refill)."""
         self.generated_tokens = 0
         if self.buffer is None or self.served >= self.num_iterations:
             self.buffer, stats = self.fill_buffer()
@@ -317,11 +324,14 @@ class RLStage:
             self.buffer["stat_names"] = list(stats)
             self.served = 0
         self.served += 1
-        b, m = self.buffer, self.batch_cfg.micro_completions
-        n = b["completion_ids"].shape[0]
-        rows = {k: v for k, v in b.items() if k not in ("stats", "stat_names")}
+        return self.buffer
+
+    def micro_batches(self, rows: dict, n: int) -> list[dict]:
+        """The first `n` rows of `rows` in micro-batches of batch.micro_completions, each trimmed;
+        the first carries the buffer's packed stats."""
+        m = self.batch_cfg.micro_completions
         out = [trim({k: v[i:i + m] for k, v in rows.items()}) for i in range(0, n, m)]
-        out[0] = {**out[0], "stats": b["stats"], "stat_names": b["stat_names"]}
+        out[0] = {**out[0], "stats": self.buffer["stats"], "stat_names": self.buffer["stat_names"]}
         return out
 
     @staticmethod
