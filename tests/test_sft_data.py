@@ -232,7 +232,8 @@ def test_script_on_the_mirror_then_checker(mirror, tmp_path):
     with SFTFile(out) as f:
         counts = f.attrs["counts"]
         assert f.attrs["seq_len"] == 256 and f.num_rows > 0
-    assert {k: v["read"] for k, v in counts["sources"].items()} == {"alpaca": 40, "dolly": 40, "gsm8k": 40}
+    assert {k: v["read"] for k, v in counts["sources"].items()} == {"alpaca": 40, "dolly": 40, "gsm8k": 40,
+                                                                       "arithmetic": 40}
     check = subprocess.run([sys.executable, "scripts/check_loss_mask.py", str(out), "--mirror", str(mirror), "--show", "1"],
                            cwd=ROOT, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
