@@ -311,6 +311,13 @@ def source_rows(spec: SourceConfig, mirror: str | os.PathLike | None,
         raise SproutError(f"source {spec.name}: unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
     if spec.format == "arithmetic":
         return _arithmetic_rows(spec)
+    return file_or_hub_rows(spec, mirror, skipped)
+
+
+def file_or_hub_rows(spec, mirror: str | os.PathLike | None,
+                     skipped: Counter | None = None) -> Iterator[tuple[str, dict]]:
+    """Raw records of a source with a `path` (the mirror filled in; used when it needs no mirror
+    or one is found) or a `hub` id (`spec.name`, `.path`, `.hub`, and what `_hub_rows` reads)."""
     if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
         return iter_records(Path(expand_path(spec.path, mirror)), skipped)
     if spec.hub:

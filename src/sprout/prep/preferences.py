@@ -54,11 +54,9 @@ from pathlib import Path
 from sprout.atomic import write_json_atomic
 from sprout.chat import ROLES, ChatError, validate
 from sprout.errors import SproutError
-from sprout.mirror import ENV as MIRROR_VARIABLE
-from sprout.mirror import expand_path, mirror_dir
 from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_preferences
 from sprout.prep import arithmetic
-from sprout.prep.chat_sources import _field, _hub_rows, iter_records
+from sprout.prep.chat_sources import _field, file_or_hub_rows
 from sprout.prep.keys import SplitRule, conversation_key, is_val
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
@@ -211,17 +209,6 @@ def arithmetic_pairs(spec: PreferenceSourceConfig, seed: int, counts: Counter):
         yield f"{spec.name}[{i}] (level {p.level})", ([_msg("user", p.question)], p.worked, rejected, None)
 
 
-def source_rows(spec: PreferenceSourceConfig, mirror):
-    """Raw records of a file or hub source: its `path` (with the mirror filled in), else
-    the hub."""
-    if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
-        return iter_records(Path(expand_path(spec.path, mirror)))
-    if spec.hub:
-        return _hub_rows(spec)
-    raise SproutError(f"source {spec.name}: {spec.path or 'no path'} needs a mirror (--mirror DIR or SPROUT_MIRROR) "
-                      "and there is no hub id")
-
-
 def read_pairs(spec: PreferenceSourceConfig, mirror, seed: int, max_examples: int | None, counts: Counter):
     """`(where, (prompt, chosen, rejected, margin))`, or `(where, Drop)` for a record that
     is dropped while it is converted, for each record read."""
@@ -229,7 +216,7 @@ def read_pairs(spec: PreferenceSourceConfig, mirror, seed: int, max_examples: in
         yield from arithmetic_pairs(spec, seed, counts)
         return
     convert = CONVERTERS[spec.format]
-    for n, (where, row) in enumerate(source_rows(spec, mirror)):
+    for n, (where, row) in enumerate(file_or_hub_rows(spec, mirror)):
         if max_examples is not None and n >= max_examples:
             break
         try:

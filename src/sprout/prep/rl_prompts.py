@@ -61,10 +61,8 @@ from sprout.atomic import write_json_atomic
 from sprout.chat import ROLES, ChatError, validate
 from sprout.errors import SproutError
 from sprout.formats.prompts import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
-from sprout.mirror import ENV as MIRROR_VARIABLE
-from sprout.mirror import expand_path, mirror_dir
 from sprout.prep import arithmetic
-from sprout.prep.chat_sources import _field, _hub_rows, gsm8k_gold, iter_records
+from sprout.prep.chat_sources import _field, file_or_hub_rows, gsm8k_gold
 from sprout.prep.keys import SplitRule, conversation_key, is_val
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
@@ -176,17 +174,6 @@ CONVERTERS = {"gsm8k": gsm8k_item, "jsonl": jsonl_item}
 
 # ---- sources ---------------------------------------------------------------------------
 
-def source_rows(spec: PromptSourceConfig, mirror):
-    """Raw records of a file or hub source: its `path` (with the mirror filled in), else
-    the hub."""
-    if spec.path and (MIRROR_VARIABLE not in spec.path or mirror_dir(mirror) is not None):
-        return iter_records(Path(expand_path(spec.path, mirror)))
-    if spec.hub:
-        return _hub_rows(spec)
-    raise SproutError(f"source {spec.name}: {spec.path or 'no path'} needs a mirror (--mirror DIR or SPROUT_MIRROR) "
-                      "and there is no hub id")
-
-
 def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
     """`(where, Item)`, or `(where, Drop)` for a record dropped while it is converted, for
     each record read."""
@@ -197,7 +184,7 @@ def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
             yield f"{spec.name}[{i}] (level {p.level})", Item(question_prompt(p.question, cfg.instruction), p.gold, p.level)
         return
     convert = CONVERTERS[spec.format]
-    for n, (where, row) in enumerate(source_rows(spec, cfg.mirror)):
+    for n, (where, row) in enumerate(file_or_hub_rows(spec, cfg.mirror)):
         if cfg.max_examples is not None and n >= cfg.max_examples:
             break
         try:
