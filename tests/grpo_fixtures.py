@@ -1,4 +1,5 @@
-"""Helpers of the GRPO tests: 1-digit addition prompt files, small configs, test reward functions,
+"""Helpers of the GRPO tests: 1-digit addition prompt files (and the `data` fixture that writes
+them per test module, used by the PPO tests too), small configs, test reward functions,
 and a sampler that draws each prompt's completions from a generator of that prompt alone, so
 that 1 process and 2 processes generate the same rollouts (the normaliser tests).
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from sprout.chat import TEMPLATE_VERSION, render
@@ -44,6 +46,13 @@ def write_prompt_files(folder: Path, n_train: int = 64, n_test: int = 8) -> Path
     write_prompts(folder / "prompts.jsonl", addition_prompts(n_train, 0))
     write_prompts(folder / "prompts_test.jsonl", addition_prompts(n_test, 1))
     return folder / "prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The prompt files of `write_prompt_files` a test module's runs read; a module gets them
+    with `from grpo_fixtures import data`."""
+    return write_prompt_files(tmp_path_factory.mktemp("prompts"))
 
 
 def write_sft_lm(path: Path, sp, steps: int, seed: int = 0) -> Path:

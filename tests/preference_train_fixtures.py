@@ -1,11 +1,13 @@
-"""Helpers shared by the reward-model and DPO tests: a tiny LM checkpoint as SFT would leave it,
-seeded synthetic preference files written through the format's own writer, small configs."""
+"""Helpers shared by the post-training tests (reward model, DPO, GRPO, PPO): a tiny LM checkpoint
+as SFT would leave it (and the `base` fixture that writes one per test module), seeded synthetic
+preference files written through the format's own writer, small configs."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from sprout.chat import TEMPLATE_VERSION
@@ -27,6 +29,13 @@ def write_lm(path: Path, sp, seed: int = 0, **model) -> Path:
     meta = {"model_config": lm.config, "tokenizer": sp.spec, "tokenizer_fingerprint": sp.fingerprint(),
             "template_version": TEMPLATE_VERSION, "stage": "sft", "step": 80}
     return save_checkpoint(path, lm, meta=meta)
+
+
+@pytest.fixture(scope="module")
+def base(sp, tmp_path_factory):
+    """The tiny LM checkpoint (`write_lm`, seed 0) a test module's runs start from; a module gets
+    it with `from preference_train_fixtures import base`."""
+    return write_lm(tmp_path_factory.mktemp("lm") / "ckpt", sp)
 
 
 def marked_pairs(n: int, seed: int, source=lambda i: "synthetic") -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from preference_train_fixtures import cli_flags, marked_pairs, tiny_cfg, write_lm, write_pairs
+from preference_train_fixtures import base, cli_flags, marked_pairs, tiny_cfg, write_lm, write_pairs  # noqa: F401 (base: a fixture)
 from proc import run_group
 
 from data_loader.preferences import PreferenceLoader
@@ -24,11 +24,6 @@ from sprout.train.metrics import read_metrics
 from sprout.train.reference_logps import reference_logps
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def base(sp, tmp_path_factory):
-    return write_lm(tmp_path_factory.mktemp("lm") / "ckpt", sp)
 
 
 @pytest.fixture(scope="module")

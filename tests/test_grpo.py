@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from grpo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_prompt_files, write_sft_lm
-from preference_train_fixtures import write_lm
+from grpo_fixtures import config_dict, data, run_per_prompt, tiny_cfg, write_sft_lm  # noqa: F401
+from preference_train_fixtures import base  # noqa: F401 (base, data: fixtures)
 from proc import run_group
 from safetensors.torch import load_file
 
@@ -29,16 +29,6 @@ from sprout.train.rl_stage import PromptBatchConfig, RolloutConfig, build_reward
 from sprout.train.rl_stage import RewardsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def base(sp, tmp_path_factory):
-    return write_lm(tmp_path_factory.mktemp("lm") / "ckpt", sp)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_prompt_files(tmp_path_factory.mktemp("prompts"))
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 from data_loader.prompts import PromptLoader
-from grpo_fixtures import write_prompt_files
+from grpo_fixtures import data  # noqa: F401 (data, base: fixtures)
 from ppo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_digit_reward_model
-from preference_train_fixtures import write_lm
+from preference_train_fixtures import base  # noqa: F401
 from proc import run_group
 from safetensors.torch import load_file
 
@@ -42,16 +42,6 @@ from sprout.train.reward import score_sequences
 from sprout.train.rl_stage import RewardsConfig, RolloutConfig, build_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def base(sp, tmp_path_factory):
-    return write_lm(tmp_path_factory.mktemp("lm") / "ckpt", sp)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_prompt_files(tmp_path_factory.mktemp("prompts"))
 
 
 @pytest.fixture(scope="module")

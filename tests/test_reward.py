@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from preference_train_fixtures import MARK, cli_flags, marked_pairs, tiny_cfg, write_lm, write_pairs
+from preference_train_fixtures import MARK, base, cli_flags, marked_pairs, tiny_cfg, write_pairs  # noqa: F401 (base: a fixture)
 from proc import run_group
 
 from data_loader.preferences import PreferenceLoader
@@ -31,11 +31,6 @@ from sprout.train.reward import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def base(sp, tmp_path_factory):
-    return write_lm(tmp_path_factory.mktemp("lm") / "ckpt", sp)
 
 
 @pytest.fixture(scope="module")
