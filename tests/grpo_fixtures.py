@@ -140,13 +140,18 @@ def per_prompt_sample(self, idx, ids=None):
     return concat_rollouts(parts)
 
 
-def run_per_prompt(cfg: GRPOConfig, resume=None) -> dict:
-    original = GRPOStage.sample
-    GRPOStage.sample = per_prompt_sample
+def with_per_prompt_sampling(stage_cls, run, cfg, resume=None) -> dict:
+    """`run(cfg, resume=resume)` with `stage_cls.sample` replaced by `per_prompt_sample`."""
+    original = stage_cls.sample
+    stage_cls.sample = per_prompt_sample
     try:
-        return run_grpo(cfg, resume=resume)
+        return run(cfg, resume=resume)
     finally:
-        GRPOStage.sample = original
+        stage_cls.sample = original
+
+
+def run_per_prompt(cfg: GRPOConfig, resume=None) -> dict:
+    return with_per_prompt_sampling(GRPOStage, run_grpo, cfg, resume)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_fixtures import CONTEXT, addition_prompts, per_prompt_sample
+from grpo_fixtures import CONTEXT, addition_prompts, with_per_prompt_sampling
 from sprout.chat import TEMPLATE_VERSION, render
 from sprout.checkpoint import save_checkpoint
 from sprout.config import from_dict
@@ -90,12 +90,7 @@ def write_digit_reward_model(path: Path, sp, steps: int = 30, seed: int = 0) -> 
 
 
 def run_per_prompt(cfg: PPOConfig, resume=None) -> dict:
-    original = PPOStage.sample
-    PPOStage.sample = per_prompt_sample
-    try:
-        return run_ppo(cfg, resume=resume)
-    finally:
-        PPOStage.sample = original
+    return with_per_prompt_sampling(PPOStage, run_ppo, cfg, resume)
 
 
 if __name__ == "__main__":
