@@ -27,6 +27,8 @@ bench: venv
 	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/prep_throughput.py
 	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/train_throughput.py
 	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/generate_throughput.py
+	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/preference_throughput.py
+	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/rl_throughput.py
 
 clean:
 	rm -rf $(VENV) runs
