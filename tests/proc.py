@@ -1,9 +1,8 @@
 """Running the CLI in a subprocess for tests, without leaving stragglers behind.
 
-`accelerate launch` and torchrun start worker processes of their own, each in a session of
-its own; subprocess.run's timeout kills only the launcher, so a hung collective would leave
-its workers running (holding their port and the output pipe, so the test would wait for
-ever). `run_group` kills every descendant of the command on timeout before raising.
+The 2-process tests start launchers whose workers run in process sessions of their own, so a
+timeout that kills only the launcher would leave a hung worker holding its port and the
+output pipe. `run_group` kills every descendant of the command on timeout before raising.
 """
 
 import subprocess
