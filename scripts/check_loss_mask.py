@@ -98,18 +98,10 @@ def main() -> int:
             out.write(rows_html(arrays, shown, tpl, tok, f"loss mask: {args.file}", totals, warnings))
     print(f"{args.file}: {attrs['split']} split, tokenizer {attrs['tokenizer_spec']}, template {attrs['template_version']}")
     print(f"  rows shown: {', '.join(map(str, shown))}")
-    for key, value in totals.items():
-        print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value:,}")
+    print_totals(totals)
     for line in warnings:
         print(line, file=sys.stderr)
-    if report.violations:
-        for v in report.violations:
-            print(f"FAIL {args.file}: {v}", file=sys.stderr)
-        if report.more_violations:
-            print(f"FAIL ... and {report.more_violations} more", file=sys.stderr)
-        return 1
-    print("OK: every row passes")
-    return 0
+    return verdict(args.file, report, "row")
 
 
 # ---- preference pairs ---------------------------------------------------------------------
@@ -129,22 +121,14 @@ def check_pairs(args) -> int:
         with atomic_write(args.html, "w") as out:
             out.write(pairs_html(report.shown, tpl, tok, f"loss mask: {args.file}", totals))
     print(f"{args.file}: preference pairs, tokenizer {tok.spec}, seq_len {args.seq_len}, truncation {args.truncation}")
-    for key, value in totals.items():
-        print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value:,}")
+    print_totals(totals)
     for line, pid, longest in report.dropped[:10]:
         print(f"  dropped: line {line} ({pid}): {longest} tokens > seq_len {args.seq_len}")
     for line, pid, removed in report.truncated[:10]:
         print(f"  truncated: line {line} ({pid}): {removed} prompt messages removed")
     if len(report.dropped) > 10 or len(report.truncated) > 10:
         print("  ... (only the first 10 of each listed)")
-    if report.violations:
-        for v in report.violations:
-            print(f"FAIL {args.file}: {v}", file=sys.stderr)
-        if report.more_violations:
-            print(f"FAIL ... and {report.more_violations} more", file=sys.stderr)
-        return 1
-    print("OK: every pair passes")
-    return 0
+    return verdict(args.file, report, "pair")
 
 
 # ---- RL prompts ----------------------------------------------------------------------------
@@ -164,19 +148,28 @@ def check_prompt_file(args) -> int:
         with atomic_write(args.html, "w") as out:
             out.write(prompts_html(report.shown, tpl, tok, f"prompts: {args.file}", totals))
     print(f"{args.file}: RL prompts, tokenizer {tok.spec}" + (f", seq_len {args.seq_len}" if args.seq_len else ""))
-    for key, value in totals.items():
-        print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value:,}")
+    print_totals(totals)
     for line, pid, n in report.too_long[:10]:
         print(f"  too long: line {line} ({pid}): {n} tokens leave no room to generate within seq_len {args.seq_len}")
     if len(report.too_long) > 10:
         print("  ... (only the first 10 listed)")
+    return verdict(args.file, report, "prompt")
+
+
+def print_totals(totals: dict) -> None:
+    for key, value in totals.items():
+        print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value:,}")
+
+
+def verdict(path, report, what: str) -> int:
+    """Exit status of a check: 1 with each violation on stderr, else 0 with an OK line."""
     if report.violations:
         for v in report.violations:
-            print(f"FAIL {args.file}: {v}", file=sys.stderr)
+            print(f"FAIL {path}: {v}", file=sys.stderr)
         if report.more_violations:
             print(f"FAIL ... and {report.more_violations} more", file=sys.stderr)
         return 1
-    print("OK: every prompt passes")
+    print(f"OK: every {what} passes")
     return 0
 
 
