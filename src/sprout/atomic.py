@@ -261,6 +261,24 @@ class AtomicH5:
             if self._guard.error is not None and isinstance(exc, Exception):
                 raise write_error(self.path, self._guard.error) from None
 
+def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike, files) -> None:
+    """Put a finished folder `tmp` in place at `path`: fsync each of its `files`, move an
+    existing `path` aside, rename `tmp` into place, then delete the old one. A crash leaves
+    either the old folder or the complete new one (or the old one beside as `.tmp-old-*`)."""
+    tmp, path = Path(tmp), Path(path)
+    for name in files:
+        with open(tmp / name, "rb+") as f:
+            os.fsync(f.fileno())
+    old = None
+    if path.exists():
+        old = path.with_name(f".tmp-old-{path.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 
 def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     """Delete the temporaries an interrupted write of `path` left beside it

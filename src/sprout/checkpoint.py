@@ -53,7 +53,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model as _load_safetensors_model
 from safetensors.torch import save_file
 
-from sprout.atomic import DISK_ERRNOS, atomic_write, sha256_file, write_error
+from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, sha256_file, write_error
 from sprout.errors import SproutError
 
 FORMAT = "sprout-checkpoint-v1"
@@ -124,17 +124,7 @@ def save_checkpoint(
         meta["format"] = FORMAT
         meta["files"] = {name: sha256_file(tmp / name) for name in (WEIGHTS, STATE)}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-        for name in (WEIGHTS, STATE, META):
-            with open(tmp / name, "rb+") as f:
-                os.fsync(f.fileno())
-        old = None
-        if path.exists():  # re-saving the same step: move the old one aside first
-            old = path.with_name(f".tmp-old-{path.name}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path, (WEIGHTS, STATE, META))  # re-saving a step moves the old one aside first
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         disk = _disk_error(exc)

@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sprout.atomic import check_writable
+from sprout.atomic import check_writable, replace_dir
 from sprout.chat import MARKERS, RESERVED, render, template_for
 from sprout.checkpoint import checkpoint_tokenizer, load_model
 from sprout.errors import SproutError
@@ -370,17 +370,7 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
             _write_json(tmp / "generation_config.json", generation_config(tok))
             files.append("generation_config.json")
         files += write_tokenizer(tok, tmp, model.config.max_seq_len)
-        for name in files:
-            with open(tmp / name, "rb+") as f:
-                os.fsync(f.fileno())
-        old = None
-        if out.exists():
-            old = out.with_name(f".tmp-old-{out.name}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out, files)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise SproutError(f"{out}: cannot write the export: {exc.strerror or exc}") from None
