@@ -2,8 +2,10 @@
 
     stage.py     the Stage protocol: what a stage gives the loop (batches, loss, metrics
                  with their counts, targets, tokens, FLOPs, parameter groups, frozen models)
-    loop.py      Trainer: accumulate, normalise over global targets, clip, schedule, log,
+    loop.py      Trainer: accumulate, normalise over global targets, clip, schedule,
                  checkpoint, resume (accelerate: 1 process, DDP, FSDP); frozen models
+    fit.py       the outer loop that Trainer.fit runs: training records, eval and checkpoint
+                 cadence, a clean stop on Ctrl-C or SIGTERM, loss.png and report.md
     optim.py     AdamW over parameter groups, the lr schedule applied to each group
     run.py       what every stage's script does around the loop (config, resume, fit)
     schedule.py  lr (warmup + cosine/WSD), sequence-length warmup, Chinchilla budget

@@ -19,10 +19,11 @@ Two layers, so that stages which do not read "a batch from a loader" still share
   may add figures that are not such a ratio (a standard deviation) with an optional
   `derived_metrics(reduced) -> dict`, called with those reduced metrics.
 
-`Trainer.fit(stage)` repeats steps, logs, evaluates, checkpoints and resumes. What a stage
-gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs, parameter
-groups, frozen models) is the protocol in `sprout.train.stage`; the optimizer and its
-schedule are in `sprout.train.optim`. Both are importable from here too.
+`Trainer.fit(stage)` repeats steps, logs, evaluates and checkpoints: the outer loop, in
+`sprout.train.fit`; the checkpoint and the resume are the Trainer's (`save`, `resume`).
+What a stage gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs,
+parameter groups, frozen models) is the protocol in `sprout.train.stage`; the optimizer and
+its schedule are in `sprout.train.optim`. Both are importable from here too.
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ import hashlib
 import json
 import math
 import os
-import signal
-import sys
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +55,7 @@ from sprout.checkpoint import (
 from sprout.config import require, resume_free
 from sprout.errors import SproutError
 from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
-from sprout.train.metrics import MetricsLogger, check_trackers, log_line, measure_matmul_flops, mfu, plot_loss_curve
-from sprout.train.report import start_record, write_report
+from sprout.train.metrics import MetricsLogger, check_trackers
 from sprout.train.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule  # noqa: F401 (re-exported)
 from sprout.train.schedule import chinchilla_steps
 from sprout.train.stage import Stage, TokenBatchConfig, TokenStage, micro_steps  # noqa: F401 (re-exported)
@@ -146,46 +142,6 @@ def _diff(a, b, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix.rstrip('.')} {a!r} != {b!r}"]
 
 
-class StopSignals:
-    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before they kill) during
-    `Trainer.fit`: the first asks the loop to stop after the current step, with a checkpoint,
-    the plot and report.md (`signum` is then set); a second one exits at once (SIGINT raises
-    KeyboardInterrupt, SIGTERM takes its default: the process ends). Installed only in the
-    main thread, and not over a signal the process ignores; the old handlers come back on exit."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old: dict = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is not signal.SIG_IGN:
-                    self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old = {}
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.signum is not None:  # the second signal: exit now
-            self.__exit__()
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
-        if os.environ.get("RANK", "0") == "0":
-            again = "Ctrl-C" if signum == signal.SIGINT else "send it"
-            print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint; "
-                  f"{again} again to exit at once", file=sys.stderr, flush=True)
-
-
 class Uncompiled:
     """`module` called through its eager forward even after `Module.compile()`: the same module,
     parameters, buffers and hooks (FSDP's included); every other attribute is the module's."""
@@ -239,7 +195,6 @@ class Trainer:
         self.resumed_from: int | None = None
         self.last_checkpoint: Path | None = None
         self.evals: list[dict] = []
-        self.peak_source = "config"  # where peak_flops() took its figure: "config" | "measured"
 
     @property
     def world_size(self) -> int:
@@ -431,146 +386,12 @@ class Trainer:
         self.accelerator.print(f"resumed from {meta['path']} at step {self.steps_done}")
         return meta
 
-    def peak_flops(self) -> float:
-        """Peak FLOP/s of one process for MFU: `train.peak_tflops` (peak_source "config"), or when
-        it is 0 a matmul this process measures now (peak_source "measured": the median of 5
-        probes of 0.1 s; bf16 on a GPU under bf16 autocast, else fp32; on a shared CPU the
-        processes measure together, so each sees its share); 0.0 when `train.peak_tflops` < 0
-        switches MFU off. Every call (so every resume) measures again."""
-        cfg, acc = self.cfg, self.accelerator
-        self.peak_source = "config"
-        if cfg.peak_tflops != 0:
-            return max(0.0, cfg.peak_tflops * 1e12)
-        gpu = acc.device.type == "cuda"
-        dtype = torch.bfloat16 if gpu and acc.mixed_precision == "bf16" else torch.float32
-        n = 4096 if gpu else 1024
-        peak = measure_matmul_flops(n, dtype, acc.device, probes=5, seconds=0.1)
-        self.peak_source = "measured"
-        acc.print(f"MFU against a measured {dtype} matmul peak of {peak / 1e12:.3g} TFLOP/s per process "
-                  f"(set train.peak_tflops to use the hardware's figure instead)")
-        return peak
-
-    def log_samples(self, stage: Stage, logger: MetricsLogger | None) -> list[tuple[str, str]]:
-        """`stage.samples(generation_model)`: (prompt, answer) pairs generated now, logged as a
-        `samples` record for report.md (all ranks call: generation may be a collective)."""
-        self.generation_model.eval()
-        samples = stage.samples(self.generation_model)
-        self.model.train()
-        if logger:
-            logger.log({"event": "samples", "step": self.steps_done, "samples": [{"prompt": p, "answer": a}
-                        for p, a in samples], "decoding": getattr(stage, "sample_decoding", "greedy")}, track=False)
-        return samples
-
     # ---- the outer loop ----------------------------------------------------------------------
     def fit(self, stage: Stage) -> dict:
-        """Train `stage` to cfg.max_steps (or until a rank's data runs out): log every
-        log_every steps, evaluate and checkpoint on their cadence and at the end, then write
-        loss.png and report.md.
+        """Train `stage` to cfg.max_steps, with the logs, evals, checkpoints and clean stop
+        around the steps, then write loss.png and report.md: `sprout.train.fit.fit`, which
+        says what a training record holds and what a signal does. Returns the run's summary
+        (first and last eval, steps, tokens, last checkpoint, `interrupted`)."""
+        from sprout.train.fit import fit  # the outer loop is built on this module: imported when it runs
 
-        A training record holds the step's figures (`step`) plus, over the steps since the
-        last record: `tokens_per_s` and `mfu` of the training itself (optimizer steps only),
-        `step_time_s` (wall time per step, everything included), `time/batch_s` (of which in
-        next_micro_batches, e.g. generating rollouts) and `generation/tokens_per_s` (tokens the
-        stage generated there, all processes, per second of that time; only when it generated).
-        Eval and checkpoint time counts in none of them.
-
-        Ctrl-C or SIGTERM (`StopSignals`) stops the run after the current step: every rank
-        stops at the same step (the flag is all-reduced after each step), which is logged and
-        checkpointed, without the final eval; loss.png and report.md are written as usual and
-        the summary's `interrupted` is the signal number (else None).
-        """
-        cfg, acc = self.cfg, self.accelerator
-        logger = MetricsLogger(self.out_dir, acc, trackers=cfg.trackers, run_config=self.meta.get("config"),
-                               resume_step=self.resumed_from) if self.out_dir else None
-        peak = self.peak_flops()
-        if logger and acc.is_main_process:
-            logger.log(start_record(self.steps_done, peak_flops=peak, peak_source=self.peak_source,
-                                    device=acc.device, world_size=self.world_size,
-                                    precision=acc.mixed_precision), track=False)
-        # A bar only on a terminal; in a log file (or with train.progress off) plain lines instead.
-        bar = tqdm(total=cfg.max_steps, initial=self.steps_done, desc=stage.name, dynamic_ncols=True,
-                   disable=not (cfg.progress and acc.is_main_process and sys.stderr.isatty()))
-        t_start, steps_start, shown = time.perf_counter(), self.steps_done, {}
-        stop, interrupted = StopSignals().__enter__(), None
-        try:
-            if self.steps_done == 0:
-                self.evaluate(stage, logger)
-            last_eval = last_save = self.steps_done
-            t0, steps0 = time.perf_counter(), self.steps_done
-            window = {"tokens": 0, "flops": 0.0, "batch_s": 0.0, "generated": 0.0}
-            while self.steps_done < cfg.max_steps:
-                t_batch = time.perf_counter()
-                batches = stage.next_micro_batches(self.steps_done)
-                window["batch_s"] += time.perf_counter() - t_batch
-                generated = getattr(stage, "generated_tokens", 0) if batches is not None else 0
-                state = all_reduce_sums(acc, {"out": float(batches is None), "generated": generated})
-                if state["out"] > 0:
-                    break  # some rank ran out of data: every rank stops at the same step
-                m = self.step(batches, stage)
-                window["tokens"] += m["tokens"]
-                window["flops"] += m["flops"]
-                window["generated"] += state["generated"]
-                bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.3f}", **shown)
-                # A signal on any rank stops every rank after this same step.
-                flags = all_reduce_sums(acc, {"stop": float(stop.signum is not None), "signum": stop.signum or 0})
-                stopping = flags["stop"] > 0 and self.steps_done < cfg.max_steps
-                if stopping:
-                    interrupted = round(flags["signum"] / flags["stop"])  # the signal the ranks received
-                s, done = self.steps_done, self.steps_done == cfg.max_steps or stopping
-                if s % cfg.log_every == 0 or done:
-                    wall = time.perf_counter() - t0
-                    train_s = wall - window["batch_s"]
-                    tps = window["tokens"] / train_s if train_s > 0 else 0.0
-                    record = {"step": s, "loss": m["loss"], "lr": m["lr"], "tokens": self.tokens_seen,
-                              "tokens_per_s": tps, "step_time_s": wall / max(1, s - steps0),
-                              "time/batch_s": window["batch_s"] / max(1, s - steps0),
-                              **{k: v for k, v in m.items() if k not in ("loss", "lr", "tokens", "flops")}}
-                    if window["generated"] > 0 and window["batch_s"] > 0:
-                        record["generation/tokens_per_s"] = window["generated"] / window["batch_s"]
-                    if peak > 0 and window["flops"] > 0 and train_s > 0:
-                        record["mfu"] = mfu(window["flops"], train_s, peak * self.world_size)
-                    record["elapsed_s"] = time.perf_counter() - t_start  # this segment, evals included
-                    if logger:
-                        logger.log(record)
-                    shown = {"tok/s": f"{tps:,.0f}", **({"MFU": f"{record['mfu']:.1%}"} if "mfu" in record else {})}
-                    if bar.disable and acc.is_main_process:  # no bar: a plain log line
-                        eta = record["elapsed_s"] / (s - steps_start) * (cfg.max_steps - s)
-                        print(log_line(record, cfg.max_steps, eta), flush=True)
-                    t0, steps0 = time.perf_counter(), s
-                    window = dict.fromkeys(window, 0)
-                paused = time.perf_counter()
-                if (cfg.eval_every and s % cfg.eval_every == 0) or (done and not stopping):
-                    self.evaluate(stage, logger)
-                    last_eval = s
-                if (cfg.ckpt_every and s % cfg.ckpt_every == 0) or done:
-                    self.save(stage)
-                    last_save = s
-                t0 += time.perf_counter() - paused  # eval and checkpoint time is not training time
-                if stopping:
-                    break
-            if last_eval != self.steps_done and interrupted is None:  # stopped early (data exhausted)
-                self.evaluate(stage, logger)
-            if last_save != self.steps_done:
-                self.save(stage)
-            if hasattr(stage, "samples") and interrupted is None:  # a chat stage shows what it now answers (every rank generates)
-                self.log_samples(stage, logger)
-            if logger:
-                logger.log({"event": "end", "step": self.steps_done, "elapsed_s": time.perf_counter() - t_start},
-                           track=False)
-        finally:
-            stop.__exit__()
-            bar.close()
-            if logger:
-                logger.close()
-        if self.out_dir and acc.is_main_process:
-            png = plot_loss_curve(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
-                                  loss_label=getattr(stage, "loss_label", "loss"), title=self.out_dir.name)
-            n_params = sum(p.numel() for p in self.raw_model.parameters())  # a tied matrix counts once
-            ckpt = os.path.relpath(self.last_checkpoint, self.out_dir) if self.last_checkpoint else None
-            report = write_report(self.out_dir, stage=stage.name, meta=self.meta, num_params=n_params,
-                                  world_size=self.world_size, precision=acc.mixed_precision, checkpoint=ckpt)
-            print(f"report: {report}" + (f"\nloss curve: {png}" if png else ""), flush=True)
-        return {"first_eval": self.evals[0] if self.evals else None,
-                "last_eval": self.evals[-1] if self.evals else None, "steps": self.steps_done,
-                "tokens": self.tokens_seen, "checkpoint": self.last_checkpoint, "interrupted": interrupted}
+        return fit(self, stage)
