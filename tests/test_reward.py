@@ -123,6 +123,7 @@ def test_reward_model_learns_the_preference(run_a, base):
     assert last["val_accuracy"] >= 0.9 and last["val_margin"] > first["val_margin"] + 0.3
     assert {"val_accuracy/even", "val_accuracy/odd", "val_rewards/chosen_std", "val_loss"} <= set(last)
     assert last["val_accuracy/even"] >= 0.8 and last["val_accuracy/odd"] >= 0.8
+    assert last["val_pairs"] == last["val_pairs/even"] + last["val_pairs/odd"] > 0  # each figure's denominator
     rec = train_records(out)
     assert sorted(rec) == list(range(1, 13))
     assert {"accuracy", "margin", "rewards/chosen", "rewards/rejected", "rewards/chosen_sq",

@@ -104,7 +104,9 @@ def preference_lines(preset, rows: list[dict]) -> list[str]:
         first, last = evals[0], evals[-1]
         lines.append(f"{row['stage']} (held-out pairs, step {first['step']} -> {last['step']}):")
         for k in list(keys) + sorted(k for k in last if k.startswith(keys[0] + "/")):
-            lines.append(f"  {k:28s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}")
+            den = last.get("val_pairs" + k[len(keys[0]):]) if k.startswith(keys[0]) else None
+            of = f"   (of {den:,.0f} pairs)" if den is not None else ""
+            lines.append(f"  {k:28s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}{of}")
     return lines
 
 

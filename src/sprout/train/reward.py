@@ -26,7 +26,8 @@ same over every held-out pair (`val_rewards/chosen_std`).
 
 Eval over every held-out pair: `val_loss` (the loss above per pair), `val_accuracy`,
 `val_margin`, `val_rewards/{chosen,rejected}` and their `_std`, and `val_accuracy/<source>`
-for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, ...).
+for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, ...), each
+with its denominator: `val_pairs` and `val_pairs/<source>`, the held-out pairs that fit.
 
 The checkpoints hold a RewardModel (meta.json `architecture: reward`), so
 `sprout.checkpoint.load_model` returns a scorer: `score_sequences(model, ids, mask)`
@@ -157,10 +158,12 @@ class RewardStage(PreferenceStage):
         mean_c, mean_r = tot["rc"] / n, tot["rr"] / n
         out = {"val_loss": tot["loss"] / n, "val_accuracy": tot["correct"] / n, "val_margin": tot["margin"] / n,
                "val_rewards/chosen": mean_c, "val_rewards/chosen_std": population_std(mean_c, tot["rc2"] / n),
-               "val_rewards/rejected": mean_r, "val_rewards/rejected_std": population_std(mean_r, tot["rr2"] / n)}
+               "val_rewards/rejected": mean_r, "val_rewards/rejected_std": population_std(mean_r, tot["rr2"] / n),
+               "val_pairs": n}
         for name in names:
             if tot[f"count:{name}"] > 0:
                 out[f"val_accuracy/{name}"] = tot[f"correct:{name}"] / tot[f"count:{name}"]
+                out[f"val_pairs/{name}"] = tot[f"count:{name}"]
         return out
 
 
