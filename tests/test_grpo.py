@@ -90,7 +90,10 @@ def test_normaliser_is_exact_under_accumulation(loss_type, one_by_one, sft_base,
         assert b[s]["kl"] == pytest.approx(a[s]["kl"], abs=1e-6)
     assert a[2]["kl"] > 0 and a[2]["loss"] != 0  # the second step trains on moved weights
     wa, wb = final_weights(one_by_one[loss_type]), final_weights(out)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    # 1 % of one AdamW step (lr 3e-3): Adam divides by sqrt(v), so the summation order's rounding
+    # of a near-zero gradient can move a weight by ~1e-5; a wrong normaliser reweights whole
+    # micro-batches and moves weights by a sizeable part of a step
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 3e-5
 
 
 def test_denominators_follow_the_loss_type(sp, sft_base, data):
@@ -126,7 +129,7 @@ def test_two_processes_match_one(loss_type, one_by_one, sft_base, data, tmp_path
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
         assert b[s]["reward"] == pytest.approx(a[s]["reward"], abs=1e-9)
     wa, wb = final_weights(one_by_one[loss_type]), final_weights(out)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 3e-5  # as under accumulation above
 
 
 # ---- the buffer -----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 from accelerate import Accelerator
 from data_loader.prompts import PromptLoader
 from grpo_fixtures import data  # noqa: F401 (data, base: fixtures)
+from grpo_fixtures import tiny_cfg as grpo_cfg
 from ppo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_digit_reward_model
 from preference_train_fixtures import base  # noqa: F401
 from proc import run_group
@@ -39,6 +40,7 @@ from sprout.train.ppo import (
     whiten_global,
 )
 from sprout.train.reward import score_sequences
+from sprout.train.grpo import run_grpo
 from sprout.train.rl_stage import RewardsConfig, RolloutConfig, build_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,6 +226,20 @@ def test_resume_with_the_value_head_matches_an_uninterrupted_run_bit_for_bit(ste
             "val/explained_variance")
     assert [[b[s][k] for k in keys] for s in b] == [[a[s][k] for k in keys] for s in b]
     assert "lr/value_head" in a[1]
+
+
+def test_grpo_starts_from_a_ppo_policy_without_its_value_head(run_a, data, tmp_path):
+    """The pipeline's chain SFT -> DPO -> PPO -> GRPO: GRPO (policy and reference) loads a PPO
+    checkpoint's LM weights exactly and leaves the value head behind."""
+    out = tmp_path / "grpo"
+    run_grpo(grpo_cfg(data, run_a, out, max_steps=1, lr=1e-30, beta=0.04))  # a step too small to move an fp32 weight
+    ppo_w = load_file(str(Path(read_meta(run_a / "checkpoints")["path"]) / "model.safetensors"))
+    meta = read_meta(out / "checkpoints")
+    grpo_w = load_file(str(Path(meta["path"]) / "model.safetensors"))
+    assert meta["architecture"] == "lm" and "value_head.weight" in ppo_w and "value_head.weight" not in grpo_w
+    assert sorted(grpo_w) == sorted(k for k in ppo_w if k != "value_head.weight")
+    assert all(torch.equal(grpo_w[k], ppo_w[k]) for k in grpo_w)
+    assert meta["reference"] == read_meta(run_a / "checkpoints")["path"]
 
 
 # ---- processes ----------------------------------------------------------------------------------------------------

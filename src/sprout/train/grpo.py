@@ -47,10 +47,8 @@ from typing import Literal
 
 import torch
 
-from sprout.checkpoint import load_weights
 from sprout.config import require, resume_free
 from sprout.losses.policy import denominator, policy_loss
-from sprout.model.transformer import Transformer
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
@@ -256,13 +254,9 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
     cfg, acc = run.cfg, run.accelerator
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
-    policy = Transformer(run.model_config)
-    if run.resume is None:
-        load_weights(policy, run.base["path"], run.base)
-    ref = None
-    if cfg.grpo.beta > 0:
-        ref = Transformer(run.model_config)
-        load_weights(ref, run.base["path"], run.base)
+    policy = run.init_lm(load=run.resume is None)  # from a PPO policy: without its value head
+    ref = run.init_lm() if cfg.grpo.beta > 0 else None
+    if ref is not None:
         acc.print(f"grpo: reference {run.base['path']} (frozen copy), beta {cfg.grpo.beta}, KL in the {cfg.grpo.kl_in}")
     stage = GRPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, grpo=cfg.grpo,
                       ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch,

@@ -72,11 +72,10 @@ from typing import Literal
 
 import torch
 
-from sprout.checkpoint import init_from_lm, load_model, load_weights
+from sprout.checkpoint import init_from_lm, load_model
 from sprout.config import require, resume_free
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
-from sprout.model.transformer import Transformer
 from sprout.rl.advantages import gae, token_rewards
 from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k3
 from sprout.rl.verifiers import reward_metrics
@@ -461,8 +460,7 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     policy, _ = init_from_lm(run.base["path"], "lm+value", seed=cfg.train.seed)
     if c.value_init == "reward" and run.resume is None:
         init_value_head(policy, rm, rm_meta["path"])
-    ref = Transformer(run.model_config)
-    load_weights(ref, run.base["path"], run.base)
+    ref = run.init_lm()
     acc.print(f"ppo: reference {run.base['path']} (frozen copy); KL {c.kl_estimator} in the {c.kl_in}, "
               f"kl_coef {c.kl_coef}{' (adaptive)' if c.adaptive_kl else ''}; value head from the {c.value_init}")
     stage = PPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, ppo=c, ref_model=ref,

@@ -61,14 +61,14 @@ import torch
 from data_loader.prompts import PromptLoader
 
 from sprout.chat import TEMPLATE_VERSION
-from sprout.checkpoint import checkpoint_tokenizer, read_meta
+from sprout.checkpoint import checkpoint_tokenizer, init_from_lm, load_weights, read_meta
 from sprout.config import require, resume_free
 from sprout.errors import SproutError
 from sprout.formats.prompts import TEST_FILE, TRAIN_FILE
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
-from sprout.model.transformer import ModelConfig
+from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
 from sprout.train.run import resolve_resume, start_run
@@ -391,6 +391,16 @@ class RLRun:
     val: PromptLoader
     resume: Path | None
 
+    def init_lm(self, load: bool = True) -> Transformer:
+        """A plain LM of the init checkpoint's shape, with its weights when `load`: an LM's as
+        they are, a PPO policy's (architecture lm+value) without its value head."""
+        model = Transformer(self.model_config)
+        if load and self.base.get("architecture", "lm") == "lm":
+            load_weights(model, self.base["path"], self.base)
+        elif load:
+            model.load_state_dict(init_from_lm(self.base["path"], "lm")[0].state_dict())
+        return model
+
     def provenance(self) -> dict:
         return {"tokenizer_fingerprint": self.tokenizer.fingerprint(), "template_version": TEMPLATE_VERSION,
                 "init": {"path": self.base["path"], "stage": self.base.get("stage"), "step": self.base.get("step")},
@@ -406,9 +416,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     if not cfg.data.path:
         raise SproutError("no prompts: set data.path in the config or pass --data prompts.jsonl")
     base = read_meta(cfg.init)
-    if base.get("architecture", "lm") != "lm":
-        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint, "
-                          f"not architecture {base.get('architecture')!r}")
+    if base.get("architecture", "lm") not in ("lm", "lm+value"):
+        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint "
+                          f"(lm, or a PPO policy lm+value), not architecture {base.get('architecture')!r}")
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
     data = Path(cfg.data.path)
