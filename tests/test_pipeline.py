@@ -128,10 +128,11 @@ def test_presets_in_the_repository_load_and_chain_their_stages():
     for name in ("demo", "gpt2-small"):
         preset = load_preset(ROOT / "configs" / "pipelines" / f"{name}.yaml")
         names = [s.name for s in preset.stages]
-        assert names.index("pretrain") < names.index("sft") < names.index("dpo") < names.index("grpo")
+        assert names.index("pretrain") < names.index("sft") < names.index("dpo") < names.index("ppo") \
+            < names.index("grpo")  # the default chain SFT -> DPO -> PPO -> GRPO
         assert preset.stage("reward").inputs[0] == "sft" and preset.stage("dpo").inputs[0] == "sft"
         assert {"dpo", "reward"} <= set(preset.stage("ppo").inputs)
-        assert preset.stage("grpo").inputs[0] == "dpo"  # beside PPO: its checkpoint is no plain LM
+        assert preset.stage("grpo").inputs[0] == "ppo"  # GRPO loads the PPO policy's LM
     gpu = load_preset(ROOT / "configs" / "pipelines" / "gpt2-small.yaml")
     assert gpu.launcher == "accelerate" and gpu.accelerate_config.is_file()
 
