@@ -1,8 +1,8 @@
 """Evaluate a policy on held-out problems with gold answers: pass@k, greedy accuracy, format rate.
 
-    python scripts/evaluate.py runs/demo/grpo --task arith --n 16 --k 1,8 --greedy
-    python scripts/evaluate.py runs/demo/sft --task gsm8k --max-examples 100 --n 0 --greedy
-    python scripts/evaluate.py runs/demo/sft --prompts runs/demo/rl_prompts/prompts_test.jsonl
+    python scripts/evaluate.py runs/demo/grpo_model --task arith --n 16 --k 1,8 --greedy
+    python scripts/evaluate.py runs/demo/sft_model --task gsm8k --max-examples 100 --n 0 --greedy
+    python scripts/evaluate.py runs/demo/sft_model --prompts runs/demo/rl_prompts/prompts_test.jsonl
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/evaluate.py RUN --task arith
 
 RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint); its
@@ -15,7 +15,7 @@ $SPROUT_MIRROR, else ../shared/data), else the hub; `--prompts FILE` a prompt fi
 Each prompt gets --n samples at --temperature (default 1: the policy's own distribution)
 and, with --greedy, one greedy answer; answers are read from <answer>…</answer> only
 (`sprout.rl.evaluation` says how each figure is computed). Under several processes the
-prompts are split over them and the figures are those of one process.
+prompts are split over them and the figures equal a one-process run with the same --batch-size.
 
 Writes --out (default: <run folder>/eval/<task>_step<step>.json, atomically): the figures,
 per level, the settings, the checkpoint (path, step, weights sha256) and a few answers;

@@ -65,8 +65,8 @@ from sprout.train.stage import Stage, TokenBatchConfig, TokenStage, micro_steps 
 class TrainConfig:
     """Run length, precision, seed and cadence of logging, eval and checkpoints. The fields
     declared `resume_free` may change when a run is resumed."""
-    max_steps: int | Literal["auto"] | None = resume_free(None)  # null / auto: the stage decides (pretraining:
-    # the Chinchilla budget; SFT and preference stages: data.epochs)
+    # null / auto: the stage decides (pretraining: the Chinchilla budget; SFT and preference stages: data.epochs)
+    max_steps: int | Literal["auto"] | None = resume_free(None)
     chinchilla_ratio: float = resume_free(20.0)  # tokens per parameter for that budget
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # auto: bf16 on a GPU, fp32 on CPU
     compile: bool = resume_free(False)  # torch.compile the model's forward
