@@ -19,7 +19,16 @@ Engines, timed in alternation within one run, best of --rounds each:
   the padded prompts are checked against sprout's to 1e-4. Skipped when transformers is
   not installed (`pip install -e '.[export]'`).
 
+Then GRPO (`sprout.train.grpo.GRPOStage`, one process, no Trainer) on the rollouts shape:
+
+- GRPO generation: the stage's `sample` (the rollout call of its generation batch) against
+  `generate_tokens` eager at the same prompts and shape, in alternation: the ratio is the
+  overhead GRPO adds around the engine (target >= 0.9).
+- GRPO step breakdown: generation, old log-probs, reference log-probs (beta 0.04) and the
+  policy update, seconds and share of one generation batch, as PPO's below.
+
     .venv/bin/python benchmarks/rl_throughput.py [--new-tokens 256] [--rounds 2] [--no-compile]
+                                                 [--no-grpo] [--no-ppo]
 """
 
 from __future__ import annotations
@@ -120,9 +129,112 @@ def run_case(name, model, hf, prompts, G, args) -> None:
                 print(f"  {k} / transformers: {best['transformers'] / best[k]:.2f}x")
 
 
-# A GRPO stage adds its step breakdown here (rollout generation, reward, reference log-probs,
-# policy forward/backward, optimizer step: seconds and share of a step), as another function
-# called from main after the rollout cases.
+# ---- GRPO: its rollouts against generate_tokens, and its step breakdown -------------------------------
+class NoStopTokenizer:
+    """The two things generation asks of a tokenizer: `vocab_size`, and a chat template whose
+    end-of-turn id (the stop id) is `vocab_size` itself, an id the sampler never draws, so
+    every GRPO row runs all --new-tokens steps as the other engines' rows do."""
+
+    spec = "benchmark stub"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = self.eot_id = vocab_size
+
+    def special_id(self, marker):
+        return None
+
+    def encode(self, text):
+        return [1]
+
+
+def grpo_stage(policy, ref, B: int, G: int, new_tokens: int, beta: float = 0.04):
+    """A one-process GRPOStage (no Trainer) whose rollouts are B prompts × G samples of `new_tokens`
+    tokens, as `sprout.train.grpo` builds it: `policy` generates, `ref` is the frozen reference."""
+    from accelerate import Accelerator
+
+    from sprout.train.grpo import GRPOLossConfig, GRPOStage
+    from sprout.train.rl_stage import PromptBatchConfig, RolloutConfig
+
+    batch = PromptBatchConfig(global_prompts=B, num_generations=G, micro_completions=B * G)
+    loader = SimpleNamespace(per_rank=B)
+    stage = GRPOStage(Accelerator(cpu=True), NoStopTokenizer(policy.config.vocab_size), loader, None, batch,
+                      RolloutConfig(max_completion_length=new_tokens), [], grpo=GRPOLossConfig(beta=beta),
+                      ref_model=ref, seed=0)
+    stage.setup(SimpleNamespace(generation_model=policy, sharded=False, prepare_frozen=lambda m: m))
+    return stage
+
+
+def grpo_rollouts(model, prompts, G, args) -> None:
+    """GRPO's generation phase (`RLStage.sample`: the call GRPOStage.fill_buffer makes, with the
+    stage's generator, autocast context and copies to the CPU; rollout.compile false, the
+    default) against `generate_tokens` eager on the same model, prompts and shape, timed in
+    alternation, best of --rounds each."""
+    stage = grpo_stage(model, None, len(prompts), G, args.new_tokens)
+    ids, mask = pad_prompts(prompts)
+    N, rows = args.new_tokens, len(prompts) * G
+
+    def engine():
+        out = generate_tokens(model.eval(), ids, mask, max_new_tokens=N, num_generations=G,
+                              generator=torch.Generator().manual_seed(0))
+        assert int(out.lengths.min()) == N
+
+    def grpo():
+        out = stage.sample(np.arange(len(prompts)), ids=prompts)
+        assert int(out["lengths"].min()) == N
+
+    best = {"generate_tokens": float("inf"), "GRPO rollouts": float("inf")}
+    for _ in range(args.rounds):
+        for k, fn in (("generate_tokens", engine), ("GRPO rollouts", grpo)):
+            best[k] = min(best[k], timed(fn))
+    print(f"\nGRPO generation: {len(prompts)} prompts x {G} samples = {rows} rows, {N} new tokens per row "
+          f"(GRPOStage.sample against generate_tokens eager; best of {args.rounds})")
+    for k, t in best.items():
+        print(f"  {k:16s} {rows * N / t:9,.0f} new tokens/s  ({t:.2f} s)")
+    print(f"  GRPO rollouts / generate_tokens: {best['generate_tokens'] / best['GRPO rollouts']:.2f}x (target >= 0.9)")
+
+
+def grpo_breakdown(cfg, prompts, G, args) -> None:
+    """One GRPO generation batch (len(prompts) prompts × G samples, beta 0.04 so the reference
+    exists, the whole batch one micro-batch, μ = 1), timed phase by phase through the stage's own
+    methods, best of --rounds: generation (`sample`), the policy's old log-probs and the
+    reference's (`logps_of`, no gradient), and the update (`loss`: forward + backward of the
+    clipped loss with its KL term, then the optimizer step). Rewards are string checks on the
+    decoded text (no network), not timed here."""
+    torch.manual_seed(1)
+    policy, ref = Transformer(cfg), Transformer(cfg).eval()
+    stage = grpo_stage(policy, ref, len(prompts), G, args.new_tokens)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    idx = np.arange(len(prompts))
+    rollout = stage.sample(idx, ids=prompts)
+    rollout["old_logps"] = stage.logps_of(policy, rollout)
+    rollout["ref_logps"] = stage.logps_of(ref, rollout)
+    rollout["advantages"] = torch.randn(rollout["completion_ids"].shape[0])
+    rollout["extra_target"] = torch.zeros(rollout["completion_ids"].shape[0], dtype=torch.long)
+    rollout.pop("lengths")
+    stage.buffer = {"stats": torch.zeros(0, 2), "stat_names": []}
+    micro = stage.micro_batches(rollout, rollout["completion_ids"].shape[0])
+
+    def update():
+        policy.train()
+        for batch in micro:
+            loss_sum, n, _ = stage.loss(policy, batch)
+            (loss_sum / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    phases = {
+        "generation": lambda: stage.sample(idx, ids=prompts),
+        "old logps": lambda: stage.logps_of(policy, rollout),
+        "reference logps": lambda: stage.logps_of(ref, rollout),
+        "policy update": update,
+    }
+    best = {k: min(timed(fn) for _ in range(args.rounds)) for k, fn in phases.items()}
+    total = sum(best.values())
+    print(f"\nGRPO step breakdown: {len(prompts)} prompts x {G} samples, {args.new_tokens} new tokens per row "
+          f"(policy and reference of the same size, beta 0.04, loss_type dapo; best of {args.rounds})")
+    for k, t in best.items():
+        print(f"  {k:22s} {t:6.2f} s  {t / total:6.1%}")
+    print(f"  {'total':22s} {total:6.2f} s")
 
 
 # ---- PPO's step breakdown ------------------------------------------------------------------------
@@ -185,6 +297,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="timed runs per engine; the best is reported")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled sprout engine")
     ap.add_argument("--no-ppo", action="store_true", help="skip PPO's step breakdown")
+    ap.add_argument("--no-grpo", action="store_true", help="skip GRPO's rollouts and step breakdown")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -200,6 +313,11 @@ def main() -> None:
         B, G = CASES[name]
         prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)]
         run_case(name, model, hf, prompts, G, args)
+    if not args.no_grpo:
+        B, G = CASES["rollouts"]
+        grpo_prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)]
+        grpo_rollouts(model, grpo_prompts, G, args)
+        grpo_breakdown(cfg, grpo_prompts, G, args)
     if not args.no_ppo:
         B, _ = CASES["rollouts"]
         ppo_breakdown(cfg, [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)],

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sprout.errors import SproutError
-from sprout.model.generate import generate, generate_tokens, process_logits, sample_next
+import sprout.model.generate as generate_module
+from sprout.model.generate import generate, generate_tokens, inverse_cdf_sample, process_logits, sample_next
 from sprout.model.transformer import ModelConfig, Transformer
 
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 8], [11, 12, 13, 14]]
@@ -118,6 +119,39 @@ def test_top_k_and_top_p_hand_checked():
     assert set(tok.tolist()) == {0, 1}
     torch.testing.assert_close(lp[tok == 0][0], torch.tensor(math.log(0.5 / 0.7)))
     assert abs((tok == 0).float().mean().item() - 0.5 / 0.7) < 0.05
+
+
+def test_inverse_cdf_sampling_draws_the_distribution():
+    """Frequencies match the probabilities, a token of probability 0 is never drawn (first,
+    middle or last), and a seed gives the same draws."""
+    probs = torch.tensor([0.5, 0.25, 0.0, 0.15, 0.1])
+    logp = probs.log().expand(100_000, 5)
+    draws = inverse_cdf_sample(logp, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert freq[2] == 0 and len(freq) == 5
+    torch.testing.assert_close(freq, probs.double(), rtol=0, atol=0.01)  # 6 standard deviations
+    assert torch.equal(draws, inverse_cdf_sample(logp, torch.Generator().manual_seed(0)))
+    one_hot = torch.tensor([[1.0, 0, 0], [0, 0, 1.0], [0, 1.0, 0]]).log().repeat(1000, 1)
+    assert inverse_cdf_sample(one_hot).tolist() == [0, 2, 1] * 1000
+
+
+def test_stop_read_every_k_steps_gives_the_same_rollout(model, monkeypatch):
+    """Reading "every row stopped" every 5 steps runs steps past the last stop; they are cut,
+    so the rollout is the one read every step."""
+    ids, mask = padded(PROMPTS)
+
+    def run():
+        return generate_tokens(model, ids, mask, max_new_tokens=40, num_generations=4, stop_ids=set(range(0, 64, 3)),
+                               generator=torch.Generator().manual_seed(2))
+
+    every = run()
+    monkeypatch.setitem(generate_module.STOP_CHECK_EVERY, "cpu", 5)
+    sparse = run()
+    L = every.completion_ids.shape[1]
+    assert bool(every.eos.all()) and L < 40 and L % 5 != 0  # the sparse run did steps past the last stop
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs", "eos", "truncated",
+                 "lengths"):
+        assert torch.equal(getattr(every, name), getattr(sparse, name)), name
 
 
 def test_seeded_sampling_is_reproducible(model):

@@ -20,7 +20,9 @@ then keep the smallest set of tokens whose probability reaches top-p (Holtzman e
 "The Curious Case of Neural Text Degeneration"). Each sampled token's log-prob is taken under
 that processed distribution, the one it was drawn from; at temperature 1 without top-k/top-p
 that is the policy's own distribution, which is what the RL losses need. Greedy decoding
-(`greedy=True` or temperature 0) is a point mass on the argmax: log-probs 0. The defaults
+(`greedy=True` or temperature 0) is a point mass on the argmax: log-probs 0. A token is drawn
+by inverse-CDF sampling (`inverse_cdf_sample`: one uniform number per row against the
+cumulative probabilities), the distribution `torch.multinomial` draws from. The defaults
 differ from transformers' (its values come from the checkpoint's generation_config):
 
     setting       generate_tokens                      transformers generate
@@ -34,7 +36,10 @@ differ from transformers' (its values come from the checkpoint's generation_conf
 Stopping: a row stops at its first token in the stop ids (kept, `eos` True); the rest run to
 `max_new_tokens` or until the context is full (`truncated` True). When the longest prompt
 plus `max_new_tokens` exceeds the model's context (`max_seq_len`), the steps are cut to fit
-and a one-line warning says so, once per process.
+and a one-line warning says so, once per process. Whether every row has stopped is read
+back every `STOP_CHECK_EVERY` steps (every step on a CPU, where reading a flag costs nothing;
+on an accelerator each read waits for the queued work): the steps run past the last stop are
+cut from the output, so the rollout is the same, only the generator has drawn more numbers.
 
 Speed (`compile`): the eager path appends to `KVCache`, whose tensors grow with every step.
 With `compile=True` the cache is a `StaticKVCache` (shapes fixed for the whole run) and the
@@ -70,6 +75,8 @@ from sprout.model.heads import padding_inputs
 
 AUTO_COMPILE_TOKENS = 8192  # compile="auto": compile when rows × steps reaches this
 STATIC_CACHE_ROUND = 64  # a static cache's slots are rounded up to a multiple of this (fewer recompiles)
+STOP_CHECK_EVERY = {"cpu": 1}  # device type -> decode steps between reads of "every row stopped"
+STOP_CHECK_DEFAULT = 8  # devices not listed above
 
 
 @dataclass
@@ -131,8 +138,21 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         tokens = logits.argmax(dim=-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
     logp = process_logits(logits, temperature, top_k, top_p).log_softmax(dim=-1)
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator)
-    return tokens[:, 0], logp.gather(-1, tokens)[:, 0]
+    tokens = inverse_cdf_sample(logp, generator)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def inverse_cdf_sample(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row [B] drawn from the distribution exp(logp) [B, V] (the same distribution as
+    `torch.multinomial(logp.exp(), 1)`): the first index whose cumulative probability exceeds
+    u × total for one uniform u per row. One random number per row instead of multinomial's V
+    (its exponential race), the cumulative sum in float64 so rounding favours no token; a
+    token of probability 0 is never drawn (its cumulative value equals its predecessor's)."""
+    cdf = logp.exp().double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=logp.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total even after rounding
+    return torch.searchsorted(cdf, u, right=True)[:, 0]
 
 
 def pad_prompts(prompts: list[list[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +306,9 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     is_stop = torch.isin(tokens, stops)
     eos = is_stop.any(dim=1)
     out_lengths = torch.where(eos, is_stop.int().argmax(dim=1) + 1, n)
+    if bool(eos.all()):  # steps run after the last row stopped (see STOP_CHECK_EVERY) are cut
+        n = int(out_lengths.max())
+        tokens, logp = tokens[:, :n], logp[:, :n]
     completion_mask = (torch.arange(n, device=device)[None, :] < out_lengths[:, None]).long()
     return Rollout(
         prompt_ids=ids.masked_fill(mask == 0, pad_id), prompt_mask=mask,
@@ -310,14 +333,16 @@ def _sample_loop(model, ids, mask, steps: int, stops, vocab_size, use_compile: b
     segments, positions = (None, None) if uniform else padding_inputs(mask)
     logits = model(ids, segment_ids=segments, position_ids=positions, cache=cache, logits_to_keep=1)[:, -1]
     done = torch.zeros(N, dtype=torch.bool, device=device)
+    check_every = 1 if _distributed() else STOP_CHECK_EVERY.get(device.type, STOP_CHECK_DEFAULT)
     n, finished = 0, steps == 0
     while True:
         if not finished:
             n += 1
             tok, logp = sample(logits[:, :vocab_size])
             out_tokens[:, n - 1], out_logp[:, n - 1] = tok, logp
-            done |= torch.isin(tok, stops)
-            finished = n == steps or bool(done.all())
+            if len(stops):
+                done |= torch.isin(tok, stops)
+            finished = n == steps or (len(stops) > 0 and n % check_every == 0 and bool(done.all()))
         if _every_rank_finished(finished, device):
             break
         if finished:  # another rank still decodes: keep its forwards' collectives company
