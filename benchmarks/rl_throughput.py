@@ -129,6 +129,16 @@ def run_case(name, model, hf, prompts, G, args) -> None:
                 print(f"  {k} / transformers: {best['transformers'] / best[k]:.2f}x (aim >= 2)")
 
 
+def print_breakdown(title: str, phases: dict, rounds: int) -> None:
+    """Time each phase (best of `rounds`) and print its seconds and share of their sum."""
+    best = {k: min(timed(fn) for _ in range(rounds)) for k, fn in phases.items()}
+    total = sum(best.values())
+    print(f"\n{title}")
+    for k, t in best.items():
+        print(f"  {k:22s} {t:6.2f} s  {t / total:6.1%}")
+    print(f"  {'total':22s} {total:6.2f} s")
+
+
 # ---- GRPO: its rollouts against generate_tokens, and its step breakdown -------------------------------
 class NoStopTokenizer:
     """The two things generation asks of a tokenizer: `vocab_size`, and a chat template whose
@@ -228,13 +238,9 @@ def grpo_breakdown(cfg, prompts, G, args) -> None:
         "reference logps": lambda: stage.logps_of(ref, rollout),
         "policy update": update,
     }
-    best = {k: min(timed(fn) for _ in range(args.rounds)) for k, fn in phases.items()}
-    total = sum(best.values())
-    print(f"\nGRPO step breakdown: {len(prompts)} prompts x {G} samples, {args.new_tokens} new tokens per row "
-          f"(policy and reference of the same size, beta 0.04, loss_type dapo; best of {args.rounds})")
-    for k, t in best.items():
-        print(f"  {k:22s} {t:6.2f} s  {t / total:6.1%}")
-    print(f"  {'total':22s} {total:6.2f} s")
+    print_breakdown(f"GRPO step breakdown: {len(prompts)} prompts x {G} samples, {args.new_tokens} new tokens per "
+                    f"row (policy and reference of the same size, beta 0.04, loss_type dapo; best of {args.rounds})",
+                    phases, args.rounds)
 
 
 # ---- PPO's step breakdown ------------------------------------------------------------------------
@@ -282,13 +288,9 @@ def ppo_breakdown(cfg, prompts, args) -> None:
         "old logps + values": no_grad(lambda: logps_and_values(policy.eval(), batch)),
         "value + policy update": update,
     }
-    best = {k: min(timed(fn) for _ in range(args.rounds)) for k, fn in phases.items()}
-    total = sum(best.values())
-    print(f"\nPPO step breakdown: {len(prompts)} prompts x 4 samples, {args.new_tokens} new tokens per row "
-          f"(policy with value head, reference and reward model of the same size; best of {args.rounds})")
-    for k, t in best.items():
-        print(f"  {k:22s} {t:6.2f} s  {t / total:6.1%}")
-    print(f"  {'total':22s} {total:6.2f} s")
+    print_breakdown(f"PPO step breakdown: {len(prompts)} prompts x 4 samples, {args.new_tokens} new tokens per row "
+                    f"(policy with value head, reference and reward model of the same size; best of {args.rounds})",
+                    phases, args.rounds)
 
 
 def main() -> None:

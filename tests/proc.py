@@ -1,8 +1,8 @@
 """Running the CLI in a subprocess for tests, without leaving stragglers behind.
 
-The 2-process tests start launchers whose workers run in process sessions of their own, so a
-timeout that kills only the launcher would leave a hung worker holding its port and the
-output pipe. `run_group` kills every descendant of the command on timeout before raising.
+Commands run under `accelerate launch` start worker processes of their own; a timeout that
+killed only the launcher would leave a hung worker holding its port and the output pipe.
+`run_group` kills every descendant of the command on timeout before raising.
 """
 
 import subprocess
