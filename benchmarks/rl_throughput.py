@@ -10,9 +10,11 @@ row, sampled at temperature 1 with no top-k/top-p and no stop id, so every row g
 
 Engines, timed in alternation within one run, best of --rounds each:
 
-- sprout eager: `sprout.model.generate.generate_tokens`, compile=False (growing KVCache).
-- sprout compiled: compile=True (StaticKVCache, torch.compile'd decode step). The first call
-  compiles; its time is reported on its own and left out of the rate.
+- sprout eager: `sprout.model.generate.generate_tokens`, compile=False: each prompt prefilled
+  once for its samples, then `sprout.model.decode.decode_step` (one token per row, fused
+  projections, attention over the filled cache slots).
+- sprout compiled: compile=True, the same step under torch.compile (one graph for every
+  length). The first call compiles; its time is reported on its own and left out of the rate.
 - transformers: `LlamaForCausalLM.generate` with the sprout weights exported by
   `sprout.model.export` (config and state dict); do_sample=True, top_k=0, top_p=1.0,
   temperature=1.0, min_new_tokens = max_new_tokens, no eos. Before timing, its logits on

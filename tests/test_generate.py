@@ -1,7 +1,7 @@
 """Batched KV-cache sampling: equal to recomputation and to each row alone, stop ids, vocab
 padding, log-probs, top-k/top-p, seeding, context limits, ranks kept in step under FSDP (slow);
 the tensor API (`generate_tokens`: shapes, masks, adjacent samples per prompt, eos/truncated
-flags, the chat stop default, the context warning) and the compiled static-cache path (slow)."""
+flags, the chat stop default, the context warning) and the compiled decode step (slow)."""
 
 import json
 import math
@@ -314,7 +314,7 @@ def test_sampling_defaults_have_top_k_off(model):
 
 
 @pytest.mark.slow
-def test_compiled_static_cache_gives_the_eager_tokens(model):
+def test_compiled_decode_gives_the_eager_tokens(model):
     ids, mask = padded(PROMPTS)
     for kw in (dict(greedy=True), dict(temperature=1.0)):
         eager = generate_tokens(model, ids, mask, max_new_tokens=12, num_generations=2, compile=False,

@@ -41,13 +41,12 @@ back every `STOP_CHECK_EVERY` steps (every step on a CPU, where reading a flag c
 on an accelerator each read waits for the queued work): the steps run past the last stop are
 cut from the output, so the rollout is the same, only the generator has drawn more numbers.
 
-Speed (`compile`): the eager path appends to `KVCache`, whose tensors grow with every step.
-With `compile=True` the cache is a `StaticKVCache` (shapes fixed for the whole run) and the
-one-token decode step (`model(tokens [N, 1], cache=...)`: positions and the cache index live
-in the cache as tensors) is compiled once with `torch.compile`; later calls with the same
-shapes reuse it, other cache sizes compile once more with a dynamic length. Sampling stays
-eager, so the same logits give the same tokens for a generator. Compiling takes seconds to
-minutes on a CPU, paid on the first call only; `compile="auto"` compiles when one call
+Decoding (`sprout.model.decode`): each prompt is prefilled once, its keys/values copied to
+its G rows, and each step is `decode_step`, the forward of one token per row on fused
+weights built once per call. `compile=True` runs that step under `torch.compile`: one graph
+for every step, prompt length and cache size (per number of rows), compiled on the first
+call (seconds to minutes on a CPU) and reused by later ones. Sampling stays eager, so the
+same logits give the same tokens for a generator. `compile="auto"` compiles when one call
 generates at least `AUTO_COMPILE_TOKENS` tokens (rows × steps) and runs eager otherwise.
 Measured in benchmarks/rl_throughput.py.
 
@@ -57,8 +56,9 @@ loop while another still decodes. Each step all-reduces one "this rank is done" 
 rank whose rows have all stopped keeps running one-token forwards whose output is thrown
 away (no cache, no sampling, so its tokens and its generator are exactly those of a run
 alone) until every rank is done. Each rank's tokens are those of one process given its
-prompts. A single process does no collective. The eager path always runs there (`compile`
-is ignored): pass the uncompiled module (the Trainer's `generation_model`).
+prompts. A single process does no collective. Steps there go through the module's forward
+(`ModelDecoder`: only a forward gathers the shards), `compile` is ignored: pass the
+uncompiled module (the Trainer's `generation_model`).
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ import torch.distributed as dist
 
 from sprout.chat import template_for
 from sprout.errors import SproutError
+from sprout.model.decode import make_decoder
 from sprout.model.heads import padding_inputs
 
 AUTO_COMPILE_TOKENS = 8192  # compile="auto": compile when rows × steps reaches this
-STATIC_CACHE_ROUND = 64  # a static cache's slots are rounded up to a multiple of this (fewer recompiles)
 STOP_CHECK_EVERY = {"cpu": 1}  # device type -> decode steps between reads of "every row stopped"
 STOP_CHECK_DEFAULT = 8  # devices not listed above
 
@@ -170,67 +170,6 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
     return ids, segments, positions
 
 
-class StaticKVCache:
-    """A KV cache whose tensors keep their shapes for the whole run, for a compiled decode step.
-
-    The same two methods as `sprout.model.transformer.KVCache` (the forward calls `reserve`,
-    then `update` per layer), but the filled-slot count is a tensor (`index`), writes go
-    through `index_copy_` at tensor slot indices, and attention always reads all `max_len`
-    slots through a mask (slot already written AND same segment). So every decode step runs
-    the same graph whatever the length: compiled once. Empty slots hold segment 0 and zeros;
-    the causal part of the mask never lets a query reach them.
-    """
-
-    def __init__(self, config, batch_size: int, max_len: int, device, dtype):
-        shape = (batch_size, config.kv_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.segments = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
-        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.index = torch.zeros((), dtype=torch.long, device=device)
-        self.slots = torch.arange(max_len, device=device)
-        self.max_len = max_len
-
-    def reserve(self, segment_ids: torch.Tensor | None, position_ids: torch.Tensor | None, T: int):
-        """Claim T slots; returns (slot indices [T], position_ids [B, T], attn_mask [B, 1, T, max_len])."""
-        B = self.segments.shape[0]
-        steps = torch.arange(T, device=self.slots.device)
-        new = self.index + steps
-        if position_ids is None:
-            position_ids = self.next_pos[:, None] + steps
-        if segment_ids is None:  # continue each row's last segment (segment 0 in an empty cache)
-            last = (self.index - 1).clamp(min=0).expand(B, 1)
-            segment_ids = self.segments.gather(1, last).expand(B, T)
-        self.segments.index_copy_(1, new, segment_ids)
-        self.next_pos.copy_(position_ids[:, -1] + 1)
-        self.index.add_(T)
-        causal = self.slots[None, :] <= new[:, None]  # [T, max_len]
-        same = segment_ids[:, :, None] == self.segments[:, None, :]  # [B, T, max_len]
-        return new, position_ids, (same & causal)[:, None]
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-        """Store keys/values [B, n_kv_heads, T, D] at `slots`; return the whole buffers (masked by reserve)."""
-        self.k[layer_idx].index_copy_(2, slots, k)
-        self.v[layer_idx].index_copy_(2, slots, v)
-        return self.k[layer_idx], self.v[layer_idx]
-
-
-def decode_step(model, tokens: torch.Tensor, cache) -> torch.Tensor:
-    """Logits [N, V] of one new token per row (tokens [N, 1]) appended to the cache."""
-    return model(tokens, cache=cache)[:, -1]
-
-
-_compiled_decode_step = None
-
-
-def compiled_decode_step():
-    """`decode_step` under torch.compile, built once per process (graphs are cached per model and shape)."""
-    global _compiled_decode_step
-    if _compiled_decode_step is None:
-        _compiled_decode_step = torch.compile(decode_step, fullgraph=True)
-    return _compiled_decode_step
-
-
 _warned: set[str] = set()
 
 
@@ -289,8 +228,6 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     # Left-align (a stable sort of the mask puts each row's padding first), drop all-padding columns.
     order = torch.sort(mask, dim=1, stable=True).indices[:, -longest:]
     ids, mask = input_ids.gather(1, order), mask.gather(1, order)
-    if num_generations > 1:
-        ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
     if tokenizer is not None:
         stop_ids = default_stop_ids(tokenizer) if stop_ids is None else stop_ids
         vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
@@ -298,11 +235,14 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ids, mask = ids.to(device), mask.to(device)
     stops = torch.tensor(sorted(set(stop_ids or ())), dtype=torch.long, device=device)
     temperature = 0.0 if greedy else temperature
-    use_compile = (compile is True or (compile == "auto" and ids.shape[0] * steps >= AUTO_COMPILE_TOKENS)) \
+    rows = ids.shape[0] * num_generations
+    use_compile = (compile is True or (compile == "auto" and rows * steps >= AUTO_COMPILE_TOKENS)) \
         and not _distributed()
 
-    tokens, logp, n = _sample_loop(model, ids, mask, steps, stops, vocab_size, use_compile,
+    tokens, logp, n = _sample_loop(model, ids, mask, num_generations, steps, stops, vocab_size, use_compile,
                                    lambda logits: sample_next(logits, temperature, top_k, top_p, generator))
+    if num_generations > 1:
+        ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
     is_stop = torch.isin(tokens, stops)
     eos = is_stop.any(dim=1)
     out_lengths = torch.where(eos, is_stop.int().argmax(dim=1) + 1, n)
@@ -317,21 +257,17 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     )
 
 
-def _sample_loop(model, ids, mask, steps: int, stops, vocab_size, use_compile: bool, sample):
-    """(tokens [N, n], logprobs [N, n], n): the decode loop, every row running all n steps."""
-    N, P = ids.shape
-    device = ids.device
+def _sample_loop(model, ids, mask, G: int, steps: int, stops, vocab_size, use_compile: bool, sample):
+    """(tokens [N, n], logprobs [N, n], n): the decode loop over N = B × G rows (prompts ids [B, P],
+    each prefilled once and its cache shared by its G rows), every row running all n steps."""
+    (B, P), device = ids.shape, ids.device
+    N = B * G
     out_tokens = torch.zeros(N, steps, dtype=torch.long, device=device)
     out_logp = torch.zeros(N, steps, dtype=torch.float32, device=device)
-    if use_compile:
-        slots = -(-(P + steps) // STATIC_CACHE_ROUND) * STATIC_CACHE_ROUND
-        cache = StaticKVCache(model.config, N, slots, device, next(model.parameters()).dtype)
-        step = compiled_decode_step()
-    else:
-        cache, step = model.new_cache(N, P + steps), decode_step
+    decoder = make_decoder(model, N, P + steps, compile=use_compile, fused=not _distributed())
     uniform = bool(mask.all())  # no padding: plain causal attention
     segments, positions = (None, None) if uniform else padding_inputs(mask)
-    logits = model(ids, segment_ids=segments, position_ids=positions, cache=cache, logits_to_keep=1)[:, -1]
+    logits = decoder.prefill(ids, segments, positions, repeats=G)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     check_every = 1 if _distributed() else STOP_CHECK_EVERY.get(device.type, STOP_CHECK_DEFAULT)
     n, finished = 0, steps == 0
@@ -348,7 +284,7 @@ def _sample_loop(model, ids, mask, steps: int, stops, vocab_size, use_compile: b
         if finished:  # another rank still decodes: keep its forwards' collectives company
             model(ids[:1, :1])
         else:
-            logits = step(model, tok[:, None], cache)
+            logits = decoder.step(tok)
     return out_tokens[:, :n], out_logp[:, :n], n
 
 

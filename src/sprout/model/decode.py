@@ -1,0 +1,204 @@
+"""One-token decode steps for sampling: the prefill, then one new token per row per step.
+
+    decoder = make_decoder(model, rows=N, max_len=P + steps, compile=False)
+    logits = decoder.prefill(ids, segment_ids, position_ids, repeats=G)  # [N, V]: last prompt positions
+    logits = decoder.step(tokens)                                        # [N, V]: tokens [N] appended
+
+The prefill is the model's own forward filling a `KVCache` (`logits_to_keep=1`: the lm_head
+runs on the last position only). With `repeats=G` (G samples per prompt, N = B × G rows) it
+runs on the B distinct prompts and copies their keys/values to the G rows of each.
+
+Each step then runs `decode_step`, the transformer's forward for one token per row written
+out on plain tensors. It computes the module's function (the tests hold it to the forward's
+logits within 1e-5), with three differences that change only float rounding:
+
+- fused projections: q, k and v are one matmul, gate and up one matmul, each weight a
+  transposed copy (x @ w: faster than the module's x @ w.T for a few rows on a CPU). The
+  copies (`DecodeWeights`) are made when the decoder is built, once per `generate_tokens`
+  call: the parameters keep their names and layout, and they change between calls (RL
+  updates them) but never within one. The copies cost one more copy of the matmul weights
+  for the length of the call. The softmax scale 1/sqrt(head_dim) is folded into the query
+  rows, and one rotary pass turns the query and key heads together.
+- attention without `scaled_dot_product_attention`: one query per row, so it is q · K over
+  the filled slots plus an additive bias (0, or -inf on a row's padding slots), softmax,
+  times V. Grouped-query heads read their shared keys/values in place (queries viewed as
+  [N, kv_heads, group, head_dim]), nothing is repeated.
+- logits of the new token only, float32 as the model's.
+
+Compiled (`compile=True`): `torch.compile(decode_step, fullgraph=True)` with the slot
+dimension of the cache and of the bias marked dynamic, so one graph serves every step,
+prompt length and cache size (per number of rows and model shape): no recompile per step
+or per call. Inductor fuses each layer's cache write, attention and softmax into one loop
+nest (in a profile of benchmarks/rl_throughput.py's model on a 2-core CPU, it read the
+cache about twice as fast per slot as the eager batched matmuls).
+
+`ModelDecoder` has the same two methods through the module's forward, one `model(tokens
+[N, 1], cache=...)` per step. Generation uses it for anything that is not a `Transformer`
+with an lm_head in one process: under FSDP the sharded parameters are gathered by the
+module's forward alone, so every step must be one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sprout.model.transformer import KVCache, Transformer
+
+
+@dataclass
+class DecodeWeights:
+    """A transformer's weights as `decode_step` reads them (tensors only, so that a compiled
+    step takes them as inputs and its graph serves any weights of the same shapes)."""
+
+    embed: torch.Tensor  # [V, d]
+    layers: list[tuple[torch.Tensor, ...]]  # per block: (input norm, qkv [d, (H + 2 KV) D], o [H D, d],
+    #                                         post norm, gate_up [d, 2F], down [F, d]), matmul weights transposed
+    norm: torch.Tensor  # [d]
+    lm_head: torch.Tensor  # [d, V]
+    rope_cos: torch.Tensor  # [max_seq_len, D]
+    rope_sin: torch.Tensor  # [max_seq_len, D], signed as `sprout.model.transformer.rope_tables`
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model: Transformer) -> DecodeWeights:
+        """The weights of `model` now: every matmul weight a transposed copy (x @ w, with q/k/v
+        and gate/up concatenated), the norms, embedding and rotary tables shared."""
+        def t(*weights):
+            return torch.cat(weights).t().contiguous()
+
+        layers = []
+        for block in model.layers:
+            a, m = block.self_attn, block.mlp
+            q = a.q_proj.weight * (1.0 / math.sqrt(a.head_dim))  # the softmax scale, folded in
+            layers.append((block.input_layernorm.weight, t(q, a.k_proj.weight, a.v_proj.weight), t(a.o_proj.weight),
+                           block.post_attention_layernorm.weight, t(m.gate_proj.weight, m.up_proj.weight),
+                           t(m.down_proj.weight)))
+        return cls(model.embed_tokens.weight, layers, model.norm.weight, t(model.lm_head.weight),
+                   model.rope_cos, model.rope_sin)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`sprout.model.transformer.RMSNorm`'s forward on [N, d]."""
+    rstd = torch.rsqrt(torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
+    return torch.mul(x, rstd).mul_(weight)
+
+
+def decode_step(w: DecodeWeights, tokens: torch.Tensor, positions: torch.Tensor, ks: list[torch.Tensor],
+                vs: list[torch.Tensor], bias: torch.Tensor, shape: tuple[int, int, int, float]) -> torch.Tensor:
+    """Logits [N, V] (float32) of tokens [N] at rotary `positions` [N] appended to the cache.
+
+    `ks`/`vs`: every layer's cache buffers [N, kv_heads, S, D]; `bias` [N, L]: the slots the new
+    token attends to, 0 or -inf (a row's padding), so that the new keys/values go to slot L - 1
+    and attention reads slots 0..L-1 only. `shape`: (n_heads, kv_heads, head_dim, norm eps).
+    """
+    H, KV, D, eps = shape
+    N, G, slot = tokens.shape[0], H // KV, bias.shape[1] - 1
+    x = F.embedding(tokens, w.embed)
+    cos, sin = w.rope_cos[positions][:, None], w.rope_sin[positions][:, None]  # [N, 1, D]
+    bias = bias[:, None, None]  # [N, 1, 1, L]
+    for (ln1, qkv_w, o_w, ln2, gate_up_w, down_w), ck, cv in zip(w.layers, ks, vs):
+        qkv = torch.matmul(_rms_norm(x, ln1, eps), qkv_w)
+        qk = qkv[:, : (H + KV) * D].view(N, H + KV, D)
+        c, s = cos.to(qk.dtype), sin.to(qk.dtype)
+        qk = torch.addcmul(qk * c, qk.roll(D // 2, -1), s)  # rotary, as apply_rope
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D :].view(N, KV, D)
+        ck.narrow(2, slot, 1).copy_(k[:, :, None])
+        cv.narrow(2, slot, 1).copy_(v[:, :, None])
+        ck, cv = ck[:, :, : slot + 1], cv[:, :, : slot + 1]
+        scores = torch.matmul(q.view(N, KV, G, D), ck.transpose(-1, -2)) + bias  # [N, KV, G, L]
+        y = torch.matmul(scores.softmax(dim=-1).to(cv.dtype), cv).view(N, H * D)
+        x = x + torch.matmul(y, o_w)
+        gate, up = torch.matmul(_rms_norm(x, ln2, eps), gate_up_w).chunk(2, dim=-1)
+        x = x + torch.matmul(F.silu(gate) * up, down_w)
+    return torch.matmul(_rms_norm(x, w.norm, eps), w.lm_head).float()
+
+
+_compiled_decode_step = None
+
+
+def compiled_decode_step():
+    """`decode_step` under torch.compile, built once per process (its graphs are cached per shape)."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(decode_step, fullgraph=True)
+    return _compiled_decode_step
+
+
+def prefill(model, cache: KVCache, ids, segment_ids=None, position_ids=None, repeats: int = 1) -> torch.Tensor:
+    """Logits [B × repeats, V] of each prompt's last position, `cache` [B × repeats rows] filled with
+    the prompts ids [B, P], each repeated `repeats` times (adjacent rows): the model runs on the
+    B distinct prompts and their keys/values are copied to the rows that share them."""
+    if repeats == 1:
+        return model(ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache, logits_to_keep=1)[:, -1]
+    B, P = ids.shape
+    once = model.new_cache(B, P, dtype=cache.k[0].dtype)
+    logits = model(ids, segment_ids=segment_ids, position_ids=position_ids, cache=once, logits_to_keep=1)[:, -1]
+    for full, part in zip(cache.k + cache.v, once.k + once.v):
+        full[:, :, :P] = part.repeat_interleave(repeats, 0)
+    cache.segments[:, :P] = once.segments.repeat_interleave(repeats, 0)
+    cache.next_pos = once.next_pos.repeat_interleave(repeats, 0)
+    cache.length, cache.segmented = once.length, once.segmented
+    return logits.repeat_interleave(repeats, 0)
+
+
+class Decoder:
+    """Prefill through the model, then `decode_step` on fused weights (see the module doc)."""
+
+    def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
+        c = model.config
+        self.model, self.weights = model, DecodeWeights.of(model)
+        self.cache = model.new_cache(rows, max_len)
+        self.shape = (c.n_heads, c.kv_heads, c.head_dim, c.norm_eps)
+        self.compile = compile
+        self.step_fn = compiled_decode_step() if compile else decode_step
+        if compile:  # one graph for every cache size and length
+            for t in self.cache.k + self.cache.v:
+                torch._dynamo.mark_dynamic(t, 2)
+
+    def prefill(self, ids, segment_ids=None, position_ids=None, repeats: int = 1) -> torch.Tensor:
+        logits = prefill(self.model, self.cache, ids, segment_ids, position_ids, repeats)
+        cache, P = self.cache, ids.shape[1]
+        # New tokens continue each row's last segment: they may attend to the slots of that segment
+        # and to every later slot (the causal limit is the step's).
+        same = cache.segments == cache.segments[:, P - 1 : P]
+        same[:, P:] = True
+        self.bias = torch.zeros(same.shape, dtype=torch.float32, device=ids.device).masked_fill_(~same, float("-inf"))
+        self.positions = cache.next_pos.clone()
+        self.length = P
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.length >= self.cache.max_len:
+            raise ValueError(f"KV cache full: {self.length + 1} slots needed, {self.cache.max_len} allocated")
+        self.length += 1
+        bias = self.bias[:, : self.length]
+        if self.compile:
+            torch._dynamo.mark_dynamic(bias, 1)
+        logits = self.step_fn(self.weights, tokens.contiguous(), self.positions, self.cache.k, self.cache.v, bias,
+                              self.shape)
+        self.positions += 1
+        return logits
+
+
+class ModelDecoder:
+    """The `Decoder` interface through the module's forward: one `model(tokens [N, 1], cache=...)` a step."""
+
+    def __init__(self, model, rows: int, max_len: int):
+        self.model, self.cache = model, model.new_cache(rows, max_len)
+
+    def prefill(self, ids, segment_ids=None, position_ids=None, repeats: int = 1) -> torch.Tensor:
+        return prefill(self.model, self.cache, ids, segment_ids, position_ids, repeats)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens[:, None], cache=self.cache)[:, -1]
+
+
+def make_decoder(model, rows: int, max_len: int, compile: bool = False, fused: bool = True):
+    """A `Decoder` for a plain `Transformer` (or subclass with an lm_head) when `fused`, else a `ModelDecoder`."""
+    if fused and isinstance(model, Transformer) and hasattr(model, "lm_head"):
+        return Decoder(model, rows, max_len, compile)
+    return ModelDecoder(model, rows, max_len)

@@ -1,0 +1,112 @@
+"""The one-token decode step: its logits equal the module forward's over the whole sequence to 1e-5
+(left padding, grouped-query attention, tied embeddings, a value head), shared prefills equal
+repeated prompts, the compiled step equals the eager one and compiles once for every length
+and cache size (slow), and the weights are read at each decoder's construction."""
+
+import pytest
+import torch
+
+from sprout.model.decode import Decoder, DecodeWeights, ModelDecoder, make_decoder
+from sprout.model.generate import pad_prompts
+from sprout.model.heads import PolicyWithValue, padding_inputs
+from sprout.model.transformer import ModelConfig, Transformer
+
+PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 8], [11, 12, 13, 14]]
+
+
+def random_model(cls=Transformer, **overrides) -> Transformer:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64) | overrides
+    m = cls(ModelConfig(**cfg)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    return m
+
+
+def full_forward_logits(model, ids, mask, new):
+    """Logits [N, steps + 1, V] at the last prompt position and at each fed token, by one forward
+    over prompt + new tokens (no cache), padding as segment 0."""
+    seq = torch.cat([ids, new], 1)
+    segments, positions = padding_inputs(torch.cat([mask, torch.ones_like(new)], 1))
+    with torch.no_grad():
+        return model(seq, segment_ids=segments, position_ids=positions)[:, ids.shape[1] - 1 :]
+
+
+def decoded_logits(decoder, ids, mask, new, repeats=1):
+    segments, positions = padding_inputs(mask)
+    with torch.no_grad():
+        out = [decoder.prefill(ids, segments, positions, repeats=repeats)]
+        out += [decoder.step(new[:, t]) for t in range(new.shape[1])]
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mha", "tied", "value head"])
+def test_decode_step_equals_the_full_forward(kind):
+    overrides = {"mha": dict(n_kv_heads=None), "tied": dict(tie_embeddings=True)}.get(kind, {})
+    model = random_model(PolicyWithValue if kind == "value head" else Transformer, **overrides)
+    ids, mask = pad_prompts(PROMPTS)
+    new = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    decoder = make_decoder(model, 3, ids.shape[1] + 9)
+    assert isinstance(decoder, Decoder)
+    got = decoded_logits(decoder, ids, mask, new)
+    torch.testing.assert_close(got, full_forward_logits(model, ids, mask, new), rtol=1e-5, atol=1e-5)
+
+
+def test_unpadded_prompts_and_a_full_cache():
+    model = random_model()
+    ids, mask = pad_prompts([[1, 2, 3], [4, 5, 6]])
+    new = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
+    decoder = Decoder(model, 2, 3 + 4)
+    torch.testing.assert_close(decoded_logits(decoder, ids, mask, new), full_forward_logits(model, ids, mask, new),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="KV cache full"):
+        decoder.step(new[:, 0])
+
+
+def test_shared_prefill_equals_repeated_prompts():
+    """Each prompt prefilled once for its G rows gives the logits of the prompts repeated G times."""
+    model = random_model()
+    ids, mask = pad_prompts(PROMPTS)
+    G = 3
+    new = torch.randint(0, 64, (3 * G, 5), generator=torch.Generator().manual_seed(2))
+    shared = decoded_logits(Decoder(model, 3 * G, ids.shape[1] + 5), ids, mask, new, repeats=G)
+    rep_ids, rep_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    torch.testing.assert_close(shared, full_forward_logits(model, rep_ids, rep_mask, new), rtol=1e-5, atol=1e-5)
+    plain = decoded_logits(ModelDecoder(model, 3 * G, ids.shape[1] + 5), ids, mask, new, repeats=G)
+    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_are_read_when_the_decoder_is_built():
+    """Fused copies, so a decoder built after an update sees it (RL changes the weights between calls)."""
+    model = random_model()
+    before = DecodeWeights.of(model)
+    with torch.no_grad():
+        model.layers[0].self_attn.k_proj.weight.add_(1.0)
+        model.layers[1].mlp.up_proj.weight.mul_(2.0)
+    after = DecodeWeights.of(model)
+    assert not torch.equal(before.layers[0][1], after.layers[0][1])
+    assert not torch.equal(before.layers[1][4], after.layers[1][4])
+    ids, mask = pad_prompts(PROMPTS)
+    new = torch.randint(0, 64, (3, 3), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(decoded_logits(Decoder(model, 3, ids.shape[1] + 3), ids, mask, new),
+                               full_forward_logits(model, ids, mask, new), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager_and_compiles_once():
+    """The compiled step gives the eager logits, and one graph serves every step, prompt length and
+    cache size of a shape of rows (the length dims are dynamic)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = random_model()
+    graphs = counters["stats"]["unique_graphs"]
+    for prompts, extra in ((PROMPTS, 6), ([[3, 4, 5, 6, 7, 8, 9, 10, 11], [1], [2, 3]], 20)):
+        ids, mask = pad_prompts(prompts)
+        new = torch.randint(0, 64, (3, extra), generator=torch.Generator().manual_seed(extra))
+        eager = decoded_logits(Decoder(model, 3, ids.shape[1] + extra), ids, mask, new)
+        compiled = decoded_logits(Decoder(model, 3, 64, compile=True), ids, mask, new)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
