@@ -1,12 +1,13 @@
-"""The one-token decode step: its logits equal the module forward's over the whole sequence to 1e-5
-(left padding, grouped-query attention, tied embeddings, a value head), shared prefills equal
-repeated prompts, the compiled step equals the eager one and compiles once for every length
-and cache size (slow), and the weights are read at each decoder's construction."""
+"""The one-token decode step: its logits equal the module forward's over the whole sequence to
+1e-5 of their scale (left padding, grouped-query attention, tied embeddings, a value head; dense
+and oneDNN-packed weights), shared prefills equal repeated prompts, the compiled step equals the
+eager one and compiles once for every length and cache size (slow), and the weights are read at
+each decoder's construction."""
 
 import pytest
 import torch
 
-from sprout.model.decode import Decoder, DecodeWeights, ModelDecoder, make_decoder
+from sprout.model.decode import Decoder, DecodeWeights, ModelDecoder, make_decoder, onednn_available
 from sprout.model.generate import pad_prompts
 from sprout.model.heads import PolicyWithValue, padding_inputs
 from sprout.model.transformer import ModelConfig, Transformer
@@ -23,6 +24,12 @@ def random_model(cls=Transformer, **overrides) -> Transformer:
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     return m
+
+
+def assert_logits_close(got, expected):
+    """Equal to 1e-5 of the logits' scale (float32 rounding through the layers, as the module's own
+    cached path shows against its full forward)."""
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
 
 
 def full_forward_logits(model, ids, mask, new):
@@ -42,16 +49,32 @@ def decoded_logits(decoder, ids, mask, new, repeats=1):
     return torch.stack(out, 1)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "onednn"])
 @pytest.mark.parametrize("kind", ["gqa", "mha", "tied", "value head"])
-def test_decode_step_equals_the_full_forward(kind):
+def test_decode_step_equals_the_full_forward(kind, packed):
     overrides = {"mha": dict(n_kv_heads=None), "tied": dict(tie_embeddings=True)}.get(kind, {})
     model = random_model(PolicyWithValue if kind == "value head" else Transformer, **overrides)
+    if packed and not onednn_available(model):
+        pytest.skip("no oneDNN")
     ids, mask = pad_prompts(PROMPTS)
     new = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
     decoder = make_decoder(model, 3, ids.shape[1] + 9)
-    assert isinstance(decoder, Decoder)
-    got = decoded_logits(decoder, ids, mask, new)
-    torch.testing.assert_close(got, full_forward_logits(model, ids, mask, new), rtol=1e-5, atol=1e-5)
+    assert isinstance(decoder, Decoder) and decoder.weights.packed == onednn_available(model)
+    decoder.weights = DecodeWeights.of(model, 3, packed, packed)
+    assert_logits_close(decoded_logits(decoder, ids, mask, new), full_forward_logits(model, ids, mask, new))
+
+
+def test_autocast_keeps_dense_weights():
+    """Under CPU autocast the matmuls stay autocast's (bf16), as in the module forward."""
+    model = random_model()
+    ids, mask = pad_prompts(PROMPTS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not onednn_available(model)
+        decoder = Decoder(model, 3, ids.shape[1] + 2)
+        got = decoded_logits(decoder, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
+        expected = full_forward_logits(model, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
+    assert not decoder.weights.packed
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * float(expected.abs().max()))  # bf16 rounding
 
 
 def test_unpadded_prompts_and_a_full_cache():
@@ -59,8 +82,7 @@ def test_unpadded_prompts_and_a_full_cache():
     ids, mask = pad_prompts([[1, 2, 3], [4, 5, 6]])
     new = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
     decoder = Decoder(model, 2, 3 + 4)
-    torch.testing.assert_close(decoded_logits(decoder, ids, mask, new), full_forward_logits(model, ids, mask, new),
-                               rtol=1e-5, atol=1e-5)
+    assert_logits_close(decoded_logits(decoder, ids, mask, new), full_forward_logits(model, ids, mask, new))
     with pytest.raises(ValueError, match="KV cache full"):
         decoder.step(new[:, 0])
 
@@ -73,9 +95,9 @@ def test_shared_prefill_equals_repeated_prompts():
     new = torch.randint(0, 64, (3 * G, 5), generator=torch.Generator().manual_seed(2))
     shared = decoded_logits(Decoder(model, 3 * G, ids.shape[1] + 5), ids, mask, new, repeats=G)
     rep_ids, rep_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
-    torch.testing.assert_close(shared, full_forward_logits(model, rep_ids, rep_mask, new), rtol=1e-5, atol=1e-5)
+    assert_logits_close(shared, full_forward_logits(model, rep_ids, rep_mask, new))
     plain = decoded_logits(ModelDecoder(model, 3 * G, ids.shape[1] + 5), ids, mask, new, repeats=G)
-    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
+    assert_logits_close(shared, plain)
 
 
 def test_weights_are_read_when_the_decoder_is_built():
@@ -90,8 +112,8 @@ def test_weights_are_read_when_the_decoder_is_built():
     assert not torch.equal(before.layers[1][4], after.layers[1][4])
     ids, mask = pad_prompts(PROMPTS)
     new = torch.randint(0, 64, (3, 3), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(decoded_logits(Decoder(model, 3, ids.shape[1] + 3), ids, mask, new),
-                               full_forward_logits(model, ids, mask, new), rtol=1e-5, atol=1e-5)
+    assert_logits_close(decoded_logits(Decoder(model, 3, ids.shape[1] + 3), ids, mask, new),
+                        full_forward_logits(model, ids, mask, new))
 
 
 @pytest.mark.slow
@@ -108,5 +130,5 @@ def test_compiled_step_equals_eager_and_compiles_once():
         new = torch.randint(0, 64, (3, extra), generator=torch.Generator().manual_seed(extra))
         eager = decoded_logits(Decoder(model, 3, ids.shape[1] + extra), ids, mask, new)
         compiled = decoded_logits(Decoder(model, 3, 64, compile=True), ids, mask, new)
-        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        assert_logits_close(compiled, eager)
     assert counters["stats"]["unique_graphs"] - graphs == 1

@@ -10,27 +10,35 @@ runs on the B distinct prompts and copies their keys/values to the G rows of eac
 
 Each step then runs `decode_step`, the transformer's forward for one token per row written
 out on plain tensors. It computes the module's function (the tests hold it to the forward's
-logits within 1e-5), with three differences that change only float rounding:
+logits within 1e-5 of their scale), with three differences that change only float rounding:
 
-- fused projections: q, k and v are one matmul, gate and up one matmul, each weight a
-  transposed copy (x @ w: faster than the module's x @ w.T for a few rows on a CPU). The
-  copies (`DecodeWeights`) are made when the decoder is built, once per `generate_tokens`
-  call: the parameters keep their names and layout, and they change between calls (RL
-  updates them) but never within one. The copies cost one more copy of the matmul weights
-  for the length of the call. The softmax scale 1/sqrt(head_dim) is folded into the query
-  rows, and one rotary pass turns the query and key heads together.
+- fused projections: q, k and v are one matmul, gate and up one matmul. The weights
+  (`DecodeWeights`) are copied when the decoder is built, once per `generate_tokens` call:
+  the parameters keep their names and layout, and they change between calls (RL updates
+  them) but never within one. The copies hold one more copy of the matmul weights for the
+  length of the call. The softmax scale 1/sqrt(head_dim) is folded into the query rows,
+  and one rotary pass turns the query and key heads together.
 - attention without `scaled_dot_product_attention`: one query per row, so it is q · K over
   the filled slots plus an additive bias (0, or -inf on a row's padding slots), softmax,
   times V. Grouped-query heads read their shared keys/values in place (queries viewed as
   [N, kv_heads, group, head_dim]), nothing is repeated.
 - logits of the new token only, float32 as the model's.
 
+The matmul weights (`matmul_weight`, `linear`): on a CPU with oneDNN, for float32 parameters
+and no autocast (`onednn_available`), each copy is packed into the blocked layout oneDNN
+picks for the batch (`torch.ops.mkldnn._reorder_linear_weight`, the packing inductor's CPU
+weight prepacking uses) and multiplied by `torch.ops.mkldnn._linear_pointwise`: for 16 rows
+on the 2-core AMD EPYC of benchmarks/rl_throughput.py, 2-3x faster than the MKL matmul of a
+dense weight for the wide ones (gate/up, lm_head). Elsewhere (an accelerator, bf16 weights,
+autocast, which these ops would bypass) they are transposed dense copies, x @ w.
+
 Compiled (`compile=True`): `torch.compile(decode_step, fullgraph=True)` with the slot
 dimension of the cache and of the bias marked dynamic, so one graph serves every step,
 prompt length and cache size (per number of rows and model shape): no recompile per step
 or per call. Inductor fuses each layer's cache write, attention and softmax into one loop
-nest (in a profile of benchmarks/rl_throughput.py's model on a 2-core CPU, it read the
-cache about twice as fast per slot as the eager batched matmuls).
+nest. A graph takes dense tensors only, so its layers' matmuls are the dense ones; the
+lm_head, outside the graph (`DecodeWeights.logits`), stays packed where oneDNN is there.
+On that CPU the eager step with packed weights runs about as fast as the compiled one.
 
 `ModelDecoder` has the same two methods through the module's forward, one `model(tokens
 [N, 1], cache=...)` per step. Generation uses it for anything that is not a `Transformer`
@@ -49,36 +57,63 @@ import torch.nn.functional as F
 from sprout.model.transformer import KVCache, Transformer
 
 
+def matmul_weight(weight: torch.Tensor, rows: int, packed: bool) -> torch.Tensor:
+    """`weight` [out, in] as `linear` takes it: transposed [in, out] (x @ w), or with `packed` in the
+    layout oneDNN picks for `rows` rows (`torch.ops.mkldnn._reorder_linear_weight`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows) if packed else weight.t().contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> torch.Tensor:
+    """x [N, in] @ W.T -> [N, out] for a `matmul_weight` of W."""
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return torch.matmul(x, weight)
+
+
 @dataclass
 class DecodeWeights:
     """A transformer's weights as `decode_step` reads them (tensors only, so that a compiled
     step takes them as inputs and its graph serves any weights of the same shapes)."""
 
     embed: torch.Tensor  # [V, d]
-    layers: list[tuple[torch.Tensor, ...]]  # per block: (input norm, qkv [d, (H + 2 KV) D], o [H D, d],
-    #                                         post norm, gate_up [d, 2F], down [F, d]), matmul weights transposed
+    layers: list[tuple[torch.Tensor, ...]]  # per block: (input norm, qkv, o, post norm, gate_up, down)
     norm: torch.Tensor  # [d]
-    lm_head: torch.Tensor  # [d, V]
+    lm_head: torch.Tensor
     rope_cos: torch.Tensor  # [max_seq_len, D]
     rope_sin: torch.Tensor  # [max_seq_len, D], signed as `sprout.model.transformer.rope_tables`
+    packed: bool = False  # the layers' matmul weights oneDNN-packed (see `matmul_weight`)
+    head_packed: bool = False  # the lm_head's
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model: Transformer) -> DecodeWeights:
-        """The weights of `model` now: every matmul weight a transposed copy (x @ w, with q/k/v
-        and gate/up concatenated), the norms, embedding and rotary tables shared."""
-        def t(*weights):
-            return torch.cat(weights).t().contiguous()
+    def of(cls, model: Transformer, rows: int = 1, packed: bool = False, head_packed: bool = False):
+        """The weights of `model` now: every matmul weight a `matmul_weight` copy (q/k/v and gate/up
+        concatenated: qkv [(H + 2 KV) D, d], gate_up [2F, d]); norms, embedding, rotary tables shared."""
+        def mat(*weights, packed=packed):
+            return matmul_weight(torch.cat(weights), rows, packed)
 
         layers = []
         for block in model.layers:
             a, m = block.self_attn, block.mlp
             q = a.q_proj.weight * (1.0 / math.sqrt(a.head_dim))  # the softmax scale, folded in
-            layers.append((block.input_layernorm.weight, t(q, a.k_proj.weight, a.v_proj.weight), t(a.o_proj.weight),
-                           block.post_attention_layernorm.weight, t(m.gate_proj.weight, m.up_proj.weight),
-                           t(m.down_proj.weight)))
-        return cls(model.embed_tokens.weight, layers, model.norm.weight, t(model.lm_head.weight),
-                   model.rope_cos, model.rope_sin)
+            layers.append((block.input_layernorm.weight, mat(q, a.k_proj.weight, a.v_proj.weight),
+                           mat(a.o_proj.weight), block.post_attention_layernorm.weight,
+                           mat(m.gate_proj.weight, m.up_proj.weight), mat(m.down_proj.weight)))
+        return cls(model.embed_tokens.weight, layers, model.norm.weight, mat(model.lm_head.weight, packed=head_packed),
+                   model.rope_cos, model.rope_sin, packed, head_packed)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, V] of `decode_step`'s hidden states [N, d]."""
+        return linear(hidden, self.lm_head, self.head_packed).float()
+
+
+def onednn_available(model) -> bool:
+    """Whether `model`'s decode matmuls can run on oneDNN-packed weights: float32 parameters on a
+    CPU with oneDNN, no CPU autocast (the packed matmul would bypass it), and the two ops present."""
+    p = model.lm_head.weight
+    return (p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and not torch.is_autocast_enabled("cpu") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,7 +124,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def decode_step(w: DecodeWeights, tokens: torch.Tensor, positions: torch.Tensor, ks: list[torch.Tensor],
                 vs: list[torch.Tensor], bias: torch.Tensor, shape: tuple[int, int, int, float]) -> torch.Tensor:
-    """Logits [N, V] (float32) of tokens [N] at rotary `positions` [N] appended to the cache.
+    """Final normed hidden states [N, d] (`DecodeWeights.logits` takes them to logits) of tokens
+    [N] at rotary `positions` [N], appended to the cache.
 
     `ks`/`vs`: every layer's cache buffers [N, kv_heads, S, D]; `bias` [N, L]: the slots the new
     token attends to, 0 or -inf (a row's padding), so that the new keys/values go to slot L - 1
@@ -101,20 +137,19 @@ def decode_step(w: DecodeWeights, tokens: torch.Tensor, positions: torch.Tensor,
     cos, sin = w.rope_cos[positions][:, None], w.rope_sin[positions][:, None]  # [N, 1, D]
     bias = bias[:, None, None]  # [N, 1, 1, L]
     for (ln1, qkv_w, o_w, ln2, gate_up_w, down_w), ck, cv in zip(w.layers, ks, vs):
-        qkv = torch.matmul(_rms_norm(x, ln1, eps), qkv_w)
+        qkv = linear(_rms_norm(x, ln1, eps), qkv_w, w.packed)
+        if cos.dtype != qkv.dtype:  # bf16 under autocast
+            cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         qk = qkv[:, : (H + KV) * D].view(N, H + KV, D)
-        c, s = cos.to(qk.dtype), sin.to(qk.dtype)
-        qk = torch.addcmul(qk * c, qk.roll(D // 2, -1), s)  # rotary, as apply_rope
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D :].view(N, KV, D)
-        ck.narrow(2, slot, 1).copy_(k[:, :, None])
-        cv.narrow(2, slot, 1).copy_(v[:, :, None])
-        ck, cv = ck[:, :, : slot + 1], cv[:, :, : slot + 1]
-        scores = torch.matmul(q.view(N, KV, G, D), ck.transpose(-1, -2)) + bias  # [N, KV, G, L]
-        y = torch.matmul(scores.softmax(dim=-1).to(cv.dtype), cv).view(N, H * D)
-        x = x + torch.matmul(y, o_w)
-        gate, up = torch.matmul(_rms_norm(x, ln2, eps), gate_up_w).chunk(2, dim=-1)
-        x = x + torch.matmul(F.silu(gate) * up, down_w)
-    return torch.matmul(_rms_norm(x, w.norm, eps), w.lm_head).float()
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # rotary, as apply_rope
+        ck.select(2, slot).copy_(qk[:, H:])
+        cv.select(2, slot).copy_(qkv[:, (H + KV) * D :].view(N, KV, D))
+        scores = torch.matmul(qk[:, :H].view(N, KV, G, D), ck[:, :, : slot + 1].transpose(2, 3))  # [N, KV, G, L]
+        y = torch.matmul((scores + bias).softmax(dim=-1).to(cv.dtype), cv[:, :, : slot + 1])
+        x = x + linear(y.view(N, H * D), o_w, w.packed)
+        gate, up = linear(_rms_norm(x, ln2, eps), gate_up_w, w.packed).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, down_w, w.packed)
+    return _rms_norm(x, w.norm, eps)
 
 
 _compiled_decode_step = None
@@ -150,7 +185,8 @@ class Decoder:
 
     def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
         c = model.config
-        self.model, self.weights = model, DecodeWeights.of(model)
+        onednn = onednn_available(model)  # a compiled graph takes dense tensors only: not the layers'
+        self.model, self.weights = model, DecodeWeights.of(model, rows, onednn and not compile, onednn)
         self.cache = model.new_cache(rows, max_len)
         self.shape = (c.n_heads, c.kv_heads, c.head_dim, c.norm_eps)
         self.compile = compile
@@ -178,8 +214,9 @@ class Decoder:
         bias = self.bias[:, : self.length]
         if self.compile:
             torch._dynamo.mark_dynamic(bias, 1)
-        logits = self.step_fn(self.weights, tokens.contiguous(), self.positions, self.cache.k, self.cache.v, bias,
+        hidden = self.step_fn(self.weights, tokens.contiguous(), self.positions, self.cache.k, self.cache.v, bias,
                               self.shape)
+        logits = self.weights.logits(hidden)
         self.positions += 1
         return logits
 
