@@ -1,8 +1,8 @@
 """The one-token decode step: its logits equal the module forward's over the whole sequence to
 1e-5 of their scale (left padding, grouped-query attention, tied embeddings, a value head; dense
-and oneDNN-packed weights), shared prefills equal repeated prompts, the compiled step equals the
-eager one and compiles once for every length and cache size (slow), and the weights are read at
-each decoder's construction."""
+and oneDNN-packed weights), shared prefills equal repeated prompts (also unpadded and one-token
+prompts), the compiled step equals the eager one and compiles once for every length and cache
+size (slow), and the weights are read at each decoder's construction."""
 
 import pytest
 import torch
@@ -42,9 +42,8 @@ def full_forward_logits(model, ids, mask, new):
 
 
 def decoded_logits(decoder, ids, mask, new, repeats=1):
-    segments, positions = padding_inputs(mask)
     with torch.no_grad():
-        out = [decoder.prefill(ids, segments, positions, repeats=repeats)]
+        out = [decoder.prefill(ids, mask, repeats=repeats)]
         out += [decoder.step(new[:, t]) for t in range(new.shape[1])]
     return torch.stack(out, 1)
 
@@ -98,6 +97,17 @@ def test_shared_prefill_equals_repeated_prompts():
     assert_logits_close(shared, full_forward_logits(model, rep_ids, rep_mask, new))
     plain = decoded_logits(ModelDecoder(model, 3 * G, ids.shape[1] + 5), ids, mask, new, repeats=G)
     assert_logits_close(shared, plain)
+
+
+@pytest.mark.parametrize("prompts", [[[7], [1, 2, 3]], [[1, 2], [3, 4]], [[5]]], ids=["one token", "unpadded", "P=1"])
+def test_prefill_edge_cases(prompts):
+    model = random_model()
+    ids, mask = pad_prompts(prompts)
+    B, G = len(prompts), 2
+    new = torch.randint(0, 64, (B * G, 3), generator=torch.Generator().manual_seed(4))
+    got = decoded_logits(Decoder(model, B * G, ids.shape[1] + 3), ids, mask, new, repeats=G)
+    expected = full_forward_logits(model, ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), new)
+    assert_logits_close(got, expected)
 
 
 def test_weights_are_read_when_the_decoder_is_built():

@@ -1,49 +1,53 @@
-"""One-token decode steps for sampling: the prefill, then one new token per row per step.
+"""Sampling's forward passes: the prompts' prefill, then one new token per row per step.
 
     decoder = make_decoder(model, rows=N, max_len=P + steps, compile=False)
-    logits = decoder.prefill(ids, segment_ids, position_ids, repeats=G)  # [N, V]: last prompt positions
-    logits = decoder.step(tokens)                                        # [N, V]: tokens [N] appended
+    logits = decoder.prefill(ids, mask, repeats=G)  # [N, V]: each prompt's last token, on its G rows
+    logits = decoder.step(tokens)                   # [N, V]: tokens [N] appended, one per row
 
-The prefill is the model's own forward filling a `KVCache` (`logits_to_keep=1`: the lm_head
-runs on the last position only). With `repeats=G` (G samples per prompt, N = B × G rows) it
-runs on the B distinct prompts and copies their keys/values to the G rows of each.
+`Decoder` runs the transformer's forward written out on plain tensors, on copies of its
+weights (`DecodeWeights`) and on KV buffers of its own, in two forms: `prefill_step` for the
+prompts and `decode_step` for one token per row. Both compute the module's function (the
+tests hold their logits to the forward's within 1e-5 of their scale); what differs changes
+only float rounding:
 
-Each step then runs `decode_step`, the transformer's forward for one token per row written
-out on plain tensors. It computes the module's function (the tests hold it to the forward's
-logits within 1e-5 of their scale), with three differences that change only float rounding:
-
-- fused projections: q, k and v are one matmul, gate and up one matmul. The weights
-  (`DecodeWeights`) are copied when the decoder is built, once per `generate_tokens` call:
-  the parameters keep their names and layout, and they change between calls (RL updates
-  them) but never within one. The copies hold one more copy of the matmul weights for the
-  length of the call. The softmax scale 1/sqrt(head_dim) is folded into the query rows,
-  and one rotary pass turns the query and key heads together.
-- attention without `scaled_dot_product_attention`: one query per row, so it is q · K over
-  the filled slots plus an additive bias (0, or -inf on a row's padding slots), softmax,
-  times V. Grouped-query heads read their shared keys/values in place (queries viewed as
-  [N, kv_heads, group, head_dim]), nothing is repeated.
-- logits of the new token only, float32 as the model's.
+- fused projections: q, k and v are one matmul, gate and up one matmul. The weights are
+  copied when the decoder is built, once per `generate_tokens` call: the parameters keep
+  their names and layout, and they change between calls (RL updates them) but never within
+  one. The copies hold one more copy of the matmul weights for the length of the call. The
+  softmax scale 1/sqrt(head_dim) is folded into the query rows, and one rotary pass turns
+  the query and key heads together.
+- the prefill runs once per distinct prompt (B, not B × G rows; each prompt's keys/values
+  are then written to its G rows), its matmuls on the real tokens only, packed [T, d], and
+  its attention in the left-padded layout [B, heads, P, D] (causal, over real keys).
+- a decode step's attention is not `scaled_dot_product_attention`: one query per row, so it
+  is q · K over the filled slots plus an additive bias (0, or -inf on a row's padding
+  slots), softmax, times V. Grouped-query heads read their shared keys/values in place
+  (queries viewed as [N, kv_heads, group, head_dim]), nothing is repeated.
+- logits for the last prompt token and the new tokens only, float32 as the model's.
 
 The matmul weights (`matmul_weight`, `linear`): on a CPU with oneDNN, for float32 parameters
 and no autocast (`onednn_available`), each copy is packed into the blocked layout oneDNN
 picks for the batch (`torch.ops.mkldnn._reorder_linear_weight`, the packing inductor's CPU
 weight prepacking uses) and multiplied by `torch.ops.mkldnn._linear_pointwise`: for 16 rows
-on the 2-core AMD EPYC of benchmarks/rl_throughput.py, 2-3x faster than the MKL matmul of a
-dense weight for the wide ones (gate/up, lm_head). Elsewhere (an accelerator, bf16 weights,
-autocast, which these ops would bypass) they are transposed dense copies, x @ w.
+on the 2-core AMD EPYC of benchmarks/rl_throughput.py, 1.3-3x faster than MKL's matmul on a
+dense weight (most for the widest, gate/up and the lm_head, and with 2 threads). Elsewhere
+(an accelerator, bf16 weights, autocast, which these ops would bypass) they are transposed
+dense copies, x @ w.
 
 Compiled (`compile=True`): `torch.compile(decode_step, fullgraph=True)` with the slot
 dimension of the cache and of the bias marked dynamic, so one graph serves every step,
 prompt length and cache size (per number of rows and model shape): no recompile per step
 or per call. Inductor fuses each layer's cache write, attention and softmax into one loop
 nest. A graph takes dense tensors only, so its layers' matmuls are the dense ones; the
-lm_head, outside the graph (`DecodeWeights.logits`), stays packed where oneDNN is there.
-On that CPU the eager step with packed weights runs about as fast as the compiled one.
+lm_head, outside the graph (`DecodeWeights.logits`), stays packed where oneDNN is there,
+and the prefill runs eager on the dense copies. On that CPU the eager step with packed
+weights runs about as fast as the compiled one.
 
-`ModelDecoder` has the same two methods through the module's forward, one `model(tokens
-[N, 1], cache=...)` per step. Generation uses it for anything that is not a `Transformer`
-with an lm_head in one process: under FSDP the sharded parameters are gathered by the
-module's forward alone, so every step must be one.
+`ModelDecoder` has the same two methods through the module's forward: one forward over the
+B prompts into a `KVCache` (copied to their G rows), then one `model(tokens [N, 1],
+cache=...)` per step. Generation uses it for anything that is not a `Transformer` with an
+lm_head in one process: under FSDP the sharded parameters are gathered by the module's
+forward alone, so every step must be one.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sprout.model.heads import padding_inputs
 from sprout.model.transformer import KVCache, Transformer
 
 
@@ -152,6 +157,44 @@ def decode_step(w: DecodeWeights, tokens: torch.Tensor, positions: torch.Tensor,
     return _rms_norm(x, w.norm, eps)
 
 
+def prefill_step(w: DecodeWeights, ids: torch.Tensor, mask: torch.Tensor, ks: list[torch.Tensor],
+                 vs: list[torch.Tensor], repeats: int, shape: tuple[int, int, int, float]) -> torch.Tensor:
+    """Final normed hidden states [B, d] of each prompt's last token; the prompts' keys/values
+    written to slots 0..P-1 of `ks`/`vs` [B × repeats, kv_heads, S, D], each prompt's to its
+    `repeats` adjacent rows.
+
+    Prompts ids [B, P] left-padded (`mask` 1 on real tokens): the matmuls run on the T real
+    tokens only, packed [T, d]; attention runs in the padded layout [B, heads, P, D], causal
+    over real keys (a padding query sees its own slot only, so no row of the mask is empty;
+    its output is dropped).
+    """
+    H, KV, D, eps = shape
+    (B, P), real = ids.shape, mask.bool()
+    index = real.flatten().nonzero()[:, 0]  # packed token -> position in [B × P]
+    positions = (mask.cumsum(1) - 1)[real]
+    x = F.embedding(ids.flatten()[index], w.embed)  # [T, d]
+    cos, sin = w.rope_cos[positions][:, None], w.rope_sin[positions][:, None]  # [T, 1, D]
+    eye = torch.eye(P, dtype=torch.bool, device=ids.device)
+    allowed = (eye.cumsum(0).bool() & real[:, None, :]) | eye  # [B, P, P]: causal, real keys
+    for (ln1, qkv_w, o_w, ln2, gate_up_w, down_w), ck, cv in zip(w.layers, ks, vs):
+        qkv = linear(_rms_norm(x, ln1, eps), qkv_w, w.packed).view(-1, H + 2 * KV, D)
+        if cos.dtype != qkv.dtype:  # bf16 under autocast
+            cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        heads = qkv.new_zeros(B * P, H + 2 * KV, D)
+        heads[index, : H + KV] = torch.addcmul(qkv[:, : H + KV] * cos, qkv[:, : H + KV].roll(D // 2, -1), sin)
+        heads[index, H + KV :] = qkv[:, H + KV :]
+        q, k, v = heads.view(B, P, H + 2 * KV, D).transpose(1, 2).split([H, KV, KV], dim=1)
+        ck.view(B, repeats, *ck.shape[1:])[:, :, :, :P] = k[:, None]
+        cv.view(B, repeats, *cv.shape[1:])[:, :, :, :P] = v[:, None]
+        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed[:, None], scale=1.0,
+                                           enable_gqa=KV != H)
+        x = x + linear(y.transpose(1, 2).reshape(B * P, H * D)[index], o_w, w.packed)
+        gate, up = linear(_rms_norm(x, ln2, eps), gate_up_w, w.packed).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, down_w, w.packed)
+    last = mask.sum(1).cumsum(0) - 1  # each prompt's last token in the packed order
+    return _rms_norm(x[last], w.norm, eps)
+
+
 _compiled_decode_step = None
 
 
@@ -163,15 +206,16 @@ def compiled_decode_step():
     return _compiled_decode_step
 
 
-def prefill(model, cache: KVCache, ids, segment_ids=None, position_ids=None, repeats: int = 1) -> torch.Tensor:
-    """Logits [B × repeats, V] of each prompt's last position, `cache` [B × repeats rows] filled with
-    the prompts ids [B, P], each repeated `repeats` times (adjacent rows): the model runs on the
-    B distinct prompts and their keys/values are copied to the rows that share them."""
+def prefill(model, cache: KVCache, ids: torch.Tensor, mask: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+    """Logits [B × repeats, V] of each prompt's last position through the module's forward, `cache`
+    [B × repeats rows] filled with the prompts ids [B, P] (left-padded, `mask` 1 on real tokens),
+    each prompt's keys/values in its `repeats` adjacent rows: the model runs on the B prompts."""
+    segments, positions = (None, None) if bool(mask.all()) else padding_inputs(mask)  # no padding: causal
     if repeats == 1:
-        return model(ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache, logits_to_keep=1)[:, -1]
+        return model(ids, segment_ids=segments, position_ids=positions, cache=cache, logits_to_keep=1)[:, -1]
     B, P = ids.shape
     once = model.new_cache(B, P, dtype=cache.k[0].dtype)
-    logits = model(ids, segment_ids=segment_ids, position_ids=position_ids, cache=once, logits_to_keep=1)[:, -1]
+    logits = model(ids, segment_ids=segments, position_ids=positions, cache=once, logits_to_keep=1)[:, -1]
     for full, part in zip(cache.k + cache.v, once.k + once.v):
         full[:, :, :P] = part.repeat_interleave(repeats, 0)
     cache.segments[:, :P] = once.segments.repeat_interleave(repeats, 0)
@@ -181,44 +225,45 @@ def prefill(model, cache: KVCache, ids, segment_ids=None, position_ids=None, rep
 
 
 class Decoder:
-    """Prefill through the model, then `decode_step` on fused weights (see the module doc)."""
+    """`prefill_step`, then `decode_step`, on fused weights and cache buffers of its own (see the module doc)."""
 
     def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
-        c = model.config
+        c, p = model.config, model.lm_head.weight
         onednn = onednn_available(model)  # a compiled graph takes dense tensors only: not the layers'
-        self.model, self.weights = model, DecodeWeights.of(model, rows, onednn and not compile, onednn)
-        self.cache = model.new_cache(rows, max_len)
+        self.weights = DecodeWeights.of(model, rows, onednn and not compile, onednn)
+        shape = (rows, c.kv_heads, max_len, c.head_dim)
+        self.k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(c.n_layers)]
+        self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(c.n_layers)]
         self.shape = (c.n_heads, c.kv_heads, c.head_dim, c.norm_eps)
         self.compile = compile
         self.step_fn = compiled_decode_step() if compile else decode_step
         if compile:  # one graph for every cache size and length
-            for t in self.cache.k + self.cache.v:
+            for t in self.k + self.v:
                 torch._dynamo.mark_dynamic(t, 2)
 
-    def prefill(self, ids, segment_ids=None, position_ids=None, repeats: int = 1) -> torch.Tensor:
-        logits = prefill(self.model, self.cache, ids, segment_ids, position_ids, repeats)
-        cache, P = self.cache, ids.shape[1]
-        # New tokens continue each row's last segment: they may attend to the slots of that segment
-        # and to every later slot (the causal limit is the step's).
-        same = cache.segments == cache.segments[:, P - 1 : P]
-        same[:, P:] = True
-        self.bias = torch.zeros(same.shape, dtype=torch.float32, device=ids.device).masked_fill_(~same, float("-inf"))
-        self.positions = cache.next_pos.clone()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+        """Logits [B × repeats, V] of the prompts' last tokens (ids [B, P] left-padded, `mask`)."""
+        (B, P), S = ids.shape, self.k[0].shape[2]
+        hidden = prefill_step(self.weights, ids, mask, self.k, self.v, repeats, self.shape)
+        # A new token attends to its row's real prompt slots and to every later slot (up to its own).
+        bias = torch.zeros(B, S, dtype=torch.float32, device=ids.device)
+        bias[:, :P].masked_fill_(mask == 0, float("-inf"))
+        self.bias = bias.repeat_interleave(repeats, 0)
+        self.positions = mask.sum(1).repeat_interleave(repeats, 0)
         self.length = P
-        return logits
+        return self.weights.logits(hidden).repeat_interleave(repeats, 0)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.length >= self.cache.max_len:
-            raise ValueError(f"KV cache full: {self.length + 1} slots needed, {self.cache.max_len} allocated")
+        """Logits [N, V] of tokens [N], one per row, appended."""
+        if self.length >= self.k[0].shape[2]:
+            raise ValueError(f"KV cache full: {self.length + 1} slots needed, {self.k[0].shape[2]} allocated")
         self.length += 1
         bias = self.bias[:, : self.length]
         if self.compile:
             torch._dynamo.mark_dynamic(bias, 1)
-        hidden = self.step_fn(self.weights, tokens.contiguous(), self.positions, self.cache.k, self.cache.v, bias,
-                              self.shape)
-        logits = self.weights.logits(hidden)
+        hidden = self.step_fn(self.weights, tokens.contiguous(), self.positions, self.k, self.v, bias, self.shape)
         self.positions += 1
-        return logits
+        return self.weights.logits(hidden)
 
 
 class ModelDecoder:
@@ -227,8 +272,8 @@ class ModelDecoder:
     def __init__(self, model, rows: int, max_len: int):
         self.model, self.cache = model, model.new_cache(rows, max_len)
 
-    def prefill(self, ids, segment_ids=None, position_ids=None, repeats: int = 1) -> torch.Tensor:
-        return prefill(self.model, self.cache, ids, segment_ids, position_ids, repeats)
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+        return prefill(self.model, self.cache, ids, mask, repeats)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens[:, None], cache=self.cache)[:, -1]

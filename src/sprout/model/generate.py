@@ -43,7 +43,7 @@ cut from the output, so the rollout is the same, only the generator has drawn mo
 
 Decoding (`sprout.model.decode`): each prompt is prefilled once, its keys/values copied to
 its G rows, and each step is `decode_step`, the forward of one token per row on fused
-weights built once per call. `compile=True` runs that step under `torch.compile`: one graph
+weights copied once per call (oneDNN-packed on a CPU). `compile=True` runs that step under `torch.compile`: one graph
 for every step, prompt length and cache size (per number of rows), compiled on the first
 call (seconds to minutes on a CPU) and reused by later ones. Sampling stays eager, so the
 same logits give the same tokens for a generator. `compile="auto"` compiles when one call
@@ -55,10 +55,12 @@ is a collective (each rank gathers the others' parameter shards), so no rank may
 loop while another still decodes. Each step all-reduces one "this rank is done" flag, and a
 rank whose rows have all stopped keeps running one-token forwards whose output is thrown
 away (no cache, no sampling, so its tokens and its generator are exactly those of a run
-alone) until every rank is done. Each rank's tokens are those of one process given its
-prompts. A single process does no collective. Steps there go through the module's forward
+alone) until every rank is done. Steps there go through the module's forward
 (`ModelDecoder`: only a forward gathers the shards), `compile` is ignored: pass the
-uncompiled module (the Trainer's `generation_model`).
+uncompiled module (the Trainer's `generation_model`). Each rank computes what one process
+computes on its prompts; one process decodes on the fused weights, whose matmuls round
+differently, so the two agree to float rounding (the same tokens unless a uniform draw lands
+within that rounding of a cumulative-probability boundary). A single process does no collective.
 """
 
 from __future__ import annotations
@@ -265,9 +267,7 @@ def _sample_loop(model, ids, mask, G: int, steps: int, stops, vocab_size, use_co
     out_tokens = torch.zeros(N, steps, dtype=torch.long, device=device)
     out_logp = torch.zeros(N, steps, dtype=torch.float32, device=device)
     decoder = make_decoder(model, N, P + steps, compile=use_compile, fused=not _distributed())
-    uniform = bool(mask.all())  # no padding: plain causal attention
-    segments, positions = (None, None) if uniform else padding_inputs(mask)
-    logits = decoder.prefill(ids, segments, positions, repeats=G)
+    logits = decoder.prefill(ids, mask, repeats=G)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     check_every = 1 if _distributed() else STOP_CHECK_EVERY.get(device.type, STOP_CHECK_DEFAULT)
     n, finished = 0, steps == 0

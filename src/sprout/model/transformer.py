@@ -29,9 +29,8 @@ to; the cache also keeps each row's next rotary position, so decode steps need n
 arguments beyond the new tokens. A padded row therefore computes the same function as
 the same prompt decoded alone. The forward uses a cache only through `reserve` (claim the
 next slots: positions, mask) and, per layer, `update` (store the new keys/values, return
-those to attend to), so another cache with these two methods plugs in unchanged. Sampling
-prefills a `KVCache` through the forward, then its one-token steps write and read the
-cache's buffers directly (`sprout.model.decode`).
+those to attend to), so another cache with these two methods plugs in unchanged. (Sampling
+in one process decodes outside this forward, on buffers of its own: `sprout.model.decode`.)
 
 Initialisation (GPT-2, Radford et al. 2019; as in nanoGPT): every Linear and the
 embedding ~ N(0, init_std); the two projections that write into the residual stream
