@@ -1,13 +1,15 @@
-"""The one-token decode step: its logits equal the module forward's over the whole sequence to
-1e-5 of their scale (left padding, grouped-query attention, tied embeddings, a value head; dense
-and oneDNN-packed weights), shared prefills equal repeated prompts (also unpadded and one-token
-prompts), the compiled step equals the eager one and compiles once for every length and cache
-size (slow), and the weights are read at each decoder's construction."""
+"""The decoder's prefill and one-token steps: their logits equal the module forward's over the
+whole sequence to 1e-5 of their scale (left padding, grouped-query attention, tied embeddings,
+a value head; dense, oneDNN-packed, and dense with packed copies for the compiled step's op),
+shared prefills equal repeated prompts (also unpadded and one-token prompts), the compiled step
+equals the eager one and compiles once for every length and cache size (slow), and the weights
+are read at each decoder's construction."""
 
 import pytest
 import torch
 
-from sprout.model.decode import Decoder, DecodeWeights, ModelDecoder, make_decoder, onednn_available
+from sprout.model.decode import (Decoder, DecodeWeights, ModelDecoder, make_decoder, matmul_weight, onednn_available,
+                                 onednn_linear)
 from sprout.model.generate import pad_prompts
 from sprout.model.heads import PolicyWithValue, padding_inputs
 from sprout.model.transformer import ModelConfig, Transformer
@@ -48,19 +50,29 @@ def decoded_logits(decoder, ids, mask, new, repeats=1):
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "onednn"])
+@pytest.mark.parametrize("matmul", ["dense", "onednn", "onednn_op"])
 @pytest.mark.parametrize("kind", ["gqa", "mha", "tied", "value head"])
-def test_decode_step_equals_the_full_forward(kind, packed):
+def test_decode_step_equals_the_full_forward(kind, matmul):
     overrides = {"mha": dict(n_kv_heads=None), "tied": dict(tie_embeddings=True)}.get(kind, {})
     model = random_model(PolicyWithValue if kind == "value head" else Transformer, **overrides)
-    if packed and not onednn_available(model):
+    if matmul != "dense" and not onednn_available(model):
         pytest.skip("no oneDNN")
     ids, mask = pad_prompts(PROMPTS)
     new = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
     decoder = make_decoder(model, 3, ids.shape[1] + 9)
-    assert isinstance(decoder, Decoder) and decoder.weights.packed == onednn_available(model)
-    decoder.weights = DecodeWeights.of(model, 3, packed, packed)
+    assert isinstance(decoder, Decoder) and decoder.weights.kind == ("onednn" if onednn_available(model) else "dense")
+    decoder.weights = DecodeWeights.of(model, 3, matmul, "dense" if matmul == "onednn_op" else matmul)
     assert_logits_close(decoded_logits(decoder, ids, mask, new), full_forward_logits(model, ids, mask, new))
+
+
+def test_onednn_op_falls_back_to_a_plain_matmul():
+    """The compiled step's matmul op: through the packed copy attached to the dense weight, or
+    x @ w when none is (a weight built elsewhere)."""
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    bare = matmul_weight(w, 4, "dense")
+    torch.testing.assert_close(onednn_linear(x, bare), x @ w.T)
+    if torch.backends.mkldnn.is_available():
+        torch.testing.assert_close(onednn_linear(x, matmul_weight(w, 4, "onednn_op")), x @ w.T)
 
 
 def test_autocast_keeps_dense_weights():
@@ -72,7 +84,7 @@ def test_autocast_keeps_dense_weights():
         decoder = Decoder(model, 3, ids.shape[1] + 2)
         got = decoded_logits(decoder, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
         expected = full_forward_logits(model, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
-    assert not decoder.weights.packed
+    assert decoder.weights.kind == decoder.weights.head_kind == "dense"
     torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * float(expected.abs().max()))  # bf16 rounding
 
 

@@ -38,10 +38,11 @@ Compiled (`compile=True`): `torch.compile(decode_step, fullgraph=True)` with the
 dimension of the cache and of the bias marked dynamic, so one graph serves every step,
 prompt length and cache size (per number of rows and model shape): no recompile per step
 or per call. Inductor fuses each layer's cache write, attention and softmax into one loop
-nest. A graph takes dense tensors only, so its layers' matmuls are the dense ones; the
-lm_head, outside the graph (`DecodeWeights.logits`), stays packed where oneDNN is there,
-and the prefill runs eager on the dense copies. On that CPU the eager step with packed
-weights runs about as fast as the compiled one.
+nest. A graph takes dense tensors only, so on oneDNN its matmul weights are dense copies,
+each carrying its packed copy as an attribute, and the matmul is `onednn_linear`, a custom
+op the compiler does not look into, which multiplies by the packed copy (the weights held
+twice for the call). The lm_head runs outside the graph (`DecodeWeights.logits`) and the
+prefill eager.
 
 `ModelDecoder` has the same two methods through the module's forward: one forward over the
 B prompts into a `KVCache` (copied to their G rows), then one `model(tokens [N, 1],
@@ -62,17 +63,44 @@ from sprout.model.heads import padding_inputs
 from sprout.model.transformer import KVCache, Transformer
 
 
-def matmul_weight(weight: torch.Tensor, rows: int, packed: bool) -> torch.Tensor:
-    """`weight` [out, in] as `linear` takes it: transposed [in, out] (x @ w), or with `packed` in the
-    layout oneDNN picks for `rows` rows (`torch.ops.mkldnn._reorder_linear_weight`)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows) if packed else weight.t().contiguous()
+_PACKED = "_sprout_onednn"  # the attribute of a dense weight holding its oneDNN-packed copy ("onednn_op")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool) -> torch.Tensor:
-    """x [N, in] @ W.T -> [N, out] for a `matmul_weight` of W."""
-    if packed:
+def matmul_weight(weight: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
+    """`weight` [out, in] as `linear` takes it: "dense", transposed [in, out] for x @ w; "onednn",
+    packed in the layout oneDNN picks for `rows` rows (`torch.ops.mkldnn._reorder_linear_weight`);
+    "onednn_op", dense with its packed copy attached (for `onednn_linear` in a compiled graph)."""
+    if kind == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    dense = weight.t().contiguous()
+    if kind == "onednn_op":
+        setattr(dense, _PACKED, torch.ops.mkldnn._reorder_linear_weight(weight, rows))
+    return dense
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """x [N, in] @ W.T -> [N, out] for a `matmul_weight(W, rows, kind)`."""
+    if kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    if kind == "onednn_op":
+        return onednn_linear(x, weight)
     return torch.matmul(x, weight)
+
+
+@torch.library.custom_op("sprout::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight for a dense weight [in, out], multiplied by the oneDNN-packed copy attached to
+    it when there is one (an op opaque to torch.compile: a graph takes the dense tensor, the
+    packed one never enters it); a plain x @ weight otherwise."""
+    packed = getattr(weight, _PACKED, None)
+    if packed is None:
+        return torch.matmul(x, weight)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
 
 
 @dataclass
@@ -86,16 +114,16 @@ class DecodeWeights:
     lm_head: torch.Tensor
     rope_cos: torch.Tensor  # [max_seq_len, D]
     rope_sin: torch.Tensor  # [max_seq_len, D], signed as `sprout.model.transformer.rope_tables`
-    packed: bool = False  # the layers' matmul weights oneDNN-packed (see `matmul_weight`)
-    head_packed: bool = False  # the lm_head's
+    kind: str = "dense"  # the layers' matmul weights (see `matmul_weight`)
+    head_kind: str = "dense"  # the lm_head's
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model: Transformer, rows: int = 1, packed: bool = False, head_packed: bool = False):
+    def of(cls, model: Transformer, rows: int = 1, kind: str = "dense", head_kind: str = "dense"):
         """The weights of `model` now: every matmul weight a `matmul_weight` copy (q/k/v and gate/up
         concatenated: qkv [(H + 2 KV) D, d], gate_up [2F, d]); norms, embedding, rotary tables shared."""
-        def mat(*weights, packed=packed):
-            return matmul_weight(torch.cat(weights), rows, packed)
+        def mat(*weights, kind=kind):
+            return matmul_weight(torch.cat(weights), rows, kind)
 
         layers = []
         for block in model.layers:
@@ -104,12 +132,12 @@ class DecodeWeights:
             layers.append((block.input_layernorm.weight, mat(q, a.k_proj.weight, a.v_proj.weight),
                            mat(a.o_proj.weight), block.post_attention_layernorm.weight,
                            mat(m.gate_proj.weight, m.up_proj.weight), mat(m.down_proj.weight)))
-        return cls(model.embed_tokens.weight, layers, model.norm.weight, mat(model.lm_head.weight, packed=head_packed),
-                   model.rope_cos, model.rope_sin, packed, head_packed)
+        return cls(model.embed_tokens.weight, layers, model.norm.weight, mat(model.lm_head.weight, kind=head_kind),
+                   model.rope_cos, model.rope_sin, kind, head_kind)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, V] of `decode_step`'s hidden states [N, d]."""
-        return linear(hidden, self.lm_head, self.head_packed).float()
+        return linear(hidden, self.lm_head, self.head_kind).float()
 
 
 def onednn_available(model) -> bool:
@@ -142,7 +170,7 @@ def decode_step(w: DecodeWeights, tokens: torch.Tensor, positions: torch.Tensor,
     cos, sin = w.rope_cos[positions][:, None], w.rope_sin[positions][:, None]  # [N, 1, D]
     bias = bias[:, None, None]  # [N, 1, 1, L]
     for (ln1, qkv_w, o_w, ln2, gate_up_w, down_w), ck, cv in zip(w.layers, ks, vs):
-        qkv = linear(_rms_norm(x, ln1, eps), qkv_w, w.packed)
+        qkv = linear(_rms_norm(x, ln1, eps), qkv_w, w.kind)
         if cos.dtype != qkv.dtype:  # bf16 under autocast
             cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         qk = qkv[:, : (H + KV) * D].view(N, H + KV, D)
@@ -151,9 +179,9 @@ def decode_step(w: DecodeWeights, tokens: torch.Tensor, positions: torch.Tensor,
         cv.select(2, slot).copy_(qkv[:, (H + KV) * D :].view(N, KV, D))
         scores = torch.matmul(qk[:, :H].view(N, KV, G, D), ck[:, :, : slot + 1].transpose(2, 3))  # [N, KV, G, L]
         y = torch.matmul((scores + bias).softmax(dim=-1).to(cv.dtype), cv[:, :, : slot + 1])
-        x = x + linear(y.view(N, H * D), o_w, w.packed)
-        gate, up = linear(_rms_norm(x, ln2, eps), gate_up_w, w.packed).chunk(2, dim=-1)
-        x = x + linear(F.silu(gate) * up, down_w, w.packed)
+        x = x + linear(y.view(N, H * D), o_w, w.kind)
+        gate, up = linear(_rms_norm(x, ln2, eps), gate_up_w, w.kind).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, down_w, w.kind)
     return _rms_norm(x, w.norm, eps)
 
 
@@ -177,7 +205,7 @@ def prefill_step(w: DecodeWeights, ids: torch.Tensor, mask: torch.Tensor, ks: li
     eye = torch.eye(P, dtype=torch.bool, device=ids.device)
     allowed = (eye.cumsum(0).bool() & real[:, None, :]) | eye  # [B, P, P]: causal, real keys
     for (ln1, qkv_w, o_w, ln2, gate_up_w, down_w), ck, cv in zip(w.layers, ks, vs):
-        qkv = linear(_rms_norm(x, ln1, eps), qkv_w, w.packed).view(-1, H + 2 * KV, D)
+        qkv = linear(_rms_norm(x, ln1, eps), qkv_w, w.kind).view(-1, H + 2 * KV, D)
         if cos.dtype != qkv.dtype:  # bf16 under autocast
             cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         heads = qkv.new_zeros(B * P, H + 2 * KV, D)
@@ -188,9 +216,9 @@ def prefill_step(w: DecodeWeights, ids: torch.Tensor, mask: torch.Tensor, ks: li
         cv.view(B, repeats, *cv.shape[1:])[:, :, :, :P] = v[:, None]
         y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed[:, None], scale=1.0,
                                            enable_gqa=KV != H)
-        x = x + linear(y.transpose(1, 2).reshape(B * P, H * D)[index], o_w, w.packed)
-        gate, up = linear(_rms_norm(x, ln2, eps), gate_up_w, w.packed).chunk(2, dim=-1)
-        x = x + linear(F.silu(gate) * up, down_w, w.packed)
+        x = x + linear(y.transpose(1, 2).reshape(B * P, H * D)[index], o_w, w.kind)
+        gate, up = linear(_rms_norm(x, ln2, eps), gate_up_w, w.kind).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, down_w, w.kind)
     last = mask.sum(1).cumsum(0) - 1  # each prompt's last token in the packed order
     return _rms_norm(x[last], w.norm, eps)
 
@@ -229,8 +257,9 @@ class Decoder:
 
     def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
         c, p = model.config, model.lm_head.weight
-        onednn = onednn_available(model)  # a compiled graph takes dense tensors only: not the layers'
-        self.weights = DecodeWeights.of(model, rows, onednn and not compile, onednn)
+        onednn = onednn_available(model)
+        kind = ("onednn_op" if compile else "onednn") if onednn else "dense"  # a graph takes dense tensors only
+        self.weights = DecodeWeights.of(model, rows, kind, "onednn" if onednn else "dense")
         shape = (rows, c.kv_heads, max_len, c.head_dim)
         self.k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(c.n_layers)]
         self.v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(c.n_layers)]
