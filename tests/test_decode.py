@@ -8,6 +8,8 @@ are read at each decoder's construction."""
 import pytest
 import torch
 
+import sprout.model.decode as decode_module
+
 from sprout.model.decode import (Decoder, DecodeWeights, ModelDecoder, make_decoder, matmul_weight, onednn_available,
                                  onednn_linear)
 from sprout.model.generate import pad_prompts
@@ -60,7 +62,7 @@ def test_decode_step_equals_the_full_forward(kind, matmul):
     ids, mask = pad_prompts(PROMPTS)
     new = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
     decoder = make_decoder(model, 3, ids.shape[1] + 9)
-    assert isinstance(decoder, Decoder) and decoder.weights.kind == ("onednn" if onednn_available(model) else "dense")
+    assert isinstance(decoder, Decoder) and decoder.weights.kind == "dense"  # d_model 32 < ONEDNN_MIN_WIDTH
     decoder.weights = DecodeWeights.of(model, 3, matmul, "dense" if matmul == "onednn_op" else matmul)
     assert_logits_close(decoded_logits(decoder, ids, mask, new), full_forward_logits(model, ids, mask, new))
 
@@ -139,18 +141,27 @@ def test_weights_are_read_when_the_decoder_is_built():
 
 
 @pytest.mark.slow
-def test_compiled_step_equals_eager_and_compiles_once():
+@pytest.mark.parametrize("onednn", [False, True], ids=["dense", "onednn"])
+def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
     """The compiled step gives the eager logits, and one graph serves every step, prompt length and
-    cache size of a shape of rows (the length dims are dynamic)."""
+    cache size of a shape of rows (the length dims are dynamic); with oneDNN (the width threshold
+    lowered to this model's) its matmuls go through `onednn_linear` on dense weights."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
     model = random_model()
+    if onednn:
+        if not onednn_available(model):
+            pytest.skip("no oneDNN")
+        monkeypatch.setattr(decode_module, "ONEDNN_MIN_WIDTH", 32)
+    torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     for prompts, extra in ((PROMPTS, 6), ([[3, 4, 5, 6, 7, 8, 9, 10, 11], [1], [2, 3]], 20)):
         ids, mask = pad_prompts(prompts)
         new = torch.randint(0, 64, (3, extra), generator=torch.Generator().manual_seed(extra))
         eager = decoded_logits(Decoder(model, 3, ids.shape[1] + extra), ids, mask, new)
-        compiled = decoded_logits(Decoder(model, 3, 64, compile=True), ids, mask, new)
+        decoder = Decoder(model, 3, 64, compile=True)
+        assert decoder.weights.kind == ("onednn_op" if onednn else "dense")
+        compiled = decoded_logits(decoder, ids, mask, new)
         assert_logits_close(compiled, eager)
+        assert_logits_close(compiled, full_forward_logits(model, ids, mask, new))
     assert counters["stats"]["unique_graphs"] - graphs == 1

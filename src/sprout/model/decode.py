@@ -30,9 +30,11 @@ and no autocast (`onednn_available`), each copy is packed into the blocked layou
 picks for the batch (`torch.ops.mkldnn._reorder_linear_weight`, the packing inductor's CPU
 weight prepacking uses) and multiplied by `torch.ops.mkldnn._linear_pointwise`: for 16 rows
 on the 2-core AMD EPYC of benchmarks/rl_throughput.py, 1.3-3x faster than MKL's matmul on a
-dense weight (most for the widest, gate/up and the lm_head, and with 2 threads). Elsewhere
-(an accelerator, bf16 weights, autocast, which these ops would bypass) they are transposed
-dense copies, x @ w.
+dense weight (most for the widest, gate/up and the lm_head, and with 2 threads). A oneDNN
+call costs about 20 us more than an MKL one whatever its size, so narrower models
+(d_model < `ONEDNN_MIN_WIDTH`: a decode step of d_model 128 ran 3.3 ms packed, 3.1 ms
+dense there, of 256 5.6 against 7.2) keep dense weights. Elsewhere (an accelerator, bf16
+weights, autocast, which these ops would bypass) they are transposed dense copies, x @ w.
 
 Compiled (`compile=True`): `torch.compile(decode_step, fullgraph=True)` with the slot
 dimension of the cache and of the bias marked dynamic, so one graph serves every step,
@@ -63,6 +65,7 @@ from sprout.model.heads import padding_inputs
 from sprout.model.transformer import KVCache, Transformer
 
 
+ONEDNN_MIN_WIDTH = 256  # d_model from which oneDNN-packed matmuls outrun dense ones (see the module doc)
 _PACKED = "_sprout_onednn"  # the attribute of a dense weight holding its oneDNN-packed copy ("onednn_op")
 
 
@@ -257,7 +260,7 @@ class Decoder:
 
     def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
         c, p = model.config, model.lm_head.weight
-        onednn = onednn_available(model)
+        onednn = onednn_available(model) and c.d_model >= ONEDNN_MIN_WIDTH
         kind = ("onednn_op" if compile else "onednn") if onednn else "dense"  # a graph takes dense tensors only
         self.weights = DecodeWeights.of(model, rows, kind, "onednn" if onednn else "dense")
         shape = (rows, c.kv_heads, max_len, c.head_dim)
