@@ -17,8 +17,8 @@ only float rounding:
   softmax scale 1/sqrt(head_dim) is folded into the query rows, and one rotary pass turns
   the query and key heads together.
 - the prefill runs once per distinct prompt (B, not B × G rows; each prompt's keys/values
-  are then written to its G rows), its matmuls on the real tokens only, packed [T, d], and
-  its attention in the left-padded layout [B, heads, P, D] (causal, over real keys).
+  are then written to its G rows), its matmuls on the real tokens only, gathered [T, d],
+  and its attention in the left-padded layout [B, heads, P, D] (causal, over real keys).
 - a decode step's attention is not `scaled_dot_product_attention`: one query per row, so it
   is q · K over the filled slots plus an additive bias (0, or -inf on a row's padding
   slots), softmax, times V. Grouped-query heads read their shared keys/values in place
@@ -32,8 +32,9 @@ weight prepacking uses) and multiplied by `torch.ops.mkldnn._linear_pointwise`: 
 on the 2-core AMD EPYC of benchmarks/rl_throughput.py, 1.3-3x faster than MKL's matmul on a
 dense weight (most for the widest, gate/up and the lm_head, and with 2 threads). A oneDNN
 call costs about 20 us more than an MKL one whatever its size, so narrower models
-(d_model < `ONEDNN_MIN_WIDTH`: a decode step of d_model 128 ran 3.3 ms packed, 3.1 ms
-dense there, of 256 5.6 against 7.2) keep dense weights. Elsewhere (an accelerator, bf16
+(d_model < `ONEDNN_MIN_WIDTH`: with 16 rows, 6 layers and 2 threads there, a decode step
+of d_model 128 ran 3.3 ms packed and 3.1 ms dense, of d_model 256 5.6 and 7.2) keep dense
+weights. Elsewhere (an accelerator, bf16
 weights, autocast, which these ops would bypass) they are transposed dense copies, x @ w.
 
 Compiled (`compile=True`): `torch.compile(decode_step, fullgraph=True)` with the slot
@@ -195,18 +196,18 @@ def prefill_step(w: DecodeWeights, ids: torch.Tensor, mask: torch.Tensor, ks: li
     `repeats` adjacent rows.
 
     Prompts ids [B, P] left-padded (`mask` 1 on real tokens): the matmuls run on the T real
-    tokens only, packed [T, d]; attention runs in the padded layout [B, heads, P, D], causal
+    tokens only, gathered [T, d]; attention runs in the padded layout [B, heads, P, D], causal
     over real keys (a padding query sees its own slot only, so no row of the mask is empty;
     its output is dropped).
     """
     H, KV, D, eps = shape
     (B, P), real = ids.shape, mask.bool()
-    index = real.flatten().nonzero()[:, 0]  # packed token -> position in [B × P]
+    index = real.flatten().nonzero()[:, 0]  # real token -> its position in [B × P]
     positions = (mask.cumsum(1) - 1)[real]
     x = F.embedding(ids.flatten()[index], w.embed)  # [T, d]
     cos, sin = w.rope_cos[positions][:, None], w.rope_sin[positions][:, None]  # [T, 1, D]
-    eye = torch.eye(P, dtype=torch.bool, device=ids.device)
-    allowed = (eye.cumsum(0).bool() & real[:, None, :]) | eye  # [B, P, P]: causal, real keys
+    causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+    allowed = (causal & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)  # [B, P, P]
     for (ln1, qkv_w, o_w, ln2, gate_up_w, down_w), ck, cv in zip(w.layers, ks, vs):
         qkv = linear(_rms_norm(x, ln1, eps), qkv_w, w.kind).view(-1, H + 2 * KV, D)
         if cos.dtype != qkv.dtype:  # bf16 under autocast
@@ -222,7 +223,7 @@ def prefill_step(w: DecodeWeights, ids: torch.Tensor, mask: torch.Tensor, ks: li
         x = x + linear(y.transpose(1, 2).reshape(B * P, H * D)[index], o_w, w.kind)
         gate, up = linear(_rms_norm(x, ln2, eps), gate_up_w, w.kind).chunk(2, dim=-1)
         x = x + linear(F.silu(gate) * up, down_w, w.kind)
-    last = mask.sum(1).cumsum(0) - 1  # each prompt's last token in the packed order
+    last = mask.sum(1).cumsum(0) - 1  # each prompt's last token among the T
     return _rms_norm(x[last], w.norm, eps)
 
 
