@@ -10,9 +10,9 @@ row, sampled at temperature 1 with no top-k/top-p and no stop id, so every row g
 
 Engines, timed in alternation within one run, best of --rounds each:
 
-- sprout eager: `sprout.model.generate.generate_tokens`, compile=False: each prompt prefilled
-  once for its samples, then `sprout.model.decode.decode_step` (one token per row, fused
-  projections, attention over the filled cache slots).
+- sprout eager: `sprout.model.generate.generate_tokens`, compile=False: `sprout.model.decode`,
+  each prompt prefilled once for its samples, then one token per row per step (fused q/k/v
+  and gate/up on oneDNN-packed weight copies on a CPU, attention over the filled cache slots).
 - sprout compiled: compile=True, the same step under torch.compile (one graph for every
   length). The first call compiles; its time is reported on its own and left out of the rate.
 - transformers: `LlamaForCausalLM.generate` with the sprout weights exported by
