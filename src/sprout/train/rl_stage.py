@@ -395,11 +395,12 @@ class RLRun:
         """A plain LM of the init checkpoint's shape, with its weights when `load`: an LM's as
         they are, a PPO policy's (architecture lm+value) without its value head."""
         model = Transformer(self.model_config)
-        if load and self.base.get("architecture", "lm") == "lm":
-            load_weights(model, self.base["path"], self.base)
-        elif load:
-            model.load_state_dict(init_from_lm(self.base["path"], "lm")[0].state_dict())
-        return model
+        if not load:
+            return model
+        if self.base.get("architecture", "lm") == "lm":
+            load_weights(model, self.base["path"], self.base)  # the meta read at start-up, not again
+            return model
+        return init_from_lm(self.base["path"], "lm")[0]  # the backbone and lm_head, no value head
 
     def provenance(self) -> dict:
         return {"tokenizer_fingerprint": self.tokenizer.fingerprint(), "template_version": TEMPLATE_VERSION,
