@@ -56,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 import gpu_check_inputs as inputs  # noqa: E402  (beside this file)
-from sprout.train.metrics import measure_matmul_flops, read_metrics  # noqa: E402
+from sprout.engine.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 
 STAGES = ("eager", "compiled", "fsdp", "base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo", "evaluate")
 NEEDS = {"sft": "base", "reward": "sft", "dpo": "sft", "dpo_precomputed": "sft", "ppo": "reward", "grpo": "sft",

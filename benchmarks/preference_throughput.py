@@ -31,11 +31,11 @@ import torch
 
 from sprout.model.heads import RewardModel
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.train.dpo import DPOLossConfig, DPOStage
-from sprout.train.loop import TrainConfig, Trainer, build_optimizer, make_accelerator
-from sprout.train.optim import OptimConfig
-from sprout.train.reward import RewardLossConfig, RewardStage
-from sprout.train.sft import SFTStage
+from sprout.stages.dpo import DPOLossConfig, DPOStage
+from sprout.engine.loop import TrainConfig, Trainer, build_optimizer, make_accelerator
+from sprout.engine.optim import OptimConfig
+from sprout.stages.reward import RewardLossConfig, RewardStage
+from sprout.stages.sft import SFTStage
 
 
 def pair_batch(pairs: int, seq: int, vocab: int, seed: int) -> dict:

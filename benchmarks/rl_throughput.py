@@ -21,7 +21,7 @@ Engines, timed in alternation within one run, best of --rounds each:
   the padded prompts are checked against sprout's to 1e-4. Skipped when transformers is
   not installed (`pip install -e '.[export]'`). Aim: sprout at >= 2x transformers' new tokens/s.
 
-Then GRPO (`sprout.train.grpo.GRPOStage`, one process, no Trainer) on the rollouts shape:
+Then GRPO (`sprout.stages.grpo.GRPOStage`, one process, no Trainer) on the rollouts shape:
 
 - GRPO generation: the stage's `sample` (the rollout call of its generation batch) against
   `generate_tokens` eager at the same prompts and shape, in alternation: the ratio is the
@@ -161,11 +161,11 @@ class NoStopTokenizer:
 
 def grpo_stage(policy, ref, B: int, G: int, new_tokens: int, beta: float = 0.04):
     """A one-process GRPOStage (no Trainer) whose rollouts are B prompts × G samples of `new_tokens`
-    tokens, as `sprout.train.grpo` builds it: `policy` generates, `ref` is the frozen reference."""
+    tokens, as `sprout.stages.grpo` builds it: `policy` generates, `ref` is the frozen reference."""
     from accelerate import Accelerator
 
-    from sprout.train.grpo import GRPOLossConfig, GRPOStage
-    from sprout.train.rl_stage import PromptBatchConfig, RolloutConfig
+    from sprout.stages.grpo import GRPOLossConfig, GRPOStage
+    from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig
 
     batch = PromptBatchConfig(global_prompts=B, num_generations=G, micro_completions=B * G)
     loader = SimpleNamespace(per_rank=B)
@@ -253,9 +253,9 @@ def ppo_breakdown(cfg, prompts, args) -> None:
     policy and value losses, optimizer step) over the whole batch as one mini-batch."""
     from sprout.losses.policy import policy_loss, value_loss
     from sprout.model.heads import PolicyWithValue, RewardModel
-    from sprout.train.ppo import logps_and_values
-    from sprout.train.reward import score_sequences
-    from sprout.train.rl_stage import completion_logps
+    from sprout.stages.ppo import logps_and_values
+    from sprout.stages.reward import score_sequences
+    from sprout.stages.rl_stage import completion_logps
 
     torch.manual_seed(1)
     policy, ref, rm = PolicyWithValue(cfg), Transformer(cfg).eval(), RewardModel(cfg).eval()

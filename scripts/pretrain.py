@@ -10,12 +10,12 @@
 Any `--section.field VALUE` overrides the config (the fields are listed below); the resolved
 config is printed and saved as <out>/config.yaml. An --out that already holds a run needs
 --resume or --overwrite. Ctrl-C or SIGTERM stops after the current step with a checkpoint and
-prints the command that resumes. See sprout/train/pretrain.py for what is checked before training.
+prints the command that resumes. See sprout/stages/pretrain.py for what is checked before training.
 """
 
 from sprout.errors import run_main
-from sprout.train.pretrain import PretrainConfig, run_pretrain
-from sprout.train.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.stages.pretrain import PretrainConfig, run_pretrain
+from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:

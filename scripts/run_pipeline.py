@@ -12,7 +12,7 @@ runs again with everything after it; `<out>/pipeline_state.json` records why (se
 sprout/pipeline.py for the preset format and the rules). Stopped or killed at any moment, the
 same command carries on. The report card (`<out>/report.md`, `<out>/report/`) compares every
 stage's checkpoint on one table, read from the stages' metrics.jsonl and evaluation files
-(sprout/train/report_card.py).
+(sprout/pipeline/report_card.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import argparse
 import sys
 
 from sprout.errors import SproutError, run_main
-from sprout.pipeline import StageFailed, load_preset, preset_path, read_state, run_pipeline
-from sprout.train.report_card import write_report_card
+from sprout.pipeline.runner import StageFailed, load_preset, preset_path, read_state, run_pipeline
+from sprout.pipeline.report_card import write_report_card
 
 
 def main() -> int:

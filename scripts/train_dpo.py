@@ -9,12 +9,12 @@
 
 The held-out file is preferences_test.jsonl beside --data (data.val_path to change it). Any
 `--section.field VALUE` overrides the config; the resolved config is printed and saved as
-<out>/config.yaml. See sprout/train/dpo.py for the losses, the reference and the metrics.
+<out>/config.yaml. See sprout/stages/dpo.py for the losses, the reference and the metrics.
 """
 
 from sprout.errors import run_main
-from sprout.train.dpo import DPOConfig, run_dpo
-from sprout.train.run import VERIFY_MANIFEST_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.stages.dpo import DPOConfig, run_dpo
+from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:

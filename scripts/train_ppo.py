@@ -9,13 +9,13 @@
 
 The held-out file is prompts_test.jsonl beside --data (data.val_path to change it). Any
 `--section.field VALUE` overrides the config; the resolved config is printed and saved as
-<out>/config.yaml. See sprout/train/ppo.py for the models, rewards, KL, losses and metrics,
-and sprout/train/rl_stage.py for the rollouts and the buffer.
+<out>/config.yaml. See sprout/stages/ppo.py for the models, rewards, KL, losses and metrics,
+and sprout/stages/rl_stage.py for the rollouts and the buffer.
 """
 
 from sprout.errors import run_main
-from sprout.train.ppo import PPOConfig, run_ppo
-from sprout.train.run import add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.stages.ppo import PPOConfig, run_ppo
+from sprout.engine.run import add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:

@@ -8,12 +8,12 @@
 
 The held-out file is preferences_test.jsonl beside --data (data.val_path to change it). Any
 `--section.field VALUE` overrides the config; the resolved config is printed and saved as
-<out>/config.yaml. See sprout/train/reward.py for the loss, metrics and eval.
+<out>/config.yaml. See sprout/stages/reward.py for the loss, metrics and eval.
 """
 
 from sprout.errors import run_main
-from sprout.train.reward import RewardConfig, run_reward
-from sprout.train.run import VERIFY_MANIFEST_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.stages.reward import RewardConfig, run_reward
+from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:

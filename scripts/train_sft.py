@@ -10,12 +10,12 @@ The val file is the `_val` one beside --data (sft_val.h5). Any `--section.field 
 overrides the config (the fields are listed below); the resolved config is printed and saved
 as <out>/config.yaml. An --out that already holds a run needs --resume or --overwrite. Ctrl-C
 or SIGTERM stops after the current step with a checkpoint and prints the command that resumes.
-See sprout/train/sft.py for what is checked before training.
+See sprout/stages/sft.py for what is checked before training.
 """
 
 from sprout.errors import run_main
-from sprout.train.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
-from sprout.train.sft import SFTConfig, run_sft
+from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.stages.sft import SFTConfig, run_sft
 
 
 def main() -> None:

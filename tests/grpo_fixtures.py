@@ -25,8 +25,8 @@ from sprout.model.transformer import ModelConfig, Transformer
 from sprout.config import from_dict
 from sprout.formats.prompts import write_prompts
 from sprout.rl.verifiers import parse_answer
-from sprout.train.grpo import GRPOConfig, GRPOStage, run_grpo
-from sprout.train.rl_stage import RLStage, concat_rollouts
+from sprout.stages.grpo import GRPOConfig, GRPOStage, run_grpo
+from sprout.stages.rl_stage import RLStage, concat_rollouts
 
 CONTEXT = 64  # max_seq_len of the tiny models
 

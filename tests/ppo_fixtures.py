@@ -21,8 +21,8 @@ from sprout.config import from_dict
 from sprout.losses.preference import reward_pair_loss
 from sprout.model.heads import RewardModel
 from sprout.model.transformer import ModelConfig
-from sprout.train.ppo import PPOConfig, PPOStage, run_ppo
-from sprout.train.reward import score_sequences
+from sprout.stages.ppo import PPOConfig, PPOStage, run_ppo
+from sprout.stages.reward import score_sequences
 
 SECTIONS = {
     "data": ("path", "val_path", "max_prompt_length", "eval_prompts", "eval_batch", "eval_num_generations"),

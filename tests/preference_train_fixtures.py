@@ -88,7 +88,7 @@ def tiny_cfg(cls, data: Path, init: Path, out: Path, **values):
 
 def cli_flags(data: Path, init: Path, out: Path, **values) -> list[str]:
     """The same settings as `tiny_cfg` as command-line flags (`--section.field value`)."""
-    from sprout.train.reward import RewardConfig
+    from sprout.stages.reward import RewardConfig
 
     defaults = {"global_pairs": 16, "micro_pairs": 8, "max_steps": 12, "warmup_steps": 2, "lr": 3e-3,
                 "weight_decay": 0.0, "log_every": 1, "eval_every": 6, "ckpt_every": 6, "progress": "false",

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.train.loop import TrainConfig, all_reduce_sums, make_accelerator
-from sprout.train.optim import OptimConfig, decay_groups
-from sprout.train.stage import TokenStage
-from sprout.train.run import train_stage
+from sprout.engine.loop import TrainConfig, all_reduce_sums, make_accelerator
+from sprout.engine.optim import OptimConfig, decay_groups
+from sprout.engine.stage import TokenStage
+from sprout.engine.run import train_stage
 
 V, T, ROWS, BETA = 32, 8, 6, 0.5
 MODEL = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, max_seq_len=T)

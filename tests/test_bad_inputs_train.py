@@ -336,8 +336,8 @@ def test_a_full_disk_stops_the_checkpoint_naming_it_and_leaves_nothing_partial(d
 REPORT_WRITER = """
 import sys
 from sprout.errors import run_main
-from sprout.train.metrics import plot_loss_curve
-from sprout.train.report import write_report
+from sprout.engine.metrics import plot_loss_curve
+from sprout.engine.report import write_report
 out = sys.argv[2]
 def main():
     if sys.argv[1] == "png":
@@ -351,7 +351,7 @@ LOGGER = """
 import sys
 from types import SimpleNamespace
 from sprout.errors import run_main
-from sprout.train.metrics import MetricsLogger
+from sprout.engine.metrics import MetricsLogger
 def main():
     logger = MetricsLogger(sys.argv[1], SimpleNamespace(is_main_process=True))
     try:

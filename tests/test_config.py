@@ -149,8 +149,8 @@ def test_every_field_of_every_script_config_has_a_meaning():
     from sprout.prep.rl_prompts import PromptDataConfig
     from sprout.prep.sft import SFTDataConfig
     from sprout.prep.tokenizer_train import TokenizerTrainConfig
-    from sprout.train.pretrain import PretrainConfig
-    from sprout.train.sft import SFTConfig
+    from sprout.stages.pretrain import PretrainConfig
+    from sprout.stages.sft import SFTConfig
 
     for cls in (PretrainConfig, SFTConfig, PrepConfig, SFTDataConfig, PreferenceDataConfig, PromptDataConfig,
                 TokenizerTrainConfig):

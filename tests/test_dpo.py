@@ -19,9 +19,9 @@ from sprout.checkpoint import load_model, read_meta
 from sprout.errors import SproutError
 from sprout.formats.preferences import write_preferences
 from sprout.losses.tokens import sequence_logps
-from sprout.train.dpo import DPOConfig, DPOLossConfig, DPOStage, run_dpo
-from sprout.train.metrics import read_metrics
-from sprout.train.reference_logps import reference_logps
+from sprout.stages.dpo import DPOConfig, DPOLossConfig, DPOStage, run_dpo
+from sprout.engine.metrics import read_metrics
+from sprout.stages.reference_logps import reference_logps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,10 +18,10 @@ from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (
 
 from sprout.checkpoint import load_model, load_train_state, read_meta
 from sprout.model.transformer import Transformer
-from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name
-from sprout.train.metrics import read_metrics
-from sprout.train.pretrain import run_pretrain
-from sprout.train.sft import run_sft
+from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name
+from sprout.engine.metrics import read_metrics
+from sprout.stages.pretrain import run_pretrain
+from sprout.stages.sft import run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = 512  # 2 micro-steps per process: gradient accumulation (no_sync) under FSDP is exercised

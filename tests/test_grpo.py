@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 from sprout.checkpoint import load_model, read_meta
 from sprout.errors import SproutError
 from sprout.rl.advantages import group_advantages
-from sprout.train.grpo import GRPOLossConfig, GRPOStage, run_grpo
-from sprout.train.loop import Trainer
-from sprout.train.metrics import read_metrics
+from sprout.stages.grpo import GRPOLossConfig, GRPOStage, run_grpo
+from sprout.engine.loop import Trainer
+from sprout.engine.metrics import read_metrics
 from data_loader.prompts import PromptLoader
-from sprout.train.rl_stage import PromptBatchConfig, RolloutConfig, build_rewards, completion_logps
-from sprout.train.rl_stage import RewardsConfig
+from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig, build_rewards, completion_logps
+from sprout.stages.rl_stage import RewardsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The pipeline runner (sprout.pipeline, scripts/run_pipeline.py) and its report card, on a tiny
+"""The pipeline runner (sprout.pipeline.runner, scripts/run_pipeline.py) and its report card, on a tiny
 preset written here: tokenizer -> pretrain data -> pretrain -> SFT data -> SFT -> preference
 data -> reward model, DPO, each a few steps of a tiny model.
 
@@ -24,8 +24,8 @@ import yaml
 
 from data_fixtures import make_docs
 from sprout.errors import SproutError
-from sprout.pipeline import digest, load_preset, read_state, select
-from sprout.train.metrics import read_metrics
+from sprout.pipeline.runner import digest, load_preset, read_state, select
+from sprout.engine.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ("pretrain", "sft", "reward", "dpo")
@@ -285,7 +285,7 @@ def test_report_card_figures_are_the_stages_own_metrics(reference):
 
 def test_eval_json_figures_fill_the_task_columns(reference, tmp_path):
     """An eval stage's evaluate.py JSON (written here in its format) fills pass@k and length."""
-    from sprout.train.report_card import stage_rows
+    from sprout.pipeline.report_card import stage_rows
     preset_path, ref_out = reference
     preset = load_preset(preset_path)
     state = read_state(ref_out)

@@ -28,9 +28,9 @@ from sprout.checkpoint import init_from_lm, load_model, read_meta
 from sprout.errors import SproutError
 from sprout.model.heads import PolicyWithValue
 from sprout.rl.advantages import gae, masked_whiten, token_rewards
-from sprout.train.metrics import read_metrics
-from sprout.train.optim import OptimConfig, build_optimizer
-from sprout.train.ppo import (
+from sprout.engine.metrics import read_metrics
+from sprout.engine.optim import OptimConfig, build_optimizer
+from sprout.stages.ppo import (
     PPOBatchConfig,
     PPOLossConfig,
     PPOStage,
@@ -39,9 +39,9 @@ from sprout.train.ppo import (
     run_ppo,
     whiten_global,
 )
-from sprout.train.reward import score_sequences
-from sprout.train.grpo import run_grpo
-from sprout.train.rl_stage import RewardsConfig, RolloutConfig, build_rewards
+from sprout.stages.reward import score_sequences
+from sprout.stages.grpo import run_grpo
+from sprout.stages.rl_stage import RewardsConfig, RolloutConfig, build_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,13 +18,13 @@ from safetensors.torch import load_file
 from sprout.checkpoint import load_train_state
 from sprout.config import resume_config, resume_free_paths
 from sprout.model.transformer import Transformer
-from sprout.train.loop import TrainConfig, Trainer, config_hash, make_accelerator
-from sprout.train.metrics import read_metrics
-from sprout.train.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule
-from sprout.train.pretrain import PretrainConfig
-from sprout.train.schedule import lr_at
-from sprout.train.sft import SFTConfig
-from sprout.train.stage import TokenStage
+from sprout.engine.loop import TrainConfig, Trainer, config_hash, make_accelerator
+from sprout.engine.metrics import read_metrics
+from sprout.engine.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule
+from sprout.stages.pretrain import PretrainConfig
+from sprout.engine.schedule import lr_at
+from sprout.stages.sft import SFTConfig
+from sprout.engine.stage import TokenStage
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,9 +19,9 @@ from proc import run_group
 from data_loader.preferences import PreferenceLoader
 from sprout.checkpoint import load_model, read_meta
 from sprout.model.heads import RewardModel
-from sprout.train.metrics import read_metrics
-from sprout.train.loop import TrainConfig, Trainer, make_accelerator
-from sprout.train.reward import (
+from sprout.engine.metrics import read_metrics
+from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.stages.reward import (
     RewardConfig,
     RewardLossConfig,
     RewardStage,

@@ -17,7 +17,7 @@ from sprout.checkpoint import bundle_tokenizer, checkpoint_tokenizer, read_meta,
 from sprout.errors import SproutError
 from sprout.model.chat_session import ChatSession, load_chat_model
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.train.sft import run_sft
+from sprout.stages.sft import run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 

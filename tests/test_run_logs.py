@@ -13,12 +13,12 @@ from test_train import tiny_cfg, write_data
 
 from sprout.atomic import sha256_file
 from sprout.checkpoint import read_meta
-from sprout.train.metrics import (duration, log_line, loss_figure, measure_matmul_flops, read_metrics,
+from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matmul_flops, read_metrics,
                                   truncate_metrics)
-from sprout.train.pretrain import run_pretrain
-from sprout.train.report import git_commit
-from sprout.train.schedule import warmup_warning
-from sprout.train.sft import SAMPLE_PROMPTS, SFTStage
+from sprout.stages.pretrain import run_pretrain
+from sprout.engine.report import git_commit
+from sprout.engine.schedule import warmup_warning
+from sprout.stages.sft import SAMPLE_PROMPTS, SFTStage
 
 
 @pytest.fixture(scope="module")

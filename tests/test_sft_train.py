@@ -23,8 +23,8 @@ from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.config import from_dict
-from sprout.train.metrics import read_metrics
-from sprout.train.sft import DataConfig, SFTConfig, run_sft, sft_loss
+from sprout.engine.metrics import read_metrics
+from sprout.stages.sft import DataConfig, SFTConfig, run_sft, sft_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["apple", "river", "stone", "cloud", "green", "tiger", "music", "bread", "light", "horse", "paper", "ocean"]
@@ -286,7 +286,7 @@ def test_eval_on_a_rank_without_val_rows_still_runs_its_forward(sft_file):
     from types import SimpleNamespace
 
     from sprout.formats.sft import val_path
-    from sprout.train.sft import SFTStage
+    from sprout.stages.sft import SFTStage
 
     n_rows = SFTLoader(val_path(sft_file), 1).num_rows
     empty = SFTLoader(val_path(sft_file), 2, rank=n_rows, world_size=n_rows + 1, shuffle=False)

@@ -18,10 +18,10 @@ from sprout.model.transformer import ModelConfig
 from sprout.formats.manifest import write_shard_manifest
 from sprout.formats.shards import shard_name, write_shard
 from sprout.config import config_to_dict, from_dict
-from sprout.train.loop import NonFiniteLoss, TokenStage, TrainConfig, Trainer, make_accelerator, micro_steps
-from sprout.train.metrics import read_metrics
-from sprout.train.pretrain import DataConfig, PretrainConfig, PretrainStage, run_pretrain
-from sprout.train.schedule import chinchilla_steps, lr_at, seq_len_at, seq_len_stages
+from sprout.engine.loop import NonFiniteLoss, TokenStage, TrainConfig, Trainer, make_accelerator, micro_steps
+from sprout.engine.metrics import read_metrics
+from sprout.stages.pretrain import DataConfig, PretrainConfig, PretrainStage, run_pretrain
+from sprout.engine.schedule import chinchilla_steps, lr_at, seq_len_at, seq_len_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 256
@@ -331,7 +331,7 @@ def test_nan_during_fit_keeps_the_last_good_checkpoint(data, tmp_path):
 def test_trackers_are_checked_before_training(data, tmp_path, monkeypatch):
     import importlib.util
 
-    from sprout.train.metrics import check_trackers
+    from sprout.engine.metrics import check_trackers
 
     with pytest.raises(SproutError, match="unknown tracker 'mlflow'"):
         check_trackers(["mlflow"])
@@ -370,7 +370,7 @@ def test_tensorboard_gets_every_record_and_a_resume_purges_past_its_checkpoint(d
 
 
 def test_tracker_scalars_flatten_nested_and_tensor_fields():
-    from sprout.train.metrics import tracker_scalars
+    from sprout.engine.metrics import tracker_scalars
 
     record = {"step": 3, "loss": 1.5, "n": np.int64(7), "t": torch.tensor(0.25), "v": torch.ones(2),
               "kl": {"mean": 0.1, "max": torch.tensor(2.0), "note": "x"}, "name": "sft"}
@@ -394,7 +394,7 @@ def short_run(data: Path, mixed_precision: str, steps: int = 20):
 
     from data_loader.tokens import DistributedTokenLoader, open_token_sources
     from sprout.model.transformer import Transformer
-    from sprout.train.loop import OptimConfig, build_optimizer, lr_schedule
+    from sprout.engine.loop import OptimConfig, build_optimizer, lr_schedule
 
     AcceleratorState._reset_state(reset_partial_state=True)
     cfg = TrainConfig(max_steps=steps, progress=False, mixed_precision=mixed_precision)

@@ -11,8 +11,8 @@ import torch
 
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.train.loop import OptimConfig, TokenStage, TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
-from sprout.train.run import end_processes
+from sprout.engine.loop import OptimConfig, TokenStage, TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
+from sprout.engine.run import end_processes
 
 V, T = 64, 16
 

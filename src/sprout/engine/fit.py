@@ -1,6 +1,6 @@
 """The outer loop of training: `fit(trainer, stage)`, what `Trainer.fit` runs.
 
-It repeats `Trainer.step` (`sprout.train.loop`) until the run's length or the end of the
+It repeats `Trainer.step` (`sprout.engine.loop`) until the run's length or the end of the
 data, and around the steps: the training records (metrics.jsonl, trackers, the progress bar
 or plain log lines) with their throughput and MFU, the evals and checkpoints on their
 cadence, samples from a chat stage, a clean stop on Ctrl-C or SIGTERM (`StopSignals`), and
@@ -19,10 +19,10 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from sprout.train.loop import TrainConfig, Trainer, all_reduce_sums
-from sprout.train.metrics import MetricsLogger, log_line, measure_matmul_flops, mfu, plot_loss_curve
-from sprout.train.report import start_record, write_report
-from sprout.train.stage import Stage
+from sprout.engine.loop import TrainConfig, Trainer, all_reduce_sums
+from sprout.engine.metrics import MetricsLogger, log_line, measure_matmul_flops, mfu, plot_loss_curve
+from sprout.engine.report import start_record, write_report
+from sprout.engine.stage import Stage
 
 
 class StopSignals:

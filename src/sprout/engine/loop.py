@@ -20,10 +20,10 @@ Two layers, so that stages which do not read "a batch from a loader" still share
   `derived_metrics(reduced) -> dict`, called with those reduced metrics.
 
 `Trainer.fit(stage)` repeats steps, logs, evaluates and checkpoints: the outer loop, in
-`sprout.train.fit`; the checkpoint and the resume are the Trainer's (`save`, `resume`).
+`sprout.engine.fit`; the checkpoint and the resume are the Trainer's (`save`, `resume`).
 What a stage gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs,
-parameter groups, frozen models) is the protocol in `sprout.train.stage`; the optimizer and
-its schedule are in `sprout.train.optim`. Both are importable from here too.
+parameter groups, frozen models) is the protocol in `sprout.engine.stage`; the optimizer and
+its schedule are in `sprout.engine.optim`. Both are importable from here too.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ from sprout.checkpoint import (
 )
 from sprout.config import require, resume_free
 from sprout.errors import SproutError
-from sprout.train.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
-from sprout.train.metrics import MetricsLogger, check_trackers
-from sprout.train.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule  # noqa: F401 (re-exported)
-from sprout.train.schedule import chinchilla_steps
-from sprout.train.stage import Stage, TokenBatchConfig, TokenStage, micro_steps  # noqa: F401 (re-exported)
+from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
+from sprout.engine.metrics import MetricsLogger, check_trackers
+from sprout.engine.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule  # noqa: F401 (re-exported)
+from sprout.engine.schedule import chinchilla_steps
+from sprout.engine.stage import Stage, TokenBatchConfig, TokenStage, micro_steps  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -389,9 +389,9 @@ class Trainer:
     # ---- the outer loop ----------------------------------------------------------------------
     def fit(self, stage: Stage) -> dict:
         """Train `stage` to cfg.max_steps, with the logs, evals, checkpoints and clean stop
-        around the steps, then write loss.png and report.md: `sprout.train.fit.fit`, which
+        around the steps, then write loss.png and report.md: `sprout.engine.fit.fit`, which
         says what a training record holds and what a signal does. Returns the run's summary
         (first and last eval, steps, tokens, last checkpoint, `interrupted`)."""
-        from sprout.train.fit import fit  # the outer loop is built on this module: imported when it runs
+        from sprout.engine.fit import fit  # the outer loop is built on this module: imported when it runs
 
         return fit(self, stage)

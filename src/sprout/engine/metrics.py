@@ -3,9 +3,9 @@
 `metrics.jsonl` in the run directory holds one JSON record per line: training records
 (`step`, `loss`, `lr`, `grad_norm`, `tokens`, `tokens_per_s`, `mfu`, `time/batch_s`,
 `elapsed_s` of the run segment, plus stage metrics, each averaged over its own denominator;
-see `sprout.train.loop.Trainer.fit`), eval records (`step`, `tokens`, `val_loss`, `val_bpb`,
+see `sprout.engine.loop.Trainer.fit`), eval records (`step`, `tokens`, `val_loss`, `val_bpb`,
 ...) and event records (`event`: "start" for each run segment, with the matmul peak MFU is
-measured against, "samples", "end"; see `sprout.train.report`). Lines are appended and flushed one at a
+measured against, "samples", "end"; see `sprout.engine.report`). Lines are appended and flushed one at a
 time by rank 0 only; a reader skips a torn last line, and a resumed run first rewrites the
 file (atomically) without the records past the checkpoint it resumes from, so the file
 reads as one uninterrupted run. Training and eval records go to TensorBoard / W&B through
@@ -123,7 +123,7 @@ class MetricsLogger:
             self.file = None
         if self.trackers:
             # Not accelerator.end_training(): it also destroys the process group, which the
-            # run still needs (final barrier in sprout.train.run.end_processes).
+            # run still needs (final barrier in sprout.engine.run.end_processes).
             for tracker in self.accelerator.trackers:
                 tracker.finish()
             self.trackers = []

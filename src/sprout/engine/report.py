@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sprout.atomic import atomic_write, sha256_file
-from sprout.train.metrics import METRICS, duration, read_metrics
+from sprout.engine.metrics import METRICS, duration, read_metrics
 
 
 def _fmt(v) -> str:

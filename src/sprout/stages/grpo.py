@@ -1,6 +1,6 @@
 """GRPO (and its variants: Dr. GRPO, DAPO, GSPO, RLOO) on verifiable rewards, as one stage of the shared loop.
 
-The rollout buffer, prompts, rewards and held-out eval are `sprout.train.rl_stage`'s. Per
+The rollout buffer, prompts, rewards and held-out eval are `sprout.stages.rl_stage`'s. Per
 generation batch (`GRPOStage.fill_buffer`):
 
 - each prompt of this rank gets G = batch.num_generations completions, scored by the reward
@@ -52,9 +52,9 @@ from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
-from sprout.train.loop import TrainConfig, all_reduce_sums
-from sprout.train.optim import OptimConfig
-from sprout.train.rl_stage import (
+from sprout.engine.loop import TrainConfig, all_reduce_sums
+from sprout.engine.optim import OptimConfig
+from sprout.stages.rl_stage import (
     PromptBatchConfig,
     RewardsConfig,
     RLDataConfig,
@@ -65,7 +65,7 @@ from sprout.train.rl_stage import (
     concat_rollouts,
     open_rl_run,
 )
-from sprout.train.run import train_stage
+from sprout.engine.run import train_stage
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Supervised fine-tuning (SFT): masked next-token loss on packed chat rows, as one stage of the shared loop.
 
-`SFTStage` feeds the loop (`sprout.train.loop`) with micro-batches of rows from
+`SFTStage` feeds the loop (`sprout.engine.loop`) with micro-batches of rows from
 `data_loader.sft.SFTLoader`: conversations rendered by `sprout.chat` and packed several to
 a row by `sprout.prep.sft` (format: `sprout.formats.sft`). For each micro-batch (`sft_loss`):
 
@@ -52,10 +52,10 @@ from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.sft import SFTFile, val_path
 from sprout.formats.verify import verify_sft_pair
 from sprout.config import resume_free
-from sprout.train.loop import TrainConfig, all_reduce_sums
-from sprout.train.optim import OptimConfig
-from sprout.train.stage import TokenBatchConfig, TokenStage, micro_steps
-from sprout.train.run import resolve_resume, start_run, train_stage
+from sprout.engine.loop import TrainConfig, all_reduce_sums
+from sprout.engine.optim import OptimConfig
+from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
+from sprout.engine.run import resolve_resume, start_run, train_stage
 
 
 @dataclass

@@ -45,10 +45,10 @@ from sprout.checkpoint import META, bundle_tokenizer, resolve_checkpoint
 from sprout.config import add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides, read_yaml, resume_config
 from sprout.errors import SproutError
 from sprout.formats.verify import VERIFY_MODES
-from sprout.train.fsdp import local_params
-from sprout.train.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
-from sprout.train.optim import build_optimizer, lr_schedule
-from sprout.train.schedule import warmup_warning
+from sprout.engine.fsdp import local_params
+from sprout.engine.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
+from sprout.engine.optim import build_optimizer, lr_schedule
+from sprout.engine.schedule import warmup_warning
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the
 Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
 `batch.num_generations` completions (default 1). A completion's score is
 `ppo.reward_model_weight` × the reward model's score, read at the completion's last token (its
-end-of-turn; `sprout.train.reward.score_sequences` on prompt + completion), plus the weighted
+end-of-turn; `sprout.stages.reward.score_sequences` on prompt + completion), plus the weighted
 verifier rewards (`rewards.reward_funcs`, `rewards.reward_weights`; weights 0 for a reward model
 alone). A completion without an end-of-turn token (truncated) has `ppo.missing_eos_penalty`
 subtracted from its score (`ppo.missing_eos: penalty`) or is scored 0 (`zero`). Token rewards
@@ -79,10 +79,10 @@ from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
 from sprout.rl.advantages import gae, token_rewards
 from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k3
 from sprout.rl.verifiers import reward_metrics
-from sprout.train.loop import TrainConfig, all_reduce_sums
-from sprout.train.optim import OptimConfig, decay_groups
-from sprout.train.reward import score_sequences
-from sprout.train.rl_stage import (
+from sprout.engine.loop import TrainConfig, all_reduce_sums
+from sprout.engine.optim import OptimConfig, decay_groups
+from sprout.stages.reward import score_sequences
+from sprout.stages.rl_stage import (
     PromptBatchConfig,
     RewardsConfig,
     RLDataConfig,
@@ -93,7 +93,7 @@ from sprout.train.rl_stage import (
     open_rl_run,
     trim,
 )
-from sprout.train.run import train_stage
+from sprout.engine.run import train_stage
 
 
 # ---- config -------------------------------------------------------------------------------------

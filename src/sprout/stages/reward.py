@@ -45,9 +45,9 @@ from sprout.config import resume_free
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
 from sprout.model.heads import last_index, padding_inputs, score_at
-from sprout.train.loop import TrainConfig, all_reduce_sums
-from sprout.train.optim import OptimConfig
-from sprout.train.preference_stage import (
+from sprout.engine.loop import TrainConfig, all_reduce_sums
+from sprout.engine.optim import OptimConfig
+from sprout.stages.preference_stage import (
     PairBatchConfig,
     PreferenceDataConfig,
     PreferenceStage,
@@ -56,7 +56,7 @@ from sprout.train.preference_stage import (
     source_sums,
     split_sides,
 )
-from sprout.train.run import train_stage
+from sprout.engine.run import train_stage
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The report card of a pipeline run: every stage's checkpoint compared on one table.
 
-`write_report_card(preset, state)` writes, for the stages `sprout.pipeline` recorded as done,
+`write_report_card(preset, state)` writes, for the stages `sprout.pipeline.runner` recorded as done,
 
     <out>/report.md                 the table, the plots, the answers, wall time and tokens/s
     <out>/report/report_card.json   the table's figures, as read (what a test compares)
@@ -29,8 +29,8 @@ import platform
 from pathlib import Path
 
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
-from sprout.train.metrics import METRICS, duration, read_metrics
-from sprout.train.sft import SAMPLE_PROMPTS
+from sprout.engine.metrics import METRICS, duration, read_metrics
+from sprout.stages.sft import SAMPLE_PROMPTS
 
 REPORT_DIR = "report"
 ANSWER_TOKENS = 64

@@ -1,7 +1,7 @@
 """The optimizer of every stage: AdamW over parameter groups, and its learning-rate schedule.
 
 A stage may give its own parameter groups (`param_groups(model)`, e.g. a value head with its
-own lr); the schedule (`sprout.train.schedule.lr_at`: warmup, then cosine / WSD / constant)
+own lr); the schedule (`sprout.engine.schedule.lr_at`: warmup, then cosine / WSD / constant)
 has one shape that `Trainer.step` applies to each group's base lr.
 """
 
@@ -14,12 +14,12 @@ from typing import Callable, Literal
 import torch
 
 from sprout.config import require
-from sprout.train.schedule import lr_at
+from sprout.engine.schedule import lr_at
 
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule (`sprout.train.schedule`)."""
+    """AdamW and its learning-rate schedule (`sprout.engine.schedule`)."""
     lr: float = 6e-4                    # peak lr; a stage's parameter groups may scale it
     min_lr_ratio: float = 0.1           # the lr decays to lr × min_lr_ratio
     warmup_steps: int = 100             # steps of linear warmup up to lr

@@ -1,4 +1,4 @@
-"""The stage protocol: what a stage gives the shared loop (`sprout.train.loop.Trainer`).
+"""The stage protocol: what a stage gives the shared loop (`sprout.engine.loop.Trainer`).
 
 A stage is any object with (`TokenStage` gives the defaults marked *, for batches of token rows):
 
@@ -26,7 +26,7 @@ A stage is any object with (`TokenStage` gives the defaults marked *, for batche
     tensor_state() -> dict ; load_tensor_state(dict | None)     optional; this rank's tensors (rollout
                                                                 buffer, generator state) on the CPU,
                                                                 saved in train_state.pt
-    param_groups(model) -> list[dict]                           optional; see sprout.train.optim
+    param_groups(model) -> list[dict]                           optional; see sprout.engine.optim
     setup(trainer)                                              optional; called once before a resume
                                                                 and training: prepare frozen models
 

@@ -1,6 +1,6 @@
 """What the RL stages (GRPO, PPO) share: prompts, rollouts, rewards, a rollout buffer, held-out eval.
 
-An RL stage keeps a rollout buffer and feeds the shared loop (`sprout.train.loop`) from it:
+An RL stage keeps a rollout buffer and feeds the shared loop (`sprout.engine.loop`) from it:
 
   1. prompts: `data_loader.prompts.PromptLoader` reads an RL prompt file (`sprout.formats.prompts`), renders each
      prompt with the chat template (`sprout.chat.render`, ending on the assistant header) and
@@ -71,7 +71,7 @@ from sprout.model.heads import padding_inputs
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
-from sprout.train.run import resolve_resume, start_run
+from sprout.engine.run import resolve_resume, start_run
 
 
 # ---- config sections ----------------------------------------------------------------------------

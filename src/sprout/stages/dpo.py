@@ -15,7 +15,7 @@ and then no reference is built at all), is the checkpoint `dpo.ref` (default: in
 - live: a frozen copy (`Trainer.prepare_frozen`: sharded like the policy under FSDP, in eval
   mode, never trained or saved) runs a forward on each micro-batch;
 - `dpo.precompute_ref_logps: true`: the reference log-probs of every train and held-out pair
-  are computed once before training (`sprout.train.reference_logps`), cached beside the data
+  are computed once before training (`sprout.stages.reference_logps`), cached beside the data
   file and read from the cache by every later run; the reference model is then freed.
 
 Training metrics (TRL's names, each over its own count): per pair, rewards/chosen,
@@ -49,11 +49,11 @@ from sprout.losses.preference import (
 )
 from sprout.losses.tokens import sequence_logps
 from sprout.model.transformer import Transformer
-from sprout.train.loop import TrainConfig, all_reduce_sums
-from sprout.train.optim import OptimConfig
-from sprout.train.preference_stage import PairBatchConfig, PreferenceDataConfig, PreferenceStage, open_preference_run
-from sprout.train.reference_logps import ReferenceLogps, reference_logps
-from sprout.train.run import train_stage
+from sprout.engine.loop import TrainConfig, all_reduce_sums
+from sprout.engine.optim import OptimConfig
+from sprout.stages.preference_stage import PairBatchConfig, PreferenceDataConfig, PreferenceStage, open_preference_run
+from sprout.stages.reference_logps import ReferenceLogps, reference_logps
+from sprout.engine.run import train_stage
 
 
 @dataclass

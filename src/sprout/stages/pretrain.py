@@ -1,6 +1,6 @@
 """Pretraining: next-token prediction over token shards, as one stage of the shared loop.
 
-`PretrainStage` feeds the loop (`sprout.train.loop`) with micro-batches from
+`PretrainStage` feeds the loop (`sprout.engine.loop`) with micro-batches from
 `data_loader.tokens` (sequential per-rank spans, or nanoGPT random windows), shortens the
 sequences during the sequence-length warmup (the global batch stays fixed in tokens), and
 evaluates val loss and val bits per byte (`sprout.bpb`) on a fixed slice of the
@@ -32,11 +32,11 @@ from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
 from sprout.config import resume_free
-from sprout.train.loop import TrainConfig, all_reduce_sums
-from sprout.train.optim import OptimConfig
-from sprout.train.stage import TokenBatchConfig, TokenStage, micro_steps
-from sprout.train.run import resolve_resume, start_run, train_stage, with_max_steps
-from sprout.train.schedule import seq_len_at, seq_len_stages
+from sprout.engine.loop import TrainConfig, all_reduce_sums
+from sprout.engine.optim import OptimConfig
+from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
+from sprout.engine.run import resolve_resume, start_run, train_stage, with_max_steps
+from sprout.engine.schedule import seq_len_at, seq_len_stages
 
 
 @dataclass

@@ -6,7 +6,7 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
 
 - `PairBatchConfig`: the batch in pairs, `global_pairs` per optimizer step (all processes)
   and `micro_pairs` per forward/backward on one process; the micro-steps per step follow
-  from the number of processes (`sprout.train.stage.micro_steps`);
+  from the number of processes (`sprout.engine.stage.micro_steps`);
 - `PreferenceDataConfig`: the train file, the held-out file (`preferences_test.jsonl`
   beside it by default), the longest side in tokens (the model's context by default) and
   what happens to a pair that does not fit (`truncation`: drop or keep_end);
@@ -49,8 +49,8 @@ from sprout.errors import SproutError
 from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
 from sprout.formats.verify import verify_preference_data
 from sprout.model.transformer import ModelConfig
-from sprout.train.run import resolve_resume, start_run
-from sprout.train.stage import micro_steps
+from sprout.engine.run import resolve_resume, start_run
+from sprout.engine.stage import micro_steps
 
 
 @dataclass

@@ -40,7 +40,7 @@ from sprout.atomic import atomic_path, sha256_file
 from sprout.chat import TEMPLATE_VERSION
 from sprout.checkpoint import WEIGHTS, read_meta
 from sprout.losses.tokens import sequence_logps
-from sprout.train.loop import all_reduce_sums
+from sprout.engine.loop import all_reduce_sums
 
 
 @dataclass
