@@ -21,6 +21,7 @@ from sprout.losses.tokens import token_nll_sum
 from sprout.model.generate import generate
 from sprout.model.heads import PolicyWithValue, RewardModel, last_index, padding_inputs, score_at
 from sprout.model.transformer import ModelConfig, Transformer
+from sprout.engine.fit import fit
 from sprout.engine.loop import (OptimConfig, TokenStage, TrainConfig, Trainer, build_optimizer, lr_schedule,
                                make_accelerator)
 from sprout.engine.metrics import read_metrics
@@ -212,7 +213,7 @@ def value_run(out, start=None):
     stage = ValueStage(ref)
     if start is not None:
         trainer.resume(start, stage)
-    trainer.fit(stage)
+    fit(trainer, stage)
     return {r["step"]: (r["loss"], r["vf_loss"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
 
 

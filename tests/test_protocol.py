@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from sprout.checkpoint import load_train_state
 from sprout.config import resume_config, resume_free_paths
 from sprout.model.transformer import Transformer
+from sprout.engine.fit import fit
 from sprout.engine.loop import TrainConfig, Trainer, config_hash, make_accelerator
 from sprout.engine.metrics import read_metrics
 from sprout.engine.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule
@@ -124,7 +125,7 @@ def test_tokens_flops_and_generation_are_the_stages(tmp_path):
     """No input_ids in the batch: tokens, MFU and generation tokens/s come from the stage."""
     torch.manual_seed(0)
     trainer = toy_trainer(torch.nn.Embedding(5, 5), out_dir=tmp_path, peak_tflops=1e-9)  # a 1000 FLOP/s "peak"
-    trainer.fit(Pairs())
+    fit(trainer, Pairs())
     train = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
     assert [r["tokens"] for r in train] == [24, 48, 72, 96]  # 2 micro-batches × 2 pairs × (3 + 3) tokens
     assert all(r["targets"] == 4 and 0 <= r["accuracy"] <= 1 for r in train)

@@ -1,7 +1,7 @@
 """Worker for test_train.test_a_rank_running_out_of_data_stops_every_rank (run under torchrun).
 
 A toy stage whose rank 1 runs out of data after 3 steps while rank 0 still has batches:
-`Trainer.fit` must stop both at the same step (the stop decision is all-reduced), evaluate,
+`sprout.engine.fit.fit` must stop both at the same step (the stop decision is all-reduced), evaluate,
 checkpoint and return, instead of leaving rank 0 waiting in a collective for ever.
 """
 
@@ -11,6 +11,7 @@ import torch
 
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
+from sprout.engine.fit import fit
 from sprout.engine.loop import OptimConfig, TokenStage, TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
 from sprout.engine.run import end_processes
 
@@ -55,7 +56,7 @@ def main(out: str) -> None:
     model = Transformer(ModelConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=2, max_seq_len=T))
     trainer = Trainer(acc, model, build_optimizer(model, OptimConfig(lr=1e-3)), lambda step, peak: peak, cfg,
                       out_dir=out)
-    result = trainer.fit(UnevenStage(acc, stop_at=3))
+    result = fit(trainer, UnevenStage(acc, stop_at=3))
     print(f"rank {acc.process_index} stopped after {result['steps']} steps", flush=True)
     end_processes(acc)
 

@@ -19,8 +19,8 @@ Two layers, so that stages which do not read "a batch from a loader" still share
   may add figures that are not such a ratio (a standard deviation) with an optional
   `derived_metrics(reduced) -> dict`, called with those reduced metrics.
 
-`Trainer.fit(stage)` repeats steps, logs, evaluates and checkpoints: the outer loop, in
-`sprout.engine.fit`; the checkpoint and the resume are the Trainer's (`save`, `resume`).
+`sprout.engine.fit.fit(trainer, stage)` repeats steps, logs, evaluates and checkpoints: the
+outer loop; the checkpoint and the resume are the Trainer's (`save`, `resume`).
 What a stage gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs,
 parameter groups, frozen models) is the protocol in `sprout.engine.stage`; the optimizer and
 its schedule are in `sprout.engine.optim`. Both are importable from here too.
@@ -385,13 +385,3 @@ class Trainer:
         self.last_checkpoint = Path(meta["path"])
         self.accelerator.print(f"resumed from {meta['path']} at step {self.steps_done}")
         return meta
-
-    # ---- the outer loop ----------------------------------------------------------------------
-    def fit(self, stage: Stage) -> dict:
-        """Train `stage` to cfg.max_steps, with the logs, evals, checkpoints and clean stop
-        around the steps, then write loss.png and report.md: `sprout.engine.fit.fit`, which
-        says what a training record holds and what a signal does. Returns the run's summary
-        (first and last eval, steps, tokens, last checkpoint, `interrupted`)."""
-        from sprout.engine.fit import fit  # the outer loop is built on this module: imported when it runs
-
-        return fit(self, stage)

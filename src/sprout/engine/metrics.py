@@ -3,7 +3,7 @@
 `metrics.jsonl` in the run directory holds one JSON record per line: training records
 (`step`, `loss`, `lr`, `grad_norm`, `tokens`, `tokens_per_s`, `mfu`, `time/batch_s`,
 `elapsed_s` of the run segment, plus stage metrics, each averaged over its own denominator;
-see `sprout.engine.loop.Trainer.fit`), eval records (`step`, `tokens`, `val_loss`, `val_bpb`,
+see `sprout.engine.callbacks.TrainingRecords`), eval records (`step`, `tokens`, `val_loss`, `val_bpb`,
 ...) and event records (`event`: "start" for each run segment, with the matmul peak MFU is
 measured against, "samples", "end"; see `sprout.engine.report`). Lines are appended and flushed one at a
 time by rank 0 only; a reader skips a torn last line, and a resumed run first rewrites the

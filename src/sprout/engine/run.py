@@ -8,7 +8,7 @@ A training script parses its arguments with `run_parser` + `parse_run_config`, w
   - on --resume, reads the run's own <out>/config.yaml (so `--out DIR --resume` is enough),
     keeps the run's length unless --train.max_steps is given on the command line (printing
     the change), and exits 0 with "nothing to do" when the run is already complete.
-An interrupted run (Ctrl-C or SIGTERM: `Trainer.fit`) prints the command that resumes it
+An interrupted run (Ctrl-C or SIGTERM: `sprout.engine.callbacks.StopSignals`) prints the command that resumes it
 (`resume_command`) and exits with 128 + the signal number.
 
 A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`), the
@@ -21,7 +21,7 @@ model and its `Stage`, then hands over to `train_stage`, which
     (`sprout.config.resume_config`: every field not declared `resume_free`),
   - resumes when asked (refusing a checkpoint made with a different config),
   - prints the resolved config and saves it as <out>/config.yaml (rank 0),
-  - runs `Trainer.fit` and prints the eval before and after training.
+  - runs `sprout.engine.fit.fit` and prints the eval before and after training.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from sprout.checkpoint import META, bundle_tokenizer, resolve_checkpoint
 from sprout.config import add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides, read_yaml, resume_config
 from sprout.errors import SproutError
 from sprout.formats.verify import VERIFY_MODES
+from sprout.engine.fit import fit
 from sprout.engine.fsdp import local_params
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
 from sprout.engine.optim import build_optimizer, lr_schedule
@@ -294,7 +295,7 @@ def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = No
     if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
         acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
                   f"{local_params(trainer.model):,} of {model.num_params():,}")
-    result = trainer.fit(stage)
+    result = fit(trainer, stage)
     first, last = result["first_eval"], result["last_eval"]
     for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
                        ("after training", last if not result.get("interrupted") else None)):

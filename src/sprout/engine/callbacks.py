@@ -1,0 +1,280 @@
+"""What happens around the training steps, one job each; `sprout.engine.fit` runs them.
+
+A callback has any of four hooks, each called with the `FitRun` (the trainer, the stage,
+the metrics logger, the last step's figures and whether the run is ending):
+
+    start(run)        before the first step of this segment (after a resume)
+    after_step(run)   after each optimizer step, in the order the callbacks are listed
+    end(run)          after the last step, unless the loop raised
+    close(run)        always, last: give back what start took
+
+    StopSignals         Ctrl-C and SIGTERM stop every rank after the same step
+    TrainingRecords     training records: throughput, MFU, the progress bar or log lines
+    EvalCadence         evals before training, every train.eval_every steps and at the end
+    CheckpointCadence   checkpoints every train.ckpt_every steps and at the end
+    Samples             what a chat stage answers after training, for report.md
+    RunReport           loss.png and report.md (rank 0)
+
+Eval and checkpoint time is paused time (`FitRun.paused`): no training record counts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from sprout.engine.loop import TrainConfig, Trainer, all_reduce_sums
+from sprout.engine.metrics import MetricsLogger, log_line, measure_matmul_flops, mfu, plot_loss_curve
+from sprout.engine.report import start_record, write_report
+from sprout.engine.stage import Stage
+
+
+@dataclass
+class FitRun:
+    """What the callbacks share: `metrics` is the last step's figures (`Trainer.step`),
+    `batch_s` the time its `next_micro_batches` took and `generated` the tokens it generated
+    (all processes); `stopping` is set when a signal stops the run, `interrupted` to its number."""
+    trainer: Trainer
+    stage: Stage
+    logger: MetricsLogger | None
+    metrics: dict | None = None
+    batch_s: float = 0.0
+    generated: float = 0.0
+    stopping: bool = False
+    interrupted: int | None = None
+    paused_s: float = 0.0
+    t_start: float = 0.0  # when this segment's training records start counting
+
+    @property
+    def done(self) -> bool:
+        """The last step of this run: its length reached, or a signal stops it."""
+        return self.trainer.steps_done >= self.trainer.cfg.max_steps or self.stopping
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside is not training time (evals, checkpoints)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - t
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before they kill): the first
+    asks the loop to stop after the current step, with a checkpoint, the plot and report.md;
+    a second one exits at once (SIGINT raises KeyboardInterrupt, SIGTERM takes its default:
+    the process ends). A signal on any rank stops every rank after the same step (the flag is
+    all-reduced after each step). Installed only in the main thread, and not over a signal the
+    process ignores; the old handlers come back on close."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def start(self, run: FitRun) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self._handle)
+
+    def after_step(self, run: FitRun) -> None:
+        flags = all_reduce_sums(run.trainer.accelerator, {"stop": float(self.signum is not None),
+                                                          "signum": self.signum or 0})
+        if flags["stop"] > 0 and run.trainer.steps_done < run.trainer.cfg.max_steps:
+            run.stopping = True
+            run.interrupted = round(flags["signum"] / flags["stop"])  # the signal the ranks received
+
+    def close(self, run: FitRun | None = None) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:  # the second signal: exit now
+            self.close()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        if os.environ.get("RANK", "0") == "0":
+            again = "Ctrl-C" if signum == signal.SIGINT else "send it"
+            print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint; "
+                  f"{again} again to exit at once", file=sys.stderr, flush=True)
+
+
+def peak_flops(cfg: TrainConfig, acc: Accelerator) -> tuple[float, str]:
+    """Peak FLOP/s of one process for MFU, and where it comes from: `train.peak_tflops`
+    ("config"), or when it is 0 a matmul this process measures now ("measured": the median
+    of 5 probes of 0.1 s; bf16 on a GPU under bf16 autocast, else fp32; on a shared CPU the
+    processes measure together, so each sees its share); 0.0 when `train.peak_tflops` < 0
+    switches MFU off. Every call (so every resume) measures again."""
+    if cfg.peak_tflops != 0:
+        return max(0.0, cfg.peak_tflops * 1e12), "config"
+    gpu = acc.device.type == "cuda"
+    dtype = torch.bfloat16 if gpu and acc.mixed_precision == "bf16" else torch.float32
+    n = 4096 if gpu else 1024
+    peak = measure_matmul_flops(n, dtype, acc.device, probes=5, seconds=0.1)
+    acc.print(f"MFU against a measured {dtype} matmul peak of {peak / 1e12:.3g} TFLOP/s per process "
+              f"(set train.peak_tflops to use the hardware's figure instead)")
+    return peak, "measured"
+
+
+class TrainingRecords:
+    """A training record every train.log_every steps and at the last step: the step's figures
+    (`Trainer.step`) plus, over the steps since the last record, `tokens_per_s` and `mfu` of
+    the training itself (optimizer steps only), `step_time_s` (wall time per step, everything
+    but paused time included), `time/batch_s` (of which in next_micro_batches, e.g. generating
+    rollouts) and `generation/tokens_per_s` (tokens the stage generated there, all processes,
+    per second of that time; only when it generated); `elapsed_s` is this segment's wall
+    time, evals included. A progress bar on a terminal, else (or with train.progress off)
+    one plain line per record; a run-start record first."""
+
+    def start(self, run: FitRun) -> None:
+        trainer, acc, cfg = run.trainer, run.trainer.accelerator, run.trainer.cfg
+        self.peak, peak_source = peak_flops(cfg, acc)
+        if run.logger and acc.is_main_process:
+            run.logger.log(start_record(trainer.steps_done, peak_flops=self.peak, peak_source=peak_source,
+                                        device=acc.device, world_size=trainer.world_size,
+                                        precision=acc.mixed_precision), track=False)
+        self.bar = tqdm(total=cfg.max_steps, initial=trainer.steps_done, desc=run.stage.name, dynamic_ncols=True,
+                        disable=not (cfg.progress and acc.is_main_process and sys.stderr.isatty()))
+        run.t_start, self.steps_start, self.shown = time.perf_counter(), trainer.steps_done, {}
+        self._new_window(run)
+
+    def _new_window(self, run: FitRun) -> None:
+        self.t0, self.paused0, self.steps0 = time.perf_counter(), run.paused_s, run.trainer.steps_done
+        self.window = {"tokens": 0, "flops": 0.0, "batch_s": 0.0, "generated": 0.0}
+
+    def after_step(self, run: FitRun) -> None:
+        m, s, w = run.metrics, run.trainer.steps_done, self.window
+        w["tokens"] += m["tokens"]
+        w["flops"] += m["flops"]
+        w["batch_s"] += run.batch_s
+        w["generated"] += run.generated
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.3f}",
+                             **self.shown)
+        if s % run.trainer.cfg.log_every and not run.done:
+            return
+        wall = time.perf_counter() - self.t0 - (run.paused_s - self.paused0)
+        train_s, steps = wall - w["batch_s"], max(1, s - self.steps0)
+        tps = w["tokens"] / train_s if train_s > 0 else 0.0
+        record = {"step": s, "loss": m["loss"], "lr": m["lr"], "tokens": run.trainer.tokens_seen,
+                  "tokens_per_s": tps, "step_time_s": wall / steps, "time/batch_s": w["batch_s"] / steps,
+                  **{k: v for k, v in m.items() if k not in ("loss", "lr", "tokens", "flops")}}
+        if w["generated"] > 0 and w["batch_s"] > 0:
+            record["generation/tokens_per_s"] = w["generated"] / w["batch_s"]
+        if self.peak > 0 and w["flops"] > 0 and train_s > 0:
+            record["mfu"] = mfu(w["flops"], train_s, self.peak * run.trainer.world_size)
+        record["elapsed_s"] = time.perf_counter() - run.t_start
+        if run.logger:
+            run.logger.log(record)
+        self.shown = {"tok/s": f"{tps:,.0f}", **({"MFU": f"{record['mfu']:.1%}"} if "mfu" in record else {})}
+        if self.bar.disable and run.trainer.accelerator.is_main_process:  # no bar: a plain log line
+            eta = record["elapsed_s"] / (s - self.steps_start) * (run.trainer.cfg.max_steps - s)
+            print(log_line(record, run.trainer.cfg.max_steps, eta), flush=True)
+        self._new_window(run)
+
+    def close(self, run: FitRun) -> None:
+        if hasattr(self, "bar"):
+            self.bar.close()
+
+
+class EvalCadence:
+    """`Trainer.evaluate`: before the first step of a fresh run, every train.eval_every steps,
+    and at the end (also when the data ran out early), but not after a signal."""
+
+    def start(self, run: FitRun) -> None:
+        if run.trainer.steps_done == 0:
+            with run.paused():
+                run.trainer.evaluate(run.stage, run.logger)
+        self.last = run.trainer.steps_done
+
+    def after_step(self, run: FitRun) -> None:
+        s, every = run.trainer.steps_done, run.trainer.cfg.eval_every
+        if (every and s % every == 0) or (run.done and not run.stopping):
+            with run.paused():
+                run.trainer.evaluate(run.stage, run.logger)
+            self.last = s
+
+    def end(self, run: FitRun) -> None:
+        if self.last != run.trainer.steps_done and run.interrupted is None:
+            run.trainer.evaluate(run.stage, run.logger)
+
+
+class CheckpointCadence:
+    """`Trainer.save`: every train.ckpt_every steps and at the last step (a signal's included)."""
+
+    def start(self, run: FitRun) -> None:
+        self.last = run.trainer.steps_done
+
+    def after_step(self, run: FitRun) -> None:
+        s, every = run.trainer.steps_done, run.trainer.cfg.ckpt_every
+        if (every and s % every == 0) or run.done:
+            with run.paused():
+                run.trainer.save(run.stage)
+            self.last = s
+
+    def end(self, run: FitRun) -> None:
+        if self.last != run.trainer.steps_done:
+            run.trainer.save(run.stage)
+
+
+class Samples:
+    """A chat stage (one with `samples(model) -> [(prompt, answer)]`) shows what it answers
+    after training, as a `samples` record for report.md; every rank generates (it may be a
+    collective). Not after a signal."""
+
+    def end(self, run: FitRun) -> None:
+        trainer, stage = run.trainer, run.stage
+        if not hasattr(stage, "samples") or run.interrupted is not None:
+            return
+        trainer.generation_model.eval()
+        samples = stage.samples(trainer.generation_model)
+        trainer.model.train()
+        if run.logger:
+            run.logger.log({"event": "samples", "step": trainer.steps_done, "samples": [
+                {"prompt": p, "answer": a} for p, a in samples], "decoding": getattr(stage, "sample_decoding", "greedy")},
+                track=False)
+
+
+class RunReport:
+    """The end record, last in metrics.jsonl; then, once the metrics are closed, loss.png and
+    report.md in the run folder (rank 0)."""
+
+    def __init__(self):
+        self.ready = False
+
+    def end(self, run: FitRun) -> None:
+        if run.logger:
+            run.logger.log({"event": "end", "step": run.trainer.steps_done,
+                            "elapsed_s": time.perf_counter() - run.t_start}, track=False)
+        self.ready = True
+
+    def close(self, run: FitRun) -> None:
+        trainer, acc = run.trainer, run.trainer.accelerator
+        if not (self.ready and trainer.out_dir and acc.is_main_process):
+            return
+        if run.logger:
+            run.logger.close()
+        png = plot_loss_curve(trainer.out_dir / "metrics.jsonl", trainer.out_dir / "loss.png",
+                              loss_label=getattr(run.stage, "loss_label", "loss"), title=trainer.out_dir.name)
+        n_params = sum(p.numel() for p in trainer.raw_model.parameters())  # a tied matrix counts once
+        ckpt = os.path.relpath(trainer.last_checkpoint, trainer.out_dir) if trainer.last_checkpoint else None
+        report = write_report(trainer.out_dir, stage=run.stage.name, meta=trainer.meta, num_params=n_params,
+                              world_size=trainer.world_size, precision=acc.mixed_precision, checkpoint=ckpt)
+        print(f"report: {report}" + (f"\nloss curve: {png}" if png else ""), flush=True)
