@@ -9,7 +9,7 @@
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
 runs again with everything after it; `<out>/pipeline_state.json` records why (see
-sprout/pipeline.py for the preset format and the rules). Stopped or killed at any moment, the
+sprout/pipeline/runner.py for the preset format and the rules). Stopped or killed at any moment, the
 same command carries on. The report card (`<out>/report.md`, `<out>/report/`) compares every
 stage's checkpoint on one table, read from the stages' metrics.jsonl and evaluation files
 (sprout/pipeline/report_card.py).
