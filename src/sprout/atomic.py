@@ -107,16 +107,12 @@ def _finish(tmp: str, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside `path`; on clean exit fsync and rename it over `path`.
-    A write the disk refuses (`DISK_ERRNOS`) inside the block becomes SproutError naming `path`."""
-    path = Path(path)
-    fd, tmp = _temp_beside(path)
+def _replacing(tmp: str, path: Path) -> Iterator[None]:
+    """Around a write of `tmp`: on clean exit fsync it and rename it over `path`; on any
+    exception remove it. A write the disk refuses (`DISK_ERRNOS`) becomes SproutError naming `path`."""
     try:
         try:
-            with os.fdopen(fd, mode) as f:
-                yield f
-                f.flush()
+            yield
         except OSError as exc:
             if exc.errno in DISK_ERRNOS:
                 raise write_error(path, exc) from None
@@ -129,6 +125,17 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
 
 
 @contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open a temporary file beside `path`; on clean exit fsync and rename it over `path`.
+    A write the disk refuses (`DISK_ERRNOS`) inside the block becomes SproutError naming `path`."""
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
+    with _replacing(tmp, path), os.fdopen(fd, mode) as f:
+        yield f
+        f.flush()
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path` for libraries that open files themselves
     (safetensors, matplotlib); rename it over `path` only if the block finishes. For h5py
@@ -136,18 +143,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     fd, tmp = _temp_beside(path)
     os.close(fd)
-    try:
-        try:
-            yield Path(tmp)
-        except OSError as exc:
-            if exc.errno in DISK_ERRNOS:
-                raise write_error(path, exc) from None
-            raise
-        _finish(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _replacing(tmp, path):
+        yield Path(tmp)
 
 
 class _GuardedFile(io.RawIOBase):
