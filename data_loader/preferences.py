@@ -29,12 +29,8 @@ closes the response is an input position the reward model can score; the extra c
 never a target. Nothing is normalised here: a trainer sums per-token terms per row (or per
 pair) and divides by its global-batch denominator.
 
-Training order (as `data_loader.sft`): epoch e visits the kept pairs in the permutation drawn
-from `numpy.random.default_rng([seed, e])` (file order with `shuffle=False`). With
-`world_size` W and per-rank `batch_size` B, step s of an epoch uses permuted pairs
-[s*W*B, (s+1)*W*B), of which rank k takes the k-th block of B, so ranks never share a pair;
-the tail that does not fill W*B pairs is skipped in that epoch. `state_dict()` (epoch, step)
-resumes exactly and is the same on every rank.
+Training order: `data_loader.order` over the kept pairs (seeded per epoch, W*B pairs a step,
+rank k taking the k-th block of B; the state dict (epoch, step) resumes exactly).
 
 `eval_batches()` walks the pairs in file order once, rank k taking pairs k, k+W, k+2W, ...;
 every rank is padded to ceil(N/W) pairs with copies of pair 0 whose `pair_mask` is False
@@ -50,22 +46,19 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from data_loader.order import EpochOrder
 from sprout.errors import SproutError
 from sprout.formats.preference_tokens import TRUNCATIONS, tokenize_preferences
 
 
-class PreferenceLoader:
+class PreferenceLoader(EpochOrder):
     """Shuffled, rank-sliced, resumable micro-batches of preference pairs from one JSONL file."""
 
     def __init__(self, path, tok, batch_size: int, seq_len: int, *, truncation: str = "drop", seed: int = 0,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True):
-        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"bad batch_size/rank/world_size: {batch_size}/{rank}/{world_size}")
         if truncation not in TRUNCATIONS:
             raise SproutError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
-        self.path, self.seq_len, self.truncation = path, seq_len, truncation
-        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
-        self.shuffle = shuffle
+        self.seq_len, self.truncation, self.batch_size = seq_len, truncation, batch_size
         self.pad_id = tok.pad_id if tok.pad_id is not None else tok.eot_id
         found = tokenize_preferences(path, tok, seq_len, truncation)
         self.pairs, self.counts = found.pairs, found.counts
@@ -75,9 +68,8 @@ class PreferenceLoader:
             raise SproutError(f"{path}: no pair fits seq_len {seq_len} "
                               f"({self.counts['pairs_read']} read, {self.counts['dropped_too_long']} too long)")
         self._pack()
-        self.steps_per_epoch = self.num_pairs // (batch_size * world_size)
-        self.epoch, self.step = 0, 0
-        self._perm_epoch, self._perm = None, None
+        super().__init__(path, self.num_pairs, batch_size, seed=seed, rank=rank, world_size=world_size,
+                         shuffle=shuffle, unit="pairs", keys=("step", "num_pairs", "global_batch"))
 
     def _pack(self) -> None:
         """All 2N sides in one flat array: side j of pair i is row i (chosen) or N + i (rejected)."""
@@ -122,31 +114,8 @@ class PreferenceLoader:
             "pair_index": torch.from_numpy(pair_idx),
         }
 
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.world_size
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._perm_epoch != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.num_pairs) if self.shuffle else np.arange(self.num_pairs)
-            self._perm_epoch = epoch
-        return self._perm
-
-    def pairs_for(self, epoch: int, step: int) -> np.ndarray:
-        """The pairs (indices into `pairs`) this rank reads at (epoch, step)."""
-        start = step * self.global_batch + self.rank * self.batch_size
-        return self._order(epoch)[start:start + self.batch_size]
-
     def next_batch(self) -> dict:
-        if self.steps_per_epoch == 0:
-            raise SproutError(f"{self.path}: {self.num_pairs} pairs cannot fill one global batch of "
-                              f"{self.batch_size} x {self.world_size} ranks")
-        idx = self.pairs_for(self.epoch, self.step)
-        self.step += 1
-        if self.step == self.steps_per_epoch:
-            self.epoch, self.step = self.epoch + 1, 0
-        return self.collate(idx)
+        return self.collate(self.next(f"{self.batch_size} x {self.world_size} ranks"))
 
     def __iter__(self) -> Iterator[dict]:
         while True:
@@ -163,16 +132,3 @@ class PreferenceLoader:
         idx, real = self.eval_pairs()
         for i in range(0, len(idx), self.batch_size):
             yield self.collate(idx[i:i + self.batch_size], real[i:i + self.batch_size])
-
-    # ---- resume -----------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "num_pairs": self.num_pairs,
-                "global_batch": self.global_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "num_pairs", "global_batch"):
-            if state.get(key) != getattr(self, key):
-                raise SproutError(f"{self.path}: cannot resume: saved loader {key}={state.get(key)} "
-                                  f"but this run has {getattr(self, key)}")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])

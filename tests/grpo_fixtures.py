@@ -135,7 +135,7 @@ def per_prompt_sample(self, idx, ids=None):
     the loader's position: the same completions whichever rank holds the prompt."""
     parts = []
     for i in idx:
-        self.generator.manual_seed(int(i) * 7919 + self.loader.epoch * 131 + self.loader.batch)
+        self.generator.manual_seed(int(i) * 7919 + self.loader.epoch * 131 + self.loader.step)
         parts.append(RLStage.sample(self, np.array([i])))
     return concat_rollouts(parts)
 

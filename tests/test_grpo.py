@@ -172,7 +172,7 @@ def test_dynamic_sampling_refills_with_informative_groups(sp, base, data):
     logged = {k: s / c for k, (s, c) in zip(buf["stat_names"], buf["stats"].tolist())}
     assert logged["dynamic_sampling/rounds"] >= 2 and logged["dynamic_sampling/short_batches"] == 0
     assert 0 < logged["frac_reward_zero_std"] < 1
-    assert stage.loader.batch == logged["dynamic_sampling/rounds"]  # one global batch of prompts per round
+    assert stage.loader.step == logged["dynamic_sampling/rounds"]  # one global batch of prompts per round
 
 
 def test_dynamic_sampling_counts_a_short_batch(sp, base, data):
@@ -264,7 +264,7 @@ def test_prompt_batches_are_seeded_disjoint_over_ranks_and_filtered(sp, data, tm
     again.load_state_dict(one.state_dict())
     assert list(again.next_prompts()) == list(one.next_prompts())
     assert one.epoch == 1 and list(one.order(0)) != list(one.order(1))
-    with pytest.raises(SproutError, match="global_prompts 8, this run has 4"):
+    with pytest.raises(SproutError, match="cannot resume: saved loader global_prompts=8 but this run has 4"):
         again.load_state_dict({**one.state_dict(), "global_prompts": 8})
     records = [json.loads(line) for line in data.read_text().splitlines()]
     mixed = tmp_path / "prompts.jsonl"

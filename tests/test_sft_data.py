@@ -268,7 +268,7 @@ def packed_file(r50k, paths, tmp_path):
 def test_loader_batches_are_shifted(packed_file):
     loader = SFTLoader(packed_file, batch_size=2, seed=3)
     batch = next(iter(loader))
-    rows = loader.rows_for(0, 0)
+    rows = loader.indices(0, 0)
     with SFTFile(packed_file) as f:
         raw = f.read(rows)
     assert batch["input_ids"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.bool
@@ -290,12 +290,12 @@ def test_loader_ranks_are_disjoint_and_deterministic(packed_file):
     seen = [set(), set()]
     for _ in range(ranks[0].steps_per_epoch):
         for k in range(2):
-            seen[k].update(ranks[k].rows_for(ranks[k].epoch, ranks[k].step).tolist())
+            seen[k].update(ranks[k].indices(ranks[k].epoch, ranks[k].step).tolist())
             ranks[k].next_batch()
     assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 2 * (n // 2)
     again = SFTLoader(packed_file, batch_size=1, seed=7, rank=0, world_size=2)
-    assert again.rows_for(0, 0).tolist() == SFTLoader(packed_file, batch_size=1, seed=7, rank=0, world_size=2).rows_for(0, 0).tolist()
-    assert not np.array_equal(again.rows_for(0, 0), again.rows_for(1, 0)) or n < 3
+    assert again.indices(0, 0).tolist() == SFTLoader(packed_file, batch_size=1, seed=7, rank=0, world_size=2).indices(0, 0).tolist()
+    assert not np.array_equal(again.indices(0, 0), again.indices(1, 0)) or n < 3
     evals = [sum(len(b["input_ids"]) for b in ranks[k].eval_batches()) for k in range(2)]
     assert sum(evals) == n
 
