@@ -31,8 +31,8 @@ one line that starts with the rule's name.
 - formats import nothing above them: everything `sprout.formats` imports, at any depth, is
   in the formats, text or base layer;
 - no import cycles (function-level imports counted): no module imports itself around a
-  loop of imports, and no package does (`sprout.model` and `sprout.losses`, say, are each
-  one node: `sprout.X` and all its submodules, `data_loader`, `scripts`);
+  loop of imports, and no package does either, each of `sprout.X` (with all its
+  submodules), `data_loader` and `scripts` counted as one node;
 - no cross-module private names: no module imports a `_name` from another module of
   `sprout`, `data_loader` or `scripts`; a name shared between modules is public;
 - nothing in sprout or data_loader imports scripts, benchmarks or tests.
@@ -268,7 +268,7 @@ FAKE_PACKAGES = {"sprout", "sprout.prep", "sprout.formats", "sprout.model", "spr
 CLEAN_TREE = {
     "sprout": "",
     "sprout.errors": "",
-    "sprout.answers": "import re\nfrom sprout.errors import SproutError\n",
+    "sprout.answers": "import re\nfrom fractions import Fraction\n",
     "sprout.bpb": "import torch\n",
     "sprout.chat": "from sprout import errors\n",
     "sprout.formats": "",

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from sprout.answers import answers_match, is_reasoning_format, parse_answer, parse_number
 
+
 # ---- reward functions ------------------------------------------------------------------
 
 def correctness_reward(completions: Sequence[str], gold: Sequence[str], *, rel_tol: float = 1e-6,
