@@ -33,8 +33,9 @@ import torch
 from accelerate import Accelerator
 
 from sprout.atomic import sha256_file, write_json_atomic
-from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer, load_model, run_folder
+from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer, run_folder
 from sprout.errors import SproutError, run_main
+from sprout.model.load import load_model
 from sprout.rl.eval_tasks import TASKS, file_prompts, task_prompts
 from sprout.rl.evaluation import evaluate_prompts
 

@@ -16,9 +16,10 @@ import sys
 
 import torch
 
-from sprout.checkpoint import checkpoint_tokenizer, load_model
+from sprout.checkpoint import checkpoint_tokenizer
 from sprout.errors import SproutError, run_main
 from sprout.model.generate import generate
+from sprout.model.load import load_model
 
 
 def main() -> None:

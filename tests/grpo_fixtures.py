@@ -24,7 +24,7 @@ from sprout.model.transformer import ModelConfig, Transformer
 
 from sprout.config import from_dict
 from sprout.formats.prompts import write_prompts
-from sprout.rl.verifiers import parse_answer
+from sprout.answers import parse_answer
 from sprout.stages.grpo import GRPOConfig, GRPOStage, run_grpo
 from sprout.stages.rl_stage import RLStage, concat_rollouts
 

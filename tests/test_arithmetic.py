@@ -6,11 +6,11 @@ import re
 
 import pytest
 
+from sprout.answers import is_reasoning_format, parse_answer
 from sprout.errors import SproutError
 from sprout.prep import arithmetic
 from sprout.prep.arithmetic import Problem, broken_format, draw_problem, generate, near_miss, wrong_answer
 from sprout.prep.keys import is_val, text_key
-from sprout.rl.verifiers import is_reasoning_format, parse_answer
 
 _EXPR = re.compile(r"What is ([0-9 +*-]+)\?")
 

@@ -8,7 +8,6 @@ import torch
 from sprout.checkpoint import (
     STATE,
     WEIGHTS,
-    load_model,
     load_train_state,
     read_meta,
     resolve_checkpoint,
@@ -17,6 +16,7 @@ from sprout.checkpoint import (
     sha256_file,
 )
 from sprout.errors import SproutError
+from sprout.model.load import load_model
 from sprout.model.transformer import ModelConfig, Transformer
 
 

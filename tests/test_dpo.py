@@ -15,10 +15,11 @@ from preference_train_fixtures import base, cli_flags, marked_pairs, tiny_cfg, w
 from proc import run_group
 
 from data_loader.preferences import PreferenceLoader
-from sprout.checkpoint import load_model, read_meta
+from sprout.checkpoint import read_meta
 from sprout.errors import SproutError
 from sprout.formats.preferences import write_preferences
 from sprout.losses.tokens import sequence_logps
+from sprout.model.load import load_model
 from sprout.stages.dpo import DPOConfig, DPOLossConfig, DPOStage, run_dpo
 from sprout.engine.metrics import read_metrics
 from sprout.stages.reference_logps import reference_logps

@@ -16,7 +16,8 @@ from test_sft_train import ROW, base, sft_file, train_losses  # noqa: F401, F811
 from test_sft_train import tiny_cfg as sft_cfg
 from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (data: a fixture)
 
-from sprout.checkpoint import load_model, load_train_state, read_meta
+from sprout.checkpoint import load_train_state, read_meta
+from sprout.model.load import load_model
 from sprout.model.transformer import Transformer
 from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name
 from sprout.engine.metrics import read_metrics

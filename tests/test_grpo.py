@@ -18,8 +18,9 @@ from preference_train_fixtures import base  # noqa: F401 (base, data: fixtures)
 from proc import run_group
 from safetensors.torch import load_file
 
-from sprout.checkpoint import load_model, read_meta
+from sprout.checkpoint import read_meta
 from sprout.errors import SproutError
+from sprout.model.load import load_model
 from sprout.rl.advantages import group_advantages
 from sprout.stages.grpo import GRPOLossConfig, GRPOStage, run_grpo
 from sprout.engine.loop import Trainer

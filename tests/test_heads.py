@@ -9,13 +9,8 @@ import shutil
 import pytest
 import torch
 
-from sprout.checkpoint import (
-    init_from_lm,
-    load_model,
-    load_train_state,
-    read_meta,
-    save_checkpoint,
-)
+from sprout.checkpoint import load_train_state, read_meta, save_checkpoint
+from sprout.model.load import init_from_lm, load_model
 from sprout.errors import SproutError
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.generate import generate

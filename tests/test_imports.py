@@ -1,24 +1,74 @@
 """The import rules of the repository, read from the source with `ast` (no module is imported).
 
-    scripts -> (sprout.train, data_loader) -> core (sprout minus sprout.train)
+Every import statement counts, at module level or inside a function, and so do the package
+`__init__`s that importing a module runs. Each rule below is a named check; a violation is
+one line that starts with the rule's name.
 
-- `sprout.prep` and `sprout.formats` never import torch (nor accelerate or safetensors.torch),
-  directly or through any sprout module they import, at any depth, counting imports inside
-  functions and the package `__init__`s that importing a module runs;
-- `data_loader` never imports `sprout.train`;
-- core never imports `sprout.train` or `data_loader`;
-- nothing in `sprout` or `data_loader` imports `scripts`, `benchmarks` or `tests`;
-- no import cycles between modules at module level (imports inside functions may close a
-  loop: they run after both modules are loaded).
+- layers: every module stands in one layer, lowest first, and imports only modules of its
+  own layer or of a lower one (a module that is in no layer is a violation too):
+
+      base        sprout (the package itself), sprout.errors, sprout.atomic, sprout.config,
+                  sprout.mirror, sprout.answers
+      text        sprout.tokenizer, sprout.chat, sprout.bpb
+      formats     sprout.formats
+      prep        sprout.prep
+      checkpoint  sprout.checkpoint
+      model       sprout.model, sprout.losses
+      rl          sprout.rl
+      data_loader data_loader
+      engine      sprout.engine
+      stages      sprout.stages
+      pipeline    sprout.pipeline
+      scripts     scripts
+
+- prep and formats never reach torch: no module of `sprout.prep` or `sprout.formats`
+  imports torch (nor accelerate or safetensors.torch), directly or through any module it
+  imports, at any depth;
+- the engine never imports a stage: nothing `sprout.engine` imports, at any depth, is in
+  `sprout.stages`;
+- checkpoint I/O never imports the model: nothing `sprout.checkpoint` imports, at any
+  depth, is in `sprout.model` (building a model from a checkpoint is `sprout.model.load`);
+- formats import nothing above them: everything `sprout.formats` imports, at any depth, is
+  in the formats, text or base layer;
+- no import cycles (function-level imports counted): no module imports itself around a
+  loop of imports, and no package does either, each of `sprout.X` (with all its
+  submodules), `data_loader` and `scripts` counted as one node;
+- no cross-module private names: no module imports a `_name` from another module of
+  `sprout`, `data_loader` or `scripts`; a name shared between modules is public;
+- nothing in sprout or data_loader imports scripts, benchmarks or tests.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = ("torch", "accelerate", "safetensors.torch")
+LAYERS = (
+    ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.config", "sprout.mirror", "sprout.answers")),
+    ("text", ("sprout.tokenizer", "sprout.chat", "sprout.bpb")),
+    ("formats", ("sprout.formats",)),
+    ("prep", ("sprout.prep",)),
+    ("checkpoint", ("sprout.checkpoint",)),
+    ("model", ("sprout.model", "sprout.losses")),
+    ("rl", ("sprout.rl",)),
+    ("data_loader", ("data_loader",)),
+    ("engine", ("sprout.engine",)),
+    ("stages", ("sprout.stages",)),
+    ("pipeline", ("sprout.pipeline",)),
+    ("scripts", ("scripts",)),
+)
+LAYERS_RULE = "layers"
+TORCH_RULE = "prep and formats never reach torch"
+ENGINE_RULE = "the engine never imports a stage"
+CHECKPOINT_RULE = "checkpoint I/O never imports the model"
+FORMATS_RULE = "formats import nothing above them"
+CYCLE_RULE = "no import cycles (function-level imports counted)"
+PRIVATE_RULE = "no cross-module private names"
+OUTSIDE_RULE = "nothing in sprout or data_loader imports scripts, benchmarks or tests"
+RULES = (LAYERS_RULE, TORCH_RULE, ENGINE_RULE, CHECKPOINT_RULE, FORMATS_RULE, CYCLE_RULE, PRIVATE_RULE, OUTSIDE_RULE)
 
 
 def read_tree(root: Path = ROOT) -> dict[str, str]:
@@ -33,68 +83,75 @@ def read_tree(root: Path = ROOT) -> dict[str, str]:
     return sources
 
 
-def imports_of(name: str, source: str, is_package: bool) -> list[tuple[str, bool]]:
-    """(imported dotted name, at module level?) for every import statement in `source`."""
+class Import(NamedTuple):
+    module: str       # the dotted module named by the statement (relative imports resolved)
+    name: str | None  # the name taken from it (`from module import name`), None for `import module`
+
+
+def imports_of(name: str, source: str, is_package: bool) -> list[Import]:
+    """Every import statement of `source`, at any depth (inside functions and classes too)."""
     found = []
-
-    def visit(node: ast.AST, top: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, ast.Import):
-                found.extend((alias.name, top) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                module = child.module or ""
-                if child.level:  # relative: resolve against this module's package
-                    package = name.split(".") if is_package else name.split(".")[:-1]
-                    package = package[: len(package) - (child.level - 1)]
-                    module = ".".join(package + ([module] if module else []))
-                found.extend((f"{module}.{alias.name}", top) for alias in child.names)
-                found.append((module, top))
-            visit(child, inner)
-
-    visit(ast.parse(source), True)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.extend(Import(alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                module = ".".join(package + ([module] if module else []))
+            found.extend(Import(module, alias.name) for alias in node.names)
     return found
 
 
 def graph(sources: dict[str, str], is_package=lambda name: False):
-    """Edges between modules of `sources` (all imports, and module-level ones) and the
-    outside modules each one imports directly."""
+    """(edges, named): the modules of `sources` each one imports (with the packages whose
+    `__init__` that runs), and every dotted name each one imports (`module.name` for a
+    `from module import name`), in the tree or not."""
+    roots = {m.split(".")[0] for m in sources}
     edges: dict[str, set[str]] = {m: set() for m in sources}
-    top_edges: dict[str, set[str]] = {m: set() for m in sources}
-    outside: dict[str, set[str]] = {m: set() for m in sources}
+    named: dict[str, set[str]] = {m: set() for m in sources}
     for module, source in sources.items():
-        for target, top in imports_of(module, source, is_package(module)):
-            if target in sources or target.split(".")[0] in {m.split(".")[0] for m in sources}:
-                # `from pkg import name`: the submodule when it is one, else the package
-                hit = target if target in sources else target.rpartition(".")[0]
-                if hit not in sources or hit == module:
-                    continue
+        for imp in imports_of(module, source, is_package(module)):
+            target = f"{imp.module}.{imp.name}" if imp.name else imp.module
+            named[module].add(target)
+            if imp.module.split(".")[0] not in roots:
+                continue
+            # `from pkg import name`: the submodule when it is one, else the module itself
+            hit = target if target in sources else imp.module
+            if hit in sources and hit != module:
                 edges[module].add(hit)
-                if top:
-                    top_edges[module].add(hit)
-                parts = hit.split(".")  # importing a.b.c runs a/__init__ and a/b/__init__ first
-                edges[module].update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in sources)
-            else:
-                outside[module].add(target)
-    return edges, top_edges, outside
+            parts = hit.split(".")  # importing a.b.c runs a/__init__ and a/b/__init__ first
+            edges[module].update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in sources)
+    return edges, named
 
 
-def closure(start: str, edges: dict[str, set[str]]) -> set[str]:
-    seen, todo = {start}, [start]
+def private_imports(sources: dict[str, str], is_package=lambda name: False) -> list[tuple[str, Import]]:
+    """(importer, import) for every `_name` one module of the tree takes from another."""
+    roots = {m.split(".")[0] for m in sources}
+    found = []
+    for module, source in sources.items():
+        for imp in imports_of(module, source, is_package(module)):
+            private = imp.name and imp.name.startswith("_") and not imp.name.endswith("__")
+            if private and imp.module.split(".")[0] in roots and imp.module != module:
+                found.append((module, imp))
+    return found
+
+
+def paths_from(start: str, edges: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Every module `start` reaches -> one shortest chain of imports from `start` to it."""
+    paths, todo = {start: [start]}, [start]
     while todo:
-        for nxt in edges[todo.pop()]:
-            if nxt not in seen:
-                seen.add(nxt)
+        here = todo.pop(0)
+        for nxt in sorted(edges[here]):
+            if nxt not in paths:
+                paths[nxt] = paths[here] + [nxt]
                 todo.append(nxt)
-    return seen
-
-
-def imports_torch(names: set[str]) -> set[str]:
-    return {n for n in names if any(n == t or n.startswith(t + ".") for t in TORCH)}
+    return paths
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+    """Strongly connected components of more than one node (Tarjan)."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
     def strong(v: str) -> None:
@@ -125,30 +182,72 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of the longest name that is `module` or a package holding it (the bare
+    `sprout` names the package itself, not what it holds); None when no layer names it."""
+    best, length = None, -1
+    for i, (_, names) in enumerate(LAYERS):
+        for name in names:
+            holds = module == name or (name != "sprout" and module.startswith(name + "."))
+            if holds and len(name) > length:
+                best, length = i, len(name)
+    return best
+
+
+def package_of(module: str) -> str:
+    """The node a module counts as in package cycles: `sprout.X` for `sprout.X.*`, else its top name."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "sprout" else parts[0]
+
+
 def violations(sources: dict[str, str], is_package=lambda name: False) -> list[str]:
-    """Every broken rule of the module docstring, one line each."""
-    edges, top_edges, outside = graph(sources, is_package)
+    """Every broken rule of the module docstring, one line each, starting with the rule's name."""
+    edges, named = graph(sources, is_package)
+    name_of = lambda m: LAYERS[layer_of(m)][0] if layer_of(m) is not None else "no layer"  # noqa: E731
+    formats_layer = next(i for i, (name, _) in enumerate(LAYERS) if name == "formats")
     problems = []
-    layer = lambda m: "train" if m.split(".")[:2] in (["sprout", "engine"], ["sprout", "stages"], ["sprout", "pipeline"], ["sprout", "train"]) else m.split(".")[0]  # noqa: E731
+
+    def reaching(module: str, hit, rule: str) -> None:
+        """One line for every module `module` reaches (itself excluded) for which `hit` holds."""
+        for target, path in sorted(paths_from(module, edges).items()):
+            if target != module and hit(target):
+                through = f" (through {' -> '.join(path[1:-1])})" if len(path) > 2 else ""
+                problems.append(f"{rule}: {module} imports {target}{through}")
+
     for module in sorted(sources):
-        reach = closure(module, edges)
-        if module.startswith(("sprout.prep", "sprout.formats")):
-            for via in sorted(reach):
-                for lib in sorted(imports_torch(outside[via])):
-                    path = "" if via == module else f" through {via}"
-                    problems.append(f"{module} imports {lib}{path}")
-        direct = edges[module]
-        if layer(module) == "data_loader" and any(layer(t) == "train" for t in reach):
-            problems.append(f"{module} imports sprout.train (through {sorted(t for t in reach if layer(t) == 'train')})")
-        if layer(module) == "sprout":
-            for t in sorted(direct):
-                if layer(t) in ("train", "data_loader"):
-                    problems.append(f"{module} (core) imports {t}")
-        if layer(module) in ("sprout", "data_loader", "train"):
-            for t in sorted(direct | outside[module]):
-                if t.split(".")[0] in ("scripts", "benchmarks", "tests"):
-                    problems.append(f"{module} imports {t}")
-    problems += [f"module-level import cycle: {' -> '.join(c)}" for c in cycles(top_edges)]
+        level = layer_of(module)
+        if level is None:
+            problems.append(f"{LAYERS_RULE}: {module} is in no layer")
+        else:
+            for target in sorted(edges[module]):
+                if layer_of(target) is None or layer_of(target) > level:
+                    problems.append(f"{LAYERS_RULE}: {module} ({name_of(module)}) imports {target} ({name_of(target)})")
+        if within(module, "sprout.prep") or within(module, "sprout.formats"):
+            for via, path in sorted(paths_from(module, edges).items()):
+                for lib in sorted(t for t in named[via] if any(within(t, torch) for torch in TORCH)):
+                    through = "" if via == module else f" through {' -> '.join(path[1:])}"
+                    problems.append(f"{TORCH_RULE}: {module} imports {lib}{through}")
+        if within(module, "sprout.engine"):
+            reaching(module, lambda t: within(t, "sprout.stages"), ENGINE_RULE)
+        if within(module, "sprout.checkpoint"):
+            reaching(module, lambda t: within(t, "sprout.model"), CHECKPOINT_RULE)
+        if within(module, "sprout.formats"):
+            reaching(module, lambda t: layer_of(t) is None or layer_of(t) > formats_layer, FORMATS_RULE)
+        if module.split(".")[0] in ("sprout", "data_loader"):
+            for target in sorted(named[module]):
+                if target.split(".")[0] in ("scripts", "benchmarks", "tests"):
+                    problems.append(f"{OUTSIDE_RULE}: {module} imports {target}")
+    problems += [f"{CYCLE_RULE}: modules {' <-> '.join(c)}" for c in cycles(edges)]
+    packages: dict[str, set[str]] = {package_of(m): set() for m in sources}
+    for module, targets in edges.items():
+        packages[package_of(module)].update(package_of(t) for t in targets if package_of(t) != package_of(module))
+    problems += [f"{CYCLE_RULE}: packages {' <-> '.join(c)}" for c in cycles(packages)]
+    problems += [f"{PRIVATE_RULE}: {module} imports {imp.name} from {imp.module}"
+                 for module, imp in private_imports(sources, is_package)]
     return problems
 
 
@@ -159,35 +258,80 @@ def _is_package(module: str) -> bool:
 
 def test_the_repository_follows_the_import_rules():
     sources = read_tree()
-    assert {"sprout.prep.pretrain", "sprout.formats.shards", "sprout.engine.loop", "data_loader.tokens"} <= set(sources)
+    assert {"sprout.prep.pretrain", "sprout.formats.shards", "sprout.engine.loop", "sprout.answers",
+            "sprout.model.load", "data_loader.tokens", "scripts.pretrain"} <= set(sources)
     assert violations(sources, _is_package) == []
 
 
+FAKE_PACKAGES = {"sprout", "sprout.prep", "sprout.formats", "sprout.model", "sprout.losses", "sprout.engine",
+                 "sprout.stages", "data_loader"}
+CLEAN_TREE = {
+    "sprout": "",
+    "sprout.errors": "",
+    "sprout.answers": "import re\nfrom fractions import Fraction\n",
+    "sprout.bpb": "import torch\n",
+    "sprout.chat": "from sprout import errors\n",
+    "sprout.formats": "",
+    "sprout.formats.jsonl": "from sprout.answers import parse\nfrom sprout.chat import render\n",
+    "sprout.formats.verify": "from . import jsonl\n",
+    "sprout.prep": "",
+    "sprout.prep.a": "import numpy\nfrom sprout.formats.jsonl import write\n\ndef f():\n    from sprout.prep import b\n",
+    "sprout.prep.b": "from sprout import __version__\n\ndef _own():\n    pass\n",
+    "sprout.checkpoint": "import torch\nfrom sprout.errors import SproutError\n",
+    "sprout.model": "",
+    "sprout.model.load": "import torch\nfrom sprout.checkpoint import read_meta\nfrom sprout.losses import tokens\n",
+    "sprout.losses": "",
+    "sprout.losses.tokens": "import torch\n",
+    "sprout.engine": "",
+    "sprout.engine.loop": "import accelerate\nfrom sprout.checkpoint import read_meta\n\ndef f():\n    from sprout.formats import jsonl\n",
+    "sprout.engine.fit": "import tqdm\nfrom sprout.engine.loop import Trainer\n",
+    "sprout.stages": "",
+    "sprout.stages.sft": "from sprout.engine.fit import fit\nfrom sprout.model.load import load_model\n",
+    "data_loader": "",
+    "data_loader.tokens": "import torch\nfrom sprout.formats.jsonl import read\n",
+    "scripts.train": "import data_loader.tokens\nfrom sprout.stages.sft import run\n",
+}
+
+
+def test_a_clean_tree_has_no_violations():
+    assert violations(CLEAN_TREE, lambda m: m in FAKE_PACKAGES) == []
+
+
 def test_the_checker_sees_each_kind_of_violation():
-    fake = {
-        "sprout": "",
-        "sprout.errors": "",
-        "sprout.helper": "def f():\n    import torch\n",                   # torch only inside a function
-        "sprout.prep": "",
-        "sprout.prep.a": "from sprout import helper\n",                      # -> torch through sprout.helper
-        "sprout.formats": "",
-        "sprout.formats.b": "import numpy\nfrom torch import nn\n",          # torch directly
-        "sprout.model": "",
-        "sprout.model.c": "from sprout.engine.loop import x\n",               # core -> train
-        "sprout.model.d": "import sprout.model.e\n",                         # d <-> e at module level
-        "sprout.model.e": "from sprout.model import d\nfrom data_loader import tokens\n",  # core -> data_loader
-        "sprout.train": "",
-        "sprout.engine.loop": "import accelerate\n",
-        "data_loader": "",
-        "data_loader.tokens": "def g():\n    from sprout.train import loop\n",   # data_loader -> train
-        "scripts.run": "from sprout.engine.loop import x\nimport data_loader.tokens\n",  # fine
-    }
-    found = violations(fake, lambda m: m in {"sprout", "sprout.prep", "sprout.formats", "sprout.model",
-                                             "sprout.train", "data_loader"})
-    assert "sprout.prep.a imports torch through sprout.helper" in found
-    assert "sprout.formats.b imports torch.nn" in found
-    assert "sprout.model.c (core) imports sprout.engine.loop" in found
-    assert "sprout.model.e (core) imports data_loader.tokens" in found
-    assert any(f.startswith("data_loader.tokens imports sprout.train") for f in found)
-    assert "module-level import cycle: sprout.model.d -> sprout.model.e" in found
-    assert not any(f.startswith("scripts.run") for f in found)
+    fake = dict(CLEAN_TREE)
+    fake.update({
+        "sprout.bpb": "def f():\n    import torch\n",                          # torch only inside a function
+        "sprout.prep.a": "from sprout import bpb\n",                             # -> torch through sprout.bpb
+        "sprout.prep.c": "from sprout.prep.b import _own\n",                     # a private name of another module
+        "sprout.formats.b": "import numpy\nfrom torch import nn\n",              # torch directly
+        "sprout.formats.c": "def f():\n    from sprout.prep import a\n",         # formats -> prep (and torch)
+        "sprout.checkpoint": "def load():\n    from sprout.model.heads import x\n",  # checkpoint I/O -> model,
+        "sprout.model.heads": "import torch\n",                                  # and sprout.model.load imports
+        "sprout.model.d": "import sprout.model.e\nfrom sprout.rl.kl import x\n",  # the checkpoint: a package loop
+        "sprout.model.e": "def f():\n    from sprout.model import d\n",        # d <-> e, one side in a function
+        "sprout.rl": "",
+        "sprout.rl.kl": "import torch\n",
+        "sprout.engine.report": "def f():\n    from sprout.stages import sft\n",  # the engine -> a stage
+        "sprout.unplaced": "",                                                   # in no layer
+        "scripts.train": "",
+        "data_loader.tokens": "from tests.fixtures import tiny\nimport scripts.train\n",
+    })
+    found = violations(fake, lambda m: m in FAKE_PACKAGES | {"sprout.rl", "sprout.unplaced"})
+    assert {line.partition(":")[0] for line in found} == set(RULES)
+    assert f"{LAYERS_RULE}: sprout.model.d (model) imports sprout.rl.kl (rl)" in found
+    assert f"{LAYERS_RULE}: sprout.formats.c (formats) imports sprout.prep.a (prep)" in found
+    assert f"{LAYERS_RULE}: data_loader.tokens (data_loader) imports scripts.train (scripts)" in found
+    assert f"{LAYERS_RULE}: sprout.unplaced is in no layer" in found
+    assert f"{TORCH_RULE}: sprout.prep.a imports torch through sprout.bpb" in found
+    assert f"{TORCH_RULE}: sprout.formats.b imports torch.nn" in found
+    assert f"{TORCH_RULE}: sprout.formats.c imports torch through sprout.prep.a -> sprout.bpb" in found
+    assert f"{ENGINE_RULE}: sprout.engine.report imports sprout.stages.sft" in found
+    assert f"{CHECKPOINT_RULE}: sprout.checkpoint imports sprout.model.heads" in found
+    assert f"{FORMATS_RULE}: sprout.formats.c imports sprout.prep.a" in found
+    assert not any(line.startswith(f"{FORMATS_RULE}: sprout.formats.c imports sprout.bpb") for line in found)  # text
+    assert f"{CYCLE_RULE}: modules sprout.model.d <-> sprout.model.e" in found
+    assert f"{CYCLE_RULE}: packages sprout.checkpoint <-> sprout.model" in found
+    assert f"{CYCLE_RULE}: packages sprout.engine <-> sprout.stages" in found
+    assert f"{PRIVATE_RULE}: sprout.prep.c imports _own from sprout.prep.b" in found
+    assert f"{OUTSIDE_RULE}: data_loader.tokens imports tests.fixtures.tiny" in found
+    assert f"{OUTSIDE_RULE}: data_loader.tokens imports scripts.train" in found

@@ -24,9 +24,10 @@ from preference_train_fixtures import base  # noqa: F401
 from proc import run_group
 from safetensors.torch import load_file
 
-from sprout.checkpoint import init_from_lm, load_model, read_meta
+from sprout.checkpoint import read_meta
 from sprout.errors import SproutError
 from sprout.model.heads import PolicyWithValue
+from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, masked_whiten, token_rewards
 from sprout.engine.metrics import read_metrics
 from sprout.engine.optim import OptimConfig, build_optimizer

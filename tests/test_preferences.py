@@ -223,7 +223,7 @@ def test_local_jsonl_bad_line_names_file_and_line(tmp_path, row, message):
 def test_arithmetic_pairs(tmp_path):
     manifest, train, test = _run(tmp_path, [{"name": "arith", "format": "arithmetic", "count": 60,
                                              "levels": [2, 4], "broken_format_fraction": 0.5}])
-    from sprout.rl.verifiers import parse_answer
+    from sprout.answers import parse_answer
 
     pairs = train + test
     assert len(pairs) == 60

@@ -17,8 +17,9 @@ from preference_train_fixtures import MARK, base, cli_flags, marked_pairs, tiny_
 from proc import run_group
 
 from data_loader.preferences import PreferenceLoader
-from sprout.checkpoint import load_model, read_meta
+from sprout.checkpoint import read_meta
 from sprout.model.heads import RewardModel
+from sprout.model.load import load_model
 from sprout.engine.metrics import read_metrics
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
 from sprout.stages.reward import (

@@ -13,9 +13,9 @@ import torch
 from sft_fixtures import ALPACA, DOLLY_ORIGINAL, GSM8K, source_list, write_jsonl, write_sources
 
 from data_loader.sft import SFTLoader
+from sprout.answers import parse_answer
 from sprout.chat import template_for
 from sprout.errors import SproutError
-from sprout.rl.verifiers import parse_answer
 from sprout.formats.maskcheck import check_arrays
 from sprout.formats.sft import SFTFile, val_path
 from sprout.chat import ChatError, validate

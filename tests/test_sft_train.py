@@ -17,9 +17,10 @@ from test_train import sections
 from data_loader.sft import SFTLoader
 from sprout.chat import TEMPLATE_VERSION, ChatError, render
 from sprout.model.chat_session import ChatSession, load_chat_model
-from sprout.checkpoint import load_model, read_meta, save_checkpoint
+from sprout.checkpoint import read_meta, save_checkpoint
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum
+from sprout.model.load import load_model
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.config import from_dict

@@ -1,4 +1,4 @@
-"""Answer parsing, number comparison and the reward functions of sprout.rl.verifiers."""
+"""Answer parsing and number comparison (sprout.answers) and the reward functions of sprout.rl.verifiers."""
 
 import math
 import subprocess
@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, answers_match, combine_rewards,
-                                 correctness_reward, format_reasoning, format_reward, is_reasoning_format,
-                                 normalise_number, parse_answer, parse_number, reward_metrics)
+from sprout.answers import answers_match, format_reasoning, is_reasoning_format, normalise_number, parse_answer, parse_number
+from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward,
+                                 reward_metrics)
 
 
 def test_format_reasoning_round_trip():
@@ -143,7 +143,7 @@ def test_combine_rewards_refuses_wrong_lengths_and_duplicate_names():
         combine_rewards([WeightedReward("f", format_reward), WeightedReward("f", format_reward)], ["a"])
 
 
-def test_verifiers_do_not_import_torch():
-    code = "import sys, sprout.rl.verifiers; print('torch' in sys.modules)"
+def test_answers_and_verifiers_do_not_import_torch():
+    code = "import sys, sprout.answers, sprout.rl.verifiers; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

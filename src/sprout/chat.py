@@ -23,7 +23,7 @@ document is never a target, so no loss crosses a document boundary.
 Content may not contain the marker strings themselves (a plain-text `<|user|>` inside a
 message would be indistinguishable from a real turn). `segment` parses a rendered
 sequence back into turns; the loss-mask checker relies on it. Reasoning answers use
-`<think>...</think><answer>N</answer>`, written and parsed by `sprout.rl.verifiers`.
+`<think>...</think><answer>N</answer>`, written and parsed by `sprout.answers`.
 """
 
 from __future__ import annotations

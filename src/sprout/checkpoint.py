@@ -18,10 +18,9 @@ and refuses a corrupted or modified file, or a meta.json without the hashes, wit
 that names it.
 
 Architecture: meta.json `architecture` says which module the weights belong to ("lm",
-"lm+value" or "reward", see `sprout.model.heads`); `save_checkpoint` reads it off the weights
-(a head's parameter name) and `load_model` builds that module. A checkpoint without the field
-is an "lm". `init_from_lm` builds a reward or value model from an LM checkpoint: backbone
-loaded, head freshly initialised from a seed.
+"lm+value" or "reward"): `save_checkpoint` takes what the module declares (`architecture_of`),
+or for a gathered state dict what `meta` says. A checkpoint without the field is an "lm".
+Building a module from a checkpoint is the model's side: `sprout.model.load`.
 
 Tensor state of a stage (a rollout buffer, a sampler's generator) goes in train_state.pt
 under `extra`, read back with weights_only=True like the rest, never in meta.json.
@@ -50,8 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from safetensors.torch import load_model as _load_safetensors_model
-from safetensors.torch import save_file
 
 from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, sha256_file, write_error
 from sprout.errors import SproutError
@@ -76,6 +75,11 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
+def architecture_of(model: torch.nn.Module) -> str:
+    """The `architecture` a module declares (`sprout.model.heads`); "lm" for one that declares none."""
+    return getattr(model, "architecture", "lm")
+
+
 def _weights_to_store(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
     """The tensors model.safetensors holds: tied aliases dropped, detached, on the CPU, contiguous."""
     return {name: t.detach().to("cpu").contiguous() for name, t in state.items() if name not in aliases}
@@ -95,8 +99,9 @@ def save_checkpoint(
     """Write one checkpoint directory at `path` atomically; returns `path`.
 
     `model` is a module or an already gathered state dict (FSDP); for a state dict, `aliases`
-    names its tied duplicates (`tied_aliases` of the module it came from). `meta` should hold
-    `model_config` (a dict or dataclass); `format` and file hashes are added here.
+    names its tied duplicates (`tied_aliases` of the module it came from) and `meta` its
+    `architecture` (a module's own is written). `meta` should hold `model_config` (a dict or
+    dataclass); `format` and file hashes are added here.
     `optimizer` may also be an already gathered state dict (FSDP). `rng_states` is one RNG
     state per rank (default: this process's only).
     """
@@ -105,9 +110,9 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}.", dir=path.parent))
     try:
         if isinstance(model, torch.nn.Module):
-            state, aliases = model.state_dict(), tied_aliases(model)
+            state, aliases, architecture = model.state_dict(), tied_aliases(model), architecture_of(model)
         else:
-            state, aliases = model, aliases or {}
+            state, aliases, architecture = model, aliases or {}, meta["architecture"]
         save_file(_weights_to_store(state, aliases), tmp / WEIGHTS, metadata={"format": "pt"})
         train_state = {
             "optimizer": optimizer.state_dict() if hasattr(optimizer, "state_dict") else optimizer,
@@ -118,7 +123,7 @@ def save_checkpoint(
         with open(tmp / STATE, "wb") as f:  # a file object: a failed write leaves its OSError in the chain
             torch.save(train_state, f)
         meta = dict(meta)
-        meta["architecture"] = architecture_of(state)
+        meta["architecture"] = architecture
         if dataclasses.is_dataclass(meta.get("model_config")):
             meta["model_config"] = dataclasses.asdict(meta["model_config"])
         meta["format"] = FORMAT
@@ -228,15 +233,20 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _load_full_into_sharded(model: torch.nn.Module, f: Path) -> None:
-    """Every rank reads the full weights and keeps its own shard of each (no collective)."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+def read_weights(f: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict in weights file `f`, with the tied aliases of `model` filled in."""
     state = load_file(f)
     for alias, name in tied_aliases(model).items():
         if alias not in state and name in state:
             state[alias] = state[name]
+    return state
+
+
+def _load_full_into_sharded(model: torch.nn.Module, f: Path) -> None:
+    """Every rank reads the full weights and keeps its own shard of each (no collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = read_weights(f, model)
     expected = set(model.state_dict())
     if set(state) != expected:
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -269,71 +279,6 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
         return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure here means a bad file
         raise SproutError(f"{f}: cannot read training state ({str(exc).splitlines()[0]})") from None
-
-
-def architecture_of(weights: dict) -> str:
-    """"lm", "lm+value" or "reward": which module a state dict belongs to, by its head's name."""
-    from sprout.model.heads import HEAD_WEIGHTS
-
-    found = [arch for arch, name in HEAD_WEIGHTS.items() if name in weights]
-    return found[0] if found else "lm"
-
-
-def model_class(meta: dict):
-    """The module class of a checkpoint's architecture (an old meta without one: the LM)."""
-    from sprout.model.heads import ARCHITECTURES
-
-    arch = meta.get("architecture", "lm")
-    if arch not in ARCHITECTURES:
-        raise SproutError(f"{Path(meta['path']) / META}: unknown architecture {arch!r} "
-                          f"(known: {', '.join(ARCHITECTURES)})")
-    return ARCHITECTURES[arch]
-
-
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """(model in eval mode, meta) from a checkpoint, for inference, eval, scoring and export.
-
-    The module is the one meta.json's `architecture` names: a Transformer, a PolicyWithValue
-    (its value head included) or a RewardModel.
-    """
-    from sprout.model.transformer import ModelConfig
-
-    meta = read_meta(path)
-    model = model_class(meta)(ModelConfig(**meta["model_config"])).to(device)
-    load_weights(model, meta["path"], meta)
-    return model.eval(), meta
-
-
-def init_from_lm(path: str | os.PathLike, architecture: str, *, seed: int = 0, device: str | torch.device = "cpu"):
-    """(model in train mode, meta): a model of `architecture` whose backbone is the checkpoint's.
-
-    Every backbone parameter comes from the checkpoint (an LM, or a model with another head);
-    the new head is initialised as a fresh model's would be, from `seed` (the global RNG is
-    left as it was). A reward model takes no lm_head; a value model takes the lm_head too.
-    """
-    from safetensors.torch import load_file
-
-    from sprout.model.heads import ARCHITECTURES, HEAD_WEIGHTS
-    from sprout.model.transformer import ModelConfig
-
-    if architecture not in ARCHITECTURES:
-        raise SproutError(f"unknown architecture {architecture!r} (known: {', '.join(ARCHITECTURES)})")
-    meta = read_meta(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = ARCHITECTURES[architecture](ModelConfig(**meta["model_config"]))
-    f = Path(meta["path"]) / WEIGHTS
-    state = load_file(f)
-    for alias, name in tied_aliases(model).items():
-        if alias not in state and name in state:
-            state[alias] = state[name]
-    own = model.state_dict()
-    head = HEAD_WEIGHTS.get(architecture)
-    missing = sorted(set(own) - set(state) - {head})
-    if missing:
-        raise SproutError(f"{f}: not a backbone for this model (missing {', '.join(missing[:4])})")
-    model.load_state_dict({k: v for k, v in state.items() if k in own and k != head}, strict=False)
-    return model.to(device).train(), meta
 
 
 # ---- the tokenizer travels with the run ---------------------------------------------------------

@@ -44,6 +44,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from sprout.checkpoint import (
+    architecture_of,
     load_train_state,
     load_weights,
     read_meta,
@@ -326,8 +327,8 @@ class Trainer:
         tensors = gather_object([stage.tensor_state()]) if hasattr(stage, "tensor_state") else None
         path = None
         if acc.is_main_process and self.out_dir is not None:
-            meta = {**self.meta, "stage": stage.name, "step": self.steps_done, "tokens_seen": self.tokens_seen,
-                    "loader_state": stage.state_dict(), "world_size": self.world_size}
+            meta = {**self.meta, "architecture": architecture_of(self.raw_model), "stage": stage.name, "step": self.steps_done,
+                    "tokens_seen": self.tokens_seen, "loader_state": stage.state_dict(), "world_size": self.world_size}
             path = save_rotating(self.out_dir / "checkpoints", self.steps_done, weights, meta=meta,
                                  aliases=tied_aliases(self.raw_model),  # gathered: one copy per tied name
                                  optimizer=optim_state, rng_states=rngs, keep=self.cfg.keep_checkpoints,

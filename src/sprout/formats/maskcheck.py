@@ -48,7 +48,25 @@ class Violation:
 
 
 @dataclass
-class Report:
+class Violations:
+    """The first `limit` violations a check finds (`add`), and how many more it found."""
+
+    limit: int = 50
+    violations: list = field(default_factory=list)
+    more_violations: int = 0  # beyond the ones kept
+
+    def add(self, violation) -> None:
+        if len(self.violations) < self.limit:
+            self.violations.append(violation)
+        else:
+            self.more_violations += 1
+
+    def count(self) -> int:
+        return len(self.violations) + self.more_violations
+
+
+@dataclass
+class Report(Violations):
     rows: int = 0
     positions: int = 0
     docs: int = 0
@@ -57,8 +75,6 @@ class Report:
     assistant_turns: int = 0
     rows_without_trained: int = 0
     truncated_open: int = 0
-    violations: list = field(default_factory=list)
-    more_violations: int = 0  # beyond the ones kept
 
     def totals(self) -> dict:
         return {"rows": self.rows, "documents": self.docs, "positions": self.positions,
@@ -68,19 +84,11 @@ class Report:
                 "packing_efficiency": self.tokens / self.positions if self.positions else 0.0,
                 "assistant_turns": self.assistant_turns, "rows_without_trained_token": self.rows_without_trained,
                 "truncated_documents": self.truncated_open,
-                "violations": len(self.violations) + self.more_violations}
+                "violations": self.count()}
 
-
-class _Collector:
-    def __init__(self, report: Report, limit: int):
-        self.report, self.limit = report, limit
-
-    def add(self, row, position, message) -> None:
-        if len(self.report.violations) < self.limit:
-            self.report.violations.append(Violation(None if row is None else int(row),
-                                                    None if position is None else int(position), message))
-        else:
-            self.report.more_violations += 1
+    def flag(self, row, position, message: str) -> None:
+        """`add` a Violation at (row, position), either of them None or a numpy integer."""
+        self.add(Violation(None if row is None else int(row), None if position is None else int(position), message))
 
 
 def _first(bad: np.ndarray):
@@ -89,7 +97,7 @@ def _first(bad: np.ndarray):
     return (int(hits[0][0]), int(hits[0][1]), len(hits)) if len(hits) else None
 
 
-def _check_layout(a: dict, pad_id: int, vocab_size: int, out: _Collector) -> None:
+def _check_layout(a: dict, pad_id: int, vocab_size: int, report: Report) -> None:
     tokens, mask, seg, pos = a["tokens"], a["loss_mask"], a["segment_ids"], a["position_ids"]
     n, length = tokens.shape
     seg = seg.astype(np.int64)
@@ -112,10 +120,11 @@ def _check_layout(a: dict, pad_id: int, vocab_size: int, out: _Collector) -> Non
         hit = _first(bad)
         if hit:
             row, col, count = hit
-            out.add(row, col, f"{message}" + (f" ({count} positions in all)" if count > 1 else ""))
+            report.flag(row, col, f"{message}" + (f" ({count} positions in all)" if count > 1 else ""))
 
 
-def _describe(turns, p: int) -> str:
+def describe_position(turns, p: int) -> str:
+    """Where position `p` falls among `turns` (`sprout.chat.segment`), in words for a violation."""
     for k, t in enumerate(turns):
         if t.start <= p < t.content_start:
             return f"the {t.role} header of turn {k}"
@@ -126,11 +135,11 @@ def _describe(turns, p: int) -> str:
     return "a token outside every turn"
 
 
-def _check_document(ids, mask, row, start, fills_row, tpl, out: _Collector, report: Report) -> None:
+def _check_document(ids, mask, row, start, fills_row, tpl, report: Report) -> None:
     try:
         turns = segment(ids, tpl, allow_open_end=fills_row)
     except ChatError as exc:
-        out.add(row, start + (exc.position or 0), exc.detail)
+        report.flag(row, start + (exc.position or 0), exc.detail)
         return
     report.assistant_turns += sum(t.role == "assistant" for t in turns)
     report.truncated_open += int(not turns[-1].closed)
@@ -140,15 +149,15 @@ def _check_document(ids, mask, row, start, fills_row, tpl, out: _Collector, repo
         return
     p = int(diff[0])
     if len(ids) > 1 and np.array_equal(mask[1:], expected[:-1]) and mask[0] == 0:
-        out.add(row, start + p, "loss_mask is shifted one position right (it marks inputs, not targets)")
+        report.flag(row, start + p, "loss_mask is shifted one position right (it marks inputs, not targets)")
     elif len(ids) > 1 and np.array_equal(mask[:-1], expected[1:]):
-        out.add(row, start + p, "loss_mask is shifted one position left of the targets")
+        report.flag(row, start + p, "loss_mask is shifted one position left of the targets")
     elif mask[p]:
-        out.add(row, start + p, f"loss_mask 1 on {_describe(turns, p)}")
+        report.flag(row, start + p, f"loss_mask 1 on {describe_position(turns, p)}")
     else:
-        what = _describe(turns, p)
+        what = describe_position(turns, p)
         hint = " (end-of-turn token not supervised)" if "end-of-turn" in what else " (assistant turn not fully covered)"
-        out.add(row, start + p, f"loss_mask 0 on {what}{hint}")
+        report.flag(row, start + p, f"loss_mask 0 on {what}{hint}")
 
 
 def check_arrays(arrays: dict, tpl: Template, pad_id: int, vocab_size: int,
@@ -156,14 +165,13 @@ def check_arrays(arrays: dict, tpl: Template, pad_id: int, vocab_size: int,
     """Check every row of the four SFT arrays; returns totals and violations."""
     tokens, mask, seg = arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"]
     n, length = tokens.shape
-    report = Report(rows=n, positions=n * length)
-    out = _Collector(report, limit)
-    _check_layout(arrays, pad_id, vocab_size, out)
+    report = Report(limit, rows=n, positions=n * length)
+    _check_layout(arrays, pad_id, vocab_size, report)
     report.tokens = int((seg != 0).sum())
     report.trained = int(mask.sum())
     report.rows_without_trained = int((mask.sum(axis=1) == 0).sum())
     for r in np.flatnonzero(mask.sum(axis=1) == 0):
-        out.add(r, 0, "row has no trained token")
+        report.flag(r, 0, "row has no trained token")
     for r in range(n):
         s = seg[r]
         starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
@@ -172,9 +180,9 @@ def check_arrays(arrays: dict, tpl: Template, pad_id: int, vocab_size: int,
             if s[a] == 0:
                 continue
             report.docs += 1
-            _check_document(tokens[r, a:b], mask[r, a:b], r, a, b == length, tpl, out, report)
+            _check_document(tokens[r, a:b], mask[r, a:b], r, a, b == length, tpl, report)
     if truncated_open is not None and report.truncated_open != truncated_open:
-        out.add(None, None, f"{report.truncated_open} documents end without their end-of-turn token, "
+        report.flag(None, None, f"{report.truncated_open} documents end without their end-of-turn token, "
                             f"but the prep recorded {truncated_open} truncated answers")
     report.violations.sort(key=lambda v: (-1, -1) if v.row is None else (v.row, v.position))
     return report
@@ -243,7 +251,7 @@ def prep_warnings(counts: dict) -> list[str]:
 
 PAD, HEADER, PROMPT, TRAINED, CUT = range(5)
 _ANSI = {PAD: "\x1b[2m", HEADER: "\x1b[1;34m", PROMPT: "", TRAINED: "\x1b[30;42m", CUT: "\x1b[1;31m"}
-_CSS = {PAD: "pad", HEADER: "hdr", PROMPT: "prompt", TRAINED: "trained", CUT: "cut"}
+CSS_CLASS = {PAD: "pad", HEADER: "hdr", PROMPT: "prompt", TRAINED: "trained", CUT: "cut"}
 EOT_LABEL = "<end-of-turn>"
 CUT_LABEL = " ✂ truncated here (no end-of-turn) "
 
@@ -276,10 +284,18 @@ def _spans(tokens, mask, seg, tpl: Template, tok, eot_label: str = EOT_LABEL) ->
     return runs
 
 
-def _runs(tokens, mask, seg, tpl: Template, tok) -> list[tuple[int, int, str]]:
-    """(doc, kind, text) runs of any token sequence (pairs and prompts show theirs with it);
+def token_runs(tokens, mask, tpl: Template, tok) -> list[tuple[int, str]]:
+    """(kind, text) runs of one unpacked token sequence (pairs and prompts show theirs with it);
     the end-of-turn token shown by its text marker."""
-    return [(doc, kind, text) for doc, kind, text, _, _ in _spans(tokens, mask, seg, tpl, tok, "<|endoftext|>")]
+    seg = np.ones(len(tokens), dtype=np.int64)
+    return [(kind, text) for _, kind, text, _, _ in _spans(tokens, mask, seg, tpl, tok, "<|endoftext|>")]
+
+
+def styled(kind: int, text: str, color: bool = True) -> str:
+    """One run as terminal text: in its kind's ANSI colour, or without color trained runs as [[text]]."""
+    if color:
+        return f"{_ANSI[kind]}{text}\x1b[0m" if _ANSI[kind] else text
+    return f"[[{text}]]" if kind == TRAINED else text
 
 
 def _row_spans(arrays: dict, r: int, tpl: Template, tok) -> list[tuple[int, int, str, int, int]]:
@@ -300,10 +316,7 @@ def format_row(arrays: dict, r: int, tpl: Template, tok, color: bool = True) -> 
         if doc != last_doc and doc != 0:
             lines.append(f"\n[doc {doc}] ")
         last_doc = doc
-        if color:
-            lines.append(f"{_ANSI[kind]}{text}\x1b[0m" if _ANSI[kind] else text)
-        else:
-            lines.append(f"[[{text}]]" if kind == TRAINED else text)
+        lines.append(styled(kind, text, color))
     return "".join(lines[:1]) + "".join(lines[1:]) + "\n"
 
 
@@ -350,12 +363,12 @@ def rows_html(arrays: dict, rows, tpl: Template, tok, title: str, totals: dict, 
                 parts.append(f"<span class='doc'>{'<br>' if last_doc else ''}[doc {doc}] </span>")
             last_doc = doc
             if kind in (PROMPT, TRAINED) and text != EOT_LABEL:
-                parts += [f"<span class='t {_CSS[kind]}' title='id {int(ids[p])}'>"
+                parts += [f"<span class='t {CSS_CLASS[kind]}' title='id {int(ids[p])}'>"
                           f"{html.escape(tok.decode([int(ids[p])]))}</span>" for p in range(a, b)]
             elif text == EOT_LABEL:
-                parts.append(f"<span class='t eot {_CSS[kind]}' title='id {int(ids[a])}: end-of-turn'>"
+                parts.append(f"<span class='t eot {CSS_CLASS[kind]}' title='id {int(ids[a])}: end-of-turn'>"
                              f"{html.escape(text)}</span>")
             else:
-                parts.append(f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>")
+                parts.append(f"<span class='{CSS_CLASS[kind]}'>{html.escape(text)}</span>")
         parts.append("</div>")
     return "".join(parts) + "\n"

@@ -32,7 +32,7 @@ import numpy as np
 
 from sprout.chat import ChatError, Template, segment
 from sprout.errors import SproutError
-from sprout.formats.maskcheck import _ANSI, _CSS, TRAINED, _describe, _runs, html_head
+from sprout.formats.maskcheck import CSS_CLASS, Violations, describe_position, html_head, styled, token_runs
 from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair, records_to_render
 
 
@@ -54,15 +54,13 @@ class PairViolation:
 
 
 @dataclass
-class PairReport:
+class PairReport(Violations):  # violations: PairViolation
     pairs_read: int = 0
     pairs_checked: int = 0
     trained: int = 0  # response tokens over both sides
     tokens: int = 0
     dropped: list = field(default_factory=list)  # (line, id, longest side) the loader would drop
     truncated: list = field(default_factory=list)  # (line, id, prompt messages removed)
-    violations: list = field(default_factory=list)
-    more_violations: int = 0
     shown: list = field(default_factory=list)  # the first checked pairs, for display
 
     def totals(self) -> dict:
@@ -70,7 +68,7 @@ class PairReport:
                 "dropped_too_long": len(self.dropped), "truncated": len(self.truncated),
                 "tokens": self.tokens, "trained_tokens": self.trained,
                 "trained_fraction_of_tokens": self.trained / self.tokens if self.tokens else 0.0,
-                "violations": len(self.violations) + self.more_violations}
+                "violations": self.count()}
 
 
 def _expected_prompt(record: dict, turns_dropped: int) -> list:
@@ -101,7 +99,7 @@ def _side_violations(ids, mask, answer: str, tok, tpl: Template, seq_len: int):
     diff = np.flatnonzero(expected != mask)
     if diff.size:
         p = int(diff[0])
-        what = _describe(turns, p)
+        what = describe_position(turns, p)
         if mask[p]:
             hint = " (an earlier assistant turn of the prompt)" if p < last.start and "assistant" in what else ""
             out.append((p, f"mask 1 on {what}{hint}"))
@@ -155,20 +153,13 @@ def pair_violations(pair: PairTokens, record: dict, tok, tpl: Template, seq_len:
 def check_preferences(path: str | os.PathLike, tok, tpl: Template, seq_len: int, truncation: str = "drop",
                       show: int = 2, limit: int = 50) -> PairReport:
     """Render and check every pair of a preference file as the loader would see it."""
-    report = PairReport()
-
-    def add(v: PairViolation) -> None:
-        if len(report.violations) < limit:
-            report.violations.append(v)
-        else:
-            report.more_violations += 1
-
+    report = PairReport(limit)
     for line, record, encoded in records_to_render(path, tok):
         report.pairs_read += 1
         try:
             pair, longest = fit_pair(record, encoded, seq_len, truncation, f"{path}:{line}", line)
         except SproutError as exc:  # the template refused it, or the prompts render differently
-            add(PairViolation(line, record["id"], None, None, str(exc).removeprefix(f"{path}:{line}: ")))
+            report.add(PairViolation(line, record["id"], None, None, str(exc).removeprefix(f"{path}:{line}: ")))
             continue
         if pair is None:
             report.dropped.append((line, record["id"], longest))
@@ -179,7 +170,7 @@ def check_preferences(path: str | os.PathLike, tok, tpl: Template, seq_len: int,
         report.tokens += len(pair.chosen) + len(pair.rejected)
         report.trained += int(pair.chosen_mask.sum() + pair.rejected_mask.sum())
         for v in pair_violations(pair, record, tok, tpl, seq_len):
-            add(v)
+            report.add(v)
         if len(report.shown) < show:
             report.shown.append(pair)
     return report
@@ -188,9 +179,7 @@ def check_preferences(path: str | os.PathLike, tok, tpl: Template, seq_len: int,
 # ---- showing pairs -----------------------------------------------------------------------
 
 def _side_runs(pair: PairTokens, side: str, tpl: Template, tok) -> list[tuple[int, str]]:
-    ids = np.asarray(getattr(pair, side))
-    runs = _runs(ids, np.asarray(getattr(pair, f"{side}_mask")), np.ones(len(ids), dtype=np.int64), tpl, tok)
-    return [(kind, text) for _, kind, text in runs]
+    return token_runs(np.asarray(getattr(pair, side)), np.asarray(getattr(pair, f"{side}_mask")), tpl, tok)
 
 
 def _title(pair: PairTokens) -> str:
@@ -202,13 +191,7 @@ def format_pair(pair: PairTokens, tpl: Template, tok, color: bool = True) -> str
     """Both sides as text, trained tokens highlighted (ANSI) or bracketed as [[...]] without color."""
     lines = [f"── {_title(pair)} " + "─" * 30]
     for side in SIDES:
-        parts = []
-        for kind, text in _side_runs(pair, side, tpl, tok):
-            if color:
-                parts.append(f"{_ANSI[kind]}{text}\x1b[0m" if _ANSI[kind] else text)
-            else:
-                parts.append(f"[[{text}]]" if kind == TRAINED else text)
-        lines.append(f"[{side}] " + "".join(parts))
+        lines.append(f"[{side}] " + "".join(styled(kind, text, color) for kind, text in _side_runs(pair, side, tpl, tok)))
     return "\n".join(lines) + "\n"
 
 
@@ -222,7 +205,7 @@ def pairs_html(pairs, tpl: Template, tok, title: str, totals: dict) -> str:
         parts.append(f"<h3>{html.escape(_title(pair))}</h3>")
         for side in SIDES:
             parts.append(f"<div class='side'><span class='label'>[{side}] </span>")
-            parts += [f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>"
+            parts += [f"<span class='{CSS_CLASS[kind]}'>{html.escape(text)}</span>"
                       for kind, text in _side_runs(pair, side, tpl, tok)]
             parts.append("</div>")
     return "".join(parts) + "\n"

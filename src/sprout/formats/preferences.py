@@ -36,8 +36,7 @@ from typing import Iterable, Iterator
 
 from sprout.chat import ChatError, validate
 from sprout.errors import SproutError
-from sprout.formats.jsonl import check_messages as _messages
-from sprout.formats.jsonl import check_prompt_record, read_records, verify_records, write_records
+from sprout.formats.jsonl import check_messages, check_prompt_record, read_records, verify_records, write_records
 
 FORMAT = "sprout-preferences"
 FORMAT_VERSION = 1
@@ -48,7 +47,7 @@ OPTIONAL_KEYS = ("margin",)
 
 
 def _answer(value, name: str) -> str:
-    _messages(value, name)
+    check_messages(value, name)
     if len(value) != 1 or value[0]["role"] != "assistant":
         raise SproutError(f"{name!r} must be exactly one assistant message, got roles "
                           f"{[m['role'] for m in value]}")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sprout.chat import ChatError, Template, render, segment
-from sprout.formats.maskcheck import _ANSI, _CSS, _runs, html_head
+from sprout.formats.maskcheck import CSS_CLASS, Violations, html_head, styled, token_runs
 from sprout.formats.prompts import read_prompts
 
 
@@ -42,19 +42,17 @@ class RenderedPrompt:
 
 
 @dataclass
-class PromptReport:
+class PromptReport(Violations):  # violations: "line N (id) [position P]: what is wrong"
     prompts: int = 0
     tokens: int = 0
     longest: int = 0
     too_long: list = field(default_factory=list)  # (line, id, tokens) with no room to generate
-    violations: list = field(default_factory=list)  # "line N (id) [position P]: what is wrong"
-    more_violations: int = 0
     shown: list = field(default_factory=list)  # the first rendered prompts, for display
 
     def totals(self) -> dict:
         return {"prompts": self.prompts, "tokens": self.tokens, "longest_prompt": self.longest,
                 "mean_prompt_tokens": self.tokens / self.prompts if self.prompts else 0.0,
-                "too_long": len(self.too_long), "violations": len(self.violations) + self.more_violations}
+                "too_long": len(self.too_long), "violations": self.count()}
 
 
 def holds_prompts(path: str | os.PathLike) -> bool:
@@ -95,20 +93,13 @@ def prompt_violations(item: RenderedPrompt, tok, tpl: Template) -> list[str]:
 def check_prompts(path: str | os.PathLike, tok, tpl: Template, seq_len: int | None = None,
                   show: int = 2, limit: int = 50) -> PromptReport:
     """Render and check every prompt of a prompt file as the policy would see it."""
-    report = PromptReport()
-
-    def add(v: str) -> None:
-        if len(report.violations) < limit:
-            report.violations.append(v)
-        else:
-            report.more_violations += 1
-
+    report = PromptReport(limit)
     for line, record in enumerate(read_prompts(path), 1):
         report.prompts += 1
         try:
             ids, _ = render(record["prompt"], tok, add_generation_prompt=True)
         except ChatError as exc:
-            add(f"line {line} ({record['id']}): {exc}")
+            report.add(f"line {line} ({record['id']}): {exc}")
             continue
         item = RenderedPrompt(line, record, np.asarray(ids))
         report.tokens += len(ids)
@@ -116,7 +107,7 @@ def check_prompts(path: str | os.PathLike, tok, tpl: Template, seq_len: int | No
         if seq_len is not None and len(ids) >= seq_len:
             report.too_long.append((line, record["id"], len(ids)))
         for v in prompt_violations(item, tok, tpl):
-            add(v)
+            report.add(v)
         if len(report.shown) < show:
             report.shown.append(item)
     return report
@@ -125,9 +116,7 @@ def check_prompts(path: str | os.PathLike, tok, tpl: Template, seq_len: int | No
 # ---- showing prompts ---------------------------------------------------------------------
 
 def _prompt_runs(item: RenderedPrompt, tpl: Template, tok) -> list[tuple[int, str]]:
-    n = len(item.ids)
-    runs = _runs(item.ids, np.zeros(n, dtype=np.uint8), np.ones(n, dtype=np.int64), tpl, tok)
-    return [(kind, text) for _, kind, text in runs]
+    return token_runs(item.ids, np.zeros(len(item.ids), dtype=np.uint8), tpl, tok)
 
 
 def _title(item: RenderedPrompt) -> str:
@@ -137,8 +126,7 @@ def _title(item: RenderedPrompt) -> str:
 
 def format_prompt(item: RenderedPrompt, tpl: Template, tok, color: bool = True) -> str:
     """One rendered prompt as text, role headers highlighted (ANSI) when `color`."""
-    parts = [f"{_ANSI[kind]}{text}\x1b[0m" if color and _ANSI[kind] else text
-             for kind, text in _prompt_runs(item, tpl, tok)]
+    parts = [styled(kind, text, color) for kind, text in _prompt_runs(item, tpl, tok)]
     return f"── {_title(item)} " + "─" * 30 + "\n" + "".join(parts) + "\n"
 
 
@@ -151,6 +139,6 @@ def prompts_html(items, tpl: Template, tok, title: str, totals: dict) -> str:
                       "No token of a prompt is trained.", totals)
     for item in items:
         parts.append(f"<h3>{html.escape(_title(item))}</h3><div class='prompt'>")
-        parts += [f"<span class='{_CSS[kind]}'>{html.escape(text)}</span>" for kind, text in _prompt_runs(item, tpl, tok)]
+        parts += [f"<span class='{CSS_CLASS[kind]}'>{html.escape(text)}</span>" for kind, text in _prompt_runs(item, tpl, tok)]
         parts.append("</div>")
     return "".join(parts) + "\n"

@@ -10,7 +10,7 @@ conversational format plus the gold), one JSON object per line, UTF-8:
                               ending with a user turn; the policy writes the next
                               assistant turn
      "gold": str,             the answer, a normalised number: exactly what
-                              `sprout.rl.verifiers.normalise_number` writes for it
+                              `sprout.answers.normalise_number` writes for it
                               (`1080`, `-3`, `2.5`, `1/3`; never `1,080`, `$5` or `0.50`)
      "level": int | null}     the curriculum level (an integer >= 0, e.g. the arithmetic
                               generator's 1-4), or null when the source has none
@@ -35,10 +35,10 @@ from __future__ import annotations
 import os
 from typing import Iterable, Iterator
 
+from sprout.answers import normalise_number
 from sprout.chat import ChatError, validate
 from sprout.errors import SproutError
 from sprout.formats.jsonl import check_prompt_record, read_records, verify_records, write_records
-from sprout.rl.verifiers import normalise_number
 
 FORMAT = "sprout-prompts"
 FORMAT_VERSION = 1

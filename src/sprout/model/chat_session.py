@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from sprout.chat import RESERVED, TEMPLATE_VERSION, ChatError, render
-from sprout.checkpoint import checkpoint_tokenizer, load_model
+from sprout.checkpoint import checkpoint_tokenizer
 from sprout.errors import SproutError
 from sprout.model.generate import default_stop_ids, generate
+from sprout.model.load import load_model
 
 
 @dataclass

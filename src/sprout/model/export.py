@@ -76,8 +76,9 @@ from safetensors.torch import save_file
 
 from sprout.atomic import check_writable, replace_dir
 from sprout.chat import MARKERS, RESERVED, render, template_for
-from sprout.checkpoint import checkpoint_tokenizer, load_model
+from sprout.checkpoint import architecture_of, checkpoint_tokenizer, tied_aliases
 from sprout.errors import SproutError
+from sprout.model.load import load_model
 from sprout.tokenizer import EOT, SentencePieceTokenizer, TiktokenTokenizer
 
 TEMPERATURE, TOP_P = 0.7, 1.0  # generation_config.json's sampling defaults (scripts/chat.py's)
@@ -99,7 +100,7 @@ class ExportResult:
 def llama_config(model, tok) -> dict:
     """config.json for `model` (a Transformer, PolicyWithValue or RewardModel) and its tokenizer."""
     c = model.config
-    arch = getattr(model, "architecture", "lm")
+    arch = architecture_of(model)
     cfg = {
         "architectures": ["LlamaForSequenceClassification" if arch == "reward" else "LlamaForCausalLM"],
         "model_type": "llama",
@@ -139,8 +140,6 @@ def hf_state_dict(model) -> tuple[dict[str, torch.Tensor], list[str]]:
     ties it to `model.embed_tokens.weight`); a reward model's `score_head.weight` becomes
     `score.weight`; a value head is dropped.
     """
-    from sprout.checkpoint import tied_aliases
-
     aliases = tied_aliases(model)
     out, dropped = {}, []
     for name, t in model.state_dict().items():
@@ -353,7 +352,7 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
     empty is refused unless `overwrite`.
     """
     out = Path(out)
-    arch = getattr(model, "architecture", "lm")
+    arch = architecture_of(model)
     if tok.vocab_size > model.config.vocab_size:
         raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -423,7 +422,7 @@ def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, see
     except ImportError:
         raise SproutError(f"checking the export needs transformers: {INSTALL_HINT}") from None
     out = Path(out)
-    arch = getattr(model, "architecture", "lm")
+    arch = architecture_of(model)
     cls = transformers.LlamaForSequenceClassification if arch == "reward" else transformers.LlamaForCausalLM
     hf = cls.from_pretrained(out, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)

@@ -15,7 +15,7 @@ Heads are `Linear(d_model, 1, bias=False)`, like every other projection of the m
 Bradley-Terry reward loss does not see a constant offset anyway), initialised N(0, init_std)
 as the backbone's Linears are. Scores and values are float32, as logits are. The reward
 model has no lm_head: a checkpoint of an LM loads into it without its `lm_head.weight`
-(`sprout.checkpoint.init_from_lm`). `PolicyWithValue.forward` without `return_values` is
+(`sprout.model.load.init_from_lm`). `PolicyWithValue.forward` without `return_values` is
 the plain LM forward, so `sprout.model.generate.generate` samples from it unchanged.
 
 Everything goes through `forward` (never a separate method): under FSDP2 only a module's

@@ -10,9 +10,9 @@ against a wrong one) and RL prompts (question and gold). Levels:
        with * before +/-
 
 A `Problem` has its question, its gold answer (an integer as a string, as
-`sprout.rl.verifiers.normalise_number` writes it) and a worked answer
+`sprout.answers.normalise_number` writes it) and a worked answer
 `<think>12 + 5 = 17. 17 - 9 = 8.</think><answer>8</answer>`
-(`sprout.rl.verifiers.format_reasoning`).
+(`sprout.answers.format_reasoning`).
 
 Train and test are disjoint by a hash of the question: a problem is a test problem when
 `sprout.prep.keys.is_val(text_key(question), TEST_FRACTION)`, whatever the seed, level mix
@@ -24,7 +24,7 @@ out (level 1 and 3 have 100 problems each, before the split).
 Wrong answers, for preference pairs (`wrong_answer`):
 - `near_miss`: the same worked answer with the last result off by 1..3 (never the gold);
 - `broken_format`: the right number without the required tags (no tags at all, no
-  `<answer>` block, or an unclosed `<answer>`), so `sprout.rl.verifiers.parse_answer`
+  `<answer>` block, or an unclosed `<answer>`), so `sprout.answers.parse_answer`
   finds no answer.
 """
 
@@ -34,9 +34,9 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
+from sprout.answers import format_reasoning
 from sprout.errors import SproutError
 from sprout.prep.keys import is_val, text_key
-from sprout.rl.verifiers import format_reasoning
 
 LEVELS = {1: "one-digit addition", 2: "two-digit addition and subtraction",
           3: "one-digit multiplication", 4: "two-step expressions"}

@@ -48,15 +48,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from sprout.answers import format_reasoning, normalise_number
 from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.mirror import ENV as MIRROR_VARIABLE
 from sprout.mirror import expand_path, mirror_dir
 from sprout.prep.arithmetic import check_levels
 from sprout.prep.arithmetic import generate as generate_arithmetic
-from sprout.prep.sources import (Warnings, _warn, encodable, numbered_lines, open_binary, parse_source_arg, source_name,
-                                 surrogate_message)
-from sprout.rl.verifiers import format_reasoning, normalise_number
+from sprout.prep.sources import (Warnings, encodable, numbered_lines, open_binary, parse_source_arg, print_warning,
+                                 source_name, surrogate_message)
 
 FORMATS = ("alpaca", "dolly", "gsm8k", "chat", "arithmetic")
 
@@ -138,7 +138,7 @@ def _strings_encodable(obj) -> bool:
     return True
 
 
-def iter_records(path: str | os.PathLike, skipped: Counter | None = None, warn=_warn) -> Iterator[tuple[str, dict]]:
+def iter_records(path: str | os.PathLike, skipped: Counter | None = None, warn=print_warning) -> Iterator[tuple[str, dict]]:
     """Yield `(where, record)` from a `.json` array, `.jsonl`, `.jsonl.gz` or `.jsonl.zst` file.
     Records holding a lone surrogate are skipped, warned about and counted in
     `skipped["dropped_invalid_unicode"]`."""
@@ -186,7 +186,8 @@ def iter_records(path: str | os.PathLike, skipped: Counter | None = None, warn=_
                 yield f"{path}:{lineno}", record
 
 
-def _field(row, key: str, where: str, optional: bool = False) -> str:
+def string_field(row, key: str, where: str, optional: bool = False) -> str:
+    """The string `row[key]` of a JSON object row ('' when absent and `optional`), else one error naming `where`."""
     if not isinstance(row, dict):
         raise SproutError(f"{where}: expected a JSON object, got {type(row).__name__}")
     value = row.get(key)
@@ -206,10 +207,10 @@ def _chat(user: str, assistant: str) -> list:
 
 
 def alpaca_messages(row, where: str) -> list:
-    instruction = _field(row, "instruction", where).strip()
-    extra = _field(row, "input", where, optional=True).strip()
+    instruction = string_field(row, "instruction", where).strip()
+    extra = string_field(row, "input", where, optional=True).strip()
     user = f"{instruction}\n\n{extra}" if extra else instruction
-    return _chat(user, _field(row, "output", where))
+    return _chat(user, string_field(row, "output", where))
 
 
 _ALPACA_WRAPPER = re.compile(
@@ -233,11 +234,11 @@ def strip_alpaca_wrapper(prompt: str) -> str:
 
 def dolly_messages(row, where: str) -> list:
     if isinstance(row, dict) and "prompt" in row and "instruction" not in row:
-        return _chat(strip_alpaca_wrapper(_field(row, "prompt", where)), _field(row, "response", where))
-    instruction = _field(row, "instruction", where).strip()
-    context = _field(row, "context", where, optional=True).strip()
+        return _chat(strip_alpaca_wrapper(string_field(row, "prompt", where)), string_field(row, "response", where))
+    instruction = string_field(row, "instruction", where).strip()
+    context = string_field(row, "context", where, optional=True).strip()
     user = f"{instruction}\n{context}" if context else instruction
-    return _chat(user, _field(row, "response", where))
+    return _chat(user, string_field(row, "response", where))
 
 
 _CALC_RE = re.compile(r"<<[^<>]*>>")
@@ -259,9 +260,9 @@ def gsm8k_reasoning(answer: str) -> str:
 
 
 def gsm8k_messages(row, where: str) -> list:
-    answer = _field(row, "answer", where)
+    answer = string_field(row, "answer", where)
     gold = gsm8k_gold(answer, where)
-    return _chat(_field(row, "question", where), format_reasoning(gsm8k_reasoning(answer), gold))
+    return _chat(string_field(row, "question", where), format_reasoning(gsm8k_reasoning(answer), gold))
 
 
 def chat_messages(row, where: str) -> list:

@@ -56,7 +56,7 @@ from sprout.chat import ROLES, ChatError, validate
 from sprout.errors import SproutError
 from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_preferences
 from sprout.prep import arithmetic
-from sprout.prep.chat_sources import _field, file_or_hub_rows
+from sprout.prep.chat_sources import file_or_hub_rows, string_field
 from sprout.prep.keys import SplitRule, conversation_key, is_val
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
@@ -116,7 +116,7 @@ def parse_hh(text: str) -> list:
 
 
 def hh_pair(row, where: str, spec: PreferenceSourceConfig):
-    chosen_text, rejected_text = _field(row, "chosen", where), _field(row, "rejected", where)
+    chosen_text, rejected_text = string_field(row, "chosen", where), string_field(row, "rejected", where)
     chosen, rejected = parse_hh(chosen_text), parse_hh(rejected_text)
     if chosen[:-1] != rejected[:-1]:
         raise Drop("mismatched_turns", "chosen and rejected differ before their last turn")

@@ -51,7 +51,7 @@ from sprout.mirror import expand_path, mirror_dir
 from sprout.prep.clean import CleanConfig, Cleaner
 from sprout.prep.keys import SplitRule, text_key
 from sprout.prep.mixture import first_occurrences, plan_split, token_targets
-from sprout.prep.sources import ReadStats, SourceSpec, _warn, iter_documents, parse_source_arg, source_name
+from sprout.prep.sources import ReadStats, SourceSpec, iter_documents, parse_source_arg, print_warning, source_name
 from sprout.prep.store import SourceStore, SplitWriter, write_key_sidecar
 from sprout.tokenizer import Tokenizer, load_tokenizer
 
@@ -319,7 +319,7 @@ def _plan(cfg: PrepConfig, specs, stores: list[SourceStore]) -> _Plan:
     if cfg.val_docs != 0 and (cfg.val_docs or cfg.val_frac > 0):
         for spec, k, val in zip(specs, keep, val_ids):
             if len(val) == 0:
-                _warn(f"{spec.path}: this source gets no validation documents ({int(k.sum()):,} kept, "
+                print_warning(f"{spec.path}: this source gets no validation documents ({int(k.sum()):,} kept, "
                       f"{rule.describe()['method']} split), so validation loss does not measure it")
     return _Plan(keep, train_ids, val_ids, natural, targets, rule)
 

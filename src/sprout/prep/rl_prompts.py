@@ -5,7 +5,7 @@ The steps `scripts/prepare_rl_prompts.py` runs, in order:
 
 1. read every source (at most `max_examples` records each) and turn each record into a
    prompt (messages ending with a user turn) and a gold answer, normalised by
-   `sprout.rl.verifiers.normalise_number` (`1,234` -> `1234`, `$5` -> `5`, `3/4` -> `0.75`);
+   `sprout.answers.normalise_number` (`1,234` -> `1234`, `$5` -> `5`, `3/4` -> `0.75`);
 2. drop and count records that cannot be rewarded, by reason: `no_final_answer` (a GSM8K
    answer without `#### N`), `unparsable_gold` (a gold that is not a number: never
    guessed), and the chat template's own reasons (`empty_content`, `reserved_marker`,
@@ -57,16 +57,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sprout.answers import normalise_number
 from sprout.atomic import write_json_atomic
 from sprout.chat import ROLES, ChatError, validate
 from sprout.errors import SproutError
 from sprout.formats.prompts import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
-from sprout.prep.chat_sources import _field, file_or_hub_rows, gsm8k_gold
+from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
 from sprout.prep.keys import SplitRule, conversation_key, is_val
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
-from sprout.rl.verifiers import normalise_number
 
 FORMATS = ("gsm8k", "arithmetic", "jsonl")
 SPLITS = ("train", "test")
@@ -122,7 +122,7 @@ def question_prompt(question: str, instruction: str | None = None) -> list:
 
 def gsm8k_item(row, where: str, instruction: str | None) -> Item:
     """A GSM8K row: the question, and the gold after the answer's last `####`."""
-    question, answer = _field(row, "question", where), _field(row, "answer", where)
+    question, answer = string_field(row, "question", where), string_field(row, "answer", where)
     if "####" not in answer:
         raise Drop("no_final_answer", "the answer has no '#### N' final answer")
     try:

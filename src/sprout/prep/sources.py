@@ -75,7 +75,8 @@ class ReadStats:
     files: list[str] = field(default_factory=list)
 
 
-def _warn(msg: str) -> None:
+def print_warning(msg: str) -> None:
+    """`warning: msg` on stderr: what prep says about a source it reads on."""
     print(f"warning: {msg}", file=sys.stderr)
 
 
@@ -109,7 +110,7 @@ def iter_documents(
     *,
     strict: bool = False,
     stats: ReadStats | None = None,
-    warn: Callable[[str], None] = _warn,
+    warn: Callable[[str], None] = print_warning,
 ) -> Iterator[str]:
     """Yield the text of every document of one source, in a fixed order."""
     stats = stats if stats is not None else ReadStats()

@@ -56,10 +56,11 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from sprout.answers import parse_answer
 from sprout.chat import render
 from sprout.errors import SproutError
 from sprout.model.generate import generate_tokens, pad_prompts
-from sprout.rl.verifiers import correctness_reward, format_reward, parse_answer
+from sprout.rl.verifiers import correctness_reward, format_reward
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

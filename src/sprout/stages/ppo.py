@@ -72,10 +72,10 @@ from typing import Literal
 
 import torch
 
-from sprout.checkpoint import init_from_lm, load_model
 from sprout.config import require, resume_free
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
+from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, token_rewards
 from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k3
 from sprout.rl.verifiers import reward_metrics

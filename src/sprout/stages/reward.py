@@ -1,6 +1,6 @@
 """Reward model: an SFT model with a scalar score head, trained on preference pairs as one stage of the shared loop.
 
-The model is `sprout.model.heads.RewardModel`, built by `sprout.checkpoint.init_from_lm`
+The model is `sprout.model.heads.RewardModel`, built by `sprout.model.load.init_from_lm`
 from an LM checkpoint (the SFT model): its backbone, no lm_head, a fresh score head. A
 sequence's score is the head's output at its last real token, the end-of-turn token that
 closes the response (`score_sequences`; the loader's `end_index`); the chosen and rejected
@@ -30,7 +30,7 @@ for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, .
 with its denominator: `val_pairs` and `val_pairs/<source>`, the held-out pairs that fit.
 
 The checkpoints hold a RewardModel (meta.json `architecture: reward`), so
-`sprout.checkpoint.load_model` returns a scorer: `score_sequences(model, ids, mask)`
+`sprout.model.load.load_model` returns a scorer: `score_sequences(model, ids, mask)`
 scores left- or right-padded batches alike.
 """
 
@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sprout.checkpoint import init_from_lm
 from sprout.config import resume_free
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
 from sprout.model.heads import last_index, padding_inputs, score_at
+from sprout.model.load import init_from_lm
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
 from sprout.stages.preference_stage import (

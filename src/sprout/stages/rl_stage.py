@@ -61,13 +61,14 @@ import torch
 from data_loader.prompts import PromptLoader
 
 from sprout.chat import TEMPLATE_VERSION
-from sprout.checkpoint import checkpoint_tokenizer, init_from_lm, load_weights, read_meta
+from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.config import require, resume_free
 from sprout.errors import SproutError
 from sprout.formats.prompts import TEST_FILE, TRAIN_FILE
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
+from sprout.model.load import init_from_lm
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward

@@ -1,0 +1,60 @@
+"""Models from checkpoints (whose files `sprout.checkpoint` reads and verifies): the module
+meta.json's `architecture` names (`sprout.model.heads`), or a head model on an LM's backbone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from sprout.checkpoint import META, WEIGHTS, load_weights, read_meta, read_weights
+from sprout.errors import SproutError
+from sprout.model.heads import ARCHITECTURES, HEAD_WEIGHTS
+from sprout.model.transformer import ModelConfig
+
+
+def model_class(meta: dict):
+    """The module class of a checkpoint's architecture (an old meta without one: the LM)."""
+    arch = meta.get("architecture", "lm")
+    if arch not in ARCHITECTURES:
+        raise SproutError(f"{Path(meta['path']) / META}: unknown architecture {arch!r} "
+                          f"(known: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[arch]
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """(model in eval mode, meta) from a checkpoint, for inference, eval, scoring and export.
+
+    The module is the one meta.json's `architecture` names: a Transformer, a PolicyWithValue
+    (its value head included) or a RewardModel.
+    """
+    meta = read_meta(path)
+    model = model_class(meta)(ModelConfig(**meta["model_config"])).to(device)
+    load_weights(model, meta["path"], meta)
+    return model.eval(), meta
+
+
+def init_from_lm(path: str | os.PathLike, architecture: str, *, seed: int = 0, device: str | torch.device = "cpu"):
+    """(model in train mode, meta): a model of `architecture` whose backbone is the checkpoint's.
+
+    Every backbone parameter comes from the checkpoint (an LM, or a model with another head);
+    the new head is initialised as a fresh model's would be, from `seed` (the global RNG is
+    left as it was). A reward model takes no lm_head; a value model takes the lm_head too.
+    """
+    if architecture not in ARCHITECTURES:
+        raise SproutError(f"unknown architecture {architecture!r} (known: {', '.join(ARCHITECTURES)})")
+    meta = read_meta(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ARCHITECTURES[architecture](ModelConfig(**meta["model_config"]))
+    f = Path(meta["path"]) / WEIGHTS
+    state = read_weights(f, model)
+    own = model.state_dict()
+    head = HEAD_WEIGHTS.get(architecture)
+    missing = sorted(set(own) - set(state) - {head})
+    if missing:
+        raise SproutError(f"{f}: not a backbone for this model (missing {', '.join(missing[:4])})")
+    model.load_state_dict({k: v for k, v in state.items() if k in own and k != head}, strict=False)
+    return model.to(device).train(), meta
