@@ -266,7 +266,11 @@ def test_two_processes_match_one(base, data, rm_path, tmp_path):
             assert b[s][k] == pytest.approx(a[s][k], abs=1e-5), (s, k)
     wa = load_file(str(read_meta(one / "checkpoints")["path"] + "/model.safetensors"))
     wb = load_file(str(read_meta(out / "checkpoints")["path"] + "/model.safetensors"))
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    # Adam divides by sqrt(v): summation-order rounding in a near-zero gradient moves that one
+    # weight by a visible part of its step. Each weight may differ by 1 % of one AdamW step (lr
+    # 3e-3) per optimizer step taken (4); the weights as a whole agree 100 times closer.
+    diffs = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
+    assert diffs.max().item() < 4 * 3e-5 and diffs.mean().item() < 3e-7
 
 
 # ---- learning -----------------------------------------------------------------------------------------------------
