@@ -11,8 +11,10 @@ A training script parses its arguments with `run_parser` + `parse_run_config`, w
 An interrupted run (Ctrl-C or SIGTERM: `Trainer.fit`) prints the command that resumes it
 (`resume_command`) and exits with 128 + the signal number.
 
-A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`), the
-model and its `Stage`, then hands over to `train_stage`, which
+A stage's config is a `StageConfig`: its own sections, then optim, train and out. Its
+`run_*` function checks its own inputs, builds the accelerator (`start_run`), the model and
+its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchilla budget;
+`with_epochs`: data.epochs), then hands over to `train_stage`, which
   - builds the optimizer over the stage's parameter groups (`param_groups`, optional) and
     lets the stage prepare its frozen models (`setup`, optional),
   - copies the tokenizer file into <out>/tokenizer/ and records it, with its sha256, in each
@@ -265,13 +267,13 @@ def _resume_config(args, overrides: dict, config_cls):
     elif saved_steps is not None:
         if args.config and cfg.train.max_steps not in (None, saved_steps):
             print_rank0(f"{args.config}: train.max_steps {cfg.train.max_steps} ignored: the run keeps its length of "
-                  f"{saved_steps} steps (pass --train.max_steps N to change it)")
+                        f"{saved_steps} steps (pass --train.max_steps N to change it)")
         cfg.train.max_steps = saved_steps
     step = int(meta.get("step", 0))
     if cfg.train.max_steps is not None and step >= cfg.train.max_steps:
         print_rank0(f"nothing to do: {out} is complete at step {step}"
-              + (f" (train.max_steps {cfg.train.max_steps})" if step > cfg.train.max_steps else "")
-              + "; pass --train.max_steps N to train longer")
+                    + (f" (train.max_steps {cfg.train.max_steps})" if step > cfg.train.max_steps else "")
+                    + "; pass --train.max_steps N to train longer")
         raise SystemExit(0)
     return cfg
 
@@ -289,7 +291,7 @@ def with_max_steps(cfg, num_params: int):
     steps = resolve_max_steps(cfg.train, num_params, cfg.batch.global_tokens)
     if cfg.train.max_steps is None:
         print_rank0(f"train.max_steps auto: {steps:,} steps ({cfg.train.chinchilla_ratio:g} tokens per parameter × "
-              f"{num_params:,} parameters / {cfg.batch.global_tokens:,} tokens per step)")
+                    f"{num_params:,} parameters / {cfg.batch.global_tokens:,} tokens per step)")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
 
 
@@ -307,12 +309,12 @@ def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
     return resolve_checkpoint(Path(out) / "checkpoints" if resume == "latest" else resume)
 
 
-def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = None, tokenizer: str | None = None,
-                micro_steps: int | None = None, extra_meta: dict | None = None) -> dict:
+def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Path | None = None,
+                tokenizer: str | None = None, micro_steps: int | None = None, extra_meta: dict | None = None) -> dict:
     """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report.
 
-    `cfg` has `train` (TrainConfig), `optim` (OptimConfig), `batch` and `out`; `extra_meta`:
-    more fields for every checkpoint's meta.json (e.g. the chat-template version of an SFT run).
+    `cfg` has a `batch` section besides StageConfig's; `extra_meta`: more fields for every
+    checkpoint's meta.json (e.g. the chat-template version of an SFT run).
     """
     train_cfg, out = cfg.train, Path(cfg.out)
     meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),

@@ -52,7 +52,7 @@ from sprout.model.transformer import Transformer
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
 from sprout.stages.preference_stage import PairBatchConfig, PairDataConfig, PreferenceStage, open_preference_run
-from sprout.stages.reference_logps import ReferenceLogps, reference_logps
+from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
 from sprout.engine.run import StageConfig, train_stage
 
 
@@ -137,9 +137,7 @@ class DPOStage(PreferenceStage):
         if self.ref_model is None:
             return None
         with torch.no_grad():
-            logits = self.ref_model(batch["input_ids"], segment_ids=batch["segment_ids"],
-                                    position_ids=batch["position_ids"])
-            return sequence_logps(logits, batch["targets"], batch["loss_mask"])[0]
+            return response_logps(self.ref_model, batch)
 
     def pair_terms(self, model, batch: dict):
         """(per-pair losses [B], metric sums over the batch's real pairs) of one micro-batch."""

@@ -434,7 +434,8 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     c = cfg.ppo
     if c.value_init == "reward" and not cfg.reward_model:
         raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")
-    run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * cfg.batch.num_mini_batches, resume, cfg.batch.num_mini_batches)
+    M = cfg.batch.num_mini_batches
+    run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * M, resume, mini_batches=M)
     cfg, acc = run.cfg, run.accelerator
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     rm, rm_meta = None, None
