@@ -15,7 +15,7 @@ prints the command that resumes. See sprout/stages/pretrain.py for what is check
 
 from sprout.errors import run_main
 from sprout.stages.pretrain import PretrainConfig, run_pretrain
-from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
@@ -23,7 +23,6 @@ def main() -> None:
     add_input_flags(p, data_help="shard directory (or a <dataset>_train.h5 file)", data_field="dir",
                     verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, PretrainConfig)
-    apply_input_flags(args, cfg)
     run_pretrain(cfg, resume=args.resume)
 
 

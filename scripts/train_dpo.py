@@ -14,7 +14,7 @@ The held-out file is preferences_test.jsonl beside --data (data.val_path to chan
 
 from sprout.errors import run_main
 from sprout.stages.dpo import DPOConfig, run_dpo
-from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
@@ -22,7 +22,6 @@ def main() -> None:
     add_input_flags(p, data_help="preference pairs (scripts/prepare_preference_data.py)", data_metavar="FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, DPOConfig)
-    apply_input_flags(args, cfg)
     run_dpo(cfg, resume=args.resume)
 
 

@@ -14,7 +14,7 @@ and sprout/stages/rl_stage.py for the rollouts and the buffer.
 
 from sprout.errors import run_main
 from sprout.stages.grpo import GRPOConfig, run_grpo
-from sprout.engine.run import add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.engine.run import add_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
@@ -22,7 +22,6 @@ def main() -> None:
     add_input_flags(p, data_help="RL prompts (scripts/prepare_rl_prompts.py)", data_metavar="FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)")
     args, cfg = parse_run_config(p, GRPOConfig)
-    apply_input_flags(args, cfg)
     run_grpo(cfg, resume=args.resume)
 
 

@@ -15,7 +15,7 @@ and sprout/stages/rl_stage.py for the rollouts and the buffer.
 
 from sprout.errors import run_main
 from sprout.stages.ppo import PPOConfig, run_ppo
-from sprout.engine.run import add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.engine.run import add_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
@@ -24,7 +24,6 @@ def main() -> None:
                     init_help="LM checkpoint (an SFT run dir)")
     p.add_argument("--reward-model", metavar="RUN", help="reward model run or checkpoint; overrides reward_model")
     args, cfg = parse_run_config(p, PPOConfig)
-    apply_input_flags(args, cfg)
     if args.reward_model:
         cfg.reward_model = args.reward_model
     run_ppo(cfg, resume=args.resume)

@@ -14,7 +14,7 @@ See sprout/stages/sft.py for what is checked before training.
 """
 
 from sprout.errors import run_main
-from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, apply_input_flags, parse_run_config, run_parser
+from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
 from sprout.stages.sft import SFTConfig, run_sft
 
 
@@ -23,7 +23,6 @@ def main() -> None:
     add_input_flags(p, data_help="packed SFT rows (scripts/prepare_sft_data.py)", data_metavar="FILE.h5",
                     init_help="base checkpoint, or its run dir", verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, SFTConfig)
-    apply_input_flags(args, cfg)
     run_sft(cfg, resume=args.resume)
 
 

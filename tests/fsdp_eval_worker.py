@@ -15,7 +15,8 @@ import torch
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.tokenizer import load_tokenizer
-from sprout.engine.loop import OptimConfig, TrainConfig, Trainer, build_optimizer, lr_schedule, make_accelerator
+from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 from sprout.engine.run import end_processes
 
 CONFIG = dict(vocab_size=512, d_model=32, n_layers=2, n_heads=4, max_seq_len=48)

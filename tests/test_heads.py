@@ -17,9 +17,10 @@ from sprout.model.generate import generate
 from sprout.model.heads import PolicyWithValue, RewardModel, last_index, padding_inputs, score_at
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.engine.fit import fit
-from sprout.engine.loop import (OptimConfig, TokenStage, TrainConfig, Trainer, build_optimizer, lr_schedule,
-                               make_accelerator)
+from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
 from sprout.engine.metrics import read_metrics
+from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
+from sprout.engine.stage import TokenStage
 
 V = 64
 CFG = dict(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)

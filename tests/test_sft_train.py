@@ -25,7 +25,7 @@ from sprout.model.transformer import ModelConfig, Transformer
 from sprout.prep.sft import SFTDataConfig, prepare
 from sprout.config import from_dict
 from sprout.engine.metrics import read_metrics
-from sprout.stages.sft import DataConfig, SFTConfig, run_sft, sft_loss
+from sprout.stages.sft import SFTConfig, run_sft, sft_batch_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["apple", "river", "stone", "cloud", "green", "tiger", "music", "bread", "light", "horse", "paper", "ocean"]
@@ -104,17 +104,17 @@ def test_masked_loss_ignores_untrained_targets(sft_file):
     batch = first_batch(sft_file)
     mask = batch["loss_mask"]
     assert 0 < mask.sum() < mask.numel()
-    nll, n, m = sft_loss(model, batch)
+    nll, n, m = sft_batch_loss(model, batch)
     assert n.item() == mask.sum().item()
     untrained = {**batch, "targets": torch.where(mask, batch["targets"], (batch["targets"] + 7) % 512)}
-    nll2, n2, m2 = sft_loss(model, untrained)
+    nll2, n2, m2 = sft_batch_loss(model, untrained)
     assert nll2.item() == nll.item() and n2.item() == n.item()
     assert m2["accuracy"][0].item() == m["accuracy"][0].item() and m2["entropy"][0].item() == m["entropy"][0].item()
     assert m["accuracy"][1] is n and m["entropy"][1] is n  # both per trained target
     r, t = mask.nonzero()[0].tolist()  # change one trained target: the loss must move
     trained = {**batch, "targets": batch["targets"].clone()}
     trained["targets"][r, t] = (trained["targets"][r, t] + 7) % 512
-    assert sft_loss(model, trained)[0].item() != pytest.approx(nll.item(), rel=1e-6)
+    assert sft_batch_loss(model, trained)[0].item() != pytest.approx(nll.item(), rel=1e-6)
 
 
 def test_packed_row_loss_is_the_sum_of_its_conversations_alone(sft_file):
@@ -123,13 +123,13 @@ def test_packed_row_loss_is_the_sum_of_its_conversations_alone(sft_file):
     batch = first_batch(sft_file, rows=1)
     seg = batch["segment_ids"][0]
     assert seg.max() >= 2, "the fixture should pack several conversations in a row"
-    nll, n, _ = sft_loss(model, batch)
+    nll, n, _ = sft_batch_loss(model, batch)
     total, count = 0.0, 0
     for s in range(1, int(seg.max()) + 1):
         idx = (seg == s).nonzero()[:, 0]
         alone = {k: v[:, idx] for k, v in batch.items()}
         alone["segment_ids"] = torch.ones_like(alone["segment_ids"])
-        part, k, _ = sft_loss(model, alone)
+        part, k, _ = sft_batch_loss(model, alone)
         total, count = total + part.item(), count + k.item()
     assert count == n.item()
     assert total == pytest.approx(nll.item(), rel=1e-5)
@@ -209,7 +209,7 @@ def taught(sp, tmp_path_factory):
              "segment_ids": torch.ones_like(x[:, :-1]), "position_ids": torch.arange(len(ids) - 1)[None]}
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(60):
-        nll, n, _ = sft_loss(model, batch)
+        nll, n, _ = sft_batch_loss(model, batch)
         (nll / n).backward()
         opt.step()
         opt.zero_grad()

@@ -18,10 +18,11 @@ from sprout.model.transformer import ModelConfig
 from sprout.formats.manifest import write_shard_manifest
 from sprout.formats.shards import shard_name, write_shard
 from sprout.config import config_to_dict, from_dict
-from sprout.engine.loop import NonFiniteLoss, TokenStage, TrainConfig, Trainer, make_accelerator, micro_steps
+from sprout.engine.loop import NonFiniteLoss, TrainConfig, Trainer, make_accelerator
 from sprout.engine.metrics import read_metrics
-from sprout.stages.pretrain import DataConfig, PretrainConfig, PretrainStage, run_pretrain
+from sprout.stages.pretrain import PretrainConfig, PretrainStage, run_pretrain
 from sprout.engine.schedule import chinchilla_steps, lr_at, seq_len_at, seq_len_stages
+from sprout.engine.stage import TokenStage, micro_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 256
@@ -394,7 +395,7 @@ def short_run(data: Path, mixed_precision: str, steps: int = 20):
 
     from data_loader.tokens import DistributedTokenLoader, open_token_sources
     from sprout.model.transformer import Transformer
-    from sprout.engine.loop import OptimConfig, build_optimizer, lr_schedule
+    from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 
     AcceleratorState._reset_state(reset_partial_state=True)
     cfg = TrainConfig(max_steps=steps, progress=False, mixed_precision=mixed_precision)

@@ -12,8 +12,10 @@ import torch
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.engine.fit import fit
-from sprout.engine.loop import OptimConfig, TokenStage, TrainConfig, Trainer, all_reduce_sums, build_optimizer, make_accelerator
+from sprout.engine.loop import TrainConfig, Trainer, all_reduce_sums, make_accelerator
+from sprout.engine.optim import OptimConfig, build_optimizer
 from sprout.engine.run import end_processes
+from sprout.engine.stage import TokenStage
 
 V, T = 64, 16
 

@@ -23,7 +23,7 @@ Two layers, so that stages which do not read "a batch from a loader" still share
 outer loop; the checkpoint and the resume are the Trainer's (`save`, `resume`).
 What a stage gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs,
 parameter groups, frozen models) is the protocol in `sprout.engine.stage`; the optimizer and
-its schedule are in `sprout.engine.optim`. Both are importable from here too.
+its schedule are in `sprout.engine.optim`.
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ from sprout.config import require, resume_free
 from sprout.errors import SproutError
 from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.engine.metrics import MetricsLogger, check_trackers
-from sprout.engine.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule  # noqa: F401 (re-exported)
 from sprout.engine.schedule import chinchilla_steps
-from sprout.engine.stage import Stage, TokenBatchConfig, TokenStage, micro_steps  # noqa: F401 (re-exported)
+from sprout.engine.stage import Stage
 
 
 @dataclass

@@ -11,8 +11,10 @@ A training script parses its arguments with `run_parser` + `parse_run_config`, w
 An interrupted run (Ctrl-C or SIGTERM: `sprout.engine.callbacks.StopSignals`) prints the command that resumes it
 (`resume_command`) and exits with 128 + the signal number.
 
-A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`), the
-model and its `Stage`, then hands over to `train_stage`, which
+A stage's config is a `StageConfig`: its own sections, then optim, train and out. Its
+`run_*` function checks its own inputs, builds the accelerator (`start_run`), the model and
+its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchilla budget;
+`with_epochs`: data.epochs), then hands over to `train_stage`, which
   - builds the optimizer over the stage's parameter groups (`param_groups`, optional) and
     lets the stage prepare its frozen models (`setup`, optional),
   - copies the tokenizer file into <out>/tokenizer/ and records it, with its sha256, in each
@@ -27,8 +29,11 @@ model and its `Stage`, then hands over to `train_stage`, which
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import functools
 import json
+import math
 import os
 import shlex
 import shutil
@@ -42,13 +47,14 @@ from accelerate.utils import set_seed
 
 from sprout.atomic import atomic_write
 from sprout.checkpoint import META, bundle_tokenizer, resolve_checkpoint
-from sprout.config import add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides, read_yaml, resume_config
+from sprout.config import (RESUME_FREE, add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides,
+                           read_yaml, resume_config)
 from sprout.errors import SproutError
 from sprout.formats.verify import VERIFY_MODES
 from sprout.engine.fit import fit
 from sprout.engine.fsdp import local_params
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
-from sprout.engine.optim import build_optimizer, lr_schedule
+from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 from sprout.engine.schedule import warmup_warning
 
 
@@ -79,8 +85,8 @@ def add_input_flags(parser: argparse.ArgumentParser, *, data_help: str, data_met
                     data_field: str = "path", init_help: str | None = None,
                     verify_help: str | None = None) -> None:
     """The input flags of a training script: --data (overrides data.<data_field>), --init when
-    `init_help` is given, --data-verify when `verify_help` is given; `apply_input_flags` copies
-    them into the config."""
+    `init_help` is given, --data-verify when `verify_help` is given; `parse_run_config` copies
+    them into the config (`apply_input_flags`)."""
     parser.add_argument("--data", metavar=data_metavar, help=f"{data_help}; overrides data.{data_field}")
     if init_help is not None:
         parser.add_argument("--init", metavar="CKPT", help=f"{init_help}; overrides init")
@@ -93,7 +99,7 @@ def apply_input_flags(args: argparse.Namespace, cfg) -> None:
     """Copy the flags of `add_input_flags` that were given into `cfg` (data.verify, data.<field>, init)."""
     if getattr(args, "data_verify", None):
         cfg.data.verify = args.data_verify
-    if args.data:
+    if getattr(args, "data", None):
         setattr(cfg.data, args.input_data_field, args.data)
     if getattr(args, "init", None):
         cfg.init = args.init
@@ -104,14 +110,15 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "checkpoin
 TRACKER_DIR = "sprout"  # TensorBoard's event folder: accelerate's project_dir / the project MetricsLogger names
 
 
-def _main_process() -> bool:
+def is_rank0() -> bool:
     """Rank 0 of a launched run (torchrun / accelerate launch set RANK), or a lone process;
     for what happens before the accelerator exists."""
     return os.environ.get("RANK", "0") == "0"
 
 
-def _note(message: str) -> None:
-    if _main_process():
+def print_rank0(message: str) -> None:
+    """`message` printed by rank 0 only (`is_rank0`: before the accelerator exists)."""
+    if is_rank0():
         print(message, flush=True)
 
 
@@ -147,7 +154,7 @@ def check_fresh_run(out: str | Path, overwrite: bool = False) -> None:
     if not files:
         return
     if overwrite:
-        if _main_process():
+        if is_rank0():
             clear_run(out, files)
         return
     step = latest_step(out)
@@ -177,9 +184,38 @@ def resume_command(out: str | Path, world_size: int = 1) -> str:
 
 
 # ---- the config ---------------------------------------------------------------------------------
+RUN_FOLDER_HELP = "run folder: config.yaml, metrics, checkpoints, report"
+
+
+class StageConfig:
+    """What every stage's config ends with: `optim`, `train` and `out` (the run folder, which a
+    resume may change), read by `train_stage`. A stage's config is a dataclass subclass that
+    declares its own fields (init or model, data, batch, its loss section, ...) and gives its
+    defaults for these three as class arguments:
+
+        @dataclass
+        class DPOConfig(StageConfig, out="runs/dpo", optim=OptimConfig(lr=5e-7), train=TrainConfig(eval_every=50)):
+
+    They are added after the subclass's own fields (a dataclass base would put them first), so
+    they come last in its YAML, its config.yaml and its --help."""
+
+    optim: OptimConfig
+    train: TrainConfig
+    out: str
+
+    def __init_subclass__(cls, *, out: str, optim: OptimConfig = OptimConfig(), train: TrainConfig = TrainConfig(),
+                          **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), "optim": OptimConfig,
+                               "train": TrainConfig, "out": str}
+        cls.optim = dataclasses.field(default_factory=functools.partial(copy.deepcopy, optim))
+        cls.train = dataclasses.field(default_factory=functools.partial(copy.deepcopy, train))
+        cls.out = dataclasses.field(default=out, metadata={**RESUME_FREE, "help": RUN_FOLDER_HELP})
+
+
 def parse_run_config(parser: argparse.ArgumentParser, config_cls):
     """(args, config): the YAML config with the command line's overrides applied, then --out,
-    after the run-folder checks (see the module docstring).
+    after the run-folder checks (see the module docstring), then the flags of `add_input_flags`.
 
     Fresh run: --config (or the defaults) + overrides; refused when --out holds a run, unless
     --overwrite. --resume: the run's own <out>/config.yaml (else the checkpoint's config), or
@@ -196,8 +232,10 @@ def parse_run_config(parser: argparse.ArgumentParser, config_cls):
         if args.out:
             cfg.out = args.out
         check_fresh_run(cfg.out, args.overwrite)
-        return args, cfg
-    return args, _resume_config(args, overrides, config_cls)
+    else:
+        cfg = _resume_config(args, overrides, config_cls)
+    apply_input_flags(args, cfg)
+    return args, cfg
 
 
 def _resume_config(args, overrides: dict, config_cls):
@@ -226,17 +264,17 @@ def _resume_config(args, overrides: dict, config_cls):
     saved_steps = (saved.get("train") or {}).get("max_steps")
     if "max_steps" in (overrides.get("train") or {}):
         if cfg.train.max_steps != saved_steps:
-            _note(f"train.max_steps {saved_steps} -> {cfg.train.max_steps or 'auto'} (from the command line)")
+            print_rank0(f"train.max_steps {saved_steps} -> {cfg.train.max_steps or 'auto'} (from the command line)")
     elif saved_steps is not None:
         if args.config and cfg.train.max_steps not in (None, saved_steps):
-            _note(f"{args.config}: train.max_steps {cfg.train.max_steps} ignored: the run keeps its length of "
-                  f"{saved_steps} steps (pass --train.max_steps N to change it)")
+            print_rank0(f"{args.config}: train.max_steps {cfg.train.max_steps} ignored: the run keeps its length of "
+                        f"{saved_steps} steps (pass --train.max_steps N to change it)")
         cfg.train.max_steps = saved_steps
     step = int(meta.get("step", 0))
     if cfg.train.max_steps is not None and step >= cfg.train.max_steps:
-        _note(f"nothing to do: {out} is complete at step {step}"
-              + (f" (train.max_steps {cfg.train.max_steps})" if step > cfg.train.max_steps else "")
-              + "; pass --train.max_steps N to train longer")
+        print_rank0(f"nothing to do: {out} is complete at step {step}"
+                    + (f" (train.max_steps {cfg.train.max_steps})" if step > cfg.train.max_steps else "")
+                    + "; pass --train.max_steps N to train longer")
         raise SystemExit(0)
     return cfg
 
@@ -253,8 +291,15 @@ def with_max_steps(cfg, num_params: int):
     when null / auto, printed)."""
     steps = resolve_max_steps(cfg.train, num_params, cfg.batch.global_tokens)
     if cfg.train.max_steps is None:
-        _note(f"train.max_steps auto: {steps:,} steps ({cfg.train.chinchilla_ratio:g} tokens per parameter × "
-              f"{num_params:,} parameters / {cfg.batch.global_tokens:,} tokens per step)")
+        print_rank0(f"train.max_steps auto: {steps:,} steps ({cfg.train.chinchilla_ratio:g} tokens per parameter × "
+                    f"{num_params:,} parameters / {cfg.batch.global_tokens:,} tokens per step)")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+
+
+def with_epochs(cfg, batches_per_epoch: int, steps_per_batch: int = 1):
+    """`cfg` (with `train` and a `data` section with `epochs`) with train.max_steps, when null,
+    from data.epochs: epochs × batches per epoch (at least one batch) × optimizer steps per batch."""
+    steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * batches_per_epoch)) * steps_per_batch
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
 
 
@@ -265,12 +310,12 @@ def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
     return resolve_checkpoint(Path(out) / "checkpoints" if resume == "latest" else resume)
 
 
-def train_stage(acc: Accelerator, model, stage, cfg, *, resume: Path | None = None, tokenizer: str | None = None,
-                micro_steps: int | None = None, extra_meta: dict | None = None) -> dict:
+def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Path | None = None,
+                tokenizer: str | None = None, micro_steps: int | None = None, extra_meta: dict | None = None) -> dict:
     """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report.
 
-    `cfg` has `train` (TrainConfig), `optim` (OptimConfig), `batch` and `out`; `extra_meta`:
-    more fields for every checkpoint's meta.json (e.g. the chat-template version of an SFT run).
+    `cfg` has a `batch` section besides StageConfig's; `extra_meta`: more fields for every
+    checkpoint's meta.json (e.g. the chat-template version of an SFT run).
     """
     train_cfg, out = cfg.train, Path(cfg.out)
     meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),

@@ -51,9 +51,9 @@ from sprout.losses.tokens import sequence_logps
 from sprout.model.transformer import Transformer
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
-from sprout.stages.preference_stage import PairBatchConfig, PreferenceDataConfig, PreferenceStage, open_preference_run
-from sprout.stages.reference_logps import ReferenceLogps, reference_logps
-from sprout.engine.run import train_stage
+from sprout.stages.preference_stage import PairBatchConfig, PairDataConfig, PreferenceStage, open_preference_run
+from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
+from sprout.engine.run import StageConfig, train_stage
 
 
 @dataclass
@@ -70,14 +70,12 @@ class DPOLossConfig:
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(StageConfig, out="runs/dpo", optim=OptimConfig(lr=5e-7, warmup_steps=10, weight_decay=0.0),
+                train=TrainConfig(eval_every=50, ckpt_every=100)):
     init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    data: PairDataConfig = field(default_factory=PairDataConfig)
     batch: PairBatchConfig = field(default_factory=PairBatchConfig)
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-7, warmup_steps=10, weight_decay=0.0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
-    out: str = resume_free("runs/dpo")
 
 
 def needs_reference(loss_cfg: DPOLossConfig) -> bool:
@@ -139,9 +137,7 @@ class DPOStage(PreferenceStage):
         if self.ref_model is None:
             return None
         with torch.no_grad():
-            logits = self.ref_model(batch["input_ids"], segment_ids=batch["segment_ids"],
-                                    position_ids=batch["position_ids"])
-            return sequence_logps(logits, batch["targets"], batch["loss_mask"])[0]
+            return response_logps(self.ref_model, batch)
 
     def pair_terms(self, model, batch: dict):
         """(per-pair losses [B], metric sums over the batch's real pairs) of one micro-batch."""

@@ -65,7 +65,7 @@ from sprout.stages.rl_stage import (
     concat_rollouts,
     open_rl_run,
 )
-from sprout.engine.run import train_stage
+from sprout.engine.run import StageConfig, train_stage
 
 
 @dataclass
@@ -101,16 +101,14 @@ class GRPOLossConfig:
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(StageConfig, out="runs/grpo", optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
+                 train=TrainConfig(eval_every=50, ckpt_every=50)):
     init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
     data: RLDataConfig = field(default_factory=RLDataConfig)
     batch: PromptBatchConfig = field(default_factory=PromptBatchConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=50))
-    out: str = resume_free("runs/grpo")
 
 
 class GRPOStage(RLStage):

@@ -91,9 +91,9 @@ from sprout.stages.rl_stage import (
     build_rewards,
     completion_logps,
     open_rl_run,
-    trim,
+    pad_columns,
 )
-from sprout.engine.run import train_stage
+from sprout.engine.run import StageConfig, train_stage
 
 
 # ---- config -------------------------------------------------------------------------------------
@@ -148,7 +148,8 @@ class PPOLossConfig:
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(StageConfig, out="runs/ppo", optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
+                train=TrainConfig(eval_every=50, ckpt_every=50)):
     init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
     reward_model: str = resume_free("")  # a reward model run (scripts/train_reward.py); "" = verifiers only
     data: RLDataConfig = field(default_factory=RLDataConfig)
@@ -156,9 +157,6 @@ class PPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     ppo: PPOLossConfig = field(default_factory=PPOLossConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=50))
-    out: str = resume_free("runs/ppo")
 
 
 # ---- pure pieces --------------------------------------------------------------------------------
@@ -220,16 +218,10 @@ class PPOStage(RLStage):
         c = ppo
         super().__init__(accelerator, tokenizer, loader, val, batch, rollout, rewards,
                          num_iterations=c.num_ppo_epochs * batch.num_mini_batches, seed=seed, eval_batch=eval_batch,
-                         eval_generations=eval_generations)
+                         eval_generations=eval_generations, mini_batches=batch.num_mini_batches)
         self.cfg, self.ref_model, self.reward_model, self.weight_decay = c, ref_model, reward_model, weight_decay
         self.M = batch.num_mini_batches
-        local = self.loader.per_rank * self.G
-        if local % (self.M * batch.micro_completions):
-            raise SproutError(f"batch: {self.loader.per_rank} prompt(s) per process × num_generations {self.G} = "
-                              f"{local} completions is not a multiple of batch.num_mini_batches {self.M} × "
-                              f"batch.micro_completions {batch.micro_completions}")
-        self.mini_rows = local // self.M
-        self.accum_steps = self.mini_rows // batch.micro_completions
+        self.mini_rows = self.accum_steps * batch.micro_completions
         self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.horizon) if c.adaptive_kl
                        else FixedKLController(c.kl_coef))
 
@@ -249,32 +241,25 @@ class PPOStage(RLStage):
         return decay_groups(rest, self.weight_decay) + [value]
 
     # ---- the rollout batch ----
-    @torch.no_grad()
     def reward_model_scores(self, rollout: dict) -> torch.Tensor:
         """The reward model's score [N] float64 of each prompt + completion, read at the
         completion's last token, in micro-batches."""
-        out, m, dev = [], self.batch_cfg.micro_completions, self.acc.device
-        n = rollout["completion_ids"].shape[0]
-        for i in range(0, n, m):
-            part = trim({k: v[i:i + m] for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2})
-            ids = torch.cat([part["prompt_ids"], part["completion_ids"]], dim=1).to(dev)
-            mask = torch.cat([part["prompt_mask"], part["completion_mask"]], dim=1).to(dev)
-            with self.acc.autocast():
-                out.append(score_sequences(self.reward_model, ids, mask).double().cpu())
-        return torch.cat(out)
+        def score(part: dict) -> torch.Tensor:
+            ids = torch.cat([part["prompt_ids"], part["completion_ids"]], dim=1)
+            mask = torch.cat([part["prompt_mask"], part["completion_mask"]], dim=1)
+            return score_sequences(self.reward_model, ids, mask).double().cpu()
 
-    @torch.no_grad()
+        return torch.cat(self.no_grad_pass(score, rollout))
+
     def old_logps_and_values(self, rollout: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's log-probs and values [N, L] (0 off the mask), in micro-batches."""
-        lps, vals, m, dev = [], [], self.batch_cfg.micro_completions, self.acc.device
-        n, L = rollout["completion_ids"].shape
-        for i in range(0, n, m):
-            part = trim({k: v[i:i + m].to(dev) for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2})
-            with self.acc.autocast():
-                lp, v, _ = logps_and_values(self.model, part, self.rollout.temperature)
-            lps.append(torch.nn.functional.pad(lp.float().cpu(), (0, L - lp.shape[1])))
-            vals.append(torch.nn.functional.pad(v.float().cpu(), (0, L - v.shape[1])))
-        mask = rollout["completion_mask"]
+        L, mask = rollout["completion_ids"].shape[1], rollout["completion_mask"]
+
+        def logps_values(part: dict) -> tuple[torch.Tensor, torch.Tensor]:
+            lp, v, _ = logps_and_values(self.model, part, self.rollout.temperature)
+            return pad_columns(lp, L), pad_columns(v, L)
+
+        lps, vals = zip(*self.no_grad_pass(logps_values, rollout))
         return torch.cat(lps) * mask, torch.cat(vals) * mask
 
     def scores_of(self, rollout: dict, idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -449,7 +434,8 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     c = cfg.ppo
     if c.value_init == "reward" and not cfg.reward_model:
         raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")
-    run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * cfg.batch.num_mini_batches, resume)
+    M = cfg.batch.num_mini_batches
+    run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * M, resume, mini_batches=M)
     cfg, acc = run.cfg, run.accelerator
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     rm, rm_meta = None, None

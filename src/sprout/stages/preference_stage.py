@@ -7,7 +7,7 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
 - `PairBatchConfig`: the batch in pairs, `global_pairs` per optimizer step (all processes)
   and `micro_pairs` per forward/backward on one process; the micro-steps per step follow
   from the number of processes (`sprout.engine.stage.micro_steps`);
-- `PreferenceDataConfig`: the train file, the held-out file (`preferences_test.jsonl`
+- `PairDataConfig`: the train file, the held-out file (`preferences_test.jsonl`
   beside it by default), the longest side in tokens (the model's context by default) and
   what happens to a pair that does not fit (`truncation`: drop or keep_end);
 - `PreferenceStage`: the protocol's parts both stages share. Targets (`count_targets`) are
@@ -31,9 +31,6 @@ results are reduced over ranks with the same keys everywhere.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -49,7 +46,7 @@ from sprout.errors import SproutError
 from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
 from sprout.formats.verify import verify_preference_data
 from sprout.model.transformer import ModelConfig
-from sprout.engine.run import resolve_resume, start_run
+from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
 from sprout.engine.stage import micro_steps
 
 
@@ -61,7 +58,7 @@ class PairBatchConfig:
 
 
 @dataclass
-class PreferenceDataConfig:
+class PairDataConfig:
     # Paths may change on resume (the loader checks the pair count and global batch), and the
     # epochs, which only set max_steps.
     path: str = resume_free("")         # preferences.jsonl from scripts/prepare_preference_data.py
@@ -173,7 +170,7 @@ class PreferenceRun:
 def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> PreferenceRun:
     """Checks, accelerator, tokenizer and loaders for a preference stage (see the module docstring).
 
-    `cfg` has init, data (PreferenceDataConfig), batch (PairBatchConfig), train and out."""
+    `cfg` has init, data (PairDataConfig), batch (PairBatchConfig), train and out."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
@@ -196,8 +193,7 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     if not val.is_file():
         raise SproutError(f"{val}: held-out preference file not found (set data.val_path)")
     check = verify_preference_data(data, val, cfg.data.verify)
-    if int(os.environ.get("RANK", "0")) == 0:  # the accelerator does not exist yet
-        print(check.report("preference files"), flush=True)
+    print_rank0(check.report("preference files"))
     resume_path = resolve_resume(resume, cfg.out)
 
     acc = start_run(cfg.train, cfg.out)
@@ -210,8 +206,7 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
                           f"{loader.global_batch} pairs (batch.global_pairs)")
     val_loader = PreferenceLoader(val, tok, cfg.batch.micro_pairs, seq_len, truncation=trunc, rank=rank,
                                   world_size=world, shuffle=False)
-    steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * loader.steps_per_epoch))
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+    cfg = with_epochs(cfg, loader.steps_per_epoch)
     for path, ld in ((data, loader), (val, val_loader)):
         c = ld.counts
         acc.print(f"{stage_name}: {path}: {c['pairs']:,} of {c['pairs_read']:,} pairs fit {seq_len} tokens "

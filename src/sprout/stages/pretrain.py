@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -32,15 +31,15 @@ from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
 from sprout.config import resume_free
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig
+from sprout.engine.loop import all_reduce_sums
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
-from sprout.engine.run import resolve_resume, start_run, train_stage, with_max_steps
+from sprout.engine.run import (StageConfig, is_rank0, print_rank0, resolve_resume, start_run, train_stage,
+                               with_max_steps)
 from sprout.engine.schedule import seq_len_at, seq_len_stages
 
 
 @dataclass
-class DataConfig:
+class TokenDataConfig:
     dir: str = resume_free("")     # shard folder (*_train_*.bin, *_val_*.bin, manifest.json) or a *train*.h5 file
     tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
     sampler: Literal["sequential", "random"] = "sequential"  # per-rank spans | nanoGPT random windows
@@ -52,13 +51,10 @@ class DataConfig:
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(StageConfig, out="runs/pretrain"):
     model: ModelConfig = field(default_factory=ModelConfig)  # the transformer's shape
-    data: DataConfig = field(default_factory=DataConfig)  # token shards, sampling and eval
+    data: TokenDataConfig = field(default_factory=TokenDataConfig)  # token shards, sampling and eval
     batch: TokenBatchConfig = field(default_factory=TokenBatchConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    out: str = resume_free("runs/pretrain")  # run folder: config.yaml, metrics, checkpoints, report
 
 
 class PretrainStage(TokenStage):
@@ -123,18 +119,12 @@ class PretrainStage(TokenStage):
         self.loader.load_state_dict(state)
 
 
-def is_rank0() -> bool:
-    """Whether this process is rank 0 of its launch (read before the accelerator exists)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def verify_data(data: DataConfig) -> DataCheck:
+def verify_data(data: TokenDataConfig) -> DataCheck:
     """The start-up check of the token data (`sprout.formats.verify.verify_token_data`): the
     manifest, every shard's presence, size and (data.verify full) sha256, and the largest token
     id; prints what was checked and how long it took (rank 0)."""
     check = verify_token_data(data.dir, data.verify, show_progress=is_rank0())
-    if is_rank0():
-        print(check.report("shards" if Path(data.dir).is_dir() else "HDF5 files"), flush=True)
+    print_rank0(check.report("shards" if Path(data.dir).is_dir() else "HDF5 files"))
     return check
 
 

@@ -30,7 +30,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -79,6 +78,13 @@ def read_cache(path: Path, loader: PreferenceLoader) -> tuple[torch.Tensor, torc
     return t["chosen"], t["rejected"]
 
 
+def response_logps(model, batch: dict) -> torch.Tensor:
+    """The summed response log-probs [2B] of both sides of a micro-batch of pairs under `model`
+    (one forward): what the reference gives DPO, live or cached."""
+    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+    return sequence_logps(logits, batch["targets"], batch["loss_mask"])[0]
+
+
 @torch.no_grad()
 def compute_logps(accelerator, ref, loader: PreferenceLoader, micro_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [N], rejected [N]) of every kept pair of `loader`, on the CPU on every rank."""
@@ -88,8 +94,7 @@ def compute_logps(accelerator, ref, loader: PreferenceLoader, micro_pairs: int) 
     for i in range(0, len(idx), micro_pairs):
         batch = {k: v.to(dev) for k, v in loader.collate(idx[i:i + micro_pairs], real[i:i + micro_pairs]).items()}
         with accelerator.autocast():
-            logits = ref(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
-            logps = sequence_logps(logits, batch["targets"], batch["loss_mask"])[0].double()
+            logps = response_logps(ref, batch).double()
         b = batch["pair_index"].shape[0]
         rows.append(torch.stack([logps[:b], logps[b:], batch["pair_index"].double(),
                                  batch["pair_mask"].double()], dim=1))

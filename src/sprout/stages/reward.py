@@ -49,14 +49,14 @@ from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
 from sprout.stages.preference_stage import (
     PairBatchConfig,
-    PreferenceDataConfig,
+    PairDataConfig,
     PreferenceStage,
     open_preference_run,
     pair_sources,
     source_sums,
     split_sides,
 )
-from sprout.engine.run import train_stage
+from sprout.engine.run import StageConfig, train_stage
 
 
 @dataclass
@@ -66,14 +66,12 @@ class RewardLossConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(StageConfig, out="runs/reward", optim=OptimConfig(lr=1e-5, warmup_steps=10, weight_decay=0.0),
+                   train=TrainConfig(eval_every=50, ckpt_every=100)):
     init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    data: PairDataConfig = field(default_factory=PairDataConfig)
     batch: PairBatchConfig = field(default_factory=PairBatchConfig)
     reward: RewardLossConfig = field(default_factory=RewardLossConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps=10, weight_decay=0.0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
-    out: str = resume_free("runs/reward")
 
 
 def population_std(mean: float, mean_sq: float) -> float:

@@ -72,7 +72,7 @@ from sprout.model.load import init_from_lm
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
-from sprout.engine.run import resolve_resume, start_run
+from sprout.engine.run import resolve_resume, start_run, with_epochs
 
 
 # ---- config sections ----------------------------------------------------------------------------
@@ -87,6 +87,18 @@ class PromptBatchConfig:
         for name in ("global_prompts", "micro_completions"):
             require(getattr(self, name) > 0, name, getattr(self, name), "a positive number")
         require(self.num_generations >= 2, "num_generations", self.num_generations, "at least 2 (a group)")
+
+
+def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: int = 1) -> int:
+    """Micro-batches of batch.micro_completions per optimizer step on each process, when its
+    completions of a generation batch (`per_rank` prompts × num_generations) serve `mini_batches`
+    optimizer steps; refused unless they divide exactly."""
+    local, m = per_rank * batch.num_generations, batch.micro_completions
+    if local % (mini_batches * m):
+        split = f"batch.num_mini_batches {mini_batches} × " if mini_batches > 1 else ""
+        raise SproutError(f"batch: {per_rank} prompt(s) per process × num_generations {batch.num_generations} = "
+                          f"{local} completions is not a multiple of {split}batch.micro_completions {m}")
+    return local // (mini_batches * m)
 
 
 @dataclass
@@ -213,6 +225,12 @@ def concat_rollouts(parts: list[dict]) -> dict:
     return out
 
 
+def pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` [n, w] as float32 on the CPU, right-padded with 0 to `width` columns (a trimmed
+    micro-batch's columns back to its rollout's)."""
+    return torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1]))
+
+
 def pack_stats(stats: dict[str, tuple[float, float]], main: bool) -> torch.Tensor:
     """Buffer figures as a [K, 2] (sum, count) tensor: as given on rank 0, zeros elsewhere."""
     t = torch.tensor([list(v) for v in stats.values()], dtype=torch.float64).reshape(-1, 2)
@@ -223,24 +241,21 @@ def pack_stats(stats: dict[str, tuple[float, float]], main: bool) -> torch.Tenso
 class RLStage:
     """The rollout buffer and everything around it (module doc). A subclass gives `name`,
     `fill_buffer()` -> (buffer dict of [N, ...] tensors, stats {name: (sum, count)}),
-    `loss` and `count_targets`."""
+    `loss` and `count_targets`. `mini_batches`: the optimizer steps one pass over the buffer
+    is cut into (PPO's; `accum_steps` counts the micro-batches of one of them)."""
 
     generated_tokens = 0
     loss_label = "policy loss"
 
     def __init__(self, accelerator, tokenizer, loader: PromptLoader, val: PromptLoader, batch: PromptBatchConfig,
                  rollout: RolloutConfig, rewards: list[WeightedReward], *, num_iterations: int = 1, seed: int = 0,
-                 eval_batch: int = 32, eval_generations: int = 0):
+                 eval_batch: int = 32, eval_generations: int = 0, mini_batches: int = 1):
         self.acc, self.tok, self.loader, self.val = accelerator, tokenizer, loader, val
         self.batch_cfg, self.rollout, self.rewards = batch, rollout, rewards
         self.num_iterations, self.eval_batch, self.eval_generations, self.seed = \
             num_iterations, eval_batch, eval_generations, seed
         self.G = batch.num_generations
-        local = loader.per_rank * self.G
-        if local % batch.micro_completions:
-            raise SproutError(f"{loader.per_rank} prompt(s) per process × num_generations {self.G} = {local} "
-                              f"completions is not a multiple of batch.micro_completions {batch.micro_completions}")
-        self.accum_steps = local // batch.micro_completions
+        self.accum_steps = rollout_micro_steps(loader.per_rank, batch, mini_batches)
         self.generator = torch.Generator(device=accelerator.device)
         self.generator.manual_seed(seed * 1000 + accelerator.process_index)
         self.buffer: dict | None = None
@@ -287,16 +302,21 @@ class RLStage:
         return torch.tensor(combined.totals, dtype=torch.float64), per_fn
 
     @torch.no_grad()
+    def no_grad_pass(self, fn, rollout: dict) -> list:
+        """[fn(micro-batch)] over every row of `rollout` in micro-batches of batch.micro_completions
+        (its [N, L] tensors, trimmed, on the device), under autocast, without gradient."""
+        rows = {k: v for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2}
+        m, out = self.batch_cfg.micro_completions, []
+        for i in range(0, rollout["completion_ids"].shape[0], m):
+            part = trim({k: v[i:i + m].to(self.acc.device) for k, v in rows.items()})
+            with self.acc.autocast():
+                out.append(fn(part))
+        return out
+
     def logps_of(self, model, rollout: dict) -> torch.Tensor:
         """`completion_logps` of every row of `rollout` under `model`, in micro-batches, no gradient."""
-        n, m, out = rollout["completion_ids"].shape[0], self.batch_cfg.micro_completions, []
-        L = rollout["completion_ids"].shape[1]
-        dev = self.acc.device
-        for i in range(0, n, m):
-            part = trim({k: v[i:i + m].to(dev) for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2})
-            with self.acc.autocast():
-                lp, _ = completion_logps(model, part, self.rollout.temperature)
-            out.append(torch.nn.functional.pad(lp.float().cpu(), (0, L - lp.shape[1])))
+        L, T = rollout["completion_ids"].shape[1], self.rollout.temperature
+        out = self.no_grad_pass(lambda part: pad_columns(completion_logps(model, part, T)[0], L), rollout)
         return torch.cat(out) * rollout["completion_mask"]
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -410,9 +430,11 @@ class RLRun:
                             "prompts": self.loader.num_prompts, "val_prompts": self.val.num_prompts}}
 
 
-def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | None = None) -> RLRun:
+def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | None = None,
+                mini_batches: int = 1) -> RLRun:
     """Checks, accelerator, tokenizer and prompt loaders for an RL stage. `cfg` has init, data
-    (RLDataConfig), batch (PromptBatchConfig), rollout, train and out."""
+    (RLDataConfig), batch (PromptBatchConfig), rollout, train and out; `num_iterations`: the
+    optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO)."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
@@ -443,13 +465,8 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     if loader.batches_per_epoch == 0:
         raise SproutError(f"{data}: {loader.num_prompts} prompts (of {loader.read}) cannot fill one global batch "
                           f"of {cfg.batch.global_prompts} (batch.global_prompts)")
-    local = cfg.batch.global_prompts // world * cfg.batch.num_generations
-    if local % cfg.batch.micro_completions:
-        raise SproutError(f"batch: {cfg.batch.global_prompts // world} prompt(s) per process × num_generations "
-                          f"{cfg.batch.num_generations} = {local} completions is not a multiple of "
-                          f"batch.micro_completions {cfg.batch.micro_completions}")
-    steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * loader.batches_per_epoch)) * num_iterations
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+    rollout_micro_steps(loader.per_rank, cfg.batch, mini_batches)
+    cfg = with_epochs(cfg, loader.batches_per_epoch, num_iterations)
     for path, ld in ((data, loader), (val, val_loader)):
         others = f", {ld.other_sources:,} of other sources left out" if cfg.data.sources is not None else ""
         acc.print(f"{stage_name}: {path}: {ld.num_prompts:,} of {ld.read:,} prompts fit {cfg.data.max_prompt_length} "

@@ -2,7 +2,7 @@
 
 `SFTStage` feeds the loop (`sprout.engine.loop`) with micro-batches of rows from
 `data_loader.sft.SFTLoader`: conversations rendered by `sprout.chat` and packed several to
-a row by `sprout.prep.sft` (format: `sprout.formats.sft`). For each micro-batch (`sft_loss`):
+a row by `sprout.prep.sft` (format: `sprout.formats.sft`). For each micro-batch (`sft_batch_loss`):
 
 - attention stays inside each packed conversation (`segment_ids`) and rotary positions
   restart per conversation (`position_ids`), so a row computes what each conversation
@@ -31,9 +31,6 @@ and the base checkpoint it started from, which `scripts/chat.py` and later stage
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -55,11 +52,11 @@ from sprout.config import resume_free
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
-from sprout.engine.run import resolve_resume, start_run, train_stage
+from sprout.engine.run import StageConfig, is_rank0, print_rank0, resolve_resume, start_run, train_stage, with_epochs
 
 
 @dataclass
-class DataConfig:
+class SFTRowsConfig:
     # Paths may change on resume (the loader checks the row count and global batch), and the
     # epochs, which only set max_steps.
     path: str = resume_free("")   # packed train rows from scripts/prepare_sft_data.py (sft.h5)
@@ -72,18 +69,16 @@ SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one senten
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(StageConfig, out="runs/sft", optim=OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0),
+                train=TrainConfig(eval_every=50, ckpt_every=100)):
     init: str = resume_free("")   # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
-    data: DataConfig = field(default_factory=DataConfig)  # packed SFT rows and epochs
+    data: SFTRowsConfig = field(default_factory=SFTRowsConfig)  # packed SFT rows and epochs
     batch: TokenBatchConfig = field(default_factory=lambda: TokenBatchConfig(global_tokens=65536, micro_tokens=8192))
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(eval_every=50, ckpt_every=100))
-    out: str = resume_free("runs/sft")  # run folder: config.yaml, metrics, checkpoints, report
     # Answered greedily at the end of training and shown in report.md ([] for none).
     sample_prompts: list = resume_free(default_factory=lambda: list(SAMPLE_PROMPTS))
 
 
-def sft_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def sft_batch_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Masked next-token loss of one micro-batch: (nll sum, trained targets, metric sums)."""
     logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
     targets, mask = batch["targets"], batch["loss_mask"]
@@ -114,7 +109,7 @@ class SFTStage(TokenStage):
         parts = {k: v.split(rows) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(self.accum_steps)]
 
-    loss = staticmethod(sft_loss)
+    loss = staticmethod(sft_batch_loss)
 
     def count_targets(self, batch: dict) -> torch.Tensor:
         return batch["loss_mask"].sum()
@@ -135,7 +130,7 @@ class SFTStage(TokenStage):
                 batch = shift(val.file.read(np.array([0])))
             batch = nxt if nxt is not None else {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
             with self.acc.autocast():
-                nll, n, m = sft_loss(model, {k: v.to(dev) for k, v in batch.items()})
+                nll, n, m = sft_batch_loss(model, {k: v.to(dev) for k, v in batch.items()})
             sums["nll"] += nll
             sums["n"] += n
             sums["correct"] += m["accuracy"][0]
@@ -231,10 +226,8 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
     model_cfg = ModelConfig(**base["model_config"])
     data, val = Path(cfg.data.path), Path(cfg.data.val_path or val_path(cfg.data.path))
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # the accelerator does not exist yet
-    check = verify_sft_pair(data, val, cfg.data.verify, show_progress=rank0)
-    if rank0:
-        print(check.report("SFT files"), flush=True)
+    check = verify_sft_pair(data, val, cfg.data.verify, show_progress=is_rank0())
+    print_rank0(check.report("SFT files"))
     attrs = _attrs(data)
     check_sft_data(base, model_cfg, data, attrs, val, _attrs(val))
     row_len, micro = attrs["seq_len"], cfg.batch.micro_tokens
@@ -256,8 +249,7 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     model = Transformer(model_cfg)
     if resume_path is None:
         load_weights(model, base["path"], base)
-    steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * loader.steps_per_epoch))
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+    cfg = with_epochs(cfg, loader.steps_per_epoch)
     acc.print(f"sft: {data} ({loader.num_rows:,} rows of {row_len}, {loader.steps_per_epoch} steps per epoch), "
               f"val {val} ({val_loader.num_rows:,} rows); base {base['path']} (step {base.get('step')})")
     stage = SFTStage(acc, loader, val_loader, accum, tokenizer=_sample_tokenizer(base),
