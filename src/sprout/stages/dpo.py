@@ -185,7 +185,7 @@ class DPOStage(PreferenceStage):
 
 def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference unless reference-free), resume if asked,
-    train; returns Trainer.fit's summary."""
+    train; returns fit's summary (sprout.engine.fit)."""
     check_dpo_options(cfg.dpo)
     run = open_preference_run(cfg, "dpo", resume)
     cfg, acc = run.cfg, run.accelerator

@@ -248,7 +248,7 @@ class GRPOStage(RLStage):
 
 def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference when grpo.beta > 0), resume if asked,
-    train; returns Trainer.fit's summary."""
+    train; returns fit's summary (sprout.engine.fit)."""
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
     cfg, acc = run.cfg, run.accelerator
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)

@@ -430,7 +430,7 @@ def init_value_head(policy, reward_model, where) -> None:
 
 def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     """Check inputs, build the policy with its value head, the reference and the reward model,
-    resume if asked, train; returns Trainer.fit's summary."""
+    resume if asked, train; returns fit's summary (sprout.engine.fit)."""
     c = cfg.ppo
     if c.value_init == "reward" and not cfg.reward_model:
         raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")

@@ -141,7 +141,7 @@ def check_vocab(check: DataCheck, model_vocab: int, where: str | Path) -> None:
 
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
-    """Check inputs, build everything, resume if asked, train; returns Trainer.fit's summary."""
+    """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
     if not cfg.data.dir:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
     if cfg.data.sampler not in ("sequential", "random"):

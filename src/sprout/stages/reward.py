@@ -166,7 +166,7 @@ class RewardStage(PreferenceStage):
 
 
 def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
-    """Check inputs, build the reward model from the init LM, resume if asked, train; returns Trainer.fit's summary."""
+    """Check inputs, build the reward model from the init LM, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
     run = open_preference_run(cfg, "reward", resume)
     cfg, acc = run.cfg, run.accelerator
     model, _ = init_from_lm(run.base["path"], "reward", seed=cfg.train.seed)

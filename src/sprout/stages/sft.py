@@ -218,7 +218,7 @@ def _attrs(path: Path) -> dict:
 
 # ---- the run ---------------------------------------------------------------------------------
 def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
-    """Check inputs, load the base model, build everything, resume if asked, train; returns Trainer.fit's summary."""
+    """Check inputs, load the base model, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
     if not cfg.init:
         raise SproutError("no base model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
