@@ -80,7 +80,18 @@ class Stage(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class TokenStage:
+class LoaderPosition:
+    """The protocol's state_dict of a stage whose position in its data is its loader's
+    (`self.loader`: `data_loader.order.EpochOrder` and the token loaders)."""
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
+class TokenStage(LoaderPosition):
     """The protocol's defaults for micro-batches of token rows: `input_ids` (B, T) and
     `targets` (B, T), every target trained. A stage with a loss mask overrides count_targets."""
 

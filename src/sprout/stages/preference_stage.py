@@ -47,7 +47,7 @@ from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
 from sprout.formats.verify import verify_preference_data
 from sprout.model.transformer import ModelConfig
 from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
-from sprout.engine.stage import micro_steps
+from sprout.engine.stage import LoaderPosition, micro_steps
 
 
 @dataclass
@@ -82,7 +82,7 @@ def pair_sources(path: str | Path, loader: PreferenceLoader) -> list[str]:
     return [by_line[pair.line - 1] for pair in loader.pairs]
 
 
-class PreferenceStage:
+class PreferenceStage(LoaderPosition):
     """The protocol parts the preference stages share (see the module docstring). A subclass
     gives `name`, `loss` and `evaluate`; `extend(batch, held_out)` may add tensors to each
     micro-batch (of the train file, or of the held-out file when `held_out`)."""
@@ -116,12 +116,6 @@ class PreferenceStage:
     def flops(self, model, batch: dict) -> float:
         flops_per_token = getattr(model, "flops_per_token", None)
         return flops_per_token(batch["input_ids"].shape[1]) * self.num_tokens(batch) if flops_per_token else 0.0
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
 
 
 def split_sides(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,12 +112,6 @@ class PretrainStage(TokenStage):
             out["val_bpb"] = bits_per_byte(tot["nll"], int(tot["bytes"]))
         return out
 
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
-
 
 def verify_data(data: TokenDataConfig) -> DataCheck:
     """The start-up check of the token data (`sprout.formats.verify.verify_token_data`): the

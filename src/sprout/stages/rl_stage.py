@@ -73,6 +73,7 @@ from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
 from sprout.engine.run import resolve_resume, start_run, with_epochs
+from sprout.engine.stage import LoaderPosition
 
 
 # ---- config sections ----------------------------------------------------------------------------
@@ -238,7 +239,7 @@ def pack_stats(stats: dict[str, tuple[float, float]], main: bool) -> torch.Tenso
 
 
 # ---- the stage ----------------------------------------------------------------------------------
-class RLStage:
+class RLStage(LoaderPosition):
     """The rollout buffer and everything around it (module doc). A subclass gives `name`,
     `fill_buffer()` -> (buffer dict of [N, ...] tensors, stats {name: (sum, count)}),
     `loss` and `count_targets`. `mini_batches`: the optimizer steps one pass over the buffer
@@ -368,12 +369,6 @@ class RLStage:
         flops_per_token = getattr(model, "flops_per_token", None)
         T = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
         return flops_per_token(T) * self.num_tokens(batch) if flops_per_token else 0.0
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
 
     def tensor_state(self) -> dict:
         return {"buffer": self.buffer, "served": self.served, "generator": self.generator.get_state()}

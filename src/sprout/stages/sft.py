@@ -157,12 +157,6 @@ class SFTStage(TokenStage):
                 out.append((prompt, f"(not generated: {exc})"))
         return out
 
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
-
 
 # ---- checks before anything heavy starts ----------------------------------------------------
 def _base_fingerprint(base: dict) -> str | None:
