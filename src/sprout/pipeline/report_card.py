@@ -118,42 +118,47 @@ def _fmt(value, col: str) -> str:
     return f"{value:.4f}" if col in ("val_bpb", "sft_val_loss") else f"{value:.3f}"
 
 
-def _savefig(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
-
-
-def _plt():
+def _figure(width: float, panels: int = 1):
+    """(figure, its row of `panels` axes), on matplotlib's Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    return plt
+    fig, axes = plt.subplots(1, panels, figsize=(width, 3.2), dpi=110, squeeze=False)
+    return fig, axes[0]
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return path
+
+
+def _label_step_panel(ax, title: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def plot_loss_curves(runs: dict[str, list[dict]], path: Path) -> Path | None:
     """One panel per train stage: train loss (line) and val loss (points) against step."""
     if not runs:
         return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.6 * len(runs), 3.2), dpi=110, squeeze=False)
-    for ax, (name, records) in zip(axes[0], runs.items()):
+    fig, axes = _figure(3.6 * len(runs), len(runs))
+    for ax, (name, records) in zip(axes, runs.items()):
         train = [(r["step"], r["loss"]) for r in records if "loss" in r and "event" not in r]
         val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
         if train:
             ax.plot(*zip(*train), lw=1.2, label="train")
         if val:
             ax.plot(*zip(*val), "o-", ms=3, label="val")
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    _savefig(fig, path)
-    return path
+        _label_step_panel(ax, name)
+    return _save(fig, path)
 
 
 def plot_metrics(runs: dict[str, list[dict]], keys: list[str], path: Path) -> Path | None:
@@ -161,20 +166,14 @@ def plot_metrics(runs: dict[str, list[dict]], keys: list[str], path: Path) -> Pa
     keys = [k for k in keys if any(k in r for recs in runs.values() for r in recs)]
     if not keys:
         return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), dpi=110, squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    fig, axes = _figure(3.6 * len(keys), len(keys))
+    for ax, key in zip(axes, keys):
         for name, records in runs.items():
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
                 ax.plot(*zip(*points), "o-" if key.startswith("val_") else "-", ms=3, lw=1.2, label=name)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    _savefig(fig, path)
-    return path
+        _label_step_panel(ax, key)
+    return _save(fig, path)
 
 
 def plot_pass_at_1(rows: list[dict], path: Path) -> Path | None:
@@ -182,17 +181,14 @@ def plot_pass_at_1(rows: list[dict], path: Path) -> Path | None:
             if r["arith_pass@1"] is not None or r["gsm8k_pass@1"] is not None]
     if not bars:
         return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(1.6 * len(bars) + 2, 3.2), dpi=110)
+    fig, (ax,) = _figure(1.6 * len(bars) + 2)
     xs = range(len(bars))
     ax.bar([x - 0.2 for x in xs], [b[1] or 0 for b in bars], 0.4, label="arith pass@1")
     ax.bar([x + 0.2 for x in xs], [b[2] or 0 for b in bars], 0.4, label="GSM8K pass@1")
     ax.set_xticks(list(xs), [b[0] for b in bars])
     ax.set_ylabel("pass@1")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    _savefig(fig, path)
-    return path
+    return _save(fig, path)
 
 
 def greedy_answers(preset, rows: list[dict], cache_path: Path, prompts=SAMPLE_PROMPTS) -> dict:
