@@ -86,7 +86,7 @@ def test_block_prefill_and_step_equal_its_forward(kv_heads):
 def test_decode_step_equals_the_full_forward(kind, matmul):
     overrides = {"mha": dict(n_kv_heads=None), "tied": dict(tie_embeddings=True)}.get(kind, {})
     model = random_model(PolicyWithValue if kind == "value head" else Transformer, **overrides)
-    if matmul != "dense" and not onednn_available(model.lm_head.weight):
+    if matmul != "dense" and not onednn_available(model.lm_head.weight, onednn_module.ONEDNN_MIN_WIDTH):
         pytest.skip("no oneDNN")
     ids, mask = pad_prompts(PROMPTS)
     new = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
@@ -101,7 +101,7 @@ def test_autocast_keeps_dense_weights():
     model = random_model()
     ids, mask = pad_prompts(PROMPTS)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not onednn_available(model.lm_head.weight)
+        assert not onednn_available(model.lm_head.weight, onednn_module.ONEDNN_MIN_WIDTH)
         decoder = Decoder(model, 3, ids.shape[1] + 2)
         got = decoded_logits(decoder, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
         expected = full_forward_logits(model, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
@@ -169,7 +169,7 @@ def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
 
     model = random_model()
     if onednn:
-        if not onednn_available(model.lm_head.weight):
+        if not onednn_available(model.lm_head.weight, onednn_module.ONEDNN_MIN_WIDTH):
             pytest.skip("no oneDNN")
         monkeypatch.setattr(onednn_module, "ONEDNN_MIN_WIDTH", 32)
     torch._dynamo.reset()

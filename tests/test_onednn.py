@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sprout.model.onednn import linear, matmul_kinds, matmul_weight, onednn_linear
+from sprout.model.onednn import linear, matmul_weight, onednn_available, onednn_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -36,13 +36,12 @@ def test_onednn_op_falls_back_to_a_plain_matmul():
         torch.testing.assert_close(onednn_linear(x, matmul_weight(w, 4, "onednn_op")), x @ w.T)
 
 
-def test_narrow_models_and_bf16_keep_dense_weights():
+def test_narrow_models_bf16_and_autocast_keep_dense_weights():
     w = torch.randn(8, 16)
-    assert matmul_kinds(w, 128, compiled=False) == ("dense", "dense")
-    assert matmul_kinds(w.bfloat16(), 1024, compiled=False) == ("dense", "dense")
-    if torch.backends.mkldnn.is_available():
-        assert matmul_kinds(w, 256, compiled=False) == ("onednn", "onednn")
-        assert matmul_kinds(w, 256, compiled=True) == ("onednn_op", "onednn")
+    assert not onednn_available(w, 128) and not onednn_available(w.bfloat16(), 1024)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not onednn_available(w, 1024)
+    assert onednn_available(w, 256) == torch.backends.mkldnn.is_available()
 
 
 def test_no_other_module_calls_the_private_operators():

@@ -6,25 +6,24 @@
 
 `Decoder` runs the model's blocks in their decoding forms (`Block.prefill`, `Block.step` of
 `sprout.model.transformer`) on KV buffers of its own and on copies of the matmul weights
-(`DecodeWeights`), made once per `generate_tokens` call: the parameters keep their names and
-layout and change between calls (RL updates them), never within one; the copies hold the
-matmul weights once more for the call. The decoding forms compute the forward's function
-(the tests hold their logits to its within 1e-5 of their scale); what they do differently
-is for speed and changes only float rounding:
+(`DecodeWeights`) made once per `generate_tokens` call (the parameters change between calls,
+as RL updates them, never within one; the copies hold the matmul weights once more for the
+call). They compute the forward's function to float rounding (the tests hold their logits to
+its within 1e-5 of their scale), differently for speed:
 
-- fused projections: q, k and v one matmul, gate and up one, oneDNN-packed on a CPU where
-  that multiplies faster (`sprout.model.onednn`).
-- the prefill runs once per distinct prompt (B, not B × G rows; each prompt's keys/values
-  are then written to its G rows), its matmuls on the real tokens only.
-- a step attends with one query per row over the filled slots plus an additive bias (-inf
-  on a row's padding slots); grouped-query heads read their shared keys/values in place.
+- q, k and v are one matmul, gate and up one, oneDNN-packed on a CPU where that multiplies
+  faster (`sprout.model.onednn`);
+- the prefill runs once per distinct prompt (B, not B × G rows; its keys/values are then
+  written to the prompt's G rows), its matmuls on the real tokens only;
+- a step attends with one query per row over the filled slots plus an additive bias (-inf on
+  a row's padding slots), grouped-query heads reading their shared keys/values in place;
 - logits for the last prompt token and the new tokens only, float32 as the model's.
 
-Compiled (`compile=True`): `torch.compile(decode_step, fullgraph=True)` with the slot
-dimension of the cache and of the bias marked dynamic, so one graph serves every step,
-prompt length and cache size (per number of rows and model shape). A graph takes dense
-tensors only, so packed matmuls go through `onednn_linear` there (the "onednn_op" kind);
-the lm_head runs outside the graph (`DecodeWeights.logits`) and the prefill eager.
+Compiled (`compile=True`): a step's blocks (`decode_step`) under `torch.compile(fullgraph=True)`,
+the slot dimension of the cache and of the bias marked dynamic, so one graph serves every step,
+prompt length, cache size and model class (per number of rows and model shape). A graph takes
+dense tensors only, so packed matmuls go through `onednn_linear` there (the "onednn_op" kind).
+The prefill runs eager.
 
 `ModelDecoder` has the same two methods through the module's forward: one forward over the
 B prompts into a `KVCache` (copied to their G rows), then one `model(tokens [N, 1],
@@ -39,28 +38,30 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from sprout.model.heads import padding_inputs
-from sprout.model.onednn import linear, matmul_kinds, matmul_weight
+from sprout.model.onednn import linear, matmul_weight, onednn_available
 from sprout.model.transformer import Transformer
 
 
 @dataclass
 class DecodeWeights:
-    """A transformer's matmul weights as its blocks' `step` and `prefill` take them: copies made
-    by their `fused_weights`, of a `sprout.model.onednn` kind (tensors only, so that a compiled
-    step takes them as inputs and its graph serves any weights of the same shapes)."""
+    """What `decode_step` reads of a transformer: its blocks and final norm (of the same types in any
+    model class, so that a compiled graph serves them all) and their `fused_weights` copies, of a
+    `sprout.model.onednn` kind (tensors, so that the graph takes them as inputs, for any weights)."""
 
+    blocks: nn.ModuleList
+    norm: nn.Module
     layers: list  # per block: ((qkv, o), (gate_up, down))
     lm_head: torch.Tensor
     kind: str = "dense"  # the layers' matmul weights (see `sprout.model.onednn`)
     head_kind: str = "dense"  # the lm_head's
 
     @classmethod
-    @torch.no_grad()
     def of(cls, model: Transformer, rows: int = 1, kind: str = "dense", head_kind: str = "dense"):
         """The weights of `model` now, packed (where `kind` packs) for `rows` rows."""
-        return cls([block.fused_weights(rows, kind) for block in model.layers],
+        return cls(model.layers, model.norm, [block.fused_weights(rows, kind) for block in model.layers],
                    matmul_weight(model.lm_head.weight, rows, head_kind), kind, head_kind)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -68,16 +69,15 @@ class DecodeWeights:
         return linear(hidden, self.lm_head, self.head_kind).float()
 
 
-def decode_step(model: Transformer, w: DecodeWeights, tokens: torch.Tensor, positions: torch.Tensor,
-                ks: list[torch.Tensor], vs: list[torch.Tensor], bias: torch.Tensor) -> torch.Tensor:
-    """Final normed hidden states [N, d] (`DecodeWeights.logits` takes them to logits) of tokens [N]
-    at rotary `positions` [N], appended to every layer's cache `ks`/`vs` [N, kv_heads, S, D] by its
-    `Block.step`: to slot L - 1 for a `bias` [N, L] (0, or -inf on a row's padding slots)."""
-    x = model.embed_tokens(tokens)
-    cos, sin, bias = *model.rotary(positions), bias[:, None, None]  # [N, 1, D], [N, 1, 1, L]
-    for block, weights, k, v in zip(model.layers, w.layers, ks, vs):
+def decode_step(w: DecodeWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list[torch.Tensor],
+                vs: list[torch.Tensor], bias: torch.Tensor) -> torch.Tensor:
+    """Final normed hidden states [N, d] (`DecodeWeights.logits`) of new tokens' embeddings x [N, d]
+    at rotary cos/sin [N, 1, D], each layer's `Block.step` appending them to its cache `ks`/`vs`
+    [N, kv_heads, S, D] at slot L - 1 of a `bias` [N, L] (0, or -inf on a row's padding slots)."""
+    bias = bias[:, None, None]  # [N, 1, 1, L]
+    for block, weights, k, v in zip(w.blocks, w.layers, ks, vs):
         x = block.step(x, weights, cos, sin, k, v, bias, w.kind)
-    return model.norm(x)
+    return w.norm(x)
 
 
 def prefill_step(model: Transformer, w: DecodeWeights, ids: torch.Tensor, mask: torch.Tensor,
@@ -93,10 +93,10 @@ def prefill_step(model: Transformer, w: DecodeWeights, ids: torch.Tensor, mask: 
     cos, sin = model.rotary((mask.cumsum(1) - 1)[real])  # [T, 1, D]
     causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
     allowed = (causal & real[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device)  # [B, P, P]
-    for block, weights, k, v in zip(model.layers, w.layers, ks, vs):
+    for block, weights, k, v in zip(w.blocks, w.layers, ks, vs):
         x = block.prefill(x, weights, cos, sin, index, allowed[:, None], k, v, w.kind)
     last = mask.sum(1).cumsum(0) - 1  # each prompt's last token among the T
-    return model.norm(x[last])
+    return w.norm(x[last])
 
 
 @functools.cache
@@ -109,8 +109,9 @@ class Decoder:
     """`prefill_step`, then `decode_step`, on fused weights and cache buffers of its own (see the module doc)."""
 
     def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
-        kinds = matmul_kinds(model.lm_head.weight, model.config.d_model, compile)
-        self.model, self.weights = model, DecodeWeights.of(model, rows, *kinds)
+        onednn = onednn_available(model.lm_head.weight, model.config.d_model)
+        kind = ("onednn_op" if compile else "onednn") if onednn else "dense"  # a graph takes dense tensors only
+        self.model, self.weights = model, DecodeWeights.of(model, rows, kind, "onednn" if onednn else "dense")
         cache = model.new_cache(rows, max_len)  # its keys/values only: the decoder keeps positions and padding itself
         self.k, self.v = cache.k, cache.v
         self.compile = compile
@@ -127,8 +128,7 @@ class Decoder:
         bias = torch.zeros(B, S, dtype=torch.float32, device=ids.device)
         bias[:, :P].masked_fill_(mask == 0, float("-inf"))
         self.bias = bias.repeat_interleave(repeats, 0)
-        self.positions = mask.sum(1).repeat_interleave(repeats, 0)
-        self.length = P
+        self.positions, self.length = mask.sum(1).repeat_interleave(repeats, 0), P
         return self.weights.logits(hidden).repeat_interleave(repeats, 0)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,8 @@ class Decoder:
         bias = self.bias[:, : self.length]
         if self.compile:
             torch._dynamo.mark_dynamic(bias, 1)
-        hidden = self.step_fn(self.model, self.weights, tokens.contiguous(), self.positions, self.k, self.v, bias)
+        x, (cos, sin) = self.model.embed_tokens(tokens), self.model.rotary(self.positions)
+        hidden = self.step_fn(self.weights, x, cos, sin, self.k, self.v, bias)
         self.positions += 1
         return self.weights.logits(hidden)
 
@@ -151,8 +152,7 @@ class ModelDecoder:
         self.model, self.cache = model, model.new_cache(rows, max_len)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, repeats: int = 1) -> torch.Tensor:
-        """Logits [B × repeats, V] of the prompts' last positions (ids [B, P] left-padded, `mask`), the
-        cache filled by one forward over the B prompts, each prompt's keys/values in its `repeats` rows."""
+        """As `Decoder.prefill`, by one forward over the B prompts (their keys/values copied to their rows)."""
         model, cache = self.model, self.cache
         segments, positions = (None, None) if bool(mask.all()) else padding_inputs(mask)  # no padding: causal
         if repeats == 1:

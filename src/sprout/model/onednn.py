@@ -12,9 +12,8 @@ A matmul weight (`matmul_weight`) is of one of three kinds, each multiplied by `
     "dense"      transposed [in, out], x @ w: an accelerator, bf16, autocast (which the packed
                  operators would bypass), or a model narrower than ONEDNN_MIN_WIDTH
     "onednn"     packed for the batch's rows
-    "onednn_op"  dense, carrying its packed copy, for a compiled graph (which takes dense tensors
-                 only): `onednn_linear`, a custom op the compiler does not look into, multiplies
-                 by the packed copy
+    "onednn_op"  dense, carrying its packed copy, for a compiled graph (dense tensors only):
+                 `onednn_linear`, a custom op the compiler does not look into, multiplies by the copy
 """
 
 from __future__ import annotations
@@ -25,22 +24,16 @@ ONEDNN_MIN_WIDTH = 256  # d_model from which packed matmuls outrun dense ones (s
 _PACKED = "_sprout_onednn"  # the attribute of a dense weight holding its oneDNN-packed copy ("onednn_op")
 
 
-def onednn_available(weight: torch.Tensor) -> bool:
-    """Whether matmuls with `weight` can run packed: float32 on a CPU with oneDNN, no CPU autocast
-    (the packed matmul would bypass it), and the two operators present."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and not torch.is_autocast_enabled("cpu") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def onednn_available(weight: torch.Tensor, width: int) -> bool:
+    """Whether a model of d_model `width` and parameters like `weight` multiplies faster packed: from
+    `ONEDNN_MIN_WIDTH` on, float32 on a CPU with oneDNN, no CPU autocast (the packed matmul would
+    bypass it), and the two operators present."""
+    return (width >= ONEDNN_MIN_WIDTH and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and not torch.is_autocast_enabled("cpu")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def matmul_kinds(weight: torch.Tensor, width: int, compiled: bool) -> tuple[str, str]:
-    """(its layers' kind, its output head's kind) for a model of d_model `width` and parameters like
-    `weight`: packed from `ONEDNN_MIN_WIDTH` on where available ("onednn_op" in a compiled step)."""
-    if not (onednn_available(weight) and width >= ONEDNN_MIN_WIDTH):
-        return "dense", "dense"
-    return ("onednn_op" if compiled else "onednn"), "onednn"
-
-
+@torch.no_grad()
 def matmul_weight(weight: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
     """`weight` [out, in] as `linear` takes it, of `kind` (see the module doc), packed for `rows` rows."""
     if kind == "onednn":
@@ -60,9 +53,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 @torch.library.custom_op("sprout::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight for a dense weight [in, out], multiplied by the oneDNN-packed copy attached to
-    it when there is one (an op opaque to torch.compile: a graph takes the dense tensor, the
-    packed one never enters it); a plain x @ weight otherwise."""
+    """x @ weight [in, out] through the packed copy attached to it, else plain (an op opaque to
+    torch.compile: a graph takes the dense tensor, the packed one never enters it)."""
     packed = getattr(weight, _PACKED, None)
     if packed is None:
         return torch.matmul(x, weight)

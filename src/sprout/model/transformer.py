@@ -52,8 +52,8 @@ Speed (CPU): `F.rms_norm` has no fused CPU kernel and autograd differentiates it
 decomposition op by op, so `RMSNorm` uses a small autograd Function whose backward is
 the closed form (about half the elementwise passes); rotary uses full-width tables and
 an autograd Function whose backward is the inverse rotation, with no saved activations
-and no swapped copy of the input (1.6× faster forward + backward than with the copy,
-measured on one [16, 256, 8, 32] head tensor).
+and no swapped copy of the input. Without grad mode (sampling, evaluation) both run
+their forward maths as plain functions, without the Functions' per-call overhead.
 """
 
 from __future__ import annotations
@@ -105,14 +105,20 @@ class ModelConfig:
         return self.d_ff or 64 * math.ceil(8 * self.d_model / 3 / 64)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`RMSNorm`'s output, 1/rms [..., 1])."""
+    rstd = torch.rsqrt(torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
+    return torch.mul(x, rstd).mul_(weight), rstd
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm with a hand-written backward (see the module doc): saves x and 1/rms only."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
+        y, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return torch.mul(x, rstd).mul_(weight)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -135,7 +141,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if torch.is_grad_enabled():
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)[0]
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,21 +158,22 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
     return torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
 
 
-class _RopeFunction(torch.autograd.Function):
-    """y = x * cos + swap_halves(x) * sin; saves only the tables (see `apply_rope`).
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + swap_halves(x) * sin, adding the swapped halves in place: no swapped copy of x."""
+    h = x.shape[-1] // 2
+    y = x * cos
+    y[..., :h].addcmul_(x[..., h:], sin[..., :h])
+    y[..., h:].addcmul_(x[..., :h], sin[..., h:])
+    return y
 
-    The swapped-halves term is added half by half in place (two addcmul_ on views), so no
-    swapped copy of x is ever built.
-    """
+
+class _RopeFunction(torch.autograd.Function):
+    """`_rotate`, saving only the tables (see `apply_rope`)."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        h = x.shape[-1] // 2
-        y = x * cos
-        y[..., :h].addcmul_(x[..., h:], sin[..., :h])
-        y[..., h:].addcmul_(x[..., :h], sin[..., h:])
-        return y
+        return _rotate(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -185,7 +194,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     HF's `x * cos + rotate_half(x) * sin` with rotate_half(x) = cat(-x2, x1); the minus
     sign lives in the sin table, and addcmul_ fuses the last multiply-add.
     """
-    return _RopeFunction.apply(x, cos.to(x.dtype), sin.to(x.dtype))
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return _RopeFunction.apply(x, cos, sin) if torch.is_grad_enabled() else _rotate(x, cos, sin)
 
 
 class KVCache:
@@ -267,7 +278,6 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    @torch.no_grad()
     def fused_weights(self, rows: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv, o) for `step`/`prefill`, `sprout.model.onednn.matmul_weight` copies: q, k and v one
         matrix [(H + 2 KV) D, d], the softmax scale 1/sqrt(head_dim) folded into q's rows."""
@@ -276,10 +286,9 @@ class Attention(nn.Module):
                 matmul_weight(self.o_proj.weight, rows, kind))
 
     def step(self, x, weights, cos, sin, k_cache, v_cache, bias, kind: str):
-        """`forward` of one new token per row, x [N, d] at rotary cos/sin [N, 1, D], on `fused_weights`.
-        Its key/value go to slot L - 1 of the cache [N, KV, S, D]; attention reads slots 0..L-1, the
-        scores plus `bias` [N, 1, 1, L] (0, or -inf on a row's padding): one query per row, so q · K,
-        softmax, times V, the queries viewed [N, KV, group, D] to read grouped keys/values in place."""
+        """`forward` of one new token per row, x [N, d] at rotary cos/sin [N, 1, D], on `fused_weights`:
+        its key/value to slot L - 1 of the cache [N, KV, S, D], attention over slots 0..L-1 as q · K
+        plus `bias` [N, 1, 1, L], softmax, times V (queries [N, KV, group, D]: keys read in place)."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         N, slot = x.shape[0], bias.shape[-1] - 1
         qkv = linear(x, weights[0], kind).view(N, H + 2 * KV, D)
@@ -291,10 +300,9 @@ class Attention(nn.Module):
         return linear(y.view(N, H * D), weights[1], kind)
 
     def prefill(self, x, weights, cos, sin, index, allowed, k_cache, v_cache, kind: str):
-        """`forward` of B left-padded prompts of P slots on `fused_weights`: the matmuls on their real
-        tokens x [T, d] (rotary cos/sin [T, 1, D]; `index`: each one's place in [B × P]), attention in
-        the padded layout [B, heads, P, D] where `allowed` [B, 1, P, P]. Each prompt's keys/values fill
-        slots 0..P-1 of its adjacent rows of the cache [B × G, KV, S, D]."""
+        """`forward` of B left-padded prompts of P slots on `fused_weights`: matmuls on their real tokens
+        x [T, d] at cos/sin [T, 1, D] (`index`: their places in [B × P]), attention padded [B, heads, P, D]
+        where `allowed` [B, 1, P, P]; keys/values to slots 0..P-1 of each prompt's G cache rows."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         B, P = allowed.shape[0], allowed.shape[-1]
         qkv = linear(x, weights[0], kind).view(-1, H + 2 * KV, D)
@@ -319,7 +327,6 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    @torch.no_grad()
     def fused_weights(self, rows: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) for `fused`, `sprout.model.onednn.matmul_weight` copies: gate and up one matrix."""
         return (matmul_weight(torch.cat((self.gate_proj.weight, self.up_proj.weight)), rows, kind),
@@ -344,7 +351,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused_weights(self, rows: int, kind: str):
-        """(the attention's, the MLP's) `fused_weights`, for `step` and `prefill`."""
+        """(the attention's, the MLP's) `fused_weights`, for `step` and `prefill`: the weights now."""
         return self.self_attn.fused_weights(rows, kind), self.mlp.fused_weights(rows, kind)
 
     def step(self, x, weights, cos, sin, k_cache, v_cache, bias, kind: str):
@@ -354,7 +361,8 @@ class Block(nn.Module):
 
     def prefill(self, x, weights, cos, sin, index, allowed, k_cache, v_cache, kind: str):
         """`forward` of the prompts' real tokens, x [T, d], on `fused_weights` (see `Attention.prefill`)."""
-        x = x + self.self_attn.prefill(self.input_layernorm(x), weights[0], cos, sin, index, allowed, k_cache, v_cache, kind)
+        x = x + self.self_attn.prefill(self.input_layernorm(x), weights[0], cos, sin, index, allowed, k_cache,
+                                       v_cache, kind)
         return x + self.mlp.fused(self.post_attention_layernorm(x), weights[1], kind)
 
 
