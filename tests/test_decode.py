@@ -3,7 +3,7 @@ block's equal its forward, and the decoder's logits equal the module forward's o
 sequence, to 1e-5 of their scale (left padding, grouped-query attention, tied embeddings, a value
 head; dense, oneDNN-packed, and dense with packed copies for the compiled step's op),
 shared prefills equal repeated prompts (also unpadded and one-token prompts), the compiled step
-equals the eager one and compiles once for every length and cache size (slow), and the weights
+equals the eager one and compiles once for every length, cache size and model class (slow), and the weights
 are read at each decoder's construction."""
 
 import pytest
@@ -162,8 +162,8 @@ def test_weights_are_read_when_the_decoder_is_built():
 @pytest.mark.slow
 @pytest.mark.parametrize("onednn", [False, True], ids=["dense", "onednn"])
 def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
-    """The compiled step gives the eager logits, and one graph serves every step, prompt length and
-    cache size of a shape of rows (the length dims are dynamic); with oneDNN (the width threshold
+    """The compiled step gives the eager logits, and one graph serves every step, prompt length, cache
+    size and model class of a shape of rows (the length dims are dynamic); with oneDNN (the width threshold
     lowered to this model's) its matmuls go through `onednn_linear` on dense weights."""
     from torch._dynamo.utils import counters
 
@@ -183,4 +183,7 @@ def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
         compiled = decoded_logits(decoder, ids, mask, new)
         assert_logits_close(compiled, eager)
         assert_logits_close(compiled, full_forward_logits(model, ids, mask, new))
+    policy = random_model(PolicyWithValue)  # another model class of the same shape: the same graph
+    assert_logits_close(decoded_logits(Decoder(policy, 3, 64, compile=True), ids, mask, new),
+                        full_forward_logits(policy, ids, mask, new))
     assert counters["stats"]["unique_graphs"] - graphs == 1
