@@ -1,17 +1,18 @@
-"""The decoder's prefill and one-token steps: their logits equal the module forward's over the
-whole sequence to 1e-5 of their scale (left padding, grouped-query attention, tied embeddings,
-a value head; dense, oneDNN-packed, and dense with packed copies for the compiled step's op),
+"""The decoder's prefill and one-token steps (the blocks' `prefill` and `step` on fused weights): a
+block's equal its forward, and the decoder's logits equal the module forward's over the whole
+sequence, to 1e-5 of their scale (left padding, grouped-query attention, tied embeddings, a value
+head; dense, oneDNN-packed, and dense with packed copies for the compiled step's op),
 shared prefills equal repeated prompts (also unpadded and one-token prompts), the compiled step
-equals the eager one and compiles once for every length and cache size (slow), and the weights
+equals the eager one and compiles once for every length, cache size and model class (slow), and the weights
 are read at each decoder's construction."""
 
 import pytest
 import torch
 
-import sprout.model.decode as decode_module
+import sprout.model.onednn as onednn_module
 
-from sprout.model.decode import (Decoder, DecodeWeights, ModelDecoder, make_decoder, matmul_weight, onednn_available,
-                                 onednn_linear)
+from sprout.model.decode import Decoder, DecodeWeights, ModelDecoder, make_decoder
+from sprout.model.onednn import onednn_available
 from sprout.model.generate import pad_prompts
 from sprout.model.heads import PolicyWithValue, padding_inputs
 from sprout.model.transformer import ModelConfig, Transformer
@@ -52,12 +53,40 @@ def decoded_logits(decoder, ids, mask, new, repeats=1):
     return torch.stack(out, 1)
 
 
+@pytest.mark.parametrize("kv_heads", [2, None], ids=["gqa", "mha"])
+def test_block_prefill_and_step_equal_its_forward(kv_heads):
+    """One block's decoding forms on its fused weights: the prefill at the prompts' real tokens and
+    each step at its token give the block's forward over the whole left-padded sequence."""
+    model, steps = random_model(n_kv_heads=kv_heads), 4
+    block, c = model.layers[1], model.config
+    ids, mask = pad_prompts(PROMPTS)
+    (B, P), real = ids.shape, mask.bool()
+    x = torch.randn(B, P + steps, c.d_model, generator=torch.Generator().manual_seed(5))
+    segments, positions = padding_inputs(torch.cat([mask, torch.ones(B, steps, dtype=torch.long)], 1))
+    cos, sin = model.rotary(positions)  # [B, T, 1, D]
+    causal = torch.ones(P + steps, P + steps, dtype=torch.bool).tril()
+    k, v = (torch.zeros(B, c.kv_heads, P + steps, c.head_dim) for _ in range(2))
+    weights = block.fused_weights(B, "dense")
+    index = real.flatten().nonzero()[:, 0]
+    allowed = (causal[:P, :P] & real[:, None, :]) | torch.eye(P, dtype=torch.bool)
+    bias = torch.zeros(B, P + steps).masked_fill_(torch.cat([~real, torch.zeros(B, steps, dtype=torch.bool)], 1),
+                                                  float("-inf"))
+    with torch.no_grad():
+        expected = block(x, cos, sin, ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None], None, 0)
+        got = block.prefill(x[:, :P].reshape(B * P, -1)[index], weights, cos[:, :P][real], sin[:, :P][real], index,
+                            allowed[:, None], k, v, "dense")
+        assert_logits_close(got, expected[:, :P][real])
+        for t in range(P, P + steps):
+            got = block.step(x[:, t], weights, cos[:, t], sin[:, t], k, v, bias[:, None, None, : t + 1], "dense")
+            assert_logits_close(got, expected[:, t])
+
+
 @pytest.mark.parametrize("matmul", ["dense", "onednn", "onednn_op"])
 @pytest.mark.parametrize("kind", ["gqa", "mha", "tied", "value head"])
 def test_decode_step_equals_the_full_forward(kind, matmul):
     overrides = {"mha": dict(n_kv_heads=None), "tied": dict(tie_embeddings=True)}.get(kind, {})
     model = random_model(PolicyWithValue if kind == "value head" else Transformer, **overrides)
-    if matmul != "dense" and not onednn_available(model):
+    if matmul != "dense" and not onednn_available(model.lm_head.weight, onednn_module.ONEDNN_MIN_WIDTH):
         pytest.skip("no oneDNN")
     ids, mask = pad_prompts(PROMPTS)
     new = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
@@ -67,22 +96,12 @@ def test_decode_step_equals_the_full_forward(kind, matmul):
     assert_logits_close(decoded_logits(decoder, ids, mask, new), full_forward_logits(model, ids, mask, new))
 
 
-def test_onednn_op_falls_back_to_a_plain_matmul():
-    """The compiled step's matmul op: through the packed copy attached to the dense weight, or
-    x @ w when none is (a weight built elsewhere)."""
-    x, w = torch.randn(4, 16), torch.randn(8, 16)
-    bare = matmul_weight(w, 4, "dense")
-    torch.testing.assert_close(onednn_linear(x, bare), x @ w.T)
-    if torch.backends.mkldnn.is_available():
-        torch.testing.assert_close(onednn_linear(x, matmul_weight(w, 4, "onednn_op")), x @ w.T)
-
-
 def test_autocast_keeps_dense_weights():
     """Under CPU autocast the matmuls stay autocast's (bf16), as in the module forward."""
     model = random_model()
     ids, mask = pad_prompts(PROMPTS)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not onednn_available(model)
+        assert not onednn_available(model.lm_head.weight, onednn_module.ONEDNN_MIN_WIDTH)
         decoder = Decoder(model, 3, ids.shape[1] + 2)
         got = decoded_logits(decoder, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
         expected = full_forward_logits(model, ids, mask, torch.tensor([[1, 2], [3, 4], [5, 6]]))
@@ -132,8 +151,8 @@ def test_weights_are_read_when_the_decoder_is_built():
         model.layers[0].self_attn.k_proj.weight.add_(1.0)
         model.layers[1].mlp.up_proj.weight.mul_(2.0)
     after = DecodeWeights.of(model)
-    assert not torch.equal(before.layers[0][1], after.layers[0][1])
-    assert not torch.equal(before.layers[1][4], after.layers[1][4])
+    assert not torch.equal(before.layers[0][0][0], after.layers[0][0][0])  # qkv
+    assert not torch.equal(before.layers[1][1][0], after.layers[1][1][0])  # gate_up
     ids, mask = pad_prompts(PROMPTS)
     new = torch.randint(0, 64, (3, 3), generator=torch.Generator().manual_seed(3))
     assert_logits_close(decoded_logits(Decoder(model, 3, ids.shape[1] + 3), ids, mask, new),
@@ -143,16 +162,16 @@ def test_weights_are_read_when_the_decoder_is_built():
 @pytest.mark.slow
 @pytest.mark.parametrize("onednn", [False, True], ids=["dense", "onednn"])
 def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
-    """The compiled step gives the eager logits, and one graph serves every step, prompt length and
-    cache size of a shape of rows (the length dims are dynamic); with oneDNN (the width threshold
+    """The compiled step gives the eager logits, and one graph serves every step, prompt length, cache
+    size and model class of a shape of rows (the length dims are dynamic); with oneDNN (the width threshold
     lowered to this model's) its matmuls go through `onednn_linear` on dense weights."""
     from torch._dynamo.utils import counters
 
     model = random_model()
     if onednn:
-        if not onednn_available(model):
+        if not onednn_available(model.lm_head.weight, onednn_module.ONEDNN_MIN_WIDTH):
             pytest.skip("no oneDNN")
-        monkeypatch.setattr(decode_module, "ONEDNN_MIN_WIDTH", 32)
+        monkeypatch.setattr(onednn_module, "ONEDNN_MIN_WIDTH", 32)
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     for prompts, extra in ((PROMPTS, 6), ([[3, 4, 5, 6, 7, 8, 9, 10, 11], [1], [2, 3]], 20)):
@@ -164,4 +183,7 @@ def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
         compiled = decoded_logits(decoder, ids, mask, new)
         assert_logits_close(compiled, eager)
         assert_logits_close(compiled, full_forward_logits(model, ids, mask, new))
+    policy = random_model(PolicyWithValue)  # another model class of the same shape: the same graph
+    assert_logits_close(decoded_logits(Decoder(policy, 3, 64, compile=True), ids, mask, new),
+                        full_forward_logits(policy, ids, mask, new))
     assert counters["stats"]["unique_graphs"] - graphs == 1
