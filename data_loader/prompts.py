@@ -55,11 +55,7 @@ class PromptLoader(EpochOrder):
         super().__init__(self.path, len(self.ids), global_prompts // world_size, seed=seed, rank=rank,
                          world_size=world_size, shuffle=shuffle, unit="prompts",
                          keys=("batch", "num_prompts", "global_prompts"))
-        self.global_prompts, self.batches_per_epoch = global_prompts, self.steps_per_epoch
-
-    @property
-    def num_prompts(self) -> int:
-        return len(self.ids)
+        self.global_prompts, self.batches_per_epoch, self.num_prompts = global_prompts, self.steps_per_epoch, len(self.ids)
 
     def next_prompts(self) -> np.ndarray:
         """This rank's prompt indices of the next global batch (a new epoch starts when one is used up)."""

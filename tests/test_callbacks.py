@@ -146,16 +146,24 @@ def test_samples_record_and_no_samples_after_a_signal(tmp_path):
                       "decoding": "greedy"}]
 
 
-def test_the_report_is_written_only_after_a_run_that_ended(tmp_path):
+def test_the_report_follows_the_end_record(tmp_path):
     trainer = FakeTrainer(tmp_path)
     run = FitRun(trainer, SimpleNamespace(name="test"), MetricsLogger(tmp_path, trainer.accelerator))
-    RunReport().close(run)  # the loop raised before `end`: no report
-    assert not (tmp_path / "report.md").exists()
-    report = RunReport()
-    report.end(run)
-    report.close(run)
+    RunReport().end(run)
     assert (tmp_path / "report.md").is_file()
     assert read_metrics(tmp_path / "metrics.jsonl")[-1]["event"] == "end"
+
+
+def test_no_report_after_an_exception(tmp_path):
+    class Boom:
+        def after_step(self, run):
+            raise RuntimeError("boom")
+
+    stage = SimpleNamespace(name="test", next_micro_batches=lambda step: [{}])
+    trainer = FakeTrainer(tmp_path, max_steps=3)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(trainer, stage, callbacks=[Boom(), RunReport()])
+    assert not (tmp_path / "report.md").exists()
 
 
 def test_fit_runs_the_callbacks_in_order_and_stops_when_data_runs_out():

@@ -253,24 +253,17 @@ class Samples:
 
 
 class RunReport:
-    """The end record, last in metrics.jsonl; then, once the metrics are closed, loss.png and
-    report.md in the run folder (rank 0)."""
-
-    def __init__(self):
-        self.ready = False
+    """The end record, last in metrics.jsonl; then the metrics closed, loss.png and report.md
+    in the run folder (rank 0). Not after an exception."""
 
     def end(self, run: FitRun) -> None:
-        if run.logger:
-            run.logger.log({"event": "end", "step": run.trainer.steps_done,
-                            "elapsed_s": time.perf_counter() - run.t_start}, track=False)
-        self.ready = True
-
-    def close(self, run: FitRun) -> None:
         trainer, acc = run.trainer, run.trainer.accelerator
-        if not (self.ready and trainer.out_dir and acc.is_main_process):
-            return
         if run.logger:
+            run.logger.log({"event": "end", "step": trainer.steps_done, "elapsed_s": time.perf_counter() - run.t_start},
+                           track=False)
             run.logger.close()
+        if not (trainer.out_dir and acc.is_main_process):
+            return
         png = plot_loss_curve(trainer.out_dir / "metrics.jsonl", trainer.out_dir / "loss.png",
                               loss_label=getattr(run.stage, "loss_label", "loss"), title=trainer.out_dir.name)
         n_params = sum(p.numel() for p in trainer.raw_model.parameters())  # a tied matrix counts once

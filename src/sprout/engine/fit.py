@@ -17,10 +17,6 @@ from sprout.engine.metrics import MetricsLogger
 from sprout.engine.stage import Stage
 
 
-def default_callbacks() -> list:
-    return [StopSignals(), TrainingRecords(), EvalCadence(), CheckpointCadence(), Samples(), RunReport()]
-
-
 def call(callbacks: list, hook: str, run: FitRun) -> None:
     for callback in callbacks:
         if hasattr(callback, hook):
@@ -34,7 +30,8 @@ def fit(trainer: Trainer, stage: Stage, callbacks: list | None = None) -> dict:
     cfg, acc = trainer.cfg, trainer.accelerator
     logger = MetricsLogger(trainer.out_dir, acc, trackers=cfg.trackers, run_config=trainer.meta.get("config"),
                            resume_step=trainer.resumed_from) if trainer.out_dir else None
-    callbacks = default_callbacks() if callbacks is None else callbacks
+    if callbacks is None:
+        callbacks = [StopSignals(), TrainingRecords(), EvalCadence(), CheckpointCadence(), Samples(), RunReport()]
     run = FitRun(trainer, stage, logger)
     try:
         call(callbacks, "start", run)
