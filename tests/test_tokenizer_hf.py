@@ -19,14 +19,15 @@ from sprout.checkpoint import bundle_tokenizer, checkpoint_tokenizer, read_meta,
 from sprout.errors import SproutError
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.prep.pretrain import PrepConfig, prepare
+from sprout.prep.tokenizer_train import TokenizerTrainConfig, train_from_sources
 from sprout.tokenizer import HFTokenizer, load_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PIECES = {
     "words": ["the", "quick", "brown", "fox", "Hello", "world", "don't", "it's", "I'll", "(x)", "a.b,c;", "-->",
               "def f():", "return", "MixedCase", "x=1", "#!", "~"],
-    "unicode": ["café", "naïve", "日本語", "中文字", "テスト", "😀", "👍🏽", "🇫🇷", "e\u0301", "a\u0308\u0323", "Жили-были",
-                "straße", "\u200b", "\u00a0", "ǅ", "𝔘𝔫𝔦", "عربى", "ﬁ", "Ａ"],
+    "unicode": ["café", "naïve", "日本語", "中文字", "テスト", "😀", "👍🏽", "🇫🇷", "e\u0301", "a\u0308\u0323",
+                "Жили-были", "straße", "\u200b", "\u00a0", "ǅ", "𝔘𝔫𝔦", "عربى", "ﬁ", "Ａ"],
     "space": [" ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \t \n ", "\n\n\n", "\u3000"],
     "digits": ["0", "7", "42", "2024", "3.14159", "1,000,000", "007", "12345678901234567890"],
     "specials": SPECIALS + ["<think>", "<|im_start|>user\n", "<|im_end|>\n", "<|endoftext|><|endoftext|>"],
@@ -69,7 +70,8 @@ def write_bpe(folder: Path, config: dict | None = None, specials=tuple(SPECIALS)
     return folder
 
 
-CONFIG = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True}}
+CONFIG = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+          "pad_token": {"__type": "AddedToken", "content": "<|endoftext|>", "special": True}}  # a token as an object
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +128,8 @@ def test_surface_ids_from_the_config(hf, hf_dir):
     assert (same.fingerprint(), same.bos_id, same.encode("Hello world")) == (hf.fingerprint(), 1, hf.encode("Hello world"))
     docs = ["Hello world", "café 😀", ""]
     flat, lengths = hf.encode_docs(docs)
-    assert flat.tolist() == [i for d in docs for i in hf.encode(d) + [0]] and lengths.tolist() == [len(hf.encode(d)) + 1 for d in docs]
+    assert flat.tolist() == [i for d in docs for i in hf.encode(d) + [0]]
+    assert lengths.tolist() == [len(hf.encode(d)) + 1 for d in docs]
     assert pickle.loads(pickle.dumps(hf)).encode("the quick fox") == hf.encode("the quick fox")
 
 
@@ -149,7 +152,8 @@ def test_eot_rule_and_config_layouts(tmp_path):
     assert (load_tokenizer(f"hf:{bare}").eot_id, load_tokenizer(f"hf:{bare}").bos_id) == (0, None)
     # special_tokens_map.json overrides the config only when the config has no added_tokens_decoder
     (bare / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_end|>"}))
-    (bare / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<|im_start|>"}, "pad_token": "<|im_end|>"}))
+    token_map = {"bos_token": {"content": "<|im_start|>"}, "pad_token": "<|im_end|>"}
+    (bare / "special_tokens_map.json").write_text(json.dumps(token_map))
     assert (load_tokenizer(f"hf:{bare}").bos_id, load_tokenizer(f"hf:{bare}").pad_id) == (1, 2)
     (bare / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_end|>", "added_tokens_decoder": {}}))
     assert (load_tokenizer(f"hf:{bare}").bos_id, load_tokenizer(f"hf:{bare}").pad_id) == (2, None)
@@ -181,7 +185,8 @@ def test_bad_paths_and_files_are_one_line_errors(hf_dir, tmp_path):
         load_tokenizer(f"hf:{tmp_path / 'nowhere'}")
     cases.append(e)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SproutError, match=r"empty/tokenizer.json: Hugging Face tokenizer not found \(no tokenizer.json there") as e:
+    with pytest.raises(SproutError, match=r"empty/tokenizer.json: Hugging Face tokenizer not found "
+                                          r"\(no tokenizer.json there") as e:
         load_tokenizer(f"hf:{tmp_path / 'empty'}")
     cases.append(e)
     bad = tmp_path / "bad"
@@ -198,11 +203,15 @@ def test_bad_paths_and_files_are_one_line_errors(hf_dir, tmp_path):
         load_tokenizer(f"hf:{broken}")
     cases.append(e)
     (broken / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nothing|>"}))
-    with pytest.raises(SproutError, match=r"broken_config: eos_token '<\|nothing\|>' of tokenizer_config.json is not a token") as e:
+    with pytest.raises(SproutError, match=r"broken_config: eos_token '<\|nothing\|>' of tokenizer_config.json "
+                                          r"is not a token") as e:
         load_tokenizer(f"hf:{broken}")
     cases.append(e)
     with pytest.raises(SproutError, match="expected tiktoken:NAME, sentencepiece:PATH.model or hf:PATH") as e:
         load_tokenizer("hf:")
+    cases.append(e)
+    with pytest.raises(SproutError, match="only SentencePiece models are trained here") as e:
+        train_from_sources(TokenizerTrainConfig(sources=["x.txt"], out=f"hf:{tmp_path / 'new'}"))
     cases.append(e)
     assert all("\n" not in str(e.value) for e in cases)
 

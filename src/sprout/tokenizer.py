@@ -288,7 +288,7 @@ class HFTokenizer(Tokenizer):
         self.name = path.parent.name
         self._added = {t.content: i for i, t in self._tk.get_added_tokens_decoder().items()}
         self._special = {i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
-        self.vocab_size = max(self._tk.get_vocab(with_added_tokens=True).values()) + 1
+        self.vocab_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         config = hf_special_tokens(path.parent)
         self._tk.encode_special_tokens = bool(config.get("split_special_tokens"))
         bos, eos, pad = (self._config_id(config, k) for k in ("bos_token", "eos_token", "pad_token"))
@@ -305,7 +305,8 @@ class HFTokenizer(Tokenizer):
             return None
         i = self._tk.token_to_id(token)
         if i is None:
-            raise SproutError(f"{self.path.parent}: {key} {token!r} of {HF_SIDE_FILES[0]} is not a token of {self.path.name}")
+            raise SproutError(f"{self.path.parent}: {key} {token!r} of {HF_SIDE_FILES[0]} "
+                              f"is not a token of {self.path.name}")
         return i
 
     def encode(self, text: str) -> list[int]:
@@ -323,9 +324,10 @@ class HFTokenizer(Tokenizer):
     def _build_luts(self):
         from tokenizers import decoders
 
-        if not isinstance(self._tk.decoder, decoders.ByteLevel):
+        decoder = self._tk.decoder
+        if not isinstance(decoder, decoders.ByteLevel):
             raise SproutError(f"{self.path}: bits per byte needs a byte-level tokenizer (decoder ByteLevel), "
-                              f"this one decodes with {type(self._tk.decoder).__name__}")
+                              f"this one decodes with {type(decoder).__name__ if decoder else 'no decoder'}")
         to_byte = {c: b for b, c in bytes_to_unicode().items()}
         v = self.vocab_size
         base = np.zeros(v, dtype=np.int16)

@@ -135,8 +135,8 @@ def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
     """Train `cfg.out`.model on the sources, interleaved document by document, cleaned like
     the pretraining data (so the tokenizer sees the text it will encode)."""
     if cfg.out.partition(":")[0] in ("tiktoken", "sentencepiece", "hf"):
-        raise SproutError(f"out {cfg.out!r}: expected a path prefix (writes OUT.model), not a tokenizer spec; "
-                          f"only SentencePiece models are trained here (an hf: tokenizer comes with its imported model)")
+        raise SproutError(f"out {cfg.out!r}: expected a path prefix (writes OUT.model), not a tokenizer spec; only "
+                          f"SentencePiece models are trained here (an hf: tokenizer comes with its imported model)")
     mirror = mirror_dir(cfg.mirror)
     streams = []
     for i, item in enumerate(cfg.sources):
