@@ -47,7 +47,7 @@ from sprout.prep.records import kept_records, log_first_drops
 
 @dataclass
 class SFTDataConfig:
-    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME or sentencepiece:PATH.model
+    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME, sentencepiece:PATH.model or hf:PATH
     out: str = "runs/demo/sft/sft.h5"  # train file; val beside it with _val
     seq_len: int = 512  # row length in tokens
     mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
