@@ -152,5 +152,6 @@ def detect_chat_format(template: str, tok, bos_token: str | None = None, eos_tok
     def token(ids):
         return f"{ids[p]} ({tok.decode([ids[p]])!r})" if p < len(ids) else "the end of the sequence"
     raise SproutError(f"chat template matches none of the chat formats {', '.join(FORMATS)}; closest {fmt.name}: "
-                      f"conversation {k} ({len(messages)} messages{', generation prompt' if gen else ''}) "
+                      f"conversation {k} ({len(messages)} message{'s' if len(messages) > 1 else ''}"
+                      f"{', generation prompt' if gen else ''}) "
                       f"position {p}: expected {token(want)} from the template, got {token(got)} from {fmt.name}")
