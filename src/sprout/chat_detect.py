@@ -20,7 +20,7 @@ matched longest and its first differing token (conversation, position, the templ
 and the format's, each decoded).
 
 The contents of the cases have no whitespace at either end, so templates that trim message
-contents (Llama 3's) can match; `render` itself never trims.
+contents (Llama 3's) can match; `render` itself never trims. jinja2 comes with torch.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from sprout.errors import SproutError
 
 CONVERSATIONS = (
     (("user", "What is 2 + 3?"), ("assistant", "<answer>5</answer>"), ("user", "And 7 * 6?"),
-     ("assistant", "<think>7 * 6 = 42</think><answer>42</answer>"), ("user", "Thanks!"), ("assistant", "You're welcome.")),
+     ("assistant", "<think>7 * 6 = 42</think><answer>42</answer>"), ("user", "Thanks!"),
+     ("assistant", "You're welcome.")),
     (("system", "You answer briefly."), ("user", "Name three colours."), ("assistant", "Red, green and blue."),
-     ("user", "日本語 ✓ 😀"), ("assistant", "Café naïve\n\nline two"), ("user", "tab\there"), ("assistant", "ok")),
+     ("user", "日本語 ✓ 😀"), ("assistant", "Café naïve\n\nline two"), ("user", "tab\there"),
+     ("assistant", "ok")),
     (("system", "Think step by step.\nThen answer."), ("user", "12345 + 678 = ?"), ("assistant", "13023"),
      ("user", "it's they'll we've I'd"), ("assistant", "x")),
     (("user", "Hello"), ("assistant", "Hi! How can I help?"), ("user", "a  b   c"), ("assistant", "d")),
@@ -63,9 +65,12 @@ def detection_cases() -> list[tuple[list, bool]]:
 def jinja_renderer(template: str, bos_token: str, eos_token: str):
     """`render(messages, add_generation_prompt) -> str` for a chat template, set up as
     transformers' `apply_chat_template` sets it up (see the module docstring)."""
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise SproutError("reading a chat template needs jinja2 (pip install jinja2)") from None
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)

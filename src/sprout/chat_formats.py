@@ -102,7 +102,8 @@ class ChatFormat:
     def from_json(cls, data: dict, where: str = "chat format") -> "ChatFormat":
         """A format from `to_json`'s dict; fields it leaves out come from the named table entry."""
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            raise SproutError(f"{where}: expected an object with a 'name' (one of {', '.join(FORMATS)} or a full format)")
+            raise SproutError(f"{where}: expected an object with a 'name' "
+                              f"(one of {', '.join(FORMATS)} or a full format)")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - fields - {"version"}
         if unknown:
@@ -112,7 +113,8 @@ class ChatFormat:
         try:
             fmt = dataclasses.replace(base, **given) if base is not None else cls(**given)
         except TypeError as exc:
-            raise SproutError(f"{where}: format {data['name']!r} is not in the table and lacks fields ({exc})") from None
+            raise SproutError(f"{where}: format {data['name']!r} is not in the table and lacks fields "
+                              f"({exc})") from None
         if "{role}" not in fmt.header:
             raise SproutError(f"{where}: header {fmt.header!r} does not contain {{role}}")
         if "version" in data and data["version"] != fmt.version:

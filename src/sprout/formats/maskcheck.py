@@ -130,7 +130,9 @@ def describe_position(turns, p: int) -> str:
     """Where position `p` falls among `turns` (`sprout.chat.segment`), in words for a violation."""
     for k, t in enumerate(turns):
         if p < t.start:
-            return "the BOS token" if k == 0 else f"the text after the end-of-turn token of {turns[k - 1].role} turn {k - 1}"
+            if k == 0:
+                return "the BOS token"
+            return f"the text after the end-of-turn token of {turns[k - 1].role} turn {k - 1}"
         if t.start <= p < t.content_start:
             return f"the {t.role} header of turn {k}"
         if t.content_start <= p < t.end:

@@ -8,8 +8,8 @@ sees at inference exactly the token layout it was fine-tuned on.
 
 - Stop tokens: `sprout.model.generate.default_stop_ids`: the end-of-turn id, plus the role
   headers when they are single control ids (SentencePiece models trained here), in case a
-  model starts a new turn without closing its own. With plain-text markers (tiktoken) a reply is cut at the first marker text
-  (any reserved string of the chat format).
+  model starts a new turn without closing its own. With plain-text markers (tiktoken) a reply is
+  cut at the first marker text (any reserved string of the chat format).
 - Context: when the rendered history leaves no room for an answer, the oldest exchanges
   are dropped (the system message stays); a single message that does not fit raises
   `ChatError`, as does a message the template refuses (e.g. one containing marker text),
