@@ -40,6 +40,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from sprout.atomic import atomic_write
 from sprout.errors import SproutError
 from sprout.tokenizer import EOT
 
@@ -152,7 +153,8 @@ def read_chat_format(path: str | os.PathLike) -> ChatFormat:
 def write_chat_format(folder: str | os.PathLike, fmt: ChatFormat) -> Path:
     """Write `fmt` as `chat_format.json` in `folder` (beside a tokenizer's files); returns its path."""
     path = Path(folder) / CHAT_FORMAT_FILE
-    path.write_text(json.dumps(fmt.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(fmt.to_json(), indent=2, ensure_ascii=False) + "\n")
     return path
 
 

@@ -290,13 +290,14 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
     SentencePiece: the .model (and the .vocab beside it, if any) is copied atomically, unless the
     same file is already there; returns {"tokenizer_file": "tokenizer/NAME.model",
     "tokenizer_sha256": ...}. hf: the tokenizer.json and the side files beside it
-    (`sprout.tokenizer.HF_SIDE_FILES`, those present) go to `tokenizer/FOLDER/`, FOLDER being
+    (`sprout.tokenizer.HF_SIDE_FILES` and the chat format's `chat_format.json`, those present) go to `tokenizer/FOLDER/`, FOLDER being
     the name of the folder holding the tokenizer.json, and the fields add "tokenizer_side_sha256".
     A tiktoken spec (or none) returns {}. `write=False` only computes
     the fields (the processes of a run that do not write to its folder). A different tokenizer
     already in the run folder is refused; when the spec does not resolve here (a relative path,
     a resume from another directory) the run folder's own copy stands in for it.
     """
+    from sprout.chat_formats import CHAT_FORMAT_FILE
     from sprout.tokenizer import HF_SIDE_FILES, hf_json
 
     kind, _, arg = (spec or "").partition(":")
@@ -307,7 +308,7 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
     elif kind == "hf":
         src = hf_json(Path(arg))
         rel = f"{TOKENIZER_DIR}/{Path(os.path.abspath(src)).parent.name}/{src.name}"
-        sides, recorded, what = list(HF_SIDE_FILES), True, "Hugging Face tokenizer"
+        sides, recorded, what = [*HF_SIDE_FILES, CHAT_FORMAT_FILE], True, "Hugging Face tokenizer"
     else:
         return {}
     dst = Path(run_dir) / rel
