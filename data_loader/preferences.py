@@ -1,7 +1,8 @@
 """Batches of preference pairs (`sprout.formats.preferences`) for reward-model and DPO-style trainers.
 
 Every pair is rendered once, at construction, by `sprout.formats.preference_tokens` (the
-same code `scripts/check_loss_mask.py` checks): pairs that do not fit `seq_len` are
+same code `scripts/check_loss_mask.py` checks) in the tokenizer's chat format (its version is
+`template_version`): pairs that do not fit `seq_len` are
 dropped or have their prompt shortened per `truncation`, and `counts` says how many
 (pairs_read, pairs, dropped_too_long, truncated, prompt_turns_dropped).
 
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 
 from data_loader.order import EpochOrder
+from sprout.chat_formats import format_for
 from sprout.errors import SproutError
 from sprout.formats.preference_tokens import TRUNCATIONS, tokenize_preferences
 
@@ -60,6 +62,7 @@ class PreferenceLoader(EpochOrder):
             raise SproutError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
         self.seq_len, self.truncation, self.batch_size = seq_len, truncation, batch_size
         self.pad_id = tok.pad_id if tok.pad_id is not None else tok.eot_id
+        self.template_version = format_for(tok).version  # the chat format the pairs are rendered in
         found = tokenize_preferences(path, tok, seq_len, truncation)
         self.pairs, self.counts = found.pairs, found.counts
         self.dropped, self.truncated = found.dropped, found.truncated

@@ -7,6 +7,8 @@
 Rows shown: by default --show rows that hold a packing boundary, a trained end-of-turn token
 and padding; --rows picks them by number, --random N draws N with --seed (the same rows for
 the same seed). Examples the prep truncated or dropped are summarised in warning lines.
+Rows, pairs and prompts are parsed in the tokenizer's chat format (`sprout.chat_formats`:
+sprout, chatml, llama3); an SFT file made with another format than its tokenizer's is refused.
 Exit status: 0 when every invariant of `sprout.formats.maskcheck` holds, 1 on any violation
 (each printed with its row and position), 2 when the file is missing, corrupted
 (checksum mismatch), not an SFT file, or holds no rows.
@@ -120,7 +122,7 @@ def check_pairs(args) -> int:
     if args.html:
         with atomic_write(args.html, "w") as out:
             out.write(pairs_html(report.shown, tpl, tok, f"loss mask: {args.file}", totals))
-    print(f"{args.file}: preference pairs, tokenizer {tok.spec}, seq_len {args.seq_len}, truncation {args.truncation}")
+    print(f"{args.file}: preference pairs, tokenizer {tok.spec}, template {tpl.version}, seq_len {args.seq_len}, truncation {args.truncation}")
     print_totals(totals)
     for line, pid, longest in report.dropped[:10]:
         print(f"  dropped: line {line} ({pid}): {longest} tokens > seq_len {args.seq_len}")
@@ -147,7 +149,7 @@ def check_prompt_file(args) -> int:
     if args.html:
         with atomic_write(args.html, "w") as out:
             out.write(prompts_html(report.shown, tpl, tok, f"prompts: {args.file}", totals))
-    print(f"{args.file}: RL prompts, tokenizer {tok.spec}" + (f", seq_len {args.seq_len}" if args.seq_len else ""))
+    print(f"{args.file}: RL prompts, tokenizer {tok.spec}, template {tpl.version}" + (f", seq_len {args.seq_len}" if args.seq_len else ""))
     print_totals(totals)
     for line, pid, n in report.too_long[:10]:
         print(f"  too long: line {line} ({pid}): {n} tokens leave no room to generate within seq_len {args.seq_len}")

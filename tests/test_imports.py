@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH = ("torch", "accelerate", "safetensors.torch")
 LAYERS = (
     ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.config", "sprout.mirror", "sprout.answers")),
-    ("text", ("sprout.tokenizer", "sprout.chat", "sprout.bpb")),
+    ("text", ("sprout.tokenizer", "sprout.chat_formats", "sprout.chat", "sprout.chat_detect", "sprout.bpb")),
     ("formats", ("sprout.formats",)),
     ("prep", ("sprout.prep",)),
     ("checkpoint", ("sprout.checkpoint",)),

@@ -1,9 +1,9 @@
 """The chat template: one conversation -> (ids, loss_mask), and back again.
 
 Every stage that turns messages into tokens (SFT prep, preference and RL batches, the
-chat CLI) goes through `render`, so training and inference see the same bytes.
-
-Layout:
+chat CLI) goes through `render`, so training and inference see the same bytes. The layout is
+the tokenizer's chat format (`sprout.chat_formats.format_for`: sprout's own unless the
+tokenizer says otherwise); `template_for` turns it into token ids. sprout's layout:
 
     <|system|>\\n{system}<eot><|user|>\\n{question}<eot><|assistant|>\\n{answer}<eot>...
 
@@ -14,33 +14,41 @@ Layout:
 - SentencePiece models trained here carry `<|system|>`, `<|user|>`, `<|assistant|>` as
   control symbols: the header is that single id; `<|endoftext|>` closes every turn.
 
+Other formats (chatml, llama3) build each header from special tokens (`tok.special_id`) and
+the text around them (`tok.encode`, each part on its own); they may open with a BOS token,
+follow every end-of-turn token with untrained text (chatml's newline), and insert a default
+system message when a conversation has none.
+
 `loss_mask[i] == 1` means token i is a training *target*: the tokens of every assistant
-turn's content and the eot that closes it (so the model learns to stop). Role headers,
-system and user text, and (later) padding are 0. Trainers feed ids[:-1] and score
-ids[1:] with mask[1:]. Because the header is never trained, the first token of a packed
-document is never a target, so no loss crosses a document boundary.
+turn's content and the end-of-turn token that closes it (so the model learns to stop). BOS,
+role headers, system and user text, the text after an end-of-turn token and (later) padding
+are 0. Trainers feed ids[:-1] and score ids[1:] with mask[1:]. Because the header is never
+trained, the first token of a packed document is never a target, so no loss crosses a
+document boundary.
 
 Content may not contain the marker strings themselves (a plain-text `<|user|>` inside a
-message would be indistinguishable from a real turn). `segment` parses a rendered
+message would be indistinguishable from a real turn): `validate` refuses sprout's markers,
+`render` also the special pieces of the tokenizer's format. `segment` parses a rendered
 sequence back into turns; the loss-mask checker relies on it. Reasoning answers use
 `<think>...</think><answer>N</answer>`, written and parsed by `sprout.answers`.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from sprout.chat_formats import ROLES, SPROUT, ChatFormat, format_for
 from sprout.errors import SproutError
 from sprout.tokenizer import EOT
 
-TEMPLATE_VERSION = "sprout-chat-v1"
-ROLES = ("system", "user", "assistant")
-MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+TEMPLATE_VERSION = SPROUT.version  # sprout's format, the version its data files record
+MARKERS = {r: SPROUT.header_for(r) for r in ROLES}
 EOT_MARKER = EOT  # closes every turn
-RESERVED = (*MARKERS.values(), EOT_MARKER)
+RESERVED = SPROUT.reserved
 
 
 class ChatError(SproutError):
@@ -59,35 +67,77 @@ class ChatError(SproutError):
 
 @dataclass(frozen=True)
 class Template:
-    """The token-level constants of the template for one tokenizer."""
+    """The token-level constants of one chat format for one tokenizer."""
 
-    kind: str  # "special" (SentencePiece control ids) or "text" (plain-text markers)
+    kind: str  # "special" (headers built from special tokens) or "text" (plain-text headers)
     headers: dict  # role -> tuple of header ids
     eot_id: int
+    format: ChatFormat = SPROUT
+    after_eot: tuple = ()  # ids of the untrained text after every end-of-turn token
+    bos: tuple = ()  # (BOS id,) when the format opens with one
+
+    @property
+    def version(self) -> str:
+        return self.format.version
 
     def to_json(self) -> dict:
-        return {"version": TEMPLATE_VERSION, "kind": self.kind, "eot_id": self.eot_id,
-                "headers": {r: list(h) for r, h in self.headers.items()}}
+        """What data files record; sprout's holds exactly the fields it always had."""
+        out = {"version": self.version, "kind": self.kind, "eot_id": self.eot_id,
+               "headers": {r: list(h) for r, h in self.headers.items()}}
+        if self.format != SPROUT:
+            out.update(format=self.format.to_json(), after_eot=list(self.after_eot), bos=list(self.bos))
+        return out
 
 
 _TEMPLATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def template_for(tok) -> Template:
-    """Header ids and eot for `tok`: control ids when it has all three role pieces."""
-    cached = _TEMPLATES.get(tok)
-    if cached is not None:
-        return cached
-    special = {r: tok.special_id(m) for r, m in MARKERS.items()}
-    present = [r for r, i in special.items() if i is not None]
-    if len(present) == len(ROLES):
-        tpl = Template("special", {r: (int(i),) for r, i in special.items()}, int(tok.eot_id))
-    elif not present:
-        tpl = Template("text", {r: tuple(tok.encode(f"{m}\n")) for r, m in MARKERS.items()}, int(tok.eot_id))
+def encode_with_specials(tok, text: str, specials: dict) -> list[int]:
+    """`text` as ids: each piece of `specials` (piece -> id) as its id, the text between
+    pieces through `tok.encode`, each run on its own."""
+    if not specials:
+        return tok.encode(text) if text else []
+    pattern = "(" + "|".join(re.escape(p) for p in sorted(specials, key=len, reverse=True)) + ")"
+    ids: list[int] = []
+    for part in re.split(pattern, text):
+        if part in specials:
+            ids.append(specials[part])
+        elif part:
+            ids += tok.encode(part)
+    return ids
+
+
+def template_of(tok, fmt: ChatFormat) -> Template:
+    """The ids of `fmt` for `tok`: its special pieces as special ids when `tok` has them all,
+    its plain-text headers when it has none of them and the format has those."""
+    found = {p: tok.special_id(p) for r in ROLES for p in fmt.special_pieces(r)}
+    present = [p for p, i in found.items() if i is not None]
+    if len(present) == len(found):
+        kind = "special"
+        headers = {r: tuple(encode_with_specials(tok, fmt.header_for(r), found)) for r in ROLES}
+    elif not present and fmt.plain_header is not None:
+        kind = "text"
+        headers = {r: tuple(tok.encode(fmt.header_for(r, special=False))) for r in ROLES}
+    elif fmt.plain_header is not None:
+        raise SproutError(f"tokenizer {tok.spec}: has role pieces {present} but not all of {list(found)}")
     else:
-        raise SproutError(f"tokenizer {tok.spec}: has role pieces {present} but not all of {list(MARKERS.values())}")
-    _TEMPLATES[tok] = tpl
-    return tpl
+        missing = [p for p, i in found.items() if i is None]
+        raise SproutError(f"tokenizer {tok.spec}: chat format {fmt.name} needs the special tokens {missing}")
+    eot = int(tok.eot_id) if fmt.eot == EOT else found.get(fmt.eot, tok.special_id(fmt.eot))
+    bos = found.get(fmt.bos, tok.special_id(fmt.bos)) if fmt.bos else None
+    for piece, i in ((fmt.eot, eot), (fmt.bos, bos if fmt.bos else 0)):
+        if i is None:
+            raise SproutError(f"tokenizer {tok.spec}: chat format {fmt.name} needs the special token {piece}")
+    after = tuple(tok.encode(fmt.after_eot)) if fmt.after_eot else ()
+    return Template(kind, headers, int(eot), fmt, after, (int(bos),) if fmt.bos else ())
+
+
+def template_for(tok) -> Template:
+    """The template of `tok`'s chat format (`sprout.chat_formats.format_for`), cached per tokenizer."""
+    cached = _TEMPLATES.get(tok)
+    if cached is None:
+        cached = _TEMPLATES[tok] = template_of(tok, format_for(tok))
+    return cached
 
 
 def validate(messages, add_generation_prompt: bool = False) -> None:
@@ -123,20 +173,34 @@ def validate(messages, add_generation_prompt: bool = False) -> None:
 
 
 def render(messages, tok, add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-    """Render `messages` to `(ids, loss_mask)`; with `add_generation_prompt` the sequence
-    ends with the assistant header so generation continues with the answer."""
+    """Render `messages` to `(ids, loss_mask)` in `tok`'s chat format; with
+    `add_generation_prompt` the sequence ends with the assistant header so generation
+    continues with the answer."""
+    return render_as(template_for(tok), messages, tok, add_generation_prompt)
+
+
+def render_as(tpl: Template, messages, tok, add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    """`render` with the template `tpl` (`template_of` a format for `tok`)."""
     validate(messages, add_generation_prompt)
-    tpl = template_for(tok)
-    ids: list[int] = []
-    mask: list[int] = []
-    for i, m in enumerate(messages):
+    fmt = tpl.format
+    if fmt != SPROUT:  # validate refused sprout's markers; refuse this format's own too
+        for i, m in enumerate(messages):
+            marker = next((r for r in fmt.reserved if r in m["content"]), None)
+            if marker is not None:
+                raise ChatError(f"message {i} ({m['role']}): content contains the reserved marker {marker}",
+                                "reserved_marker", i)
+    full = fmt.with_default_system(messages)
+    shift = len(full) - len(messages)
+    ids: list[int] = list(tpl.bos)
+    mask: list[int] = [0] * len(tpl.bos)
+    for i, m in enumerate(full):
         content = tok.encode(m["content"])
         if not content:
-            raise ChatError(f"message {i} ({m['role']}): content encodes to no tokens", "empty_content")
+            raise ChatError(f"message {i - shift} ({m['role']}): content encodes to no tokens", "empty_content")
         header = tpl.headers[m["role"]]
         trained = 1 if m["role"] == "assistant" else 0
-        ids += [*header, *content, tpl.eot_id]
-        mask += [0] * len(header) + [trained] * (len(content) + 1)
+        ids += [*header, *content, tpl.eot_id, *tpl.after_eot]
+        mask += [0] * len(header) + [trained] * (len(content) + 1) + [0] * len(tpl.after_eot)
     if add_generation_prompt:
         ids += tpl.headers["assistant"]
         mask += [0] * len(tpl.headers["assistant"])
@@ -169,17 +233,24 @@ def segment(ids, tpl: Template, allow_open_end: bool = False) -> list[Turn]:
     """Parse one rendered conversation back into turns.
 
     Raises `ChatError` (with `.position`, the offending index) on anything `render`
-    cannot have produced: a turn without a role header, an empty turn, a header inside a
-    turn's content (a lost eot), a bad role order. With `allow_open_end` the last turn may
-    lack its eot (a conversation truncated inside an assistant answer)."""
+    cannot have produced: a missing BOS, a turn without a role header, an empty turn, a
+    header inside a turn's content (a lost eot), other text than the format's after an
+    end-of-turn token, a bad role order. With `allow_open_end` the last turn may lack its
+    eot (a conversation truncated inside an assistant answer). The text after the last
+    end-of-turn token may be cut short (the prep drops untrained tokens after a truncation)."""
     ids = np.asarray(ids)
-    bounds = np.flatnonzero(ids == tpl.eot_id).tolist()
-    if not bounds or bounds[-1] != len(ids) - 1:
-        bounds.append(len(ids))  # the last turn is open (no eot)
+    n = len(ids)
+    bos = np.asarray(tpl.bos, dtype=ids.dtype)
+    if len(bos) and not np.array_equal(ids[:len(bos)], bos):
+        raise ChatError("sequence does not start with the BOS token", "no_bos", position=0)
+    after = tpl.after_eot
+    eots = np.flatnonzero(ids == tpl.eot_id)
     turns: list[Turn] = []
-    start = 0
-    for end in bounds:
-        closed = end < len(ids)
+    start = len(bos)
+    while True:
+        k = np.searchsorted(eots, start)
+        end = int(eots[k]) if k < len(eots) else n
+        closed = end < n
         piece = ids[start:end]
         role = next((r for r, h in tpl.headers.items() if tuple(piece[:len(h)].tolist()) == h), None)
         if role is None:
@@ -196,13 +267,28 @@ def segment(ids, tpl: Template, allow_open_end: bool = False) -> list[Turn]:
             raise ChatError(f"{role} turn is not closed by the end-of-turn token", "missing_eot",
                             position=end - 1)
         turns.append(Turn(role, start, cstart, end, closed))
-        start = end + 1
+        tail = ids[end + 1:end + 1 + len(after)].tolist()
+        if tail != list(after[:len(tail)]):
+            bad = end + 1 + next(i for i, (a, b) in enumerate(zip(tail, after)) if a != b)
+            raise ChatError(f"the end-of-turn token of a {role} turn is not followed by "
+                            f"{tpl.format.after_eot!r}", "bad_after_eot", position=bad)
+        start = end + 1 + len(after)
+        if start >= n:
+            break
     try:
         validate([{"role": t.role, "content": "x"} for t in turns])
     except ChatError as exc:
         pos = turns[exc.index].start if exc.index is not None else 0
         raise ChatError(exc.detail, exc.reason, position=pos) from None
     return turns
+
+
+def ends_turn(ids, tpl: Template) -> bool:
+    """Whether `ids` end with an end-of-turn token, possibly followed by (the start of) the
+    untrained text after it."""
+    ids = [int(i) for i in ids[max(0, len(ids) - len(tpl.after_eot) - 1):]]
+    return any(ids[-1 - k] == tpl.eot_id and tuple(ids[len(ids) - k:]) == tpl.after_eot[:k]
+               for k in range(len(ids)))
 
 
 def mask_for(turns: list[Turn], length: int) -> np.ndarray:

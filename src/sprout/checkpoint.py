@@ -26,12 +26,14 @@ Tensor state of a stage (a rollout buffer, a sampler's generator) goes in train_
 under `extra`, read back with weights_only=True like the rest, never in meta.json.
 
 Tokenizer: a run keeps its own copy of the tokenizer file in `<run>/tokenizer/`
-(`bundle_tokenizer`; SentencePiece only: a tiktoken spec is a name, nothing to copy), and
-every checkpoint's meta records `tokenizer_file` (relative to the run folder, e.g.
-"tokenizer/sp4096.model") and `tokenizer_sha256` next to the original `tokenizer` spec.
-`checkpoint_tokenizer(meta)` opens that copy, from the checkpoint's own run folder wherever it
-now lies, and refuses a file whose sha256 differs; a checkpoint with only a `tokenizer` spec
-(the older form) loads that spec as before.
+(`bundle_tokenizer`; SentencePiece and hf: specs, a tiktoken spec is a name, nothing to copy),
+and every checkpoint's meta records `tokenizer_file` (relative to the run folder, e.g.
+"tokenizer/sp4096.model", or "tokenizer/FOLDER/tokenizer.json" for hf:) and `tokenizer_sha256`
+next to the original `tokenizer` spec; an hf: tokenizer also records the sha256 of the
+tokenizer_config.json / special_tokens_map.json copied beside it, in `tokenizer_side_sha256`
+({file name: sha256}). `checkpoint_tokenizer(meta)` opens that copy, from the checkpoint's own
+run folder wherever it now lies, and refuses a file whose sha256 differs; a checkpoint with
+only a `tokenizer` spec (the older form) loads that spec as before.
 """
 
 from __future__ import annotations
@@ -287,32 +289,54 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
 
     SentencePiece: the .model (and the .vocab beside it, if any) is copied atomically, unless the
     same file is already there; returns {"tokenizer_file": "tokenizer/NAME.model",
-    "tokenizer_sha256": ...}. A tiktoken spec (or none) returns {}. `write=False` only computes
+    "tokenizer_sha256": ...}. hf: the tokenizer.json and the side files beside it
+    (`sprout.tokenizer.HF_SIDE_FILES` and the chat format's `chat_format.json`, those present) go to `tokenizer/FOLDER/`, FOLDER being
+    the name of the folder holding the tokenizer.json, and the fields add "tokenizer_side_sha256".
+    A tiktoken spec (or none) returns {}. `write=False` only computes
     the fields (the processes of a run that do not write to its folder). A different tokenizer
     already in the run folder is refused; when the spec does not resolve here (a relative path,
     a resume from another directory) the run folder's own copy stands in for it.
     """
-    if not spec or not spec.startswith("sentencepiece:"):
+    from sprout.chat_formats import CHAT_FORMAT_FILE
+    from sprout.tokenizer import HF_SIDE_FILES, hf_json
+
+    kind, _, arg = (spec or "").partition(":")
+    if kind == "sentencepiece":
+        src = Path(arg)
+        rel, sides, recorded = f"{TOKENIZER_DIR}/{src.name}", [".vocab"], False
+        what = "SentencePiece model"
+    elif kind == "hf":
+        src = hf_json(Path(arg))
+        rel = f"{TOKENIZER_DIR}/{Path(os.path.abspath(src)).parent.name}/{src.name}"
+        sides, recorded, what = [*HF_SIDE_FILES, CHAT_FORMAT_FILE], True, "Hugging Face tokenizer"
+    else:
         return {}
-    src = Path(spec.partition(":")[2])
-    rel = f"{TOKENIZER_DIR}/{src.name}"
     dst = Path(run_dir) / rel
+
+    def side(main: Path, name: str) -> Path:
+        return main.with_suffix(name) if name.startswith(".") else main.parent / name
+
+    def fields(main: Path) -> dict:
+        out = {"tokenizer_file": rel, "tokenizer_sha256": sha256_file(main)}
+        if recorded:
+            out["tokenizer_side_sha256"] = {n: sha256_file(side(main, n)) for n in sides if side(main, n).is_file()}
+        return out
+
     if not src.is_file():
         if dst.is_file():  # a resume from elsewhere: the spec was relative, the run kept its copy
-            return {"tokenizer_file": rel, "tokenizer_sha256": sha256_file(dst)}
-        raise SproutError(f"{src}: SentencePiece model not found (tokenizer spec {spec!r})")
-    digest = sha256_file(src)
+            return fields(dst)
+        raise SproutError(f"{src}: {what} not found (tokenizer spec {spec!r})")
+    want = fields(src)
     if write:
-        if dst.is_file() and sha256_file(dst) != digest:
+        if dst.is_file() and fields(dst) != want:
             raise SproutError(f"{dst}: this run folder already holds a different tokenizer than {src} "
                               f"(sha256 differs); use another output folder")
         if not dst.is_file():
-            vocab = src.with_suffix(".vocab")
-            for a, b in ((src, dst), (vocab, dst.with_suffix(".vocab"))):
+            for a, b in [(side(src, n), side(dst, n)) for n in sides] + [(src, dst)]:  # the main file last
                 if a.is_file():
                     with atomic_write(b, "wb") as out:
                         out.write(a.read_bytes())
-    return {"tokenizer_file": rel, "tokenizer_sha256": digest}
+    return want
 
 
 def run_folder(checkpoint: str | os.PathLike) -> Path:
@@ -324,21 +348,26 @@ def run_folder(checkpoint: str | os.PathLike) -> Path:
 def checkpoint_tokenizer(meta: dict, spec: str | None = None):
     """The tokenizer a checkpoint was trained with (`meta` from `read_meta`); `spec` overrides.
 
-    With `tokenizer_file` in meta: that file in the checkpoint's run folder, refused when its
-    sha256 is not `tokenizer_sha256`. Otherwise the `tokenizer` spec (older checkpoints). A
-    recorded `tokenizer_fingerprint` must match either way.
+    With `tokenizer_file` in meta: that file in the checkpoint's run folder (with the side files
+    of `tokenizer_side_sha256`), refused when a sha256 differs, loaded as the kind of the
+    recorded `tokenizer` spec (sentencepiece unless that is hf:). Otherwise the `tokenizer` spec
+    (older checkpoints). A recorded `tokenizer_fingerprint` must match either way.
     """
     from sprout.tokenizer import load_tokenizer
 
     ckpt_meta = Path(meta["path"]) / META
     if spec is None and meta.get("tokenizer_file"):
         f = run_folder(meta["path"]) / meta["tokenizer_file"]
-        if not f.is_file():
-            raise SproutError(f"{f}: tokenizer file missing (named by {ckpt_meta}); was the run folder split up?")
-        if sha256_file(f) != meta.get("tokenizer_sha256"):
-            raise SproutError(f"{f}: sha256 does not match tokenizer_sha256 in {ckpt_meta}; "
-                              f"not the tokenizer this model was trained with")
-        spec = f"sentencepiece:{f}"
+        sides = [(f.parent / name, digest, "tokenizer_side_sha256")
+                 for name, digest in meta.get("tokenizer_side_sha256", {}).items()]
+        for g, digest, key in [(f, meta.get("tokenizer_sha256"), "tokenizer_sha256"), *sides]:
+            if not g.is_file():
+                raise SproutError(f"{g}: tokenizer file missing (named by {ckpt_meta}); was the run folder split up?")
+            if sha256_file(g) != digest:
+                raise SproutError(f"{g}: sha256 does not match {key} in {ckpt_meta}; "
+                                  f"not the tokenizer this model was trained with")
+        kind = "hf" if str(meta.get("tokenizer", "")).startswith("hf:") else "sentencepiece"
+        spec = f"{kind}:{f}"
     spec = spec or meta.get("tokenizer")
     if not spec:
         raise SproutError(f"{ckpt_meta}: no tokenizer recorded; pass --tokenizer SPEC")

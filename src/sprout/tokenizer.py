@@ -4,6 +4,8 @@
     load_tokenizer("tiktoken:gpt2")                # same ranks as r50k_base
     load_tokenizer("sentencepiece:PATH.model")     # a SentencePiece model (e.g. one trained by
                                                    # `sprout.prep.tokenizer_train`)
+    load_tokenizer("hf:FOLDER")                    # an imported model's Hugging Face tokenizer:
+    load_tokenizer("hf:PATH.json")                 # FOLDER/tokenizer.json, or the file named
 
 tiktoken ranks load offline from the data mirror (`sprout.mirror.mirror_dir`: `mirror=`,
 else $SPROUT_MIRROR, else `../shared/data` beside the repository) holding
@@ -21,12 +23,29 @@ Two refinements keep the count exact: a "▁" inside a piece counts as the one-b
 decodes to (not the 3 UTF-8 bytes of U+2581), and for models trained without a dummy prefix
 (those of `sprout.prep.tokenizer_train`) every "▁" is a real space, so it is folded into the
 base bytes instead of being dropped after a boundary. tiktoken ids count their exact byte length.
+
+`hf:` reads a `tokenizer.json` through the `tokenizers` library, the tokenizer transformers
+runs, and behaves as `AutoTokenizer.from_pretrained(folder)` does with
+`add_special_tokens=False`: unlike the other kinds, an added token typed in the text (e.g.
+`<|im_start|>`) IS encoded as its single id, and decode writes special tokens back as text.
+A PATH ending in `.json` is the file itself; any other PATH is a folder holding
+`tokenizer.json`. Beside it, `tokenizer_config.json` names the bos, eos and pad tokens;
+`special_tokens_map.json` overrides it only when the config has no `added_tokens_decoder`
+(transformers' rule for the older layout). vocab_size is one past the largest id, added tokens
+included (the embedding rows). eot, the document separator of pretraining data, is
+`<|endoftext|>` when that is a special token of the vocab, else the config's eos token.
+bos_id and pad_id are the config's tokens (None when it names none). The fingerprint is the
+sha256 of tokenizer.json. Byte tables exist for byte-level tokenizers (decoder `ByteLevel`):
+an id counts the bytes its piece maps back to through GPT-2's `bytes_to_unicode`, special
+tokens count 0 and are boundaries; any other decoder (a SentencePiece-style `Metaspace` one)
+is refused with one line rather than counted wrongly.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -43,6 +62,8 @@ R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 R50K_MIRROR_FILE = "tokenizers/gpt2.tiktoken"
 R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 TIKTOKEN_NAMES = ("r50k_base", "gpt2")  # gpt2 uses the same ranks as r50k_base
+HF_FILE = "tokenizer.json"
+HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # read when beside HF_FILE
 
 
 class Tokenizer:
@@ -250,24 +271,150 @@ class SentencePieceTokenizer(Tokenizer):
         return sha256_file(self.path)
 
 
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` through the `tokenizers` library (see the module docstring)."""
+
+    def __init__(self, spec: str, path: Path, mirror: str | None) -> None:
+        super().__init__(spec, mirror)
+        from tokenizers import Tokenizer as Backend
+
+        self.path = path
+        try:
+            self._tk = Backend.from_str(path.read_text(encoding="utf-8"))
+        except Exception as exc:  # bad JSON, not UTF-8, a layout tokenizers does not know
+            raise SproutError(f"{path}: not a valid tokenizer.json ({str(exc).splitlines()[0]})") from None
+        self._tk.no_truncation()  # transformers encodes whole texts unless asked otherwise
+        self._tk.no_padding()
+        self.name = path.parent.name
+        self._added = {t.content: i for i, t in self._tk.get_added_tokens_decoder().items()}
+        self._special = {i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+        self.vocab_size = max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        config = hf_special_tokens(path.parent)
+        self._tk.encode_special_tokens = bool(config.get("split_special_tokens"))
+        bos, eos, pad = (self._config_id(config, k) for k in ("bos_token", "eos_token", "pad_token"))
+        eot = self.special_id(EOT)
+        self.eot_id = eot if eot is not None and eot in self._special else eos
+        if self.eot_id is None:
+            raise SproutError(f"{path}: no special {EOT} token and no eos_token in {HF_SIDE_FILES[0]} beside it; "
+                              f"no document separator")
+        self.bos_id, self.pad_id = bos, pad
+
+    def _config_id(self, config: dict, key: str) -> int | None:
+        token = config.get(key)
+        if token is None:
+            return None
+        i = self._tk.token_to_id(token)
+        if i is None:
+            raise SproutError(f"{self.path.parent}: {key} {token!r} of {HF_SIDE_FILES[0]} "
+                              f"is not a token of {self.path.name}")
+        return i
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tk.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def special_id(self, piece: str) -> int | None:
+        return self._added.get(piece)
+
+    def _build_luts(self):
+        from tokenizers import decoders
+
+        decoder = self._tk.decoder
+        if not isinstance(decoder, decoders.ByteLevel):
+            raise SproutError(f"{self.path}: bits per byte needs a byte-level tokenizer (decoder ByteLevel), "
+                              f"this one decodes with {type(decoder).__name__ if decoder else 'no decoder'}")
+        to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        v = self.vocab_size
+        base = np.zeros(v, dtype=np.int16)
+        boundary = np.zeros(v, dtype=bool)
+        for i in range(v):
+            piece = self._tk.id_to_token(i)
+            if piece is None or i in self._special:
+                boundary[i] = True
+            elif all(c in to_byte for c in piece):  # the ByteLevel decoder's rule, piece by piece
+                base[i] = len(piece)
+            else:  # a piece outside the byte alphabet is decoded as its own UTF-8
+                base[i] = len(piece.encode("utf-8"))
+        return base, np.zeros(v, dtype=bool), boundary
+
+    def _compute_fingerprint(self) -> str:
+        return sha256_file(self.path)
+
+
 def load_tokenizer(spec: str, mirror: str | None = None) -> Tokenizer:
     """Build a tokenizer from its spec string; `mirror` as for `sprout.mirror.mirror_dir`."""
     kind, sep, arg = spec.partition(":")
     if not sep or not arg:
-        raise SproutError(f"tokenizer spec {spec!r}: expected tiktoken:NAME or sentencepiece:PATH.model")
+        raise SproutError(f"tokenizer spec {spec!r}: expected tiktoken:NAME, sentencepiece:PATH.model or hf:PATH")
     if kind == "tiktoken":
         if arg not in TIKTOKEN_NAMES:
             raise SproutError(f"tokenizer spec {spec!r}: unknown tiktoken encoding (known: {', '.join(TIKTOKEN_NAMES)})")
         return TiktokenTokenizer(spec, arg, mirror)
+    if kind not in ("sentencepiece", "hf"):
+        raise SproutError(f"tokenizer spec {spec!r}: unknown kind {kind!r} (expected tiktoken, sentencepiece or hf)")
+    path = Path(os.path.expandvars(arg))
+    if kind == "hf":
+        path = hf_json(path)
+    root = mirror_dir(mirror)
+    if not path.is_file() and root is not None and (root / path).is_file():
+        path = root / path
     if kind == "sentencepiece":
-        path = Path(os.path.expandvars(arg))
-        root = mirror_dir(mirror)
-        if not path.is_file() and root is not None and (root / path).is_file():
-            path = root / path
         if not path.is_file():
             raise SproutError(f"{path}: SentencePiece model not found (tokenizer spec {spec!r})")
         return SentencePieceTokenizer(spec, path, mirror)
-    raise SproutError(f"tokenizer spec {spec!r}: unknown kind {kind!r} (expected tiktoken or sentencepiece)")
+    if not path.is_file():
+        where = "no such folder" if not path.parent.is_dir() else f"no {path.name} there"
+        raise SproutError(f"{path}: Hugging Face tokenizer not found ({where}; tokenizer spec {spec!r})")
+    return HFTokenizer(spec, path, mirror)
+
+
+def hf_json(path: Path) -> Path:
+    """The tokenizer.json an `hf:` PATH names: PATH itself when it ends in .json, else PATH/tokenizer.json."""
+    return path if path.suffix == ".json" else path / HF_FILE
+
+
+def hf_special_tokens(folder: Path) -> dict:
+    """bos/eos/pad token strings and `split_special_tokens` as transformers reads them from
+    `folder`: tokenizer_config.json, overridden by special_tokens_map.json when the config has
+    no `added_tokens_decoder`. A token may be written as a string or as {"content": ...}."""
+    config, token_map = (_read_json_object(folder / name) for name in HF_SIDE_FILES)
+    if "added_tokens_decoder" not in config:
+        config.update(token_map)
+    out = {k: v.get("content") if isinstance(v, dict) else v
+           for k in ("bos_token", "eos_token", "pad_token") if (v := config.get(k)) is not None}
+    out["split_special_tokens"] = config.get("split_special_tokens", False)
+    return out
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object file's contents, {} when the file is absent; one-line error when unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SproutError(f"{path}: cannot read ({str(exc).splitlines()[0]})") from None
+    if not isinstance(obj, dict):
+        raise SproutError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (Radford et al. 2019, encoder.py)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 def _load_ranks(path: Path) -> dict[bytes, int]:

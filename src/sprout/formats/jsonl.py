@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from sprout.atomic import atomic_write
-from sprout.chat import ROLES
+from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 
 Check = Callable[[object], dict]

@@ -5,8 +5,8 @@ a folder without one is unfinished. A JSON object with these fields (* = require
     format*       "sprout-pretrain-v1"
     dataset*      the file name prefix: `<dataset>_<split>_<6 digits>.bin`, `<dataset>_<split>.h5`
     tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*}; the
-                  fingerprint is the sha256 of the tokenizer's file (SentencePiece model or
-                  tiktoken ranks), so a loader can refuse a mismatched tokenizer
+                  fingerprint is the sha256 of the tokenizer's file (SentencePiece model,
+                  tiktoken ranks or tokenizer.json), so a loader can refuse a mismatched tokenizer
     token_dtype*  "uint16" | "uint32"
     shards*       {"train": [{file, num_tokens, sha256, max_token_id}, ...], "val": [...]}: the
                   `.bin` shards (`sprout.formats.shards`), in stream order; empty lists for

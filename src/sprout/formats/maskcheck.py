@@ -6,10 +6,13 @@ A misaligned loss mask silently wrecks SFT, so every row of a packed SFT file
 - layout: segment ids are 1, 2, ... k then 0-padding only at the end; position ids restart
   at 0 for every document; padding holds `pad_id` and mask 0; mask values are 0/1; ids are
   inside the vocabulary; column 0 of the mask (never a target) is 0;
-- each document parses back into turns with `sprout.chat.segment` (role headers, eot after
-  every turn, roles in order, no header inside a turn's content);
+- each document parses back into turns with `sprout.chat.segment` in the tokenizer's chat
+  format (its BOS first when it has one, role headers, eot after every turn followed by the
+  format's untrained text such as chatml's newline, roles in order, no header inside a
+  turn's content);
 - the stored mask equals the template's mask for those turns: 1 exactly on every assistant
-  turn's content and the eot that closes it, 0 on role headers, system and user tokens
+  turn's content and the eot that closes it, 0 on BOS, role headers, system and user tokens
+  and the text after each eot
   (so every run of 1s is one assistant turn plus its eot, and every assistant turn is
   covered). A mask shifted by one position (marking inputs instead of targets) is named as such;
 - a document may lack its final eot only when it fills its row to the last column (an
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sprout.chat import ChatError, Template, mask_for, segment
+from sprout.chat import ChatError, Template, ends_turn, mask_for, segment
 from sprout.errors import SproutError
 
 
@@ -126,12 +129,18 @@ def _check_layout(a: dict, pad_id: int, vocab_size: int, report: Report) -> None
 def describe_position(turns, p: int) -> str:
     """Where position `p` falls among `turns` (`sprout.chat.segment`), in words for a violation."""
     for k, t in enumerate(turns):
+        if p < t.start:
+            if k == 0:
+                return "the BOS token"
+            return f"the text after the end-of-turn token of {turns[k - 1].role} turn {k - 1}"
         if t.start <= p < t.content_start:
             return f"the {t.role} header of turn {k}"
         if t.content_start <= p < t.end:
             return f"{t.role} content of turn {k}"
         if p == t.end and t.closed:
             return f"the end-of-turn token closing {t.role} turn {k}"
+    if turns and turns[-1].closed and p > turns[-1].end:
+        return f"the text after the end-of-turn token of {turns[-1].role} turn {len(turns) - 1}"
     return "a token outside every turn"
 
 
@@ -261,6 +270,9 @@ def _spans(tokens, mask, seg, tpl: Template, tok, eot_label: str = EOT_LABEL) ->
     end-of-turn token as `eot_label`, padding as its length."""
     names = {tpl.eot_id: eot_label}
     kind = np.where(seg == 0, PAD, np.where(mask == 1, TRAINED, PROMPT))
+    if tpl.bos:  # the BOS token shows by its piece, as a header
+        names[tpl.bos[0]] = tpl.format.bos
+        kind[(tokens == tpl.bos[0]) & (kind == PROMPT)] = HEADER
     for role, h in tpl.headers.items():  # mark header tokens
         if len(h) == 1:
             names[h[0]] = f"<|{role}|>"
@@ -288,7 +300,7 @@ def token_runs(tokens, mask, tpl: Template, tok) -> list[tuple[int, str]]:
     """(kind, text) runs of one unpacked token sequence (pairs and prompts show theirs with it);
     the end-of-turn token shown by its text marker."""
     seg = np.ones(len(tokens), dtype=np.int64)
-    return [(kind, text) for _, kind, text, _, _ in _spans(tokens, mask, seg, tpl, tok, "<|endoftext|>")]
+    return [(kind, text) for _, kind, text, _, _ in _spans(tokens, mask, seg, tpl, tok, tpl.format.eot)]
 
 
 def styled(kind: int, text: str, color: bool = True) -> str:
@@ -303,7 +315,7 @@ def _row_spans(arrays: dict, r: int, tpl: Template, tok) -> list[tuple[int, int,
     its end-of-turn token (an answer the prep truncated)."""
     tokens, seg = arrays["tokens"][r], arrays["segment_ids"][r]
     runs = _spans(tokens, arrays["loss_mask"][r], seg, tpl, tok)
-    if len(tokens) and seg[-1] != 0 and int(tokens[-1]) != tpl.eot_id:
+    if len(tokens) and seg[-1] != 0 and not ends_turn(tokens, tpl):
         runs.append((int(seg[-1]), CUT, CUT_LABEL, len(tokens), len(tokens)))
     return runs
 

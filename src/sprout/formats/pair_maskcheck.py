@@ -4,8 +4,9 @@ Each pair of a preference file (`sprout.formats.preferences`) is rendered by
 `sprout.formats.preference_tokens.fit_pair`, the code `data_loader.preferences` uses, with
 the same `seq_len` and `truncation`, and the result is then checked from its tokens alone:
 
-- each side parses back into turns with `sprout.chat.segment` (role headers, every turn
-  closed by its end-of-turn token, roles in order) and its last turn is an assistant turn;
+- each side parses back into turns with `sprout.chat.segment` in the tokenizer's chat format
+  (BOS, role headers, every turn closed by its end-of-turn token and the format's text after
+  it, roles in order) and its last turn is an assistant turn, ending the side;
 - the side's mask is 1 exactly on that final assistant turn's content and the end-of-turn
   token closing it, and 0 on everything before: role headers, system and user text, and
   earlier assistant turns of the prompt (a 1 or a 0 out of place is named by what it sits on);
@@ -13,7 +14,8 @@ the same `seq_len` and `truncation`, and the result is then checked from its tok
   token;
 - the two sides' prompt tokens (everything before the response) are identical;
 - the prompt's turns decode to the record's prompt messages, minus the exchanges `keep_end`
-  removed (the system message and the last user turn always among those kept);
+  removed (the system message and the last user turn always among those kept), after the
+  format's default system message when the record has no system message;
 - each side fits `seq_len`, so nothing is cut by the context.
 
 Pairs the loader would drop (too long) or shorten (`keep_end`) are listed with their lines;
@@ -135,7 +137,7 @@ def pair_violations(pair: PairTokens, record: dict, tok, tpl: Template, seq_len:
             f"the prompt tokens of chosen ({len(prompts['chosen'])} tokens) and rejected "
             f"({len(prompts['rejected'])} tokens) differ")
         return found
-    want = _expected_prompt(record, pair.turns_dropped)
+    want = tpl.format.with_default_system(_expected_prompt(record, pair.turns_dropped))
     got = turns["chosen"][:-1]
     ids = np.asarray(pair.chosen)
     if [t.role for t in got] != [m["role"] for m in want]:

@@ -7,6 +7,9 @@ Each side of a pair (`sprout.formats.preferences`) is one conversation rendered 
     ids        = render(prompt + [answer])                    = prompt_ids + answer + [eot]
     mask[i]    = 1 for len(prompt_ids) <= i < len(ids), else 0
 
+(a side ends with that end-of-turn token: text a chat format writes after it, such as
+chatml's newline, is left out, so a reward model reads its score at the end-of-turn token)
+
 so the response mask covers exactly the final assistant turn's content and the end-of-turn
 token that closes it. Earlier assistant turns inside the prompt, every role header, system
 and user text are 0 (SFT trains every assistant turn; a pair scores only its final answer).
@@ -117,15 +120,16 @@ def render_pair(record: dict, tok, where: str = "", line: int = 0, turns_dropped
     sides = {}
     for side in SIDES:
         try:
-            ids, _ = render(prompt + record[side], tok)
+            ids, mask = render(prompt + record[side], tok)
         except ChatError as exc:
             raise SproutError(f"{where}: prompt + {side}: {exc}") from None
         if ids[:p] != prompt_ids:
             raise SproutError(f"{where}: the prompt tokens of the {side} side differ from the prompt's "
                               f"(position {_first_difference(ids[:p], prompt_ids)})")
-        mask = np.zeros(len(ids), dtype=np.uint8)
+        end = len(mask) - mask[::-1].index(1)  # just after the end-of-turn token closing the response
+        mask = np.zeros(end, dtype=np.uint8)
         mask[p:] = 1
-        sides[side] = (np.asarray(ids, dtype=np.int64), mask)
+        sides[side] = (np.asarray(ids[:end], dtype=np.int64), mask)
     margin = record.get("margin")
     return PairTokens(line, record["id"], sides["chosen"][0], sides["chosen"][1], sides["rejected"][0],
                       sides["rejected"][1], p, None if margin is None else float(margin), turns_dropped)

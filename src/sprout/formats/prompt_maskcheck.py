@@ -6,9 +6,11 @@ The result is then checked from its tokens alone:
 
 - it ends with the assistant role header (generation continues with the answer);
 - the tokens parse back into turns with `sprout.chat.segment` as a conversation whose
-  answer has begun (the prompt plus one answer token, the last turn open): role headers,
-  every prompt turn closed by its end-of-turn token, the record's roles in order, and each
-  turn decodes to the record's message (compared after stripping whitespace).
+  answer has begun (the prompt plus one answer token, the last turn open) in the tokenizer's
+  chat format: BOS, role headers, every prompt turn closed by its end-of-turn token and the
+  format's text after it, the record's roles in order (after the format's default system
+  message when the record has none), and each turn decodes to the record's message
+  (compared after stripping whitespace).
 
 RL trains on the generated completion only, so no prompt token is ever a target: the mask
 `render` returns (1 on earlier assistant turns, as for SFT) is not used, and the views
@@ -79,7 +81,7 @@ def prompt_violations(item: RenderedPrompt, tok, tpl: Template) -> list[str]:
         turns = segment(begun, tpl, allow_open_end=True)[:-1]
     except ChatError as exc:
         return found + [f"{where} position {exc.position}: {exc.detail}"]
-    messages = item.record["prompt"]
+    messages = tpl.format.with_default_system(item.record["prompt"])
     if [t.role for t in turns] != [m["role"] for m in messages]:
         return found + [f"{where}: turns {[t.role for t in turns]} are not the record's {[m['role'] for m in messages]}"]
     for k, (t, m) in enumerate(zip(turns, messages)):

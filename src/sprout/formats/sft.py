@@ -11,8 +11,10 @@ fletcher32-checksummed so a flipped byte fails loudly on read:
 
 Attributes: `format` = "sprout-sft", `format_version` = 1, `split` ("train"|"val"),
 `seq_len`, `num_rows`, `tokenizer_spec`, `tokenizer_name`, `tokenizer_fingerprint`,
-`vocab_size`, `eot_id`, `pad_id`, `template_version`, `template` (JSON: role header ids,
-eot), `counts` (JSON: per-source reads, drops by reason, dedup, split, packing totals),
+`vocab_size`, `eot_id`, `pad_id`, `template_version` (the chat format's version, e.g.
+`sprout-chat-v1`), `template` (JSON: role header ids, eot; for other formats than sprout's
+also the format, the ids after each eot and the BOS), `counts` (JSON: per-source reads,
+drops by reason, dedup, split, packing totals),
 `config` (JSON: the resolved prep config), `command`, `sha256` (JSON: a sha256 per
 dataset over its C-order bytes, checked by `SFTFile.verify` and, streaming, `check_hashes`),
 and `prep_run_id`: the same in both files of a pair (the first 32 hex digits of the sha256
@@ -23,8 +25,9 @@ Each row holds whole examples (conversations rendered by `sprout.chat.render`), 
 best fit by `sprout.prep.packing`, never cut across rows (an over-long one is truncated at
 the row end or dropped), then padding. `loss_mask[r, i] == 1` says token i is a training
 *target*: assistant content and the eot that closes each assistant turn; role headers,
-system and user text and padding are 0. `segment_ids` tell examples apart so attention
-never crosses one; `position_ids` restart at 0 for each example (rotary positions).
+system and user text, a BOS, the text after an eot (chatml's newline) and padding are 0.
+`segment_ids` tell examples apart so attention never crosses one; `position_ids` restart
+at 0 for each example (rotary positions).
 Models read row r as inputs `tokens[r, :-1]`, targets `tokens[r, 1:]`, loss mask
 `loss_mask[r, 1:]`, with `segment_ids[r, :-1]` and `position_ids[r, :-1]`.
 `SFTFile` refuses any file that is not this contract with an error naming the file.

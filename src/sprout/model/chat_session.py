@@ -8,7 +8,8 @@ sees at inference exactly the token layout it was fine-tuned on.
 
 - Stop tokens: `sprout.model.generate.default_stop_ids`: the end-of-turn id, plus the role
   headers when they are single control ids (SentencePiece models trained here), in case a
-  model starts a new turn without closing its own. With plain-text markers (tiktoken) a reply is cut at the first marker text.
+  model starts a new turn without closing its own. With plain-text markers (tiktoken) a reply is
+  cut at the first marker text (any reserved string of the chat format).
 - Context: when the rendered history leaves no room for an answer, the oldest exchanges
   are dropped (the system message stays); a single message that does not fit raises
   `ChatError`, as does a message the template refuses (e.g. one containing marker text),
@@ -19,7 +20,7 @@ sees at inference exactly the token layout it was fine-tuned on.
 `load_chat_model` opens a checkpoint with the tokenizer it was trained with (the copy in its
 run folder, checked by sha256: `sprout.checkpoint.checkpoint_tokenizer`), so it works from
 any working directory and after the run folder was moved, and checks that it was fine-tuned
-with this template version.
+with the chat format its tokenizer renders (`sprout.chat_formats.format_for`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sprout.chat import RESERVED, TEMPLATE_VERSION, ChatError, render
+from sprout.chat import ChatError, render
+from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer
 from sprout.errors import SproutError
 from sprout.model.generate import default_stop_ids, generate
@@ -48,10 +50,7 @@ def load_chat_model(path, device="cpu", tokenizer: str | None = None):
     if meta.get("architecture") == "reward":
         raise SproutError(f"{meta['path']}/meta.json: a reward model scores text; it has no LM head to chat with")
     tok = checkpoint_tokenizer(meta, tokenizer)
-    version = meta.get("template_version")
-    if version is not None and version != TEMPLATE_VERSION:
-        raise SproutError(f"{meta['path']}/meta.json: trained with chat template {version!r}, this sprout "
-                          f"renders {TEMPLATE_VERSION!r}")
+    check_trained_format(meta.get("template_version"), format_for(tok), f"{meta['path']}/meta.json")
     if tok.vocab_size > model.config.vocab_size:
         raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
     return model, tok, meta
@@ -99,7 +98,8 @@ class ChatSession:
                        vocab_size=self.tok.vocab_size)  # never sample a padded model vocab's extra ids
         tokens, finished = gen.tokens[0], gen.finished[0]
         answer = self.tok.decode(tokens[:-1] if finished else tokens)
-        cut = min((i for i in (answer.find(m) for m in RESERVED) if i >= 0), default=len(answer))
+        reserved = format_for(self.tok).reserved
+        cut = min((i for i in (answer.find(m) for m in reserved) if i >= 0), default=len(answer))
         answer = answer[:cut].strip()
         if answer:
             self.messages = messages + [{"role": "assistant", "content": answer}]

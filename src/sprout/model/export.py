@@ -79,7 +79,7 @@ from sprout.chat import MARKERS, RESERVED, render, template_for
 from sprout.checkpoint import architecture_of, checkpoint_tokenizer, tied_aliases
 from sprout.errors import SproutError
 from sprout.model.load import load_model
-from sprout.tokenizer import EOT, SentencePieceTokenizer, TiktokenTokenizer
+from sprout.tokenizer import EOT, SentencePieceTokenizer, TiktokenTokenizer, bytes_to_unicode
 
 TEMPERATURE, TOP_P = 0.7, 1.0  # generation_config.json's sampling defaults (scripts/chat.py's)
 HEADER_CUT = r"<\|(?:system|user|assistant)\|>\n"  # tiktoken: text is cut after each role header
@@ -163,19 +163,6 @@ def _tokenizers():
     except ImportError:
         raise SproutError(f"export needs the tokenizers package (part of transformers): {INSTALL_HINT}") from None
     return tokenizers
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (Radford et al. 2019, encoder.py)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 def _bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:

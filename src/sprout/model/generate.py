@@ -103,9 +103,10 @@ class Generation:
 
 
 def default_stop_ids(tok) -> set[int]:
-    """The stop ids of a model trained with `tok`: the chat template's end-of-turn id (also the
-    document separator of pretraining), plus the role headers when they are single control ids
-    (SentencePiece), in case a model opens a new turn without closing its own."""
+    """The stop ids of a model trained with `tok`: the chat template's end-of-turn id (sprout's is
+    also the document separator of pretraining), plus the first id of each role header when the
+    headers start with special tokens (SentencePiece's role ids, chatml's `<|im_start|>`), in
+    case a model opens a new turn without closing its own."""
     tpl = template_for(tok)
     return {tpl.eot_id} | ({h[0] for h in tpl.headers.values()} if tpl.kind == "special" else set())
 

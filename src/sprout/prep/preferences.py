@@ -52,7 +52,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sprout.atomic import write_json_atomic
-from sprout.chat import ROLES, ChatError, validate
+from sprout.chat import ChatError, validate
+from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_preferences
 from sprout.prep import arithmetic

@@ -64,7 +64,7 @@ class PrepConfig:
     name: str = "pretrain"             # dataset name: <name>_train_000000.bin
     sources: list = field(default_factory=list)  # "PATH[:WEIGHT]" strings or SourceSpec mappings
     text_field: str = "text"           # JSON field holding the document text
-    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME or sentencepiece:PATH.model
+    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME, sentencepiece:PATH.model or hf:PATH
     out: str = "runs/data"             # output folder: shards, manifest.json
     mirror: str | None = None          # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
     val_frac: float = 0.01             # share of documents (by hash) in the val split
@@ -245,8 +245,8 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
 
     workers = cfg.workers or os.cpu_count() or 1
     clean = asdict(cfg.clean)
-    path = getattr(tok, "path", None)  # workers load a SentencePiece model by absolute path
-    spec_str = f"sentencepiece:{Path(path).resolve()}" if path else tok.spec
+    path = getattr(tok, "path", None)  # workers load a tokenizer file by absolute path
+    spec_str = f"{tok.spec.partition(':')[0]}:{Path(path).resolve()}" if path else tok.spec
     pool = None
     if workers > 1:
         pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,

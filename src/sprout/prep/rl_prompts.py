@@ -59,7 +59,8 @@ from pathlib import Path
 
 from sprout.answers import normalise_number
 from sprout.atomic import write_json_atomic
-from sprout.chat import ROLES, ChatError, validate
+from sprout.chat import ChatError, validate
+from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 from sprout.formats.prompts import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic

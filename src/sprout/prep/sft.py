@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from sprout.atomic import check_writable, remove_stale_temps, safe_name
-from sprout.chat import TEMPLATE_VERSION, ChatError, render, template_for, validate
+from sprout.chat import ChatError, render, template_for, validate
 from sprout.errors import SproutError
 from sprout.formats.sft import val_path, write_sft_files
 from sprout.formats.shards import dtype_for_vocab
@@ -47,7 +47,7 @@ from sprout.prep.records import kept_records, log_first_drops
 
 @dataclass
 class SFTDataConfig:
-    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME or sentencepiece:PATH.model
+    tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME, sentencepiece:PATH.model or hf:PATH
     out: str = "runs/demo/sft/sft.h5"  # train file; val beside it with _val
     seq_len: int = 512  # row length in tokens
     mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
@@ -121,7 +121,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
     token_dtype = dtype_for_vocab(tok.vocab_size)
     attrs = {"tokenizer_spec": tok.spec, "tokenizer_name": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
              "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "pad_id": pad_id,
-             "template_version": TEMPLATE_VERSION, "template": tpl.to_json(),
+             "template_version": tpl.version, "template": tpl.to_json(),
              "config": {k: v for k, v in vars(cfg).items()}, "command": command}
     result = {"sources": {k: dict(v) for k, v in per_source.items()}}
     cache: dict[int, tuple] = {}

@@ -13,6 +13,8 @@ control symbols).
 interleaved document by document, cleans them the same way (`sprout.prep.clean`) and, with
 `exclude_val_frac`, skips the documents that prep's hash split (`sprout.prep.keys`) with that
 val_frac sends to validation, so validation bits per byte are measured on unseen text.
+Only SentencePiece models are trained here; an `hf:` tokenizer comes with the model it was
+imported with.
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ class TokenizerTrainConfig:
 def train_from_sources(cfg: TokenizerTrainConfig) -> Path:
     """Train `cfg.out`.model on the sources, interleaved document by document, cleaned like
     the pretraining data (so the tokenizer sees the text it will encode)."""
+    if cfg.out.partition(":")[0] in ("tiktoken", "sentencepiece", "hf"):
+        raise SproutError(f"out {cfg.out!r}: expected a path prefix (writes OUT.model), not a tokenizer spec; only "
+                          f"SentencePiece models are trained here (an hf: tokenizer comes with its imported model)")
     mirror = mirror_dir(cfg.mirror)
     streams = []
     for i, item in enumerate(cfg.sources):

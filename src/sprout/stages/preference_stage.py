@@ -20,7 +20,9 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
 - `open_preference_run`: checks both files against the preference `manifest.json` beside
   them (`sprout.formats.verify.verify_preference_data`: listed, and their sha256 unless
   data.verify is `sizes`; its report printed on rank 0), reads the init checkpoint's meta
-  and tokenizer, refuses data the model cannot take (a side longer than its context), builds the accelerator and both
+  and tokenizer, refuses an init checkpoint trained with another chat format than its tokenizer
+  renders (`sprout.chat_formats.check_trained_format`) and data the model cannot take (a side
+  longer than its context), builds the accelerator and both
   loaders, prints what was dropped or truncated, and resolves train.max_steps from
   data.epochs when it is null.
 
@@ -39,7 +41,7 @@ import numpy as np
 import torch
 
 from data_loader.preferences import PreferenceLoader
-from sprout.chat import TEMPLATE_VERSION
+from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, read_meta
 from sprout.config import resume_free
 from sprout.errors import SproutError
@@ -155,7 +157,8 @@ class PreferenceRun:
 
     def provenance(self) -> dict:
         """Fields for every checkpoint's meta: tokenizer, chat template, the init checkpoint, the data."""
-        return {"tokenizer_fingerprint": self.tokenizer.fingerprint(), "template_version": TEMPLATE_VERSION,
+        return {"tokenizer_fingerprint": self.tokenizer.fingerprint(),
+                "template_version": format_for(self.tokenizer).version,
                 "init": {"path": self.base["path"], "stage": self.base.get("stage"), "step": self.base.get("step")},
                 "preference_data": {"train": str(self.data), "val": str(self.val_path),
                                     "pairs": self.loader.counts, "val_pairs": self.val.counts}}
@@ -175,6 +178,7 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
                           f"not architecture {base.get('architecture')!r}")
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
+    check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
     if tok.vocab_size > model_cfg.vocab_size:
         raise SproutError(f"{Path(base['path']) / 'meta.json'}: its tokenizer has {tok.vocab_size} ids but the "
                           f"model has vocab_size {model_cfg.vocab_size}")

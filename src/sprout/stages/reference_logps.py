@@ -36,7 +36,6 @@ from safetensors.torch import load_file, save_file
 
 from data_loader.preferences import PreferenceLoader
 from sprout.atomic import atomic_path, sha256_file
-from sprout.chat import TEMPLATE_VERSION
 from sprout.checkpoint import WEIGHTS, read_meta
 from sprout.losses.tokens import sequence_logps
 from sprout.engine.loop import all_reduce_sums
@@ -55,7 +54,7 @@ def cache_parts(loader: PreferenceLoader, ref_path: str, tokenizer_fingerprint: 
     """What the cached log-probs depend on (see the module docstring)."""
     return {"data_sha256": sha256_file(loader.path),
             "ref_weights_sha256": read_meta(ref_path, verify=False)["files"][WEIGHTS],
-            "template_version": TEMPLATE_VERSION, "tokenizer_fingerprint": tokenizer_fingerprint,
+            "template_version": loader.template_version, "tokenizer_fingerprint": tokenizer_fingerprint,
             "seq_len": loader.seq_len, "truncation": loader.truncation}
 
 

@@ -60,7 +60,7 @@ import torch
 
 from data_loader.prompts import PromptLoader
 
-from sprout.chat import TEMPLATE_VERSION
+from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.config import require, resume_free
 from sprout.errors import SproutError
@@ -419,7 +419,8 @@ class RLRun:
         return init_from_lm(self.base["path"], "lm")[0]  # the backbone and lm_head, no value head
 
     def provenance(self) -> dict:
-        return {"tokenizer_fingerprint": self.tokenizer.fingerprint(), "template_version": TEMPLATE_VERSION,
+        return {"tokenizer_fingerprint": self.tokenizer.fingerprint(),
+                "template_version": format_for(self.tokenizer).version,
                 "init": {"path": self.base["path"], "stage": self.base.get("stage"), "step": self.base.get("step")},
                 "prompts": {"train": str(self.loader.path), "val": str(self.val.path),
                             "prompts": self.loader.num_prompts, "val_prompts": self.val.num_prompts}}
@@ -440,6 +441,7 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
                           f"(lm, or a PPO policy lm+value), not architecture {base.get('architecture')!r}")
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
+    check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
     data = Path(cfg.data.path)
     val = Path(cfg.data.val_path) if cfg.data.val_path else (
         data.with_name(TEST_FILE) if data.name == TRAIN_FILE else data.with_name(f"{data.stem}_test{data.suffix}"))

@@ -40,7 +40,8 @@ import torch
 
 from data_loader.sft import SFTLoader, shift
 from sprout.atomic import check_writable
-from sprout.chat import TEMPLATE_VERSION, ChatError
+from sprout.chat import ChatError
+from sprout.chat_formats import ChatFormat, format_for, format_for_spec
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
@@ -168,15 +169,18 @@ def _base_fingerprint(base: dict) -> str | None:
         return None
 
 
-def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, val: Path, val_attrs: dict) -> None:
-    """Refuse SFT files that the base checkpoint cannot train on, naming the files."""
+def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, val: Path, val_attrs: dict,
+                   fmt: ChatFormat) -> None:
+    """Refuse SFT files that the base checkpoint cannot train on, naming the files; `fmt` is
+    the chat format the trained model will be prompted with."""
     ckpt = Path(base["path"]) / "meta.json"
     for key in ("tokenizer_fingerprint", "template_version", "seq_len", "vocab_size"):
         if val_attrs[key] != attrs[key]:
             raise SproutError(f"{val}: {key} {val_attrs[key]!r} differs from the train file {data} ({attrs[key]!r})")
-    if attrs["template_version"] != TEMPLATE_VERSION:
-        raise SproutError(f"{data}: rendered with chat template {attrs['template_version']!r}, but this sprout "
-                          f"renders {TEMPLATE_VERSION!r} at inference; prepare the SFT data again")
+    if attrs["template_version"] != fmt.version:
+        raise SproutError(f"{data}: rendered with chat template {attrs['template_version']!r}, but the base "
+                          f"checkpoint's tokenizer renders {fmt.version!r} ({fmt.name}) at inference; "
+                          f"prepare the SFT data again")
     spec, fp = attrs["tokenizer_spec"], attrs["tokenizer_fingerprint"]
     base_spec, base_fp = base.get("tokenizer"), base.get("tokenizer_fingerprint")
     if base_fp is None and (base.get("tokenizer_file") or base_spec not in (None, spec)):
@@ -223,7 +227,9 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     check = verify_sft_pair(data, val, cfg.data.verify, show_progress=is_rank0())
     print_rank0(check.report("SFT files"))
     attrs = _attrs(data)
-    check_sft_data(base, model_cfg, data, attrs, val, _attrs(val))
+    sample_tok = _sample_tokenizer(base)
+    fmt = format_for(sample_tok) if sample_tok is not None else format_for_spec(attrs["tokenizer_spec"])
+    check_sft_data(base, model_cfg, data, attrs, val, _attrs(val), fmt)
     row_len, micro = attrs["seq_len"], cfg.batch.micro_tokens
     if micro % row_len:
         raise SproutError(f"batch.micro_tokens {micro} is not a multiple of the row length {row_len} of {data}")
@@ -246,7 +252,7 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     cfg = with_epochs(cfg, loader.steps_per_epoch)
     acc.print(f"sft: {data} ({loader.num_rows:,} rows of {row_len}, {loader.steps_per_epoch} steps per epoch), "
               f"val {val} ({val_loader.num_rows:,} rows); base {base['path']} (step {base.get('step')})")
-    stage = SFTStage(acc, loader, val_loader, accum, tokenizer=_sample_tokenizer(base),
+    stage = SFTStage(acc, loader, val_loader, accum, tokenizer=sample_tok,
                      sample_prompts=cfg.sample_prompts)
     provenance = {"tokenizer_fingerprint": attrs["tokenizer_fingerprint"],
                   "template_version": attrs["template_version"], "template": attrs["template"],

@@ -1,0 +1,162 @@
+"""Which chat format a Jinja chat template writes: `detect_chat_format(template, tok)`.
+
+A published chat model ships its layout as a Jinja template (`chat_template` in its
+tokenizer_config.json). sprout renders conversations itself (`sprout.chat.render`), so an
+imported model needs the format (`sprout.chat_formats`) that gives exactly the template's ids.
+
+`detect_chat_format` renders every case of `detection_cases()` (every prefix of
+`CONVERSATIONS` that ends a turn: with and without a system message, single and multi-turn,
+ending on an answer, or on a question with the generation prompt) through the template as
+transformers' `apply_chat_template` does: a sandboxed jinja2 environment with trim_blocks
+and lstrip_blocks, `raise_exception`, `tojson` and `strftime_now`, and `messages`,
+`add_generation_prompt`, `bos_token`, `eos_token` in the context. Each text is tokenized as
+transformers tokenizes it: every special piece of a candidate format (and the BOS and EOS
+text) that the tokenizer has becomes its id (`tok.special_id`), the text between them goes
+through `tok.encode`. The candidates are sprout, chatml and llama3, in that order, each with
+the default system message the template writes for a conversation without one (found by
+rendering such a conversation). The first candidate whose `sprout.chat.render_as` gives the
+same ids on every case is the answer; when none does, `SproutError` names the candidate that
+matched longest and its first differing token (conversation, position, the template's id
+and the format's, each decoded).
+
+The contents of the cases have no whitespace at either end, so templates that trim message
+contents (Llama 3's) can match; `render` itself never trims. jinja2 comes with torch.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from sprout.chat import ChatError, encode_with_specials, render_as, template_of, validate
+from sprout.chat_formats import FORMATS, ROLES, ChatFormat
+from sprout.errors import SproutError
+
+CONVERSATIONS = (
+    (("user", "What is 2 + 3?"), ("assistant", "<answer>5</answer>"), ("user", "And 7 * 6?"),
+     ("assistant", "<think>7 * 6 = 42</think><answer>42</answer>"), ("user", "Thanks!"),
+     ("assistant", "You're welcome.")),
+    (("system", "You answer briefly."), ("user", "Name three colours."), ("assistant", "Red, green and blue."),
+     ("user", "日本語 ✓ 😀"), ("assistant", "Café naïve\n\nline two"), ("user", "tab\there"),
+     ("assistant", "ok")),
+    (("system", "Think step by step.\nThen answer."), ("user", "12345 + 678 = ?"), ("assistant", "13023"),
+     ("user", "it's they'll we've I'd"), ("assistant", "x")),
+    (("user", "Hello"), ("assistant", "Hi! How can I help?"), ("user", "a  b   c"), ("assistant", "d")),
+)
+PROBE = [{"role": "user", "content": "Hello"}]  # no system message: shows the template's default one
+
+
+def detection_cases() -> list[tuple[list, bool]]:
+    """(messages, add_generation_prompt) for every prefix of `CONVERSATIONS` that `render`
+    takes: ending on an answer without, on a question with the generation prompt."""
+    cases = []
+    for conversation in CONVERSATIONS:
+        messages = [{"role": r, "content": c} for r, c in conversation]
+        for n in range(1, len(messages) + 1):
+            gen = messages[n - 1]["role"] == "user"
+            try:
+                validate(messages[:n], gen)
+            except ChatError:
+                continue
+            cases.append((messages[:n], gen))
+    return cases
+
+
+def jinja_renderer(template: str, bos_token: str, eos_token: str):
+    """`render(messages, add_generation_prompt) -> str` for a chat template, set up as
+    transformers' `apply_chat_template` sets it up (see the module docstring)."""
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise SproutError("reading a chat template needs jinja2 (pip install jinja2)") from None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        compiled = env.from_string(template)
+    except jinja2.exceptions.TemplateError as exc:
+        raise SproutError(f"chat template does not compile: {exc}") from None
+
+    def render(messages, add_generation_prompt: bool) -> str:
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=bos_token, eos_token=eos_token)
+        except jinja2.exceptions.TemplateError as exc:
+            raise SproutError(f"chat template fails on {len(messages)} messages: {exc}") from None
+    return render
+
+
+def _special_ids(tok, extra: list) -> dict:
+    """piece -> id for every special piece of every candidate format, and `extra`, that `tok` has."""
+    pieces = [p for fmt in FORMATS.values() for r in ROLES for p in fmt.special_pieces(r)]
+    pieces += [fmt.eot for fmt in FORMATS.values()] + [fmt.bos for fmt in FORMATS.values() if fmt.bos] + extra
+    found = {p: tok.special_id(p) for p in dict.fromkeys(p for p in pieces if p)}
+    return {p: int(i) for p, i in found.items() if i is not None}
+
+
+def default_system(text: str, tpl) -> str | None:
+    """The system message the template wrote into `text` (its rendering of `PROBE`, which has
+    none), read as `tpl`'s format lays a system turn out; None when there is none."""
+    fmt = tpl.format
+    start = (fmt.bos if fmt.bos and text.startswith(fmt.bos) else "") + fmt.header_for("system", tpl.kind == "special")
+    end = text.find(fmt.eot, len(start))
+    return text[len(start):end] if text.startswith(start) and end > len(start) else None
+
+
+def _first_difference(want: list, got: list) -> int | None:
+    n = min(len(want), len(got))
+    return next((i for i in range(n) if want[i] != got[i]), None if len(want) == len(got) else n)
+
+
+def detect_chat_format(template: str, tok, bos_token: str | None = None, eos_token: str | None = None) -> ChatFormat:
+    """The format (of `sprout.chat_formats.FORMATS`, with the template's default system message)
+    whose rendering equals the template's ids on every detection case; `bos_token` and
+    `eos_token` are the texts the template sees (default: `tok.bos_token`/`tok.eos_token` when
+    it has them, else "")."""
+    bos_token = bos_token if bos_token is not None else getattr(tok, "bos_token", None) or ""
+    eos_token = eos_token if eos_token is not None else getattr(tok, "eos_token", None) or ""
+    render_text = jinja_renderer(template, bos_token, eos_token)
+    specials = _special_ids(tok, [bos_token, eos_token])
+    cases = detection_cases()
+    wanted = [encode_with_specials(tok, render_text(m, g), specials) for m, g in cases]
+    probe = render_text(PROBE, False)
+    closest, unusable = None, []
+    for fmt in FORMATS.values():
+        try:
+            tpl = template_of(tok, fmt)
+            system = default_system(probe, tpl)
+            if system is not None:
+                tpl = template_of(tok, fmt.with_system(system))
+        except SproutError as exc:
+            unusable.append(f"{fmt.name}: {exc}")
+            continue
+        for k, ((messages, gen), want) in enumerate(zip(cases, wanted)):
+            got = render_as(tpl, messages, tok, gen)[0]
+            p = _first_difference(want, got)
+            if p is not None:
+                if closest is None or (k, p) > closest[:2]:
+                    closest = (k, p, tpl.format, want, got)
+                break
+        else:
+            return tpl.format
+    if closest is None:
+        raise SproutError(f"chat template: tokenizer {tok.spec} has the special tokens of no chat format "
+                          f"({'; '.join(unusable)})")
+    k, p, fmt, want, got = closest
+    messages, gen = cases[k]
+
+    def token(ids):
+        return f"{ids[p]} ({tok.decode([ids[p]])!r})" if p < len(ids) else "the end of the sequence"
+    raise SproutError(f"chat template matches none of the chat formats {', '.join(FORMATS)}; closest {fmt.name}: "
+                      f"conversation {k} ({len(messages)} message{'s' if len(messages) > 1 else ''}"
+                      f"{', generation prompt' if gen else ''}) "
+                      f"position {p}: expected {token(want)} from the template, got {token(got)} from {fmt.name}")
