@@ -55,6 +55,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import load_model as _load_safetensors_model
 
 from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, sha256_file, write_error
+from sprout.config import config_to_dict
 from sprout.errors import SproutError
 
 FORMAT = "sprout-checkpoint-v1"
@@ -127,7 +128,7 @@ def save_checkpoint(
         meta = dict(meta)
         meta["architecture"] = architecture
         if dataclasses.is_dataclass(meta.get("model_config")):
-            meta["model_config"] = dataclasses.asdict(meta["model_config"])
+            meta["model_config"] = config_to_dict(meta["model_config"])
         meta["format"] = FORMAT
         meta["files"] = {name: sha256_file(tmp / name) for name in (WEIGHTS, STATE)}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
