@@ -34,10 +34,10 @@ def main() -> None:
                                                      "max_position_embeddings)")
     args = p.parse_args()
     if not args.overwrite:
-        check_fresh_run(args.out)  # before minutes of reading, not only after
+        check_fresh_run(args.out, resumable=False)  # before the source is read, not only after
     with tempfile.TemporaryDirectory(prefix="sprout-import-") as work:
         imported = read_source(args.source, Path(work), revision=args.revision, max_seq_len=args.max_seq_len)
-        check_fresh_run(args.out, args.overwrite)
+        check_fresh_run(args.out, args.overwrite, resumable=False)
         result = write_run(imported, args.out)
     print(summary(result))
 

@@ -191,3 +191,6 @@ def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
     assert_logits_close(decoded_logits(Decoder(policy, 3, 64, compile=True), ids, mask, new),
                         full_forward_logits(policy, ids, mask, new))
     assert counters["stats"]["unique_graphs"] - graphs == 1
+    biased = random_model(attention_bias=True)  # q/k/v biases: a graph of its own, the same logits
+    assert_logits_close(decoded_logits(Decoder(biased, 3, 64, compile=True), ids, mask, new),
+                        full_forward_logits(biased, ids, mask, new))

@@ -179,7 +179,7 @@ def test_script_writes_a_run_and_refuses_to_overwrite_it(imported, tmp_path):
     done = run_script(hf_dir, "--out", tmp_path / "run")
     assert done.returncode == 0, done.stderr
     assert "imported Qwen2ForCausalLM" in done.stdout and "chat format: chatml" in done.stdout
-    assert "checkpoints/step_00000000/model.safetensors" in done.stdout
+    assert "checkpoints/step_00000000/{model.safetensors, train_state.pt, meta.json}" in done.stdout
     again = run_script(hf_dir, "--out", tmp_path / "run")
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--overwrite" in again.stderr
     assert run_script(hf_dir, "--out", tmp_path / "run", "--overwrite").returncode == 0

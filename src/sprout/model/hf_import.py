@@ -67,7 +67,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
               "shared_expert_intermediate_size")
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
-HUB_FILES = ["config.json", "*.safetensors", WEIGHTS_INDEX, HF_FILE, *HF_SIDE_FILES, CHAT_TEMPLATE_FILE]
+HUB_FILES = ["config.json", "model*.safetensors", WEIGHTS_INDEX, HF_FILE, *HF_SIDE_FILES, CHAT_TEMPLATE_FILE]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 IMPORT_EXTRA = "pip install 'sprout[import]'"
 
@@ -187,6 +187,7 @@ def gguf_source(path: Path, workdir: Path) -> Source:
     tokenizer.save_pretrained(tok_dir)
     config = json.loads(model.config.to_json_string(use_diff=False))
     config["architectures"] = config.get("architectures") or [type(model).__name__]
+    config.pop("quantization_config", None)  # {"quant_method": "gguf"}: the loader has dequantised the weights
     record = {"kind": "gguf", "path": str(path.resolve()), "sha256": sha256_file(path)}
     return Source(path.stem, record, config, f"{path} (its config)", tok_dir, weights=model.state_dict(),
                   hf_model=model)
@@ -380,5 +381,9 @@ def summary(result: ImportResult) -> str:
         fmt = imp.chat_format
         system = f", default system message {fmt.default_system!r}" if fmt.default_system else ""
         lines.append(f"  chat format: {fmt.name} ({fmt.version}){system}, detected from its chat template")
-    lines.append(f"wrote {result.out}/: " + ", ".join(result.files))
+    folders: dict[str, list[str]] = {}
+    for f in result.files:
+        folders.setdefault(str(Path(f).parent), []).append(Path(f).name)
+    written = [f"{d}/{names[0]}" if len(names) == 1 else f"{d}/{{{', '.join(names)}}}" for d, names in folders.items()]
+    lines.append(f"wrote {result.out}/: " + ", ".join(written))
     return "\n".join(lines)
