@@ -217,6 +217,24 @@ def test_bad_folders_are_one_line_errors(imported, tmp_path):
     assert not any((tmp_path / name).exists() for name in "abcd")
 
 
+def test_hub_id_from_the_cache_offline(imported, tmp_path):
+    """A hub id read offline from the Hugging Face cache's layout; meta records the id and the commit."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf_home" / "hub" / "models--someone--tiny-qwen"
+    shutil.copytree(imported["qwen2"][1].parent / "hf", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    done = run_script("someone/tiny-qwen", "--out", tmp_path / "run",
+                      env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")})
+    assert done.returncode == 0, done.stderr
+    assert f"from hub someone/tiny-qwen at revision {commit}" in done.stdout
+    meta = read_meta(tmp_path / "run")
+    assert meta["source"] == {"kind": "hub", "id": "someone/tiny-qwen", "revision": commit}
+    assert meta["tokenizer_file"] == "tokenizer/tiny-qwen/tokenizer.json"
+
+
 def test_gguf_without_the_gguf_package_and_hub_id_offline(tmp_path):
     shim = tmp_path / "shim"
     shim.mkdir()
