@@ -1,8 +1,8 @@
 """Start from a published Llama-family model: import it into a sprout run folder.
 
-    python scripts/import_model.py HuggingFaceTB/SmolLM2-135M-Instruct --out runs/smollm2   # a hub id
-    python scripts/import_model.py path/to/hf_folder --out runs/mine                      # config.json + safetensors
-    python scripts/import_model.py model.Q4_1.gguf --out runs/mine                        # via transformers' GGUF loader
+    python scripts/import_model.py HuggingFaceTB/SmolLM2-135M-Instruct --out runs/smollm2  # a hub id
+    python scripts/import_model.py path/to/hf_folder --out runs/mine       # config.json + safetensors
+    python scripts/import_model.py model.Q4_1.gguf --out runs/mine         # via transformers' GGUF loader
     python scripts/chat.py runs/smollm2
 
 SOURCE is a Hugging Face folder, a hub id (fetched into the usual cache; HF_HUB_OFFLINE=1 uses

@@ -350,8 +350,9 @@ def write_run(imported: Imported, out: str | Path) -> ImportResult:
     out = Path(out)
     src, model, tok, fmt = imported.source, imported.model, imported.tokenizer, imported.chat_format
     fields = bundle_tokenizer(f"hf:{imported.tokenizer_dir}", out)
-    meta = {"model_config": config_to_dict(model.config), "tokenizer": f"hf:{(out / fields['tokenizer_file']).parent.resolve()}",
-            **fields, "tokenizer_fingerprint": tok.fingerprint(), "stage": "import", "step": 0, "tokens_seen": 0,
+    run_copy = (out / fields["tokenizer_file"]).parent.resolve()
+    meta = {"model_config": config_to_dict(model.config), "tokenizer": f"hf:{run_copy}", **fields,
+            "tokenizer_fingerprint": tok.fingerprint(), "stage": "import", "step": 0, "tokens_seen": 0,
             "run_id": uuid.uuid4().hex, "source": src.record, "source_config": src.config}
     if fmt is not None:
         meta["template_version"] = fmt.version

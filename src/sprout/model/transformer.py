@@ -86,8 +86,7 @@ class ModelConfig:
     norm_eps: float = 1e-5              # RMSNorm epsilon
     tie_embeddings: bool = False        # the output head shares the embedding matrix
     init_std: float = 0.02              # std of the normal initial weights
-    # Recorded in a config only when set (`sprout.config.RECORDED_WHEN_SET`): configs made before
-    # them read, hash and save as they did.
+    # Recorded only when set (`sprout.config.RECORDED_WHEN_SET`): earlier configs read and hash as before.
     d_head: int | None = field(default=None, metadata=RECORDED_WHEN_SET)  # None -> d_model / n_heads
     attention_bias: bool = field(default=False, metadata=RECORDED_WHEN_SET)  # biases on q, k, v (Qwen2)
     rope_scaling: dict | None = field(default=None, metadata=RECORDED_WHEN_SET)  # None, or Llama 3's (see LLAMA3_ROPE)
@@ -163,15 +162,14 @@ LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 
 def check_rope_scaling(scaling, where: str) -> None:
-    """Refuse a `rope_scaling` that is not {"rope_type": "llama3", and the numbers of `LLAMA3_ROPE`}."""
-    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
-        kind = scaling.get("rope_type") if isinstance(scaling, dict) else type(scaling).__name__
+    """Refuse a `rope_scaling` other than {"rope_type": "llama3"} with a number for each of `LLAMA3_ROPE`."""
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else type(scaling).__name__
+    if kind != "llama3":
         raise SproutError(f"{where}: rope type {kind!r} is not supported (only 'llama3')")
-    bad = [k for k in LLAMA3_ROPE if isinstance(scaling.get(k), bool) or not isinstance(scaling.get(k), (int, float))]
-    unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_ROPE})
-    if bad or unknown:
-        raise SproutError(f"{where}: llama3 scaling needs numbers {', '.join(LLAMA3_ROPE)} and nothing else "
-                          f"({'missing or not a number: ' + ', '.join(bad) if bad else 'unknown: ' + ', '.join(unknown)})")
+    numbers = all(isinstance(scaling.get(k), (int, float)) and not isinstance(scaling[k], bool) for k in LLAMA3_ROPE)
+    if not numbers or set(scaling) - {"rope_type", *LLAMA3_ROPE}:
+        raise SproutError(f"{where}: llama3 scaling takes a number for each of {', '.join(LLAMA3_ROPE)} "
+                          f"and no other field (got {scaling})")
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
