@@ -1,7 +1,8 @@
 """The decoder's prefill and one-token steps (the blocks' `prefill` and `step` on fused weights): a
 block's equal its forward, and the decoder's logits equal the module forward's over the whole
 sequence, to 1e-5 of their scale (left padding, grouped-query attention, tied embeddings, a value
-head; dense, oneDNN-packed, and dense with packed copies for the compiled step's op),
+head, q/k/v biases, a head size other than d_model / n_heads with Llama 3's rotary scaling;
+dense, oneDNN-packed, and dense with packed copies for the compiled step's op),
 shared prefills equal repeated prompts (also unpadded and one-token prompts), the compiled step
 equals the eager one and compiles once for every length, cache size and model class (slow), and the weights
 are read at each decoder's construction."""
@@ -18,6 +19,8 @@ from sprout.model.heads import PolicyWithValue, padding_inputs
 from sprout.model.transformer import ModelConfig, Transformer
 
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 8], [11, 12, 13, 14]]
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
 
 
 def random_model(cls=Transformer, **overrides) -> Transformer:
@@ -25,8 +28,8 @@ def random_model(cls=Transformer, **overrides) -> Transformer:
     cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64) | overrides
     m = cls(ModelConfig(**cfg)).eval()
     with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
+        for name, p in m.named_parameters():
+            if p.dim() == 2 or name.endswith(".bias"):
                 p.normal_(0.0, 0.3)
     return m
 
@@ -53,11 +56,11 @@ def decoded_logits(decoder, ids, mask, new, repeats=1):
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("kv_heads", [2, None], ids=["gqa", "mha"])
-def test_block_prefill_and_step_equal_its_forward(kv_heads):
+@pytest.mark.parametrize("kv_heads,bias", [(2, False), (None, False), (2, True)], ids=["gqa", "mha", "biases"])
+def test_block_prefill_and_step_equal_its_forward(kv_heads, bias):
     """One block's decoding forms on its fused weights: the prefill at the prompts' real tokens and
     each step at its token give the block's forward over the whole left-padded sequence."""
-    model, steps = random_model(n_kv_heads=kv_heads), 4
+    model, steps = random_model(n_kv_heads=kv_heads, attention_bias=bias), 4
     block, c = model.layers[1], model.config
     ids, mask = pad_prompts(PROMPTS)
     (B, P), real = ids.shape, mask.bool()
@@ -82,9 +85,10 @@ def test_block_prefill_and_step_equal_its_forward(kv_heads):
 
 
 @pytest.mark.parametrize("matmul", ["dense", "onednn", "onednn_op"])
-@pytest.mark.parametrize("kind", ["gqa", "mha", "tied", "value head"])
+@pytest.mark.parametrize("kind", ["gqa", "mha", "tied", "value head", "biases", "head size"])
 def test_decode_step_equals_the_full_forward(kind, matmul):
-    overrides = {"mha": dict(n_kv_heads=None), "tied": dict(tie_embeddings=True)}.get(kind, {})
+    overrides = {"mha": dict(n_kv_heads=None), "tied": dict(tie_embeddings=True), "biases": dict(attention_bias=True),
+                 "head size": dict(d_head=12, rope_scaling=LLAMA3)}.get(kind, {})
     model = random_model(PolicyWithValue if kind == "value head" else Transformer, **overrides)
     if matmul != "dense" and not onednn_available(model.lm_head.weight, onednn_module.ONEDNN_MIN_WIDTH):
         pytest.skip("no oneDNN")
@@ -187,3 +191,6 @@ def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
     assert_logits_close(decoded_logits(Decoder(policy, 3, 64, compile=True), ids, mask, new),
                         full_forward_logits(policy, ids, mask, new))
     assert counters["stats"]["unique_graphs"] - graphs == 1
+    biased = random_model(attention_bias=True)  # q/k/v biases: a graph of its own, the same logits
+    assert_logits_close(decoded_logits(Decoder(biased, 3, 64, compile=True), ids, mask, new),
+                        full_forward_logits(biased, ids, mask, new))

@@ -100,6 +100,49 @@ def test_rope_is_hf_rotate_half_convention():
     torch.testing.assert_close(apply_rope(x, cos[None, :, None], sin[None, :, None]), hf)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_tables_equal_transformers():
+    """Llama 3's scaled frequencies: the tables equal transformers' LlamaRotaryEmbedding's cos/sin
+    (head size 32 and original context 64: every band, slowed, kept and interpolated, occurs)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=256,
+                                      rope_theta=10000.0, rope_scaling=dict(LLAMA3))
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    x, positions = torch.zeros(1, 256, 64), torch.arange(256)[None]
+    cos_hf, sin_hf = rotary(x, positions)
+    cos, sin = rope_tables(32, 256, 10000.0, LLAMA3)
+    torch.testing.assert_close(cos, cos_hf[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin, torch.cat((-sin_hf[0, :, :16], sin_hf[0, :, 16:]), -1), rtol=0, atol=0)
+    with pytest.raises(SproutError, match="rope type 'yarn' is not supported"):
+        ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(SproutError, match="takes a number for each of factor"):
+        ModelConfig(rope_scaling={k: v for k, v in LLAMA3.items() if k != "factor"})
+
+
+def test_head_size_and_biases_of_imported_models():
+    """`d_head` sets the head size apart from d_model / n_heads; `attention_bias` gives q, k and v
+    biases, zero at init; neither (nor rope_scaling) is in a config's dict at its default, so the
+    configs, meta and resume hashes of earlier runs read as before."""
+    from sprout.config import config_to_dict
+
+    m = tiny(d_head=12, n_kv_heads=2, attention_bias=True)
+    attn = m.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (48, 32) and attn.k_proj.weight.shape == (24, 32)
+    assert attn.o_proj.weight.shape == (32, 48) and m.rope_cos.shape[-1] == 12
+    assert attn.q_proj.bias.shape == (48,) and not attn.v_proj.bias.any() and attn.o_proj.bias is None
+    assert m(torch.randint(0, 64, (2, 9))).shape == (2, 9, 64)
+    plain = config_to_dict(ModelConfig())
+    assert list(plain) == ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+                           "rope_theta", "norm_eps", "tie_embeddings", "init_std"]
+    assert ModelConfig(**plain) == ModelConfig()
+    full = config_to_dict(ModelConfig(d_head=16, attention_bias=True, rope_scaling=dict(LLAMA3)))
+    assert (full["d_head"], full["attention_bias"], full["rope_scaling"]) == (16, True, LLAMA3)
+    assert ModelConfig(**full).head_dim == 16
+
+
 def test_gqa_and_tied_variants():
     gqa = tiny(n_kv_heads=1)
     assert gqa.layers[0].self_attn.k_proj.weight.shape == (8, 32)

@@ -19,6 +19,9 @@ same ids on every case is the answer; when none does, `SproutError` names the ca
 matched longest and its first differing token (conversation, position, the template's id
 and the format's, each decoded).
 
+`read_chat_template` finds a Hugging Face tokenizer folder's template (its `chat_template.jinja`,
+else tokenizer_config.json's `chat_template`).
+
 The contents of the cases have no whitespace at either end, so templates that trim message
 contents (Llama 3's) can match; `render` itself never trims. jinja2 comes with torch.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 
 from sprout.chat import ChatError, encode_with_specials, render_as, template_of, validate
 from sprout.chat_formats import FORMATS, ROLES, ChatFormat
@@ -44,6 +48,24 @@ CONVERSATIONS = (
     (("user", "Hello"), ("assistant", "Hi! How can I help?"), ("user", "a  b   c"), ("assistant", "d")),
 )
 PROBE = [{"role": "user", "content": "Hello"}]  # no system message: shows the template's default one
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a tokenizer's template as a file of its own (transformers 5 writes it)
+
+
+def read_chat_template(folder: Path) -> tuple[str, Path] | None:
+    """(template, the file it came from) of a Hugging Face tokenizer folder: `CHAT_TEMPLATE_FILE`
+    when there is one (transformers prefers it), else tokenizer_config.json's `chat_template` (a
+    string, or a list of named templates: the one named "default"); None when it has neither."""
+    jinja, config = folder / CHAT_TEMPLATE_FILE, folder / "tokenizer_config.json"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), jinja
+    try:
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise SproutError(f"{config}: cannot read the chat template ({exc})") from None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return (template, config) if isinstance(template, str) and template.strip() else None
 
 
 def detection_cases() -> list[tuple[list, bool]]:

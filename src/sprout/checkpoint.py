@@ -30,7 +30,8 @@ Tokenizer: a run keeps its own copy of the tokenizer file in `<run>/tokenizer/`
 and every checkpoint's meta records `tokenizer_file` (relative to the run folder, e.g.
 "tokenizer/sp4096.model", or "tokenizer/FOLDER/tokenizer.json" for hf:) and `tokenizer_sha256`
 next to the original `tokenizer` spec; an hf: tokenizer also records the sha256 of the
-tokenizer_config.json / special_tokens_map.json copied beside it, in `tokenizer_side_sha256`
+tokenizer_config.json / special_tokens_map.json / chat_format.json / chat_template.jinja
+copied beside it, in `tokenizer_side_sha256`
 ({file name: sha256}). `checkpoint_tokenizer(meta)` opens that copy, from the checkpoint's own
 run folder wherever it now lies, and refuses a file whose sha256 differs; a checkpoint with
 only a `tokenizer` spec (the older form) loads that spec as before.
@@ -55,6 +56,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import load_model as _load_safetensors_model
 
 from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, sha256_file, write_error
+from sprout.config import config_to_dict
 from sprout.errors import SproutError
 
 FORMAT = "sprout-checkpoint-v1"
@@ -127,7 +129,7 @@ def save_checkpoint(
         meta = dict(meta)
         meta["architecture"] = architecture
         if dataclasses.is_dataclass(meta.get("model_config")):
-            meta["model_config"] = dataclasses.asdict(meta["model_config"])
+            meta["model_config"] = config_to_dict(meta["model_config"])
         meta["format"] = FORMAT
         meta["files"] = {name: sha256_file(tmp / name) for name in (WEIGHTS, STATE)}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
@@ -290,13 +292,15 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
     SentencePiece: the .model (and the .vocab beside it, if any) is copied atomically, unless the
     same file is already there; returns {"tokenizer_file": "tokenizer/NAME.model",
     "tokenizer_sha256": ...}. hf: the tokenizer.json and the side files beside it
-    (`sprout.tokenizer.HF_SIDE_FILES` and the chat format's `chat_format.json`, those present) go to `tokenizer/FOLDER/`, FOLDER being
+    (`sprout.tokenizer.HF_SIDE_FILES`, the chat format's `chat_format.json` and the Jinja template's
+    `chat_template.jinja`, those present) go to `tokenizer/FOLDER/`, FOLDER being
     the name of the folder holding the tokenizer.json, and the fields add "tokenizer_side_sha256".
     A tiktoken spec (or none) returns {}. `write=False` only computes
     the fields (the processes of a run that do not write to its folder). A different tokenizer
     already in the run folder is refused; when the spec does not resolve here (a relative path,
     a resume from another directory) the run folder's own copy stands in for it.
     """
+    from sprout.chat_detect import CHAT_TEMPLATE_FILE
     from sprout.chat_formats import CHAT_FORMAT_FILE
     from sprout.tokenizer import HF_SIDE_FILES, hf_json
 
@@ -308,7 +312,7 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
     elif kind == "hf":
         src = hf_json(Path(arg))
         rel = f"{TOKENIZER_DIR}/{Path(os.path.abspath(src)).parent.name}/{src.name}"
-        sides, recorded, what = [*HF_SIDE_FILES, CHAT_FORMAT_FILE], True, "Hugging Face tokenizer"
+        sides, recorded, what = [*HF_SIDE_FILES, CHAT_FORMAT_FILE, CHAT_TEMPLATE_FILE], True, "Hugging Face tokenizer"
     else:
         return {}
     dst = Path(run_dir) / rel

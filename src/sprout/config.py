@@ -20,10 +20,14 @@ type (its choices), its default and one line of meaning, taken from the field's
 Which fields a resumed run may change is declared on the field itself:
 `resume_free(default)` (run length, logging, paths) instead of `default`; `resume_config(cfg)`
 is the config without those fields, the part a checkpoint records and a resume must match.
+A field added to a config after runs were made with it is declared with `RECORDED_WHEN_SET`
+metadata: `config_to_dict` writes it only when it differs from its default, so those runs'
+configs, checkpoint meta and resume hashes stay what they were.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -415,11 +419,22 @@ def add_config_help(parser, cls: type) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
-def config_to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 RESUME_FREE = {"resume": "free"}  # field metadata: this field may change when a run is resumed
+RECORDED_WHEN_SET = {"record": "when set"}  # field metadata: left out of `config_to_dict` at its default
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """`dataclasses.asdict(cfg)`, leaving out the fields declared `RECORDED_WHEN_SET` while they hold
+    their default: fields added after configs were written, which those configs (their YAML,
+    checkpoint meta and resume hash) therefore keep reading exactly as before."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                if not (f.metadata.get("record") == "when set" and getattr(cfg, f.name) == _default(f))}
+    if isinstance(cfg, (list, tuple)):
+        return type(cfg)(config_to_dict(v) for v in cfg)
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
+    return copy.deepcopy(cfg)
 
 
 def resume_free(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:

@@ -147,9 +147,10 @@ def latest_step(out: str | Path) -> int | None:
         return max(steps) if steps else None
 
 
-def check_fresh_run(out: str | Path, overwrite: bool = False) -> None:
+def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = True) -> None:
     """A fresh run may start in `out` when it holds no run; with `overwrite` the old run's files
-    are deleted first (rank 0; `clear_run`). Otherwise one line says what to pass."""
+    are deleted first (rank 0; `clear_run`). Otherwise one line says what to pass (--resume
+    only when the script has it: `resumable`)."""
     files = run_files(out)
     if not files:
         return
@@ -160,7 +161,7 @@ def check_fresh_run(out: str | Path, overwrite: bool = False) -> None:
     step = latest_step(out)
     held = f"holds a run at step {step}" if step is not None else \
         f"holds the files of a run without a checkpoint ({', '.join(f.name for f in files)})"
-    resume = "pass --resume to continue it or " if step is not None else "pass "
+    resume = "pass --resume to continue it or " if step is not None and resumable else "pass "
     raise SproutError(f"{out} {held}; {resume}--overwrite to start again")
 
 

@@ -53,7 +53,7 @@ class DecodeWeights:
 
     blocks: nn.ModuleList
     norm: nn.Module
-    layers: list  # per block: ((qkv, o), (gate_up, down))
+    layers: list  # per block: ((qkv, o, qkv bias or None), (gate_up, down))
     lm_head: torch.Tensor
     kind: str = "dense"  # the layers' matmul weights (see `sprout.model.onednn`)
     head_kind: str = "dense"  # the lm_head's

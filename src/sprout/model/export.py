@@ -6,8 +6,9 @@ What the folder holds:
 
     config.json              LlamaConfig (the table below), bos/eos/pad ids of the tokenizer
     model.safetensors        the weights under transformers' names: `model.` before every name
-                             but `lm_head.weight`; tied embeddings stored once, as
-                             `model.embed_tokens.weight` (transformers ties lm_head to it)
+                             but `lm_head.weight` (`hf_weight_name`; `sprout.model.hf_import`
+                             reads them back with `sprout_weight_name`); tied embeddings stored
+                             once, as `model.embed_tokens.weight` (transformers ties lm_head to it)
     generation_config.json   eos = the end-of-turn id (SentencePiece: also the three role ids, the
                              stop tokens of `sprout.model.chat_session`), bos/pad where the tokenizer
                              has them; do_sample true, temperature 0.7 (scripts/chat.py's default),
@@ -20,12 +21,14 @@ What the folder holds:
 
     sprout ModelConfig   LlamaConfig                 sprout ModelConfig   LlamaConfig
     vocab_size           vocab_size                  max_seq_len          max_position_embeddings
-    d_model              hidden_size                 rope_theta           rope_theta (rope_type default)
+    d_model              hidden_size                 rope_theta           rope_theta
     n_layers             num_hidden_layers           norm_eps             rms_norm_eps
     n_heads              num_attention_heads         tie_embeddings       tie_word_embeddings
     kv_heads             num_key_value_heads         init_std             initializer_range
     ff_dim               intermediate_size           head_dim             head_dim
-    (silu, no biases: hidden_act "silu", attention_bias and mlp_bias false)
+                                                     rope_scaling         rope_scaling (None, or Llama 3's)
+    (silu, no biases: hidden_act "silu", attention_bias and mlp_bias false; a model with q/k/v
+    biases, an imported Qwen2, is refused)
 
 Rotary embeddings need no weight permutation: sprout rotates in transformers' own
 `rotate_half` convention with the same inverse frequencies (`sprout.model.transformer`).
@@ -114,7 +117,7 @@ def llama_config(model, tok) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": c.max_seq_len,
         "rope_theta": float(c.rope_theta),
-        "rope_scaling": None,
+        "rope_scaling": c.rope_scaling,
         "rms_norm_eps": c.norm_eps,
         "tie_word_embeddings": bool(c.tie_embeddings) and arch != "reward",  # a reward model has no lm_head
         "initializer_range": c.init_std,
@@ -133,6 +136,21 @@ def llama_config(model, tok) -> dict:
     return cfg
 
 
+LM_HEAD = "lm_head.weight"  # the one LM weight that keeps its name in transformers; every other gets `model.`
+
+
+def hf_weight_name(name: str) -> str:
+    """transformers' name of a sprout LM weight (`model.` before all but `LM_HEAD`; the module doc's table)."""
+    return name if name == LM_HEAD else f"model.{name}"
+
+
+def sprout_weight_name(hf_name: str) -> str | None:
+    """The sprout name of a transformers LM weight: `hf_weight_name` undone (None for a name it never gives)."""
+    if hf_name == LM_HEAD:
+        return hf_name
+    return hf_name.removeprefix("model.") if hf_name.startswith("model.") else None
+
+
 def hf_state_dict(model) -> tuple[dict[str, torch.Tensor], list[str]]:
     """({transformers name: tensor}, [dropped sprout names]) for `model`'s weights.
 
@@ -145,13 +163,13 @@ def hf_state_dict(model) -> tuple[dict[str, torch.Tensor], list[str]]:
     for name, t in model.state_dict().items():
         if name in aliases:
             continue
-        if name == "lm_head.weight" or name == "score_head.weight":
-            hf = "score.weight" if name == "score_head.weight" else name
+        if name == "score_head.weight":
+            hf = "score.weight"
         elif name == "value_head.weight":
             dropped.append(name)
             continue
         else:
-            hf = f"model.{name}"
+            hf = hf_weight_name(name)
         out[hf] = t.detach().to("cpu").contiguous()
     return out, dropped
 
@@ -340,6 +358,9 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
     """
     out = Path(out)
     arch = architecture_of(model)
+    if model.config.attention_bias:
+        raise SproutError(f"{out}: a model with q/k/v biases (an imported Qwen2) has no LlamaForCausalLM form "
+                          f"(Llama's attention_bias also puts one on o_proj); it cannot be exported yet")
     if tok.vocab_size > model.config.vocab_size:
         raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

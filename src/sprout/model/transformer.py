@@ -4,7 +4,10 @@ Architecture (Touvron et al. 2023, "LLaMA"): pre-norm blocks with RMSNorm (Zhang
 Sennrich 2019), rotary position embeddings (Su et al. 2021, RoFormer) in Hugging Face's
 `rotate_half` convention (the first and second halves of each head are the rotated
 pairs), a SwiGLU MLP (Shazeer 2020), no biases, optional grouped-query attention
-(Ainslie et al. 2023) and optional tied input/output embeddings.
+(Ainslie et al. 2023) and optional tied input/output embeddings. What imported models
+(`sprout.model.hf_import`) need besides: biases on the q, k and v projections (Qwen2's,
+`attention_bias`), a head size other than d_model / n_heads (`d_head`), and Llama 3's rotary
+frequency scaling (`rope_scaling`, computed as transformers' `_compute_llama3_parameters`).
 
 Module names map 1:1 onto Hugging Face `LlamaForCausalLM` (prefix `model.` on all but
 `lm_head`), so a checkpoint exports with equal logits:
@@ -59,12 +62,13 @@ their forward maths as plain functions, without the Functions' per-call overhead
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sprout.config import RECORDED_WHEN_SET
 from sprout.errors import SproutError
 from sprout.model.onednn import linear, matmul_weight
 
@@ -82,14 +86,22 @@ class ModelConfig:
     norm_eps: float = 1e-5              # RMSNorm epsilon
     tie_embeddings: bool = False        # the output head shares the embedding matrix
     init_std: float = 0.02              # std of the normal initial weights
+    # Recorded only when set (`sprout.config.RECORDED_WHEN_SET`): earlier configs read and hash as before.
+    d_head: int | None = field(default=None, metadata=RECORDED_WHEN_SET)  # None -> d_model / n_heads
+    attention_bias: bool = field(default=False, metadata=RECORDED_WHEN_SET)  # biases on q, k, v (Qwen2)
+    rope_scaling: dict | None = field(default=None, metadata=RECORDED_WHEN_SET)  # None, or Llama 3's (see LLAMA3_ROPE)
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
+        if self.d_head is None and self.d_model % self.n_heads:
             raise SproutError(f"model config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
+        if self.d_head is not None and self.d_head < 2:
+            raise SproutError(f"model config: d_head {self.d_head} must be at least 2")
+        if self.head_dim % 2:
             raise SproutError(f"model config: head size {self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.kv_heads:
             raise SproutError(f"model config: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling, "model config: rope_scaling")
 
     @property
     def kv_heads(self) -> int:
@@ -97,7 +109,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head or self.d_model // self.n_heads
 
     @property
     def ff_dim(self) -> int:
@@ -146,14 +158,47 @@ class RMSNorm(nn.Module):
         return _rms_norm(x, self.weight, self.eps)[0]
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling, where: str) -> None:
+    """Refuse a `rope_scaling` other than {"rope_type": "llama3"} with a number for each of `LLAMA3_ROPE`."""
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else type(scaling).__name__
+    if kind != "llama3":
+        raise SproutError(f"{where}: rope type {kind!r} is not supported (only 'llama3')")
+    numbers = all(isinstance(scaling.get(k), (int, float)) and not isinstance(scaling[k], bool) for k in LLAMA3_ROPE)
+    if not numbers or set(scaling) - {"rope_type", *LLAMA3_ROPE}:
+        raise SproutError(f"{where}: llama3 scaling takes a number for each of {', '.join(LLAMA3_ROPE)} "
+                          f"and no other field (got {scaling})")
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's scaled inverse frequencies, step by step as transformers' `_compute_llama3_parameters`:
+    wavelengths longer than original_len / low_freq_factor slow down by `factor`, those shorter
+    than original_len / high_freq_factor stay, and those between are interpolated smoothly."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, signed sin [max_len, head_dim] in fp32, for `apply_rope`.
 
-    angle(p, i) = p * theta^(-2i / head_dim) for i < head_dim / 2, repeated over both
-    halves (HF's `cat(freqs, freqs)`); the sin table's first half is negated, which folds
-    `rotate_half`'s minus sign into the table.
+    angle(p, i) = p * inv_freq(i), inv_freq(i) = theta^(-2i / head_dim) for i < head_dim / 2
+    (`llama3_inv_freq` of those with Llama 3's `scaling`), repeated over both halves (HF's
+    `cat(freqs, freqs)`); the sin table's first half is negated, which folds `rotate_half`'s
+    minus sign into the table.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     return torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
 
@@ -256,9 +301,10 @@ class Attention(nn.Module):
         d, hd = config.d_model, config.head_dim
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, hd
-        self.q_proj = nn.Linear(d, config.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, config.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, config.kv_heads * hd, bias=False)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, config.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, config.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, config.kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(config.n_heads * hd, d, bias=False)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, start: int):
@@ -278,12 +324,22 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def fused_weights(self, rows: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv, o) for `step`/`prefill`, `sprout.model.onednn.matmul_weight` copies: q, k and v one
-        matrix [(H + 2 KV) D, d], the softmax scale 1/sqrt(head_dim) folded into q's rows."""
-        q = self.q_proj.weight * (1.0 / math.sqrt(self.head_dim))
+    def fused_weights(self, rows: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qkv, o, qkv bias or None) for `step`/`prefill`, the matrices `sprout.model.onednn.matmul_weight`
+        copies: q, k and v one matrix [(H + 2 KV) D, d] (their biases one vector), the softmax scale
+        1/sqrt(head_dim) folded into q's rows (and q's bias)."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        bias = None if self.q_proj.bias is None else torch.cat((self.q_proj.bias * scale, self.k_proj.bias,
+                                                                   self.v_proj.bias))
+        q = self.q_proj.weight * scale
         return (matmul_weight(torch.cat((q, self.k_proj.weight, self.v_proj.weight)), rows, kind),
-                matmul_weight(self.o_proj.weight, rows, kind))
+                matmul_weight(self.o_proj.weight, rows, kind), bias)
+
+    @staticmethod
+    def _qkv(x, weights, kind: str) -> torch.Tensor:
+        """q, k and v of x [N, d] in one matmul on `fused_weights`, [N, (H + 2 KV) D]."""
+        qkv = linear(x, weights[0], kind)
+        return qkv if weights[2] is None else qkv + weights[2]
 
     def step(self, x, weights, cos, sin, k_cache, v_cache, bias, kind: str):
         """`forward` of one new token per row, x [N, d] at rotary cos/sin [N, 1, D], on `fused_weights`:
@@ -291,7 +347,7 @@ class Attention(nn.Module):
         plus `bias` [N, 1, 1, L], softmax, times V (queries [N, KV, group, D]: keys read in place)."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         N, slot = x.shape[0], bias.shape[-1] - 1
-        qkv = linear(x, weights[0], kind).view(N, H + 2 * KV, D)
+        qkv = self._qkv(x, weights, kind).view(N, H + 2 * KV, D)
         qk = apply_rope(qkv[:, : H + KV], cos, sin)
         k_cache.select(2, slot).copy_(qk[:, H:])
         v_cache.select(2, slot).copy_(qkv[:, H + KV :])
@@ -305,7 +361,7 @@ class Attention(nn.Module):
         where `allowed` [B, 1, P, P]; keys/values to slots 0..P-1 of each prompt's G cache rows."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         B, P = allowed.shape[0], allowed.shape[-1]
-        qkv = linear(x, weights[0], kind).view(-1, H + 2 * KV, D)
+        qkv = self._qkv(x, weights, kind).view(-1, H + 2 * KV, D)
         heads = qkv.new_zeros(B * P, H + 2 * KV, D)
         heads[index, : H + KV], heads[index, H + KV :] = apply_rope(qkv[:, : H + KV], cos, sin), qkv[:, H + KV :]
         q, k, v = heads.view(B, P, H + 2 * KV, D).transpose(1, 2).split([H, KV, KV], dim=1)
@@ -376,19 +432,21 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, init_std); o_proj/down_proj scaled by 1/sqrt(2 n_layers); norms 1."""
+        """GPT-2 init: N(0, init_std); o_proj/down_proj scaled by 1/sqrt(2 n_layers); norms 1; biases 0."""
         std = self.config.init_std
         resid_std = std / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.normal_(0.0, resid_std)
             else:
@@ -441,9 +499,10 @@ class Transformer(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 N_matmul + 12 L d T (PaLM appendix B; see module doc)."""
+        """Training FLOPs per token: 6 N_matmul + 12 L d T (PaLM appendix B; see module doc), d the
+        attention's width n_heads × head_dim (d_model unless `d_head` says otherwise)."""
         c = self.config
         n_matmul = self.num_params(exclude_embeddings=True)
         if c.tie_embeddings:  # the shared matrix still does the lm_head matmul
             n_matmul += self.lm_head.weight.numel()
-        return 6.0 * n_matmul + 12.0 * c.n_layers * c.d_model * seq_len
+        return 6.0 * n_matmul + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len

@@ -1,0 +1,46 @@
+"""Start from a published Llama-family model: import it into a sprout run folder.
+
+    python scripts/import_model.py HuggingFaceTB/SmolLM2-135M-Instruct --out runs/smollm2  # a hub id
+    python scripts/import_model.py path/to/hf_folder --out runs/mine       # config.json + safetensors
+    python scripts/import_model.py model.Q4_1.gguf --out runs/mine         # via transformers' GGUF loader
+    python scripts/chat.py runs/smollm2
+
+SOURCE is a Hugging Face folder, a hub id (fetched into the usual cache; HF_HUB_OFFLINE=1 uses
+the cache only) or a .gguf file (needs the 'import' extra: pip install 'sprout[import]').
+Llama, Qwen2 and Mistral (without a sliding window shorter than the context) are imported;
+anything else is refused in one line naming the config field. --out becomes an ordinary run
+folder: checkpoints/step_00000000 (an 'lm' checkpoint, the source and its config.json in
+meta.json) and the tokenizer files in tokenizer/NAME/ with the chat format detected from the
+model's own chat template (see src/sprout/model/hf_import.py). A folder that holds a run is
+refused unless --overwrite.
+"""
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from sprout.engine.run import check_fresh_run
+from sprout.errors import run_main
+from sprout.model.hf_import import read_source, summary, write_run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SOURCE", help="a Hugging Face folder, a hub id (owner/name) or a .gguf file")
+    p.add_argument("--out", required=True, help="run folder to write")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in --out (its run files only)")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit; default main)")
+    p.add_argument("--max-seq-len", type=int, help="context of the sprout model (default: the source's "
+                                                     "max_position_embeddings)")
+    args = p.parse_args()
+    if not args.overwrite:
+        check_fresh_run(args.out, resumable=False)  # before the source is read, not only after
+    with tempfile.TemporaryDirectory(prefix="sprout-import-") as work:
+        imported = read_source(args.source, Path(work), revision=args.revision, max_seq_len=args.max_seq_len)
+        check_fresh_run(args.out, args.overwrite, resumable=False)
+        result = write_run(imported, args.out)
+    print(summary(result))
+
+
+if __name__ == "__main__":
+    run_main(main)
