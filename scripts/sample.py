@@ -54,7 +54,7 @@ def main() -> None:
     tokens, finished = gen.tokens[0], gen.finished[0]
     print(tok.decode(ids + (tokens[:-1] if finished else tokens)))  # decoded together: no seam at the join
     if meta.get("stage") not in (None, "pretrain"):
-        print(f"note: {meta['path']} is a {meta['stage']} checkpoint; scripts/chat.py talks to it with "
+        print(f"note: {meta['path']} is a checkpoint of stage {meta['stage']!r}; scripts/chat.py talks to it with "
               f"the chat template", file=sys.stderr)
 
 
