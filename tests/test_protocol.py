@@ -6,6 +6,7 @@ under 2 DDP and 2 FSDP2 processes against 1 process (slow; tests/protocol_worker
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -237,7 +238,10 @@ def run_worker(out: Path, accelerate_config: str | None = None, port: int = 0):
     proc = run_group([*launch, str(ROOT / "tests" / "protocol_worker.py"), str(out)], timeout=300, cwd=ROOT,
                      env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    checks = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("CHECK ")]
+    # Each rank prints its CHECK line; two ranks' lines can reach the pipe run together, so
+    # every JSON object is read from right after its own "CHECK " rather than line by line.
+    decoder = json.JSONDecoder()
+    checks = [decoder.raw_decode(proc.stdout, m.end())[0] for m in re.finditer(r"CHECK ", proc.stdout)]
     records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     return checks, records, proc.stdout
 
