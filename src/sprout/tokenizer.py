@@ -382,7 +382,7 @@ def hf_special_tokens(folder: Path) -> dict:
     """bos/eos/pad token strings and `split_special_tokens` as transformers reads them from
     `folder`: tokenizer_config.json, overridden by special_tokens_map.json when the config has
     no `added_tokens_decoder`. A token may be written as a string or as {"content": ...}."""
-    config, token_map = (_read_json_object(folder / name) for name in HF_SIDE_FILES)
+    config, token_map = (read_json_object(folder / name) for name in HF_SIDE_FILES)
     if "added_tokens_decoder" not in config:
         config.update(token_map)
     out = {k: v.get("content") if isinstance(v, dict) else v
@@ -391,7 +391,7 @@ def hf_special_tokens(folder: Path) -> dict:
     return out
 
 
-def _read_json_object(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
     """A JSON object file's contents, {} when the file is absent; one-line error when unreadable."""
     if not path.is_file():
         return {}

@@ -61,7 +61,7 @@ from sprout.config import config_to_dict
 from sprout.errors import SproutError
 from sprout.model.export import LM_HEAD, sprout_weight_name
 from sprout.model.transformer import LLAMA3_ROPE, ModelConfig, Transformer
-from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, hf_special_tokens, load_tokenizer
+from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, hf_special_tokens, load_tokenizer, read_json_object
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
@@ -196,13 +196,7 @@ def gguf_source(path: Path, workdir: Path) -> Source:
 def read_config(path: Path) -> dict:
     if not path.is_file():
         raise SproutError(f"{path}: no config.json (not a Hugging Face model folder)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SproutError(f"{path}: cannot read ({str(exc).splitlines()[0]})") from None
-    if not isinstance(config, dict):
-        raise SproutError(f"{path}: expected a JSON object")
-    return config
+    return read_json_object(path)
 
 
 # ---- config --------------------------------------------------------------------------------------
