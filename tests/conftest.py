@@ -44,3 +44,20 @@ def sp(tmp_path_factory):
 @pytest.fixture(params=["r50k", "sp"])
 def tok(request):
     return request.getfixturevalue(request.param)
+
+
+SMOLLM2_GGUF = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2(mirror, tmp_path_factory):
+    """(transformers' GGUF-loaded model, the run folder): the mirror's GGUF dequantised once, by the
+    import itself, whose transformers model is the reference."""
+    from sprout.model.hf_import import read_source, write_run
+
+    pytest.importorskip("transformers", reason="transformers (extra sprout[import]) reads GGUF files")
+    pytest.importorskip("gguf", reason="the gguf package (extra sprout[import]) reads GGUF files")
+    root = tmp_path_factory.mktemp("smollm2")
+    imported = read_source(str(mirror / SMOLLM2_GGUF), root / "work")
+    write_run(imported, root / "run")
+    return imported.source.hf_model, root / "run"
