@@ -44,3 +44,20 @@ def sp(tmp_path_factory):
 @pytest.fixture(params=["r50k", "sp"])
 def tok(request):
     return request.getfixturevalue(request.param)
+
+
+SMOLLM2_GGUF = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2(mirror, tmp_path_factory):
+    """(transformers' GGUF-loaded model, the run folder): the mirror's SmolLM2 GGUF imported
+    (`sprout.model.hf_import`) and dequantised once per session, for the import and export tests;
+    the import's own transformers model is the reference."""
+    pytest.importorskip("gguf", reason="the gguf package (extra sprout[import]) reads GGUF files")
+    from sprout.model.hf_import import read_source, write_run
+
+    root = tmp_path_factory.mktemp("smollm2")
+    imported = read_source(str(mirror / SMOLLM2_GGUF), root / "work")
+    write_run(imported, root / "run")
+    return imported.source.hf_model, root / "run"

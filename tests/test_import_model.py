@@ -254,23 +254,11 @@ def test_gguf_without_the_gguf_package_and_hub_id_offline(tmp_path):
 
 # ---------------------------------------------------------------- the mirror's SmolLM2 (GGUF)
 
-SMOLLM2_GGUF = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # its MANIFEST entry
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "Tom has 3 apples and buys 5 more.",
          "日本語 and emoji 😀: a mixed prompt"]
 CHATS = ["What is 12 + 7?", "Tom has 3 apples and buys 5 more. How many apples does he have?",
          "Name three colours."]
-
-
-@pytest.fixture(scope="session")
-def smollm2(mirror, tmp_path_factory):
-    """(transformers' GGUF-loaded model, the run folder): the mirror's GGUF dequantised once, by the
-    import itself, whose transformers model is the reference."""
-    pytest.importorskip("gguf", reason="the gguf package (extra sprout[import]) reads GGUF files")
-    root = tmp_path_factory.mktemp("smollm2")
-    imported = read_source(str(mirror / SMOLLM2_GGUF), root / "work")
-    write_run(imported, root / "run")
-    return imported.source.hf_model, root / "run"
 
 
 @pytest.mark.slow
