@@ -57,10 +57,9 @@ def to_transformers(model):
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         return None
-    from sprout.model.export import hf_state_dict, llama_config
+    from sprout.model.export import hf_config, hf_state_dict
 
-    no_tokenizer = SimpleNamespace(bos_id=None, eot_id=None, pad_id=None)
-    cfg = llama_config(model, no_tokenizer)
+    cfg = hf_config(model)  # no tokenizer: no special ids
     cfg.pop("architectures"), cfg.pop("model_type")
     hf = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     weights, _ = hf_state_dict(model)

@@ -1,4 +1,5 @@
-"""Export a checkpoint to a Hugging Face transformers folder (LlamaForCausalLM and its tokenizer).
+"""Export a checkpoint to a Hugging Face transformers folder (LlamaForCausalLM or Qwen2ForCausalLM
+and its tokenizer).
 
     python scripts/export_hf.py runs/demo/sft_model exports/sft
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer; \\
@@ -6,10 +7,13 @@
 
 RUN_OR_CHECKPOINT is a checkpoint dir, a run dir or its checkpoints/ folder (newest one). OUT
 gets config.json, model.safetensors, generation_config.json and the tokenizer files with the
-chat template (see src/sprout/model/export.py). A value head is dropped (the policy LM is
-exported); a reward model becomes LlamaForSequenceClassification. Then the folder is loaded
-with transformers and checked against sprout: logits within 1e-4, tokenizer ids on sample texts
-and chat-template ids on sample conversations (`--no-check` skips this).
+chat template (see src/sprout/model/export.py). A model imported by scripts/import_model.py, or
+trained from one, keeps its source's tokenizer files and Jinja chat template unchanged and
+exports as a Llama, or as a Qwen2 when it has q/k/v biases (an imported Qwen2). A value head is
+dropped (the policy LM is exported); a reward model becomes *ForSequenceClassification. Then the
+folder is loaded with transformers and checked against sprout: logits within 1e-4, tokenizer ids
+on sample texts, chat-template ids on sample conversations and, for an LM, transformers' greedy
+answers to them equal to sprout's (`--no-check` skips this).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ def main() -> None:
         what = "score" if result.architecture == "reward" else "logit"
         print(f"checked with transformers: max |{what} difference| {check['max_abs_diff']:.2g}, "
               f"ids equal on {check['texts']} texts and {check['chats']} conversations")
+        if check["answers"]:
+            print(f"greedy chat answers equal on {check['answers']} conversations "
+                  f"({check['answer_tokens']} new tokens)")
 
 
 if __name__ == "__main__":

@@ -51,12 +51,13 @@ SMOLLM2_GGUF = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session")
 def smollm2(mirror, tmp_path_factory):
-    """(transformers' GGUF-loaded model, the run folder): the mirror's GGUF dequantised once, by the
-    import itself, whose transformers model is the reference."""
-    from sprout.model.hf_import import read_source, write_run
-
+    """(transformers' GGUF-loaded model, the run folder): the mirror's SmolLM2 GGUF imported
+    (`sprout.model.hf_import`) and dequantised once per session, for the import, stage and export tests;
+    the import's own transformers model is the reference."""
     pytest.importorskip("transformers", reason="transformers (extra sprout[import]) reads GGUF files")
     pytest.importorskip("gguf", reason="the gguf package (extra sprout[import]) reads GGUF files")
+    from sprout.model.hf_import import read_source, write_run
+
     root = tmp_path_factory.mktemp("smollm2")
     imported = read_source(str(mirror / SMOLLM2_GGUF), root / "work")
     write_run(imported, root / "run")

@@ -153,7 +153,7 @@ def test_detects_llama3(llama3_bpe):
 
 
 def test_detects_sprout_from_the_exported_template(tok):
-    from sprout.model.export import chat_template
+    from sprout.model.export_tokenizer import chat_template
 
     assert detect_chat_format(chat_template(tok), tok, eos_token="<|endoftext|>") == SPROUT
 

@@ -1,67 +1,60 @@
-"""Export a checkpoint to a folder that Hugging Face transformers loads as `LlamaForCausalLM`.
+"""Export a checkpoint to a folder that Hugging Face transformers loads (`LlamaForCausalLM`, or
+`Qwen2ForCausalLM` for a model with q/k/v biases).
 
     export_hf("runs/demo/sft_model", "exports/sft")   # a checkpoint dir, a run dir or its checkpoints/
 
 What the folder holds:
 
-    config.json              LlamaConfig (the table below), bos/eos/pad ids of the tokenizer
+    config.json              LlamaConfig or Qwen2Config (the table below), bos/eos/pad ids (below)
     model.safetensors        the weights under transformers' names: `model.` before every name
                              but `lm_head.weight` (`hf_weight_name`; `sprout.model.hf_import`
                              reads them back with `sprout_weight_name`); tied embeddings stored
                              once, as `model.embed_tokens.weight` (transformers ties lm_head to it)
-    generation_config.json   eos = the end-of-turn id (SentencePiece: also the three role ids, the
-                             stop tokens of `sprout.model.chat_session`), bos/pad where the tokenizer
-                             has them; do_sample true, temperature 0.7 (scripts/chat.py's default),
-                             top_p 1.0, top_k 0 (off)
-    tokenizer.json           a `tokenizers` pipeline that gives sprout's ids (below)
-    tokenizer_config.json    PreTrainedTokenizerFast, its special tokens, no BOS or EOS added, and
-                             `chat_template`, a Jinja template rendering `sprout.chat.render`'s layout
-    vocab.json, merges.txt   tiktoken r50k_base: GPT-2's files, rebuilt from the ranks
-    tokenizer.model          SentencePiece: the run's .model file, unchanged
+    generation_config.json   eos = the chat format's end-of-turn id (sprout's SentencePiece: also the
+                             three role ids, the stop tokens of `sprout.model.chat_session`), bos/pad
+                             where the tokenizer has them; do_sample true, temperature 0.7
+                             (scripts/chat.py's default), top_p 1.0, top_k 0 (off)
+    tokenizer files          `sprout.model.export_tokenizer`: for tiktoken and SentencePiece a
+                             `tokenizers` pipeline giving sprout's ids and a chat template rendering
+                             `sprout.chat.render`'s layout; for an imported model's tokenizer (`hf:`)
+                             the source's own files, unchanged: tokenizer.json, tokenizer_config.json,
+                             special_tokens_map.json and chat_template.jinja where the source had them,
+                             so its original Jinja chat template travels as it came
 
-    sprout ModelConfig   LlamaConfig                 sprout ModelConfig   LlamaConfig
+    sprout ModelConfig   LlamaConfig / Qwen2Config   sprout ModelConfig   LlamaConfig / Qwen2Config
     vocab_size           vocab_size                  max_seq_len          max_position_embeddings
     d_model              hidden_size                 rope_theta           rope_theta
     n_layers             num_hidden_layers           norm_eps             rms_norm_eps
     n_heads              num_attention_heads         tie_embeddings       tie_word_embeddings
     kv_heads             num_key_value_heads         init_std             initializer_range
     ff_dim               intermediate_size           head_dim             head_dim
-                                                     rope_scaling         rope_scaling (None, or Llama 3's)
-    (silu, no biases: hidden_act "silu", attention_bias and mlp_bias false; a model with q/k/v
-    biases, an imported Qwen2, is refused)
+    attention_bias       Qwen2 (below)               rope_scaling         rope_scaling (None, or Llama 3's)
+
+Without q/k/v biases the model is a Llama (hidden_act "silu", attention_bias and mlp_bias
+false): sprout's own models and imported Llama and Mistral models (an import refuses a
+Mistral whose sliding window is shorter than its context, so its attention is Llama's). With
+them (`attention_bias`, an imported Qwen2) it is a Qwen2: `Qwen2ForCausalLM`, whose q_proj,
+k_proj and v_proj carry the biases under the names `sprout.model.hf_import` read them from,
+sliding-window attention off. The special ids in config.json are the tokenizer's bos and pad
+ids and, as eos, the chat format's end-of-turn id (`sprout.chat.template_for`: the end-of-text
+id for sprout's format, `<|im_end|>` for chatml, `<|eot_id|>` for llama3).
 
 Rotary embeddings need no weight permutation: sprout rotates in transformers' own
 `rotate_half` convention with the same inverse frequencies (`sprout.model.transformer`).
 
-Architectures (`sprout.model.heads`): "lm" exports as LlamaForCausalLM; "lm+value" exports its
-policy LM as LlamaForCausalLM and drops the value head (reported in `ExportResult.dropped`);
-"reward" exports as LlamaForSequenceClassification with one label, `score.weight` = the score
+Architectures (`sprout.model.heads`): "lm" exports as *ForCausalLM; "lm+value" exports its
+policy LM as *ForCausalLM and drops the value head (reported in `ExportResult.dropped`);
+"reward" exports as *ForSequenceClassification with one label, `score.weight` = the score
 head. transformers reads that score at the last token that is not `pad_token_id`, which is
 sprout's `last_index` for a row that ends with its end-of-turn token; a tokenizer without a
-pad id (tiktoken) then scores one unpadded row per call (transformers refuses a batch).
-
-Tokenizers. tiktoken r50k_base becomes GPT-2's byte-level BPE: `vocab.json` maps each token's
-bytes through GPT-2's `bytes_to_unicode`; `merges.txt` is recovered by re-running BPE on each
-token's bytes with only the lower ranks (the last merge is the token's own), which rebuilds
-GPT-2's original 50,000 merges. The SentencePiece models sprout trains (BPE, byte fallback,
-identity normalisation, no dummy prefix, see `sprout.prep.tokenizer_train`) become a BPE with
-byte fallback whose merges are ranked by piece score, spaces written "▁", and words split
-as SentencePiece splits them (a word is a run of "▁" and the text up to the next "▁").
-Control pieces (`<|pad|>`, `<|bos|>`, `<|endoftext|>`, the role markers) and `<unk>` are
-special tokens; nothing is added at the start or end of a text, as in sprout.
-
-One difference from sprout's `encode` is transformers' convention: a special token's text
-inside a string becomes that token (that is how the chat template's markers get their ids).
-`tokenizer(text, split_special_tokens=True)` encodes such text as plain text, as sprout does.
-With tiktoken the role markers are plain text, and the pipeline cuts the text after each
-`<|role|>\\n` header before byte-level splitting, as `render` encodes a header apart from
-the content after it; plain text where a marker and newline are followed by more whitespace
-therefore splits there, where sprout's `encode` would not (the chat template refuses marker
-text inside messages anyway).
+pad id (tiktoken) then scores one unpadded row per call (transformers refuses a batch). So does
+one whose pad token is the end-of-turn token (SmolLM2's `<|im_end|>`): transformers would read
+the score before it, so a reward model's config.json names no pad id then.
 
 `verify_export` loads the folder with transformers and checks it against the sprout model and
-tokenizer: logits (or scores) on a batch of random ids, ids on sample texts, and chat-template
-ids on sample conversations; `scripts/export_hf.py` runs it after every export.
+tokenizer: logits (or scores) on a batch of random ids, ids on sample texts, chat-template ids
+on sample conversations and, for an LM, the greedy answers to them;
+`scripts/export_hf.py` runs it after every export.
 """
 
 from __future__ import annotations
@@ -78,35 +71,53 @@ import torch
 from safetensors.torch import save_file
 
 from sprout.atomic import check_writable, replace_dir
-from sprout.chat import MARKERS, RESERVED, render, template_for
+from sprout.chat import render, template_for
+from sprout.chat_formats import SPROUT
 from sprout.checkpoint import architecture_of, checkpoint_tokenizer, tied_aliases
 from sprout.errors import SproutError
+from sprout.model.export_tokenizer import INSTALL_HINT, write_json, write_tokenizer
+from sprout.model.generate import generate
 from sprout.model.load import load_model
-from sprout.tokenizer import EOT, SentencePieceTokenizer, TiktokenTokenizer, bytes_to_unicode
+from sprout.tokenizer import HFTokenizer
 
 TEMPERATURE, TOP_P = 0.7, 1.0  # generation_config.json's sampling defaults (scripts/chat.py's)
-HEADER_CUT = r"<\|(?:system|user|assistant)\|>\n"  # tiktoken: text is cut after each role header
-SP_WORD = r"▁*[^▁]+|▁+"  # SentencePiece's words: a run of "▁", then the text up to the next "▁"
-INSTALL_HINT = "pip install -e '.[export]'"
 
 
 @dataclass
 class ExportResult:
     out: Path
     architecture: str  # sprout's: "lm", "lm+value" or "reward"
-    hf_class: str  # LlamaForCausalLM or LlamaForSequenceClassification
+    hf_class: str  # LlamaForCausalLM, Qwen2ForCausalLM or their *ForSequenceClassification
     files: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # sprout weights with no place in hf_class
 
 
 # ---- config and weights --------------------------------------------------------------------------
-def llama_config(model, tok) -> dict:
-    """config.json for `model` (a Transformer, PolicyWithValue or RewardModel) and its tokenizer."""
+def hf_class_name(model) -> str:
+    """The transformers class `model` exports as: Qwen2 with q/k/v biases, else Llama; a reward
+    model *ForSequenceClassification, others *ForCausalLM."""
+    family = "Qwen2" if model.config.attention_bias else "Llama"
+    return family + ("ForSequenceClassification" if architecture_of(model) == "reward" else "ForCausalLM")
+
+
+def special_ids(tok) -> dict:
+    """config.json's special ids for `tok`: its bos and pad ids, and its chat format's end-of-turn id as eos."""
+    return {"bos_token_id": tok.bos_id, "eos_token_id": template_for(tok).eot_id, "pad_token_id": tok.pad_id}
+
+
+def hf_config(model, ids: dict | None = None) -> dict:
+    """config.json for `model` (a Transformer, PolicyWithValue or RewardModel) with the special
+    `ids` of its tokenizer (`special_ids`; None: no special ids)."""
     c = model.config
     arch = architecture_of(model)
+    hf_class = hf_class_name(model)
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(ids or {})}
+    if arch == "reward" and ids["pad_token_id"] == ids["eos_token_id"]:
+        ids["pad_token_id"] = None  # transformers would score the token before the end-of-turn one
+    qwen2 = hf_class.startswith("Qwen2")  # q/k/v biases are Qwen2's own
     cfg = {
-        "architectures": ["LlamaForSequenceClassification" if arch == "reward" else "LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_class],
+        "model_type": "qwen2" if qwen2 else "llama",
         "vocab_size": c.vocab_size,
         "hidden_size": c.d_model,
         "num_hidden_layers": c.n_layers,
@@ -121,14 +132,12 @@ def llama_config(model, tok) -> dict:
         "rms_norm_eps": c.norm_eps,
         "tie_word_embeddings": bool(c.tie_embeddings) and arch != "reward",  # a reward model has no lm_head
         "initializer_range": c.init_std,
-        "attention_bias": False,
+        **({} if qwen2 else {"attention_bias": False}),  # Llama's would put a bias on o_proj too
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
+        **({"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.n_layers} if qwen2
+           else {"mlp_bias": False, "pretraining_tp": 1}),
         "use_cache": True,
-        "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eot_id,
-        "pad_token_id": tok.pad_id,
+        **ids,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
     if arch == "reward":
@@ -173,150 +182,11 @@ def hf_state_dict(model) -> tuple[dict[str, torch.Tensor], list[str]]:
         out[hf] = t.detach().to("cpu").contiguous()
     return out, dropped
 
-
-# ---- tokenizers ----------------------------------------------------------------------------------
-def _tokenizers():
-    try:
-        import tokenizers
-    except ImportError:
-        raise SproutError(f"export needs the tokenizers package (part of transformers): {INSTALL_HINT}") from None
-    return tokenizers
-
-
-def _bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
-    """tiktoken's BPE on `token` using only merges ranked below `max_rank`."""
-    parts = [bytes([b]) for b in token]
-    while len(parts) > 1:
-        best, where = None, -1
-        for i in range(len(parts) - 1):
-            r = ranks.get(parts[i] + parts[i + 1])
-            if r is not None and r < max_rank and (best is None or r < best):
-                best, where = r, i
-        if best is None:
-            break
-        parts[where:where + 2] = [parts[where] + parts[where + 1]]
-    return parts
-
-
-def gpt2_vocab_and_merges(tok) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """(vocab.json, merges in rank order) rebuilt from a tiktoken tokenizer's ranks."""
-    ranks = {tok.token_bytes_of(i): i for i in range(tok.vocab_size) if i != tok.eot_id}
-    to_char = bytes_to_unicode()
-
-    def show(b: bytes) -> str:
-        return "".join(to_char[x] for x in b)
-
-    vocab, merges = {show(b): i for b, i in ranks.items()}, []
-    for b, i in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(b) == 1:
-            continue
-        parts = _bpe_parts(ranks, b, i)
-        if len(parts) != 2:
-            raise SproutError(f"{tok.spec}: token {i} is not one merge of two lower-ranked tokens")
-        merges.append((show(parts[0]), show(parts[1])))
-    vocab[EOT] = tok.eot_id
-    return vocab, merges
-
-
-def tiktoken_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]]):
-    """GPT-2's byte-level BPE (`tokenizers`), with the text cut after each role header."""
-    tk = _tokenizers()
-    t = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    t.pre_tokenizer = tk.pre_tokenizers.Sequence([
-        tk.pre_tokenizers.Split(tk.Regex(HEADER_CUT), behavior="merged_with_previous"),
-        tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    t.decoder = tk.decoders.ByteLevel()
-    t.add_special_tokens([tk.AddedToken(EOT, special=True, normalized=False)])
-    return t
-
-
-def _processor(tok):
-    """The SentencePieceProcessor of a SentencePiece tokenizer's file (pieces, scores, kinds)."""
-    import sentencepiece as spm
-
-    return spm.SentencePieceProcessor(model_file=str(tok.path))
-
-
-def sentencepiece_pipeline(tok):
-    """A `tokenizers` BPE that encodes like the SentencePiece model of `tok` (see the module doc)."""
-    tk = _tokenizers()
-    sp = _processor(tok)
-    probe = "  a  b\t\n ﬁＡe\u0301 "
-    if tok.dummy_prefix or tok.decode(tok.encode(probe)) != probe:
-        raise SproutError(f"{tok.path}: only SentencePiece models with identity normalisation and no dummy "
-                          f"prefix (those sprout trains) can be exported")
-    n = tok.vocab_size
-    vocab = {sp.id_to_piece(i): i for i in range(n)}
-    normal = {sp.id_to_piece(i): (sp.get_score(i), i) for i in range(n)
-              if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i) or sp.is_byte(i))}
-    ranked = []
-    for piece, (score, i) in normal.items():
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in normal and right in normal:
-                ranked.append((-score, i, k, left, right))
-    merges = [(left, right) for *_, left, right in sorted(ranked)]
-    unk = sp.id_to_piece(sp.unk_id())
-    t = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    t.normalizer = tk.normalizers.Replace(" ", "▁")
-    t.pre_tokenizer = tk.pre_tokenizers.Split(tk.Regex(SP_WORD), behavior="isolated")
-    t.decoder = tk.decoders.Sequence([tk.decoders.Replace("▁", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()])
-    specials = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
-    t.add_special_tokens([tk.AddedToken(sp.id_to_piece(i), special=True, normalized=False) for i in specials])
-    return t
-
-
-def chat_template(tok) -> str:
-    """A Jinja chat template that renders `sprout.chat.render`'s layout for `tok`.
-
-    Unknown roles and messages holding a marker string raise (as `render` does); the order of
-    roles is not checked here.
-    """
-    suffix = "\\n" if template_for(tok).kind == "text" else ""  # plain-text headers end in a newline
-    markers = ", ".join(f"'{m}'" for m in RESERVED)
-    return (
-        "{%- for message in messages -%}"
-        "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-        "{{- raise_exception('unknown role ' + message['role'] + ' (expected system, user or assistant)') -}}"
-        "{%- endif -%}"
-        f"{{%- for marker in [{markers}] -%}}"
-        "{%- if marker in message['content'] -%}"
-        "{{- raise_exception('message content contains the reserved marker ' + marker) -}}"
-        "{%- endif -%}{%- endfor -%}"
-        f"{{{{- '<|' + message['role'] + '|>{suffix}' + message['content'] + '{EOT}' -}}}}"
-        "{%- endfor -%}"
-        f"{{%- if add_generation_prompt -%}}{{{{- '{MARKERS['assistant']}{suffix}' -}}}}{{%- endif -%}}"
-    )
-
-
-def tokenizer_config(tok, max_len: int) -> dict:
-    """tokenizer_config.json: the fast tokenizer class, special tokens, no added BOS/EOS, the template."""
-    sp = _processor(tok) if isinstance(tok, SentencePieceTokenizer) else None
-
-    def piece(i):
-        return None if i is None else (EOT if i == tok.eot_id else sp.id_to_piece(i))
-
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        "bos_token": None if tok.bos_id is None else piece(tok.bos_id),
-        "eos_token": EOT,
-        "pad_token": None if tok.pad_id is None else piece(tok.pad_id),
-        "chat_template": chat_template(tok),
-    }
-    if sp is not None:
-        cfg["unk_token"] = sp.id_to_piece(sp.unk_id())
-    return cfg
-
-
 def generation_config(tok) -> dict:
-    """generation_config.json: stop at end-of-turn (and SentencePiece role ids), sampling defaults."""
+    """generation_config.json: stop at the end-of-turn id (and sprout's SentencePiece role ids), sampling defaults."""
     tpl = template_for(tok)
-    stops = [tok.eot_id] + ([h[0] for h in tpl.headers.values()] if tpl.kind == "special" else [])
+    roles = [h[0] for h in tpl.headers.values()] if tpl.format == SPROUT and tpl.kind == "special" else []
+    stops = [tpl.eot_id, *roles]
     cfg = {"eos_token_id": stops if len(stops) > 1 else stops[0],
            "do_sample": True, "temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0}
     if tok.bos_id is not None:
@@ -327,28 +197,6 @@ def generation_config(tok) -> dict:
 
 
 # ---- the folder ----------------------------------------------------------------------------------
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def write_tokenizer(tok, folder: Path, max_len: int) -> list[str]:
-    """Write the tokenizer files of `tok` into `folder`; returns their names."""
-    if isinstance(tok, TiktokenTokenizer):
-        vocab, merges = gpt2_vocab_and_merges(tok)
-        _write_json(folder / "vocab.json", vocab)
-        (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
-                                           encoding="utf-8")
-        pipeline, extra = tiktoken_pipeline(vocab, merges), ["vocab.json", "merges.txt"]
-    elif isinstance(tok, SentencePieceTokenizer):
-        pipeline, extra = sentencepiece_pipeline(tok), ["tokenizer.model"]
-        shutil.copyfile(tok.path, folder / "tokenizer.model")
-    else:
-        raise SproutError(f"{tok.spec}: no export for this tokenizer kind")
-    pipeline.save(str(folder / "tokenizer.json"))
-    _write_json(folder / "tokenizer_config.json", tokenizer_config(tok, max_len))
-    return ["tokenizer.json", "tokenizer_config.json", *extra]
-
-
 def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False) -> ExportResult:
     """Write `model` and `tok` as a transformers folder at `out`, atomically (see the module doc).
 
@@ -358,9 +206,6 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
     """
     out = Path(out)
     arch = architecture_of(model)
-    if model.config.attention_bias:
-        raise SproutError(f"{out}: a model with q/k/v biases (an imported Qwen2) has no LlamaForCausalLM form "
-                          f"(Llama's attention_bias also puts one on o_proj); it cannot be exported yet")
     if tok.vocab_size > model.config.vocab_size:
         raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -371,10 +216,10 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
     try:
         weights, dropped = hf_state_dict(model)
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        _write_json(tmp / "config.json", llama_config(model, tok))
+        write_json(tmp / "config.json", hf_config(model, special_ids(tok)))
         files = ["config.json", "model.safetensors"]
         if arch != "reward":
-            _write_json(tmp / "generation_config.json", generation_config(tok))
+            write_json(tmp / "generation_config.json", generation_config(tok))
             files.append("generation_config.json")
         files += write_tokenizer(tok, tmp, model.config.max_seq_len)
         replace_dir(tmp, out, files)
@@ -384,8 +229,7 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    hf_class = json.loads((out / "config.json").read_text())["architectures"][0]
-    return ExportResult(out, arch, hf_class, files, dropped)
+    return ExportResult(out, arch, hf_class_name(model), files, dropped)
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,
@@ -395,6 +239,8 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenize
     model, meta = load_model(checkpoint)
     tok = checkpoint_tokenizer(meta, tokenizer)
     return export_model(model, tok, out, overwrite=overwrite), model, tok
+
+
 
 
 # ---- checking the folder with transformers -------------------------------------------------------
@@ -408,6 +254,7 @@ SAMPLE_CHATS = [
     [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": " Name three colours.\n"},
      {"role": "assistant", "content": "\n\nRed, green and blue."}, {"role": "user", "content": "日本語 ✓ 😀"}],
 ]
+ANSWER_TOKENS = 16  # new tokens of each greedy chat answer compared
 
 
 def _ids(encoded) -> list[int]:
@@ -417,13 +264,33 @@ def _ids(encoded) -> list[int]:
     return list(encoded)
 
 
-def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, seed: int = 0) -> dict:
+def sample_texts(tok) -> list[str]:
+    """`SAMPLE_TEXTS`; for an imported tokenizer also its chat format's special pieces typed inside
+    text, which both sides encode as its tokenizer_config.json's `split_special_tokens` says."""
+    if not isinstance(tok, HFTokenizer):
+        return SAMPLE_TEXTS
+    return SAMPLE_TEXTS + [f"typed {piece} as text" for piece in template_for(tok).format.reserved]
+
+
+def sample_chats(tok) -> list:
+    """`SAMPLE_CHATS`; for an imported tokenizer with each content stripped of surrounding
+    whitespace, since a published template may trim contents (Llama 3's does) and `render` never does."""
+    if not isinstance(tok, HFTokenizer):
+        return SAMPLE_CHATS
+    return [[{**m, "content": m["content"].strip()} for m in chat] for chat in SAMPLE_CHATS]
+
+
+def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, seed: int = 0,
+                  answer_tokens: int = ANSWER_TOKENS) -> dict:
     """Load `out` with transformers and compare it with the sprout `model` and `tok`.
 
-    Checks: the largest logit (or score) difference on random ids (fp32, at most `atol`), the
-    ids of `SAMPLE_TEXTS` (split_special_tokens=True, see the module doc) and of
-    `SAMPLE_CHATS` through the chat template, with and without a generation prompt.
-    Returns {"max_abs_diff": ..., "texts": n, "chats": n}; raises SproutError on a mismatch.
+    Checks: the largest logit (or score) difference on random ids (fp32, at most `atol`); the
+    ids of `sample_texts` (sprout's tokenizers: split_special_tokens=True, see
+    `sprout.model.export_tokenizer`; an imported one: as its tokenizer_config.json says, as
+    `HFTokenizer` encodes) and of `sample_chats` through the chat template, with and without a
+    generation prompt; for an LM, the greedy answers to those chats (`greedy_answers`).
+    Returns {"max_abs_diff", "texts", "chats", "answers" (0 for a reward model), "answer_tokens"};
+    raises SproutError on a mismatch.
     """
     try:
         import transformers
@@ -431,8 +298,8 @@ def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, see
         raise SproutError(f"checking the export needs transformers: {INSTALL_HINT}") from None
     out = Path(out)
     arch = architecture_of(model)
-    cls = transformers.LlamaForSequenceClassification if arch == "reward" else transformers.LlamaForCausalLM
-    hf = cls.from_pretrained(out, dtype=torch.float32).eval()
+    hf_class = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+    hf = getattr(transformers, hf_class).from_pretrained(out, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     T = min(model.config.max_seq_len, 24)
     ids = torch.randint(0, tok.vocab_size, (1 if arch == "reward" else 2, T), generator=g)
@@ -449,11 +316,14 @@ def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, see
         raise SproutError(f"{out}: transformers' {'scores' if arch == 'reward' else 'logits'} differ from "
                           f"sprout's by {diff:.3g} (allowed {atol:g})")
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    for text in SAMPLE_TEXTS:
-        got_ids = hf_tok(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
-        if got_ids != tok.encode(text):
+    how = {"add_special_tokens": False} if isinstance(tok, HFTokenizer) else \
+        {"add_special_tokens": True, "split_special_tokens": True}
+    texts = sample_texts(tok)
+    for text in texts:
+        if hf_tok(text, **how)["input_ids"] != tok.encode(text):
             raise SproutError(f"{out}: tokenizer ids differ from sprout's on {text!r}")
-    for chat in SAMPLE_CHATS:
+    chats = sample_chats(tok)
+    for chat in chats:
         for prompt in (False, True):
             msgs = chat[:-1] if prompt and chat[-1]["role"] == "assistant" else chat
             if not prompt and msgs[-1]["role"] != "assistant":
@@ -461,4 +331,32 @@ def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, see
             got_ids = _ids(hf_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=prompt))
             if got_ids != render(msgs, tok, add_generation_prompt=prompt)[0]:
                 raise SproutError(f"{out}: chat template ids differ from sprout.chat.render on {msgs!r}")
-    return {"max_abs_diff": diff, "texts": len(SAMPLE_TEXTS), "chats": len(SAMPLE_CHATS)}
+    answers = [] if arch == "reward" else greedy_answers(out, hf, ref_model, tok, chats, answer_tokens)
+    return {"max_abs_diff": diff, "texts": len(texts), "chats": len(chats), "answers": len(answers),
+            "answer_tokens": sum(map(len, answers))}
+
+
+def greedy_answers(out: Path, hf, model, tok, chats, max_new_tokens: int) -> list[list[int]]:
+    """sprout's greedy answers to the last user message of each chat (`sprout.model.generate.generate`
+    at temperature 0, stopping at the chat format's end-of-turn id, up to `max_new_tokens` and the
+    context), each checked equal to transformers' `generate(do_sample=False)` stopping there too."""
+    eot = template_for(tok).eot_id
+    answers = []
+    for chat in chats:
+        msgs = chat[:-1] if chat[-1]["role"] == "assistant" else chat
+        prompt = render(msgs, tok, add_generation_prompt=True)[0]
+        n = min(max_new_tokens, model.config.max_seq_len - len(prompt))
+        if n < 1:
+            continue
+        ours = generate(model, [prompt], n, temperature=0.0, stop_ids={eot}).tokens[0]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=eot, pad_token_id=eot if tok.pad_id is None else tok.pad_id)
+        theirs = theirs[0, len(prompt):].tolist()
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            raise SproutError(f"{out}: transformers' greedy answer differs from sprout's at new token {at} "
+                              f"on {msgs!r}: {tok.decode(theirs)!r} vs {tok.decode(ours)!r}")
+        answers.append(ours)
+    return answers
