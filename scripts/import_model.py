@@ -30,13 +30,16 @@ def main() -> None:
     p.add_argument("--out", required=True, help="run folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --out (its run files only)")
     p.add_argument("--revision", help="hub revision (branch, tag or commit; default main)")
+    p.add_argument("--tokenizer-name", metavar="NAME", help="the run's tokenizer folder, tokenizer/NAME/ (default: "
+                   "the source's name); a pipeline names it so later stages find hf:RUN/tokenizer/NAME")
     p.add_argument("--max-seq-len", type=int, help="context of the sprout model (default: the source's "
                                                      "max_position_embeddings)")
     args = p.parse_args()
     if not args.overwrite:
         check_fresh_run(args.out, resumable=False)  # before the source is read, not only after
     with tempfile.TemporaryDirectory(prefix="sprout-import-") as work:
-        imported = read_source(args.source, Path(work), revision=args.revision, max_seq_len=args.max_seq_len)
+        imported = read_source(args.source, Path(work), revision=args.revision, max_seq_len=args.max_seq_len,
+                               tokenizer_name=args.tokenizer_name)
         check_fresh_run(args.out, args.overwrite, resumable=False)
         result = write_run(imported, args.out)
     print(summary(result))

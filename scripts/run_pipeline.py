@@ -5,6 +5,7 @@
     python scripts/run_pipeline.py --preset demo --from dpo        # DPO and everything after it, again
     python scripts/run_pipeline.py --preset gpt2-small --out runs/gpt2 --mirror ../shared/data
     python scripts/run_pipeline.py --preset my_chain.yaml --report-only
+    python scripts/run_pipeline.py --preset smollm2 --model HuggingFaceTB/SmolLM2-135M-Instruct
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
@@ -33,10 +34,12 @@ def main() -> int:
     p.add_argument("--to", dest="end", metavar="STAGE", help="stop after this stage")
     p.add_argument("--out", help="output root (default: the preset's out)")
     p.add_argument("--mirror", help="data mirror folder, passed to every stage as SPROUT_MIRROR")
+    p.add_argument("--model", help="the published model {model} stands for in the preset (a Hugging Face folder, "
+                   "a hub id or a .gguf file; default: the preset's model)")
     p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done")
     p.add_argument("--no-report", action="store_true", help="skip the report card")
     args = p.parse_args()
-    preset = load_preset(preset_path(args.preset), args.out)
+    preset = load_preset(preset_path(args.preset), args.out, args.model)
     failed = None
     if not args.report_only:
         try:

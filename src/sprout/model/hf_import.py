@@ -59,6 +59,7 @@ from sprout.chat_formats import ChatFormat, write_chat_format
 from sprout.checkpoint import TOKENIZER_DIR, bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
+from sprout.mirror import expand_path
 from sprout.model.export import LM_HEAD, sprout_weight_name
 from sprout.model.transformer import LLAMA3_ROPE, ModelConfig, Transformer
 from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, hf_special_tokens, load_tokenizer, read_json_object
@@ -107,9 +108,12 @@ class ImportResult:
 
 
 # ---- sources -------------------------------------------------------------------------------------
-def read_source(source: str, workdir: Path, *, revision: str | None = None, max_seq_len: int | None = None) -> Imported:
-    """Open `source` (a folder, a hub id or a .gguf file; see the module doc), build the sprout
-    model from it and stage its tokenizer under `workdir` with its chat format."""
+def read_source(source: str, workdir: Path, *, revision: str | None = None, max_seq_len: int | None = None,
+                tokenizer_name: str | None = None) -> Imported:
+    """Open `source` (a folder, a hub id or a .gguf file; see the module doc; `${SPROUT_MIRROR}`
+    is filled in), build the sprout model from it and stage its tokenizer under `workdir` with its
+    chat format, in a folder named `tokenizer_name` (default: the source's name)."""
+    source = expand_path(source)
     path = Path(source)
     if path.suffix == ".gguf":
         src = gguf_source(path, workdir)
@@ -119,6 +123,7 @@ def read_source(source: str, workdir: Path, *, revision: str | None = None, max_
         src = hub_source(source, revision)
     else:
         raise SproutError(f"{source}: no such folder or .gguf file, and not a hub id (owner/name)")
+    src.name = tokenizer_name or src.name
     cfg = model_config(src.config, src.config_file, max_seq_len)
     tok_dir, tok, fmt = stage_tokenizer(src.tokenizer_dir, workdir / "tokenizer" / src.name)
     if tok.vocab_size > cfg.vocab_size:

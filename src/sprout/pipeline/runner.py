@@ -5,6 +5,8 @@ A preset (configs/pipelines/*.yaml) is a YAML mapping:
     out: runs/demo                # the output root; every stage's `out` is relative to it
     launcher: python              # how train and eval stages run: python | accelerate
     accelerate_config: null       # the --config_file of `accelerate launch` (launcher: accelerate)
+    model: null                   # what {model} in args stands for (a published model to import;
+                                  # run_pipeline.py --model overrides it)
     stages:
       - name: pretrain            # a word; other stages name it in `inputs` and as {pretrain}
         kind: train               # prep | train | eval
@@ -13,8 +15,9 @@ A preset (configs/pipelines/*.yaml) is a YAML mapping:
         inputs: [pretrain_data]   # the earlier stages whose outputs this one reads
         out: base                 # its output: a folder, a file, or a file prefix
         outputs: [...]            # prep/eval: the files that are its output (default: `out`)
-        args: [--data, "{pretrain_data}"]        # {stage} is that stage's out path, {out} its own
-                                                 # (a train stage gets --out <its out> at the end)
+        args: [--data, "{pretrain_data}"]        # {stage} is that stage's out path, {out} its own,
+                                                 # {model} the preset's model (a train stage gets
+                                                 # --out <its out> at the end)
 
 Relative `script` and `config` paths are read from the repository root; `out` paths from
 the current directory. A prep stage runs as a plain process; a train or eval stage runs
@@ -93,6 +96,7 @@ class Preset:
     launcher: str
     accelerate_config: Path | None
     stages: list[Stage]
+    model: str | None = None  # what {model} stands for
 
     def stage(self, name: str) -> Stage:
         for s in self.stages:
@@ -127,11 +131,11 @@ def _str_list(where: str, value) -> list[str]:
     return [str(v) for v in value]
 
 
-def load_preset(path: str | Path, out: str | Path | None = None) -> Preset:
-    """Read and check a preset; `out` overrides its output root."""
+def load_preset(path: str | Path, out: str | Path | None = None, model: str | None = None) -> Preset:
+    """Read and check a preset; `out` overrides its output root, `model` its model."""
     path = Path(path)
     data = read_yaml(path)
-    known = {"out", "launcher", "accelerate_config", "stages"}
+    known = {"out", "launcher", "accelerate_config", "model", "stages"}
     if extra := set(data) - known:
         raise SproutError(f"{path}: unknown key(s) {', '.join(sorted(extra))} (known: {', '.join(sorted(known))})")
     launcher = data.get("launcher", "python")
@@ -143,6 +147,9 @@ def load_preset(path: str | Path, out: str | Path | None = None) -> Preset:
     root = out if out is not None else data.get("out")
     if not root:
         raise SproutError(f"{path}: out: the output root is missing (or pass --out DIR)")
+    model = model if model is not None else data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise SproutError(f"{path}: model: expected a folder, hub id or .gguf path, got {model!r}")
     stages_data = data.get("stages")
     if not isinstance(stages_data, list) or not stages_data:
         raise SproutError(f"{path}: stages: expected a non-empty list of stages")
@@ -174,7 +181,9 @@ def load_preset(path: str | Path, out: str | Path | None = None) -> Preset:
             else [_str_list(f"{where}: args", args)]
         for arg in (a for c in commands for a in c):
             for ref in PLACEHOLDER.findall(arg):
-                if ref != "out" and ref not in inputs:
+                if ref == "model" and model is None:
+                    raise SproutError(f"{where}: args: {{model}} but the preset has no model (or pass --model)")
+                if ref not in ("out", "model") and ref not in inputs:
                     raise SproutError(f"{where}: args: {{{ref}}} names no stage in its inputs ({', '.join(inputs) or 'none'})")
         if kind == "train" and not raw.get("out"):
             raise SproutError(f"{where}: out: a train stage needs its run folder")
@@ -186,7 +195,7 @@ def load_preset(path: str | Path, out: str | Path | None = None) -> Preset:
                             outputs=None if outputs is None else _str_list(f"{where}: outputs", outputs),
                             commands=commands, role=role))
     return Preset(path=path, out=Path(root), launcher=launcher,
-                  accelerate_config=_repo_path(acc_cfg) if acc_cfg else None, stages=stages)
+                  accelerate_config=_repo_path(acc_cfg) if acc_cfg else None, stages=stages, model=model)
 
 
 def select(preset: Preset, start: str | None, end: str | None) -> tuple[list[Stage], list[Stage]]:
@@ -201,9 +210,12 @@ def select(preset: Preset, start: str | None, end: str | None) -> tuple[list[Sta
 
 # ---- commands and hashes ------------------------------------------------------------------------
 def command_args(preset: Preset, stage: Stage) -> list[list[str]]:
-    """Each command's arguments with {stage} and {out} filled in (paths under the output root)."""
+    """Each command's arguments with {stage} and {out} filled in (paths under the output root),
+    and {model} (the preset's model, as written: a script expands ${SPROUT_MIRROR} in it)."""
     paths = {s.name: str(preset.out_of(s)) for s in preset.stages if s.out}
     paths["out"] = str(preset.out_of(stage)) if stage.out else ""
+    if preset.model is not None:
+        paths["model"] = preset.model
 
     def fill(arg: str) -> str:
         def one(m: re.Match) -> str:
