@@ -158,10 +158,12 @@ def task_section(task: str, files: dict[str, dict]) -> tuple[list[str], dict]:
         for f in changed:
             if files[stage].get("metrics", {}).get(f) is None:
                 continue
-            cells = []
+            cells, done = [], {}
             for vs, other in (("previous", previous), ("first", first)):
                 has = files[other].get("metrics", {}).get(f) is not None
-                result = change(files[other], files[stage], f) if has else {"not_paired": f"no {f}"}
+                if other not in done:  # the second stage's previous is the first: one bootstrap
+                    done[other] = change(files[other], files[stage], f) if has else {"not_paired": f"no {f}"}
+                result = done[other]
                 data["changes"].append({"stage": stage, "figure": f, "vs": vs, "against": other, **result})
                 cells += [other, change_cell(result)]
             lines.append(f"| {stage} | {FIGURE_TITLES.get(f, f)} | " + " | ".join(cells) + " |")
