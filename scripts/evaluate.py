@@ -18,8 +18,15 @@ and, with --greedy, one greedy answer; answers are read from <answer>…</answer
 prompts are split over them and the figures equal a one-process run with the same --batch-size.
 
 Writes --out (default: <run folder>/eval/<task>_step<step>.json, atomically): the figures,
-per level, the settings, the checkpoint (path, step, weights sha256) and a few answers;
-prints a table.
+per level, the settings, the checkpoint (path, step, weights sha256), a few answers, and
+`problems`, one record per problem (its id, source, level, n, samples correct and
+formatted, greedy answer correct and formatted), by which two files of the same problems
+are paired (`sprout.pipeline.report_card` does). Each figure in [0, 1] (pass@k,
+greedy/accuracy, greedy/format_rate, format/rate), over all prompts and per level, gains
+`<figure>_ci` = [lo, hi], its 95 % interval over problems: the Wilson score interval when
+every problem scores 0 or 1 (the greedy figures; pass@1 from --n 1), else a percentile
+bootstrap over problems (10,000 resamples, seed 0, whatever --seed; `sprout.rl.intervals`
+gives the formulas). Prints a table, each interval on the row under its figure.
 """
 
 from __future__ import annotations
@@ -57,7 +64,8 @@ def parse_ks(text: str | None, n: int) -> list[int]:
 
 
 def table(metrics: dict, by_level: dict, ks: list[int]) -> str:
-    """The figures, one row each, a column for all prompts and one per level."""
+    """The figures, one row each (and its `_ci` interval on the next), a column for all prompts
+    and one per level."""
     columns = [("all", metrics)] + [(f"level {level}", figures) for level, figures in by_level.items()]
     names = [r.format(k=k) for r in ROWS for k in (ks if "{k}" in r else [None])]
     names = [name for name in ["prompts", *names] if name in metrics]
@@ -67,6 +75,9 @@ def table(metrics: dict, by_level: dict, ks: list[int]) -> str:
                  else f"{fig[name]:.3f}"
                  for _, fig in columns]
         lines.append(name.ljust(26) + "".join(c.rjust(10) for c in cells))
+        if f"{name}_ci" in metrics:
+            cells = ["{:.2f}-{:.2f}".format(*fig[f"{name}_ci"]) if f"{name}_ci" in fig else "" for _, fig in columns]
+            lines.append("  95 % interval".ljust(26) + "".join(c.rjust(10) for c in cells))
     return "\n".join(lines)
 
 
@@ -118,6 +129,9 @@ def main() -> int:
                           max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size,
                           temperature=args.temperature, accelerator=accelerator, num_samples=args.samples)
     if main_rank:
+        intervals, level_intervals = ev.intervals()
+        metrics = {**ev.metrics, **intervals}
+        by_level = {level: {**figures, **level_intervals[level]} for level, figures in ev.by_level.items()}
         result = {
             "task": args.task, "prompts_file": args.prompts,
             "prompts_sha256": sha256_file(args.prompts) if args.prompts else None,
@@ -127,13 +141,13 @@ def main() -> int:
                          "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                          "batch_size": args.batch_size, "max_examples": args.max_examples,
                          "processes": accelerator.num_processes, "tokenizer": tok.spec},
-            "metrics": ev.metrics, "by_level": ev.by_level, "samples": ev.samples,
-            "command": shlex.join(sys.argv),
+            "metrics": metrics, "by_level": by_level, "samples": ev.samples,
+            "command": shlex.join(sys.argv), "problems": ev.problems(),
         }
         write_json_atomic(out, result)
         say(f"{name}: {len(prompts)} prompts, n={args.n}{', greedy' if args.greedy else ''}, "
             f"{meta.get('stage') or 'checkpoint'} step {step} ({meta['path']})")
-        say(table(ev.metrics, ev.by_level, ks))
+        say(table(metrics, by_level, ks))
         say(f"wrote {out}")
     return 0
 

@@ -20,7 +20,8 @@ from sprout.checkpoint import read_meta
 from sprout.model.generate import Rollout
 from sprout.prep.rl_prompts import PromptDataConfig, prepare
 from sprout.rl.eval_tasks import file_prompts, task_prompts
-from sprout.rl.evaluation import evaluate_prompts, mean_pass_at_k
+from sprout.rl.evaluation import evaluate_prompts, mean_pass_at_k, problem_scores
+from sprout.rl.intervals import mean_interval, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,6 +112,58 @@ def test_known_answers_give_exact_figures(sp, monkeypatch, batch_size):
     assert a["greedy_correct"] and not ev.samples[1]["greedy_correct"]
     batches = -(-3 // batch_size)
     assert len(calls) == 2 * batches  # one sampled and one greedy call per batch
+
+
+def test_per_problem_records_and_intervals(sp, monkeypatch):
+    """One record per problem with its counts; each figure is the mean of its per-problem
+    scores, and its interval: Wilson for 0/1 scores (greedy), the seeded bootstrap otherwise."""
+    monkeypatch.setattr(evaluation, "generate_tokens", fake_generate(sp, []))
+    ev = evaluate_prompts(StubPolicy(), sp, PROMPTS, n=4, ks=(1, 2, 4), greedy=True, max_new_tokens=16)
+    problems = ev.problems()
+    assert problems == [
+        {"id": "a", "source": None, "level": 1, "n": 4, "correct": 3, "formatted": 3, "greedy_correct": 1,
+         "greedy_formatted": 1},
+        {"id": "b", "source": None, "level": 1, "n": 4, "correct": 0, "formatted": 3, "greedy_correct": 0,
+         "greedy_formatted": 1},
+        {"id": "c", "source": None, "level": 2, "n": 4, "correct": 1, "formatted": 4, "greedy_correct": 1,
+         "greedy_formatted": 0}]
+    for figure in ("pass@1", "pass@2", "pass@4", "greedy/accuracy", "greedy/format_rate", "format/rate"):
+        scores = problem_scores(problems, figure)
+        assert sum(scores) / 3 == pytest.approx(ev.metrics[figure])
+    assert problem_scores(problems, "completions/mean_length") is None
+    assert problem_scores(problems, "pass@8") is None  # k above n
+    total, by_level = ev.intervals()
+    assert total["greedy/accuracy_ci"] == list(wilson_interval(2, 3))
+    assert total["greedy/format_rate_ci"] == list(wilson_interval(2, 3))
+    assert total["pass@1_ci"] == list(mean_interval([0.75, 0.0, 0.25]))
+    assert total["pass@4_ci"] == list(wilson_interval(2, 3))  # pass@4 of 4 samples is 0 or 1 per problem
+    assert total["format/rate_ci"] == list(mean_interval([0.75, 0.75, 1.0]))
+    assert set(total) == {f"{f}_ci" for f in ("pass@1", "pass@2", "pass@4", "greedy/accuracy",
+                                              "greedy/format_rate", "format/rate")}
+    lo, hi = total["pass@1_ci"]
+    assert 0.0 <= lo < ev.metrics["pass@1"] < hi <= 0.75
+    assert by_level["1"]["greedy/accuracy_ci"] == list(wilson_interval(1, 2))
+    assert by_level["2"]["pass@1_ci"] == [0.25, 0.25]  # one problem: every resample is it
+    assert ev.intervals() == (total, by_level)  # seeded: the same intervals again
+
+    greedy_only = evaluate_prompts(StubPolicy(), sp, PROMPTS, n=0, greedy=True, max_new_tokens=16)
+    assert greedy_only.problems()[0] == {"id": "a", "source": None, "level": 1, "n": 0, "greedy_correct": 1,
+                                         "greedy_formatted": 1}
+    assert set(greedy_only.intervals()[0]) == {"greedy/accuracy_ci", "greedy/format_rate_ci"}
+
+
+def test_a_record_without_an_id_is_paired_by_the_preps_id(sp, monkeypatch):
+    from sprout.prep.rl_prompts import prompt_key, source_prompt_id
+    monkeypatch.setattr(evaluation, "generate_tokens", fake_generate(sp, []))
+    records = [{k: v for k, v in p.items() if k != "id"} for p in PROMPTS]
+    records[1]["source"] = "mine"
+    ev = evaluate_prompts(StubPolicy(), sp, records, n=1, greedy=False, max_new_tokens=16)
+    assert [p["id"] for p in ev.problems()] == [source_prompt_id("prompt", prompt_key(PROMPTS[0]["prompt"])),
+                                                source_prompt_id("mine", prompt_key(PROMPTS[1]["prompt"])),
+                                                source_prompt_id("prompt", prompt_key(PROMPTS[2]["prompt"]))]
+    assert ev.problems()[1]["source"] == "mine"
+    assert ev.intervals()[0] == {"pass@1_ci": list(wilson_interval(2, 3)),  # first samples: 4, 11, 7
+                                 "format/rate_ci": list(wilson_interval(3, 3))}
 
 
 def test_greedy_only_and_refusals(sp, monkeypatch):
@@ -206,6 +259,20 @@ def test_script_writes_the_json_and_a_table(base, tmp_path):
     assert all(0 <= m[k] <= 1 for k in ("pass@1", "pass@2", "greedy/accuracy", "format/rate"))
     assert 1 <= m["completions/mean_length"] <= 6
     assert [s["index"] for s in result["samples"]] == [0, 1, 2]
+    # one record per problem, by the task's prompt ids; each figure with its 95 % interval
+    prompts = task_prompts("arith", max_examples=6, log=lambda *a: None)
+    problems = result["problems"]
+    assert [p["id"] for p in problems] == [r["id"] for r in prompts]
+    assert [(p["source"], p["level"], p["n"]) for p in problems] == [(r["source"], r["level"], 2) for r in prompts]
+    assert sum(p["correct"] / 2 for p in problems) / 6 == pytest.approx(m["pass@1"])
+    assert sum(p["greedy_correct"] for p in problems) / 6 == pytest.approx(m["greedy/accuracy"])
+    assert m["greedy/accuracy_ci"] == list(wilson_interval(sum(p["greedy_correct"] for p in problems), 6))
+    for figures in (m, *result["by_level"].values()):
+        for name in ("pass@1", "pass@2", "greedy/accuracy", "greedy/format_rate", "format/rate"):
+            lo, hi = figures[f"{name}_ci"]
+            assert 0 <= lo <= figures[name] <= hi <= 1
+        assert "completions/mean_length_ci" not in figures
+    assert "  95 % interval" in r.stdout
 
 
 def test_script_refuses_a_k_above_n_with_one_line(base):
@@ -225,7 +292,8 @@ def test_two_processes_give_the_figures_of_one(base, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert b["settings"]["processes"] == 2
-    assert (a["metrics"], a["by_level"], a["samples"]) == (b["metrics"], b["by_level"], b["samples"])
+    assert (a["metrics"], a["by_level"], a["samples"], a["problems"]) == \
+        (b["metrics"], b["by_level"], b["samples"], b["problems"])
 
 
 @pytest.mark.slow

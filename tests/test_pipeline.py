@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -255,6 +256,7 @@ def figures(out: Path) -> dict[str, dict]:
 
 
 def test_report_card_figures_are_the_stages_own_metrics(reference):
+    from sprout.rl.intervals import wilson_interval
     _, out = reference
     card = json.loads((out / "report" / "report_card.json").read_text())["rows"]
     assert [r["stage"] for r in card] == list(TRAIN)
@@ -277,6 +279,12 @@ def test_report_card_figures_are_the_stages_own_metrics(reference):
         assert f"{stage} (held-out pairs, step {evals[0]['step']} -> {evals[-1]['step']}):" in report
         assert f"  {key:28s} {evals[0][key]:8.3f} -> {evals[-1][key]:8.3f}" in report  # first eval -> last
     assert "  val_accuracy/arithmetic " in report  # the reward model's accuracy per source
+    for stage, run, key, col in (("reward", "reward_model", "val_accuracy", "rm_val_accuracy"),
+                                 ("dpo", "dpo_model", "val_rewards/accuracies", "dpo_val_accuracy")):
+        pairs = last(run, "val_pairs")  # DPO's eval counts its held-out pairs as the reward model's does
+        lo, hi = wilson_interval(round(last(run, key) * pairs), pairs)
+        assert rows[stage][f"{col}_ci"] == [lo, hi]
+        assert f"{last(run, key):8.3f}   (of {pairs:,.0f} pairs)   95 % [{lo:.3f}, {hi:.3f}]" in report
     for png in ("loss_curves.png", "reward_model.png", "dpo.png"):
         assert (out / "report" / png).read_bytes()[:4] == b"\x89PNG"
     answers = json.loads((out / "report" / "answers.json").read_text())
@@ -303,6 +311,109 @@ def test_eval_json_figures_fill_the_task_columns(reference, tmp_path):
     row = {r["stage"]: r for r in stage_rows(preset, state)}["sft"]
     assert (row["arith_pass@1"], row["arith_pass@8"], row["gsm8k_pass@1"], row["mean_length"]) == (0.25, 0.5, 0.125, 31.5)
     assert {r["stage"]: r for r in stage_rows(preset, state)}["dpo"]["arith_pass@1"] is None
+
+
+def made_up_eval(out: Path, run: str, ids, correct, greedy, *, task="arith", n=4, max_new_tokens=64,
+                 per_problem=True) -> dict:
+    """An evaluate.py JSON of a checkpoint in `out/run`: `correct[i]` of n samples and greedy
+    `greedy[i]` right on problem `ids[i]`, the figures and intervals computed as evaluate.py does
+    (without `per_problem`: a file of before per-problem records and intervals)."""
+    from sprout.rl.evaluation import figure_intervals
+    problems = [{"id": i, "source": "arithmetic_test", "level": 1, "n": n, "correct": c, "formatted": n,
+                 "greedy_correct": g, "greedy_formatted": 1} for i, c, g in zip(ids, correct, greedy)]
+    metrics = {"prompts": len(ids), "pass@1": sum(correct) / (n * len(ids)), "greedy/accuracy": sum(greedy) / len(ids)}
+    if per_problem:
+        metrics.update(figure_intervals(problems, list(metrics)))
+    data = {"task": task, "checkpoint": {"path": str(out / run / "checkpoints" / "step_00000002"), "step": 2},
+            "settings": {"n": n, "temperature": 1.0, "max_new_tokens": max_new_tokens}, "metrics": metrics}
+    return {**data, "problems": problems} if per_problem else data
+
+
+def test_report_card_intervals_and_real_changes_on_made_up_evals(tmp_path):
+    """Stages import -> sft -> dpo -> grpo, each evaluated (the import through its out folder;
+    the prompt prep read by eval_sft is no evaluated stage): each figure with its interval,
+    each change against the previous and the first stage paired by problem id, ✓ only when
+    its interval excludes 0; different problems, settings or no per-problem records unpaired;
+    DPO's held-out accuracy with its Wilson interval."""
+    from sprout.pipeline.report_card import write_report_card
+    from sprout.rl.intervals import wilson_interval
+    out = tmp_path / "runs"
+    train = {"name": "sft", "kind": "train", "script": "train_sft.py", "out": "sft_model"}
+    stages = [{"name": "import_smol", "kind": "prep", "script": "import_model.py", "out": "smol"},
+              {"name": "rl_prompts", "kind": "prep", "script": "prepare_rl_prompts.py", "out": "rl_prompts"},
+              {**train, "inputs": ["import_smol"]},
+              {**train, "name": "dpo", "script": "train_dpo.py", "out": "dpo_model", "inputs": ["sft"]},
+              {**train, "name": "grpo", "script": "train_grpo.py", "out": "grpo_model", "inputs": ["dpo"]}]
+    evaluated = {"import_smol": "smol", "sft": "sft_model", "dpo": "dpo_model", "grpo": "grpo_model"}
+    for stage in evaluated:
+        inputs = [stage, "rl_prompts"] if stage == "sft" else [stage]
+        stages.append({"name": f"eval_{stage}", "kind": "eval", "script": "evaluate.py", "inputs": inputs,
+                       "out": f"eval/{stage}"})
+    preset = load_preset(write_yaml(tmp_path / "made_up.yaml", {"out": str(out), "stages": stages}))
+    ids, other = [f"arithmetic_test-{i:016x}" for i in range(40)], [f"arithmetic_test-{i:016x}" for i in range(40, 60)]
+    dpo_correct = [3 if i % 3 == 0 else 1 if i % 3 == 1 else 2 for i in range(40)]  # 14 up a quarter, 13 down one
+    files = {"import_smol": [made_up_eval(out, "smol", ids, [0] * 40, [0] * 40),
+                             made_up_eval(out, "smol", ids[:16], [0] * 16, [0] * 16, task="gsm8k", per_problem=False)],
+             "sft": [made_up_eval(out, "sft_model", ids, [2] * 40, [1] * 40),
+                     made_up_eval(out, "sft_model", ids[:16], [1] * 16, [0] * 16, task="gsm8k")],
+             "dpo": [made_up_eval(out, "dpo_model", ids, dpo_correct, [1] * 40),
+                     made_up_eval(out, "dpo_model", ids[:16], [1] * 16, [0] * 16, task="gsm8k", max_new_tokens=128)],
+             "grpo": [made_up_eval(out, "grpo_model", other, [4] * 20, [1] * 20)]}
+    state = {"stages": {name: {"status": "done", "outputs": {}} for name in ("import_smol", "rl_prompts")}}
+    for stage, datas in files.items():
+        folder = out / "eval" / stage
+        folder.mkdir(parents=True)
+        for data in datas:
+            (folder / f"{data['task']}.json").write_text(json.dumps(data))
+        state["stages"][f"eval_{stage}"] = {"status": "done", "outputs": {f"eval/{stage}/{d['task']}.json": "-"
+                                                                          for d in datas}}
+    for stage in ("sft", "dpo", "grpo"):
+        run = out / evaluated[stage]
+        run.mkdir(parents=True)
+        records = [{"step": 1, "loss": 2.0, "tokens_per_s": 100.0}, {"step": 2, "val_loss": 1.5}]
+        if stage == "dpo":
+            records = [records[0], *({"step": step, "val_rewards/accuracies": acc, "val_rewards/margins": margin,
+                                      "val_pairs": 40} for step, acc, margin in ((0, 0.0, 0.0), (2, 0.75, 0.3)))]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        state["stages"][stage] = {"status": "done", "outputs": {"step": 2, "weights_sha256": stage}}
+    report = write_report_card(preset, state, answers=False).read_text()
+    arith, gsm8k = report.split("### arith (20 / 40 problems)")[1].split("### gsm8k (16 problems)")
+
+    # every figure in percent with its interval; the import is evaluated, the prompt prep is not
+    assert "| stage | pass@1 | greedy accuracy |" in report
+    assert "| import_smol | 0.0 [0.0, 8.8] | 0.0 [0.0, 8.8] |" in report  # Wilson 0/40: hi = z² / (40 + z²)
+    assert "| sft | 50.0 [50.0, 50.0] | 100.0 [91.2, 100.0] |" in report  # every problem 2 of 4; Wilson 40/40
+    card = json.loads((out / "report" / "report_card.json").read_text())
+    assert list(card["held_out"]["arith"]["figures"]) == ["import_smol", "sft", "dpo", "grpo"]  # no rl_prompts
+    # the changes: the same problems paired, ✓ only where the interval excludes 0
+    assert "| sft | pass@1 | import_smol | +50.0 [+50.0, +50.0] ✓ | import_smol | +50.0 [+50.0, +50.0] ✓ |" in arith
+    assert "| sft | greedy accuracy | import_smol | +100.0 [+100.0, +100.0] ✓ | import_smol | " \
+           "+100.0 [+100.0, +100.0] ✓ |" in arith
+    dpo = next(line for line in arith.splitlines() if line.startswith("| dpo | pass@1 |"))
+    assert re.fullmatch(r"\| dpo \| pass@1 \| sft \| \+0\.6 \[-\d+\.\d, \+\d+\.\d\] not significant \| import_smol \| "
+                        r"\+50\.6 \[\+\d+\.\d, \+\d+\.\d\] ✓ \|", dpo), dpo
+    assert "| dpo | greedy accuracy | sft | +0.0 [+0.0, +0.0] not significant | import_smol | " \
+           "+100.0 [+100.0, +100.0] ✓ |" in arith
+    assert "| grpo | pass@1 | dpo | different problems (40 vs 20, 0 shared) | import_smol | " \
+           "different problems (40 vs 20, 0 shared) |" in arith
+    # GSM8K: the import's file predates per-problem records; DPO's was evaluated with longer answers
+    assert "| import_smol | 0.0 | 0.0 |" in gsm8k  # no intervals in that file either
+    assert "| sft | pass@1 | import_smol | no per-problem outcomes | import_smol | no per-problem outcomes |" in gsm8k
+    assert "| dpo | pass@1 | sft | different max_new_tokens (64 vs 128) | import_smol | no per-problem outcomes |" \
+        in gsm8k
+    changes = {(c["stage"], c["figure"], c["vs"]): c for c in card["held_out"]["arith"]["changes"]}
+    assert changes[("sft", "pass@1", "first")] == {"stage": "sft", "figure": "pass@1", "vs": "first",
+                                                   "against": "import_smol", "diff": 0.5, "ci": [0.5, 0.5],
+                                                   "real": True, "problems": 40}
+    assert changes[("dpo", "pass@1", "previous")]["real"] is False
+    assert card["held_out"]["arith"]["figures"]["sft"]["greedy/accuracy"] == \
+        {"value": 1.0, "ci": list(wilson_interval(40, 40))}
+    # DPO's held-out accuracy: 30 of 40 pairs, its Wilson interval
+    lo, hi = wilson_interval(30, 40)
+    assert f"  {'val_rewards/accuracies':28s} {0.0:8.3f} -> {0.75:8.3f}   (of 40 pairs)   95 % [{lo:.3f}, {hi:.3f}]" \
+        in report
+    assert {r["stage"]: r for r in card["rows"]}["dpo"]["dpo_val_accuracy_ci"] == [lo, hi]
+    assert (out / "report" / "pass_at_1.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---- killed at random moments -------------------------------------------------------------------

@@ -2,11 +2,13 @@
 
 `write_report_card(preset, state)` writes, for the stages `sprout.pipeline.runner` recorded as done,
 
-    <out>/report.md                 the table, the plots, the answers, wall time and tokens/s
-    <out>/report/report_card.json   the table's figures, as read (what a test compares)
+    <out>/report.md                 the table, the held-out evaluation with 95 % intervals and
+                                    each policy's change, the plots, the answers, wall time and tokens/s
+    <out>/report/report_card.json   the table's figures, as read (what a test compares), and
+                                    `held_out`: the evaluation's figures, intervals and changes
     <out>/report/*.png              loss curves of every train stage; reward-model accuracy;
                                     DPO margins and chosen log-probs; RL reward, KL, entropy and
-                                    completion length; pass@1 by stage
+                                    completion length; pass@1 by stage with its 95 % interval
     <out>/report/answers.json       the same prompts answered greedily by each policy, kept
                                     with the weights' sha256 so a later report reuses them
 
@@ -16,10 +18,21 @@ reward model, held-out pairs ranked right / pairs; `val_rewards/accuracies` of D
 the JSON scripts/evaluate.py wrote for it (an eval stage whose input it is: `arith.json`
 pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (prompts × n);
 `gsm8k.json` pass@1). The reward-model and DPO stages' held-out accuracy and margin (and the
-reward model's accuracy per source) are shown first eval -> last eval. Tokens/s is the mean of the training records' `tokens_per_s`; wall time
+reward model's accuracy per source) are shown first eval -> last eval, each accuracy with
+the Wilson 95 % interval of the last eval, round(accuracy × `val_pairs`) of `val_pairs`
+pairs (`sprout.rl.intervals.wilson_interval`; also `<column>_ci` in the JSON rows).
+Tokens/s is the mean of the training records' `tokens_per_s`; wall time
 is the runner's, summed over a stage's interrupted segments. A stage without a figure shows
 a dash. Role of a stage (what it is read for): the preset's `role`, by default its script's
 name without `train_` (pretrain, sft, reward, dpo, ppo, grpo).
+
+The held-out evaluation (`sprout.pipeline.report_intervals`): every figure of the eval
+JSONs in percent with its 95 % interval over problems (Wilson when every problem scores 0
+or 1, else a percentile bootstrap over problems, as scripts/evaluate.py wrote it), and from
+the second evaluated stage on the change of pass@k and greedy accuracy against the previous
+evaluated stage and against the first, on the same problems (paired by problem id), with a
+paired bootstrap interval over problems; "✓" marks a change whose interval excludes 0, else
+"not significant"; files of different problems are not paired and the cell says so.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from pathlib import Path
 
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
+from sprout.pipeline.report_intervals import eval_files, evaluated_stages, held_out_section, rate_interval
 from sprout.stages.sft import SAMPLE_PROMPTS
 
 REPORT_DIR = "report"
@@ -44,26 +58,13 @@ TASK_COLUMNS = {"arith_pass@1": ("arith pass@1", "arith", "pass@1"),
                 "arith_pass@8": ("arith pass@8", "arith", "pass@8"),
                 "gsm8k_pass@1": ("GSM8K pass@1", "gsm8k", "pass@1"),
                 "mean_length": ("mean completion length", "arith", "completions/mean_length")}
+RATE_COLUMNS = ("rm_val_accuracy", "dpo_val_accuracy")  # rates over `val_pairs`: a Wilson interval in the JSON
 # role: the held-out figures shown first eval -> last eval (and every `<first>/<source>` logged)
 PREFERENCE_FIGURES = {"reward": ("val_accuracy", "val_margin"),
                       "dpo": ("val_rewards/accuracies", "val_rewards/margins")}
 PLOTS = {"reward": ("reward_model.png", ["accuracy", "val_accuracy", "margin"]),
          "dpo": ("dpo.png", ["rewards/margins", "val_rewards/margins", "logps/chosen", "val_logps/chosen"]),
          "rl": ("rl.png", ["reward", "objective/kl", "kl", "entropy", "completions/mean_length"])}
-
-
-def eval_files(preset, stage_name: str, state: dict) -> dict[str, dict]:
-    """{task: the evaluate.py JSON} for every done eval stage that reads `stage_name`."""
-    found = {}
-    for s in preset.stages:
-        if s.kind != "eval" or stage_name not in s.inputs or state["stages"].get(s.name, {}).get("status") != "done":
-            continue
-        for rel in state["stages"][s.name].get("outputs", {}):
-            path = preset.out / rel
-            if path.suffix == ".json":
-                data = json.loads(path.read_text())
-                found[data.get("task") or path.stem] = data
-    return found
 
 
 def stage_rows(preset, state: dict) -> list[dict]:
@@ -82,16 +83,22 @@ def stage_rows(preset, state: dict) -> list[dict]:
                "tokens_per_s": sum(r["tokens_per_s"] for r in train) / len(train) if train else None}
         for col, (_, role, key) in EVAL_COLUMNS.items():
             row[col] = last.get(key) if role in (None, s.role) else None
+            if col in RATE_COLUMNS and row[col] is not None and last.get("val_pairs"):
+                row[f"{col}_ci"] = rate_interval(row[col], last["val_pairs"])
         tasks = eval_files(preset, s.name, state)
         for col, (_, task, key) in TASK_COLUMNS.items():
-            row[col] = (tasks.get(task) or {}).get("metrics", {}).get(key)
+            metrics = (tasks.get(task) or {}).get("metrics", {})
+            row[col] = metrics.get(key)
+            if metrics.get(f"{key}_ci") is not None:
+                row[f"{col}_ci"] = metrics[f"{key}_ci"]
         rows.append(row)
     return rows
 
 
 def preference_lines(preset, rows: list[dict]) -> list[str]:
     """The reward-model and DPO stages' held-out figures, first eval -> last eval: accuracy (pairs
-    ranked right / pairs), margin (mean over pairs) and, for a reward model, accuracy per source."""
+    ranked right / pairs, with the last eval's Wilson interval), margin (mean over pairs) and, for
+    a reward model, accuracy per source."""
     lines = []
     for row in rows:
         keys = PREFERENCE_FIGURES.get(row["role"])
@@ -106,6 +113,8 @@ def preference_lines(preset, rows: list[dict]) -> list[str]:
         for k in list(keys) + sorted(k for k in last if k.startswith(keys[0] + "/")):
             den = last.get("val_pairs" + k[len(keys[0]):]) if k.startswith(keys[0]) else None
             of = f"   (of {den:,.0f} pairs)" if den is not None else ""
+            if den:  # an accuracy: its Wilson interval
+                of += "   95 % [{:.3f}, {:.3f}]".format(*rate_interval(last[k], den))
             lines.append(f"  {k:28s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}{of}")
     return lines
 
@@ -176,16 +185,24 @@ def plot_metrics(runs: dict[str, list[dict]], keys: list[str], path: Path) -> Pa
     return _save(fig, path)
 
 
+def _error_bars(rows: list[dict], col: str) -> list[list[float]]:
+    """[[below], [above]] each row's figure: its `_ci` interval around it (0 without one)."""
+    spans = [(r[col] - r[f"{col}_ci"][0], r[f"{col}_ci"][1] - r[col]) if r.get(f"{col}_ci") and r[col] is not None
+             else (0.0, 0.0) for r in rows]
+    return [[max(0.0, s[0]) for s in spans], [max(0.0, s[1]) for s in spans]]
+
+
 def plot_pass_at_1(rows: list[dict], path: Path) -> Path | None:
-    bars = [(r["stage"], r["arith_pass@1"], r["gsm8k_pass@1"]) for r in rows
-            if r["arith_pass@1"] is not None or r["gsm8k_pass@1"] is not None]
-    if not bars:
+    """Arithmetic and GSM8K pass@1 of each evaluated stage, a bar each, with its 95 % interval."""
+    rows = [r for r in rows if r["arith_pass@1"] is not None or r["gsm8k_pass@1"] is not None]
+    if not rows:
         return None
-    fig, (ax,) = _figure(1.6 * len(bars) + 2)
-    xs = range(len(bars))
-    ax.bar([x - 0.2 for x in xs], [b[1] or 0 for b in bars], 0.4, label="arith pass@1")
-    ax.bar([x + 0.2 for x in xs], [b[2] or 0 for b in bars], 0.4, label="GSM8K pass@1")
-    ax.set_xticks(list(xs), [b[0] for b in bars])
+    fig, (ax,) = _figure(1.6 * len(rows) + 2)
+    xs = range(len(rows))
+    for shift, col, label in ((-0.2, "arith_pass@1", "arith pass@1"), (0.2, "gsm8k_pass@1", "GSM8K pass@1")):
+        ax.bar([x + shift for x in xs], [r[col] or 0 for r in rows], 0.4, yerr=_error_bars(rows, col), capsize=3,
+               label=label)
+    ax.set_xticks(list(xs), [r["stage"] for r in rows])
     ax.set_ylabel("pass@1")
     ax.legend(fontsize=7)
     return _save(fig, path)
@@ -238,7 +255,8 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
              "RL": plot_metrics(by_role({"ppo", "grpo"}), PLOTS["rl"][1], folder / PLOTS["rl"][0]),
              "pass@1 by stage": plot_pass_at_1(rows, folder / "pass_at_1.png")}
     said = greedy_answers(preset, rows, folder / "answers.json") if answers else {}
-    write_json_atomic(folder / "report_card.json", {"rows": rows})
+    held_out, held_out_data = held_out_section(evaluated_stages(preset, state))
+    write_json_atomic(folder / "report_card.json", {"rows": rows, "held_out": held_out_data})
 
     columns = {**{c: t for c, (t, _, _) in EVAL_COLUMNS.items()}, **{c: t for c, (t, _, _) in TASK_COLUMNS.items()}}
     lines = [f"# Report card: {preset.out}", "",
@@ -258,6 +276,8 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
             lines.append(f"| {s.name} | {s.kind} | {duration(rec.get('wall_s') or 0)} | "
                          f"{f'{t:,.0f}' if t is not None else '–'} |")
     shown = lines[3:]  # the two tables
+    if held_out:
+        lines += [""] + held_out
     prefs = preference_lines(preset, rows)
     if prefs:
         lines += ["", "## Preferences, held out", "", "```", *prefs, "```"]
@@ -272,7 +292,7 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
             answered += [f"- **{stage}**: {' '.join(a['answers'][i].split()) or '(empty)'}" for stage, a in said.items()]
         lines += answered
     if log is not None:
-        log("\n".join(shown + [""] + prefs + answered))
+        log("\n".join(shown + ([""] + held_out if held_out else []) + [""] + prefs + answered))
     path = preset.out / "report.md"
     with atomic_write(path, "w") as f:
         f.write("\n".join(lines) + "\n")

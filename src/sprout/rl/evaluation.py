@@ -32,6 +32,19 @@ normalisers (P prompts, n samples each):
 level is null are in the totals only), `samples` the first `num_samples` prompts with their
 first sampled completion (and the greedy one), its parsed answer and whether it is correct.
 
+Per problem (`Evaluation.problems`, what two evaluations of the same problems are paired
+by): its id (the prompt record's `id`: `sprout.prep.rl_prompts.source_prompt_id`, the
+source's name and the prompt's dedup key, `sprout.prep.keys.conversation_key`; computed
+the same way for a record without one), source, level, n, the sampled completions correct
+and formatted, and with greedy the greedy one's correct and formatted (0 or 1). Each
+figure in [0, 1] is the mean over problems of a per-problem score (`problem_scores`):
+pass@k of pass_at_k(n, correct, k), greedy/accuracy of greedy_correct, greedy/format_rate
+of greedy_formatted, format/rate of formatted / n. `Evaluation.intervals` gives each of
+them its 95 % interval, `<figure>_ci` = [lo, hi], over all prompts and per level
+(`sprout.rl.intervals.mean_interval`: Wilson when every score is 0 or 1, as for the greedy
+figures and pass@1 from one sample; else a percentile bootstrap over problems, 10,000
+resamples, seed 0, whatever the sampling seed).
+
 Batches and seeds: `batch_size` prompts per `generate_tokens` call (batch_size × n rows).
 Batch j (prompts j·batch_size ...) samples with a generator seeded from (seed, j), so the
 completions depend on the seed, the prompts and batch_size, never on how many processes run.
@@ -60,6 +73,8 @@ from sprout.answers import parse_answer
 from sprout.chat import render
 from sprout.errors import SproutError
 from sprout.model.generate import generate_tokens, pad_prompts
+from sprout.prep.rl_prompts import prompt_key, source_prompt_id
+from sprout.rl.intervals import mean_interval
 from sprout.rl.verifiers import correctness_reward, format_reward
 
 
@@ -88,6 +103,8 @@ class PromptOutcome:
 
     index: int  # position in the prompt list
     level: int | None
+    id: str = ""  # `problem_id` of the prompt record
+    source: str | None = None
     correct: int = 0  # sampled completions whose answer matches the gold
     formatted: int = 0  # sampled completions in the reasoning format
     tokens: int = 0  # completion tokens of the sampled completions, stop tokens counted
@@ -104,6 +121,8 @@ class Evaluation:
     by_level: dict[str, dict[str, float]]
     samples: list[dict]
     outcomes: list[PromptOutcome] = field(repr=False)
+    n: int = 0  # sampled completions per prompt
+    greedy: bool = False
 
     def flat(self, prefix: str = "") -> dict[str, float]:
         """The totals and `level_<L>/<name>` per level in one dict, each key prefixed."""
@@ -111,6 +130,62 @@ class Evaluation:
         for level, figures in self.by_level.items():
             out.update({f"{prefix}level_{level}/{k}": v for k, v in figures.items() if k != "prompts"})
         return out
+
+    def problems(self) -> list[dict]:
+        """One record per prompt, in prompt order (`problem_record`)."""
+        return [problem_record(o, self.n, self.greedy) for o in self.outcomes]
+
+    def intervals(self) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+        """(`figure_intervals` over all prompts, {level: the same over its prompts})."""
+        problems = self.problems()
+        by_level = {level: figure_intervals([p for p in problems if str(p["level"]) == level], figures)
+                    for level, figures in self.by_level.items()}
+        return figure_intervals(problems, self.metrics), by_level
+
+
+def problem_id(record: dict) -> str:
+    """The id a problem is paired by: the record's `id`, else the one the prompt prep would
+    give it (`source_prompt_id` of its source, or "prompt", and its `prompt_key`)."""
+    return record.get("id") or source_prompt_id(record.get("source") or "prompt", prompt_key(record["prompt"]))
+
+
+def problem_record(o: PromptOutcome, n: int, greedy: bool) -> dict:
+    """What one prompt scored, as kept in evaluate.py's JSON: id, source, level, n, and the
+    sampled (when n > 0) and greedy (with greedy) completions correct and formatted."""
+    record = {"id": o.id, "source": o.source, "level": o.level, "n": n}
+    if n:
+        record.update(correct=o.correct, formatted=o.formatted)
+    if greedy:
+        record.update(greedy_correct=o.greedy_correct, greedy_formatted=o.greedy_formatted)
+    return record
+
+
+def problem_scores(problems: Sequence[dict], figure: str) -> list[float] | None:
+    """Each problem's score in [0, 1] whose mean over `problems` (`problem_record`s) is
+    `figure` (module doc); None for a figure that is no such mean (completion length) or
+    that the records cannot give (greedy figures without greedy answers, pass@k above n)."""
+    if figure.startswith("pass@") and figure[5:].isdigit():
+        k = int(figure[5:])
+        if all("correct" in p and p["n"] >= k for p in problems):
+            return [pass_at_k(p["n"], p["correct"], k) for p in problems]
+    elif figure in ("greedy/accuracy", "greedy/format_rate"):
+        key = "greedy_correct" if figure == "greedy/accuracy" else "greedy_formatted"
+        if all(key in p for p in problems):
+            return [float(p[key]) for p in problems]
+    elif figure == "format/rate" and all("formatted" in p and p["n"] for p in problems):
+        return [p["formatted"] / p["n"] for p in problems]
+    return None
+
+
+def figure_intervals(problems: Sequence[dict], figures: Iterable[str]) -> dict[str, list[float]]:
+    """{`<figure>_ci`: [lo, hi]}, the 95 % interval of each of `figures` that `problem_scores`
+    gives per problem (`sprout.rl.intervals.mean_interval`, module doc)."""
+    out = {}
+    for name in figures:
+        scores = problem_scores(problems, name) if problems else None
+        if scores is not None:
+            out[f"{name}_ci"] = list(mean_interval(scores))
+    return out
 
 
 def summarise(outcomes: Sequence[PromptOutcome], n: int, ks: Sequence[int], greedy: bool) -> dict[str, float]:
@@ -202,7 +277,8 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
             batch = batches[j]
             ids, mask = pad_prompts([rendered[i] for i in batch], device)
             golds = [prompts[i]["gold"] for i in batch]
-            here = [PromptOutcome(i, prompts[i].get("level")) for i in batch]
+            here = [PromptOutcome(i, prompts[i].get("level"), id=problem_id(prompts[i]),
+                                  source=prompts[i].get("source")) for i in batch]
             texts: list[list[str]] = [[] for _ in batch]
             if n:
                 gen = torch.Generator(device=device).manual_seed(batch_seed(seed, j))
@@ -241,7 +317,7 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
     shown.sort(key=lambda s: s["index"])
     levels = sorted({o.level for o in outcomes if o.level is not None})
     by_level = {str(L): summarise([o for o in outcomes if o.level == L], n, ks, greedy) for L in levels}
-    return Evaluation(summarise(outcomes, n, ks, greedy), by_level, shown, outcomes)
+    return Evaluation(summarise(outcomes, n, ks, greedy), by_level, shown, outcomes, n=n, greedy=greedy)
 
 
 def _sample(record: dict, index: int, texts: list[str], o: PromptOutcome, n: int, greedy: bool) -> dict:

@@ -24,7 +24,7 @@ rewards/accuracies (chosen strictly above rejected), logps/chosen, logps/rejecte
 per response token, logits/chosen and logits/rejected (the mean logit over the vocabulary).
 Eval over every held-out pair: val_loss (per pair), val_rewards/accuracies,
 val_rewards/margins, val_rewards/chosen, val_rewards/rejected, val_logps/chosen,
-val_logps/rejected.
+val_logps/rejected, and their denominator val_pairs (the held-out pairs).
 
 FLOPs and MFU count the policy's forward and backward only (`PreferenceStage.flops`): the
 live reference forward (a third of a step's FLOPs more) is extra work that MFU leaves out.
@@ -180,7 +180,8 @@ class DPOStage(PreferenceStage):
         tot = all_reduce_sums(self.acc, sums)
         if tot["n"] == 0:
             raise SproutError(f"{self.val.path}: no held-out pairs to evaluate")
-        return {"val_loss": tot["loss"] / tot["n"], **{f"val_{k}": tot[k] / tot["n"] for k in names}}
+        return {"val_loss": tot["loss"] / tot["n"], **{f"val_{k}": tot[k] / tot["n"] for k in names},
+                "val_pairs": tot["n"]}
 
 
 def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
