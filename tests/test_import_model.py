@@ -185,6 +185,15 @@ def test_script_writes_a_run_and_refuses_to_overwrite_it(imported, tmp_path):
     assert run_script(hf_dir, "--out", tmp_path / "run", "--overwrite").returncode == 0
 
 
+def test_script_names_the_tokenizer_folder_and_reads_the_mirror_variable(imported, tmp_path, monkeypatch):
+    hf_dir = imported["qwen2"][1].parent / "hf"
+    monkeypatch.setenv("SPROUT_MIRROR", str(hf_dir.parent))
+    done = run_script("${SPROUT_MIRROR}/hf", "--out", tmp_path / "run", "--tokenizer-name", "base")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "run" / "tokenizer" / "base" / "tokenizer.json").is_file()
+    assert read_meta(tmp_path / "run")["tokenizer"] == f"hf:{tmp_path / 'run' / 'tokenizer' / 'base'}"
+
+
 def one_line_error(done, *needles):
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr

@@ -25,7 +25,7 @@ import yaml
 
 from data_fixtures import make_docs
 from sprout.errors import SproutError
-from sprout.pipeline.runner import digest, load_preset, read_state, select
+from sprout.pipeline.runner import command_args, digest, load_preset, read_state, select
 from sprout.engine.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +136,25 @@ def test_presets_in_the_repository_load_and_chain_their_stages():
         assert preset.stage("grpo").inputs[0] == "ppo"  # GRPO loads the PPO policy's LM
     gpu = load_preset(ROOT / "configs" / "pipelines" / "gpt2-small.yaml")
     assert gpu.launcher == "accelerate" and gpu.accelerate_config.is_file()
+    smol = load_preset(ROOT / "configs" / "pipelines" / "smollm2.yaml")
+    names = [s.name for s in smol.stages]
+    assert names[:2] == ["import", "eval_import"] and names[-1] == "export"
+    assert names.index("sft") < names.index("dpo") < names.index("ppo") < names.index("grpo")
+    assert all(smol.stage(n).inputs[0] == "import" for n in ("sft_data", "sft"))
+    assert all(s.config is None or s.config.is_file() for s in smol.stages)
+    assert smol.model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_model_fills_its_placeholder_and_is_overridden(tmp_path):
+    stages = [{"name": "a", "kind": "prep", "script": "x.py", "out": "a", "args": ["{model}", "--out", "{out}"]}]
+    path = write_yaml(tmp_path / "p.yaml", {"out": str(tmp_path / "runs"), "model": "org/base", "stages": stages})
+    assert command_args(load_preset(path), load_preset(path).stages[0]) == [["org/base", "--out", str(tmp_path / "runs" / "a")]]
+    other = load_preset(path, model="org/other")
+    assert command_args(other, other.stages[0])[0][0] == "org/other"
+    path = write_yaml(tmp_path / "q.yaml", {"out": str(tmp_path / "runs"), "stages": stages})
+    with pytest.raises(SproutError, match=r"stage a: args: \{model\} but the preset has no model"):
+        load_preset(path)
+    assert command_args(load_preset(path, model="dir/m"), load_preset(path, model="dir/m").stages[0])[0][0] == "dir/m"
 
 
 @pytest.mark.parametrize("change, message", [
