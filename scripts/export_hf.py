@@ -40,7 +40,8 @@ def main() -> None:
     if not args.no_check:
         check = verify_export(result.out, model, tok)
         what = "score" if result.architecture == "reward" else "logit"
-        print(f"checked with transformers: max |{what} difference| {check['max_abs_diff']:.2g}, "
+        fp64 = "" if check["max_abs_diff_fp64"] is None else f" (float64: {check['max_abs_diff_fp64']:.2g})"
+        print(f"checked with transformers: max |{what} difference| {check['max_abs_diff']:.2g}{fp64}, "
               f"ids equal on {check['texts']} texts and {check['chats']} conversations")
         if check["answers"]:
             print(f"greedy chat answers equal on {check['answers']} conversations "
