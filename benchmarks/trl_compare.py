@@ -25,15 +25,19 @@ Rows (benchmarks/trl_compare_rows.py builds the trainer rows):
   prompt/completion conversations, one per row, padded to the micro-batch's longest (--rows
   per micro-batch, --accum per step).
   DPO and SFT checks: TRL's collated first micro-batch through TRL's compute_loss and through
-  sprout's loss (the same tensors), and sprout's own rendering of it (whose ids are compared
-  with TRL's apply_chat_template ids and the difference named).
+  sprout's loss (the same tensors), and sprout's own rendering of it (whose ids and trained
+  tokens are compared with TRL's apply_chat_template ones and any difference named: with
+  chatml, TRL also trains the newline after <|im_end|>, which sprout leaves out). DPO at the
+  initial weights has policy = reference, so its loss is log 2 on both sides; the summed
+  log-probs of each side are compared too.
 - generate: `sprout.model.generate.generate_tokens` (KV cache) against transformers'
   `generate` (KV cache) on --gen-rows chat prompts, --new-tokens each, sampled at
   --temperature with no top-k/top-p and no stop id (every row runs every step), timed in
   alternation; the check is the largest |logit difference| on the prompts.
 
 Step times are medians over --steps steps after --warmup untimed ones (TRL: between the ends
-of consecutive optimizer steps of `trainer.train()`). The table gives sprout's median, the
+of consecutive optimizer steps of `trainer.train()`); a trainer row runs sprout's steps, then
+TRL's (not interleaved), so measure on an otherwise idle machine. The table gives sprout's median, the
 other's, the ratio sprout speed / other speed, the target it is held to (GRPO 1.5x, DPO and
 SFT 1.1x, generation 2x) and the check's largest |difference|. --profile then runs one more
 sprout step of each row under torch.profiler: its phases (generation, forwards, backward,
@@ -136,7 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
     g.add_argument("--micro-completions", type=int, default=8, help="completions per micro-batch")
     g.add_argument("--completion-length", type=int, default=64, help="max_completion_length")
-    g.add_argument("--loss-type", default="dapo", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    g.add_argument("--loss-type", default="dapo", choices=("grpo", "dr_grpo", "dapo"),
+                   help="(not bnpo: TRL normalises it per micro-batch, sprout per global batch)")
     g.add_argument("--epsilon", type=float, default=0.2)
     g = p.add_argument_group("DPO and SFT")
     g.add_argument("--pairs", type=int, default=4, help="DPO pairs per micro-batch")

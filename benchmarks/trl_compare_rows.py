@@ -367,20 +367,21 @@ def dpo(b: Bench) -> Row:
                             [trl_side(trl.train_dataset[i], side) for side in ("chosen_ids", "rejected_ids")
                              for i in range(n)], b.hf_tok.decode)
 
-    ours = b.time_sprout(lambda: trainer.step(stage.next_micro_batches(trainer.steps_done), stage))
+    def step():
+        trainer.step(stage.next_micro_batches(trainer.steps_done), stage)
+
+    ours = b.time_sprout(step)
     theirs = b.time_trl(trl)
     return Row("DPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
                {"loss": abs(same - loss_theirs), "logps": logp_err},
-               [f"{B} pairs per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's first), {K} per "
-                f"step, beta {a.beta}, sigmoid, "
-                f"reference model live in both",
+               [f"{B} pairs per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's first), "
+                f"{K} per step, beta {a.beta}, sigmoid, reference model live in both",
                 f"first micro-batch's loss: TRL {loss_theirs:.6f}; sprout on TRL's tensors {same:.6f}, on its own "
                 f"rendering {own:.6f} (|diff| {abs(own - loss_theirs):.1e}); the initial policy is the reference, "
                 f"so that loss is log 2 on both sides and the summed log-probs (mean over the pairs, chosen and "
                 f"rejected: |diff| {logp_err:.1e}) carry the check",
                 tokens],
-               lambda: trainer.step(stage.next_micro_batches(trainer.steps_done), stage),
-               {"forwards + loss": (stage, "pair_terms"), "reference forward (in it)": (stage, "_ref_logps"),
+               step, {"forwards + loss": (stage, "pair_terms"), "reference forward (in it)": (stage, "_ref_logps"),
                 "backward": (trainer.accelerator, "backward"), "optimizer step": (trainer.optimizer, "step")})
 
 
@@ -428,9 +429,8 @@ def sft(b: Bench) -> Row:
     theirs = b.time_trl(trl)
     return Row("SFT step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
                {"loss": abs(same - loss_theirs)},
-               [f"{R} conversations per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's first), "
-                f"{K} per step, "
-                f"completion-only loss",
+               [f"{R} conversations per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's "
+                f"first), {K} per step, completion-only loss",
                 f"first micro-batch's loss: TRL {loss_theirs:.6f}; sprout on TRL's tensors {same:.6f}, on its own "
                 f"rendering {own:.6f} (|diff| {abs(own - loss_theirs):.1e})",
                 tokens],
