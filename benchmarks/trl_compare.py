@@ -1,0 +1,200 @@
+"""sprout against TRL and transformers on the same weights: GRPO, DPO and SFT steps, and generation.
+
+One run, one process, CPU, fp32, the same torch threads for every row. sprout loads the run
+folder (--run, by default runs/smollm2: make it with
+`python scripts/import_model.py HuggingFaceTB/SmolLM2-135M-Instruct --out runs/smollm2`);
+TRL and transformers load its transformers export (`sprout.model.export.export_hf`, written
+once per run into a temporary folder, or --hf-folder), so every side starts from the same
+weights, tokenizer and chat template. Data: arithmetic problems (`sprout.prep.arithmetic`) in
+conversational form, the same records on both sides. TRL's configs: CPU, bf16 off, gradient
+checkpointing off (TRL's default is on), no saving, no logging, constant lr, AdamW without
+weight decay, clipping at 1; sprout's loop (`sprout.engine.loop.Trainer`) alike.
+
+Rows (benchmarks/trl_compare_rows.py builds the trainer rows):
+
+- GRPO step: `GRPOStage` against `GRPOTrainer` (no vLLM): same prompts in the same order, G
+  (--generations), --completion-length, --temperature, --loss-type, --epsilon, beta 0, the
+  batch (--prompts per step, --micro-completions per micro-batch) and a correctness reward.
+  A step generates, scores, computes log-probs and updates, so its time follows the sampled
+  completion lengths, printed for both. Sampling makes whole runs incomparable, so the check
+  feeds TRL's first step's micro-batches (ids, masks, advantages) to sprout's loss and
+  compares the losses and the per-token log-probs.
+- DPO step: `DPOStage` with a live reference against `DPOTrainer` with a reference model;
+  same pairs, beta, sigmoid loss, --pairs per micro-batch, --accum micro-batches per step.
+- SFT step: `SFTStage`'s loss against `SFTTrainer` with completion-only loss on the same
+  prompt/completion conversations, one per row, padded to the micro-batch's longest (--rows
+  per micro-batch, --accum per step).
+  DPO and SFT checks: TRL's collated first micro-batch through TRL's compute_loss and through
+  sprout's loss (the same tensors), and sprout's own rendering of it (whose ids and trained
+  tokens are compared with TRL's apply_chat_template ones and any difference named: with
+  chatml, TRL also trains the newline after <|im_end|>, which sprout leaves out). DPO at the
+  initial weights has policy = reference, so its loss is log 2 on both sides; the summed
+  log-probs of each side are compared too.
+- generate: `sprout.model.generate.generate_tokens` (KV cache) against transformers'
+  `generate` (KV cache) on --gen-rows chat prompts, --new-tokens each, sampled at
+  --temperature with no top-k/top-p and no stop id (every row runs every step), timed in
+  alternation; the check is the largest |logit difference| on the prompts.
+
+Step times are medians over --steps steps after --warmup untimed ones (TRL: between the ends
+of consecutive optimizer steps of `trainer.train()`); a trainer row runs sprout's steps, then
+TRL's (not interleaved), so measure on an otherwise idle machine. The table gives sprout's median, the
+other's, the ratio sprout speed / other speed, the target it is held to (GRPO 1.5x, DPO and
+SFT 1.1x, generation 2x) and the check's largest |difference|. --profile then runs one more
+sprout step of each row under torch.profiler: its phases (generation, forwards, backward,
+optimizer step, ...) and the top ops by self CPU time.
+
+Needs the 'bench' extra (trl, transformers): pip install -e '.[bench]'.
+
+    python benchmarks/trl_compare.py [--run runs/smollm2] [--hf-folder DIR] [--only grpo,dpo,sft,generate]
+                                     [--steps 5] [--warmup 1] [--threads N] [--profile] [sizes: see --help]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import warnings
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rl_throughput import check_logits  # noqa: E402
+from trl_compare_rows import Bench, Row, dpo, grpo, median, print_profile, problems, sft, user  # noqa: E402
+
+from sprout.chat import render  # noqa: E402
+from sprout.checkpoint import checkpoint_tokenizer, read_meta  # noqa: E402
+from sprout.errors import run_main  # noqa: E402
+from sprout.model.generate import generate_tokens, pad_prompts  # noqa: E402
+
+
+def generation(b: Bench) -> Row:
+    """New tokens/s of sprout's and transformers' KV-cache sampling, alternated, median of --steps each."""
+    a = b.args
+    N = a.new_tokens
+    ids, mask = pad_prompts([render(user(p.question), b.tok, add_generation_prompt=True)[0]
+                             for p in problems(a.gen_rows)])
+    model, hf = b.sprout_model().eval(), b.hf_model().eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    err = check_logits(model, hf, ids, mask)
+    g = torch.Generator().manual_seed(0)
+
+    def ours():
+        out = generate_tokens(model, ids, mask, max_new_tokens=N, temperature=a.temperature, generator=g)
+        assert int(out.lengths.min()) == N
+
+    def theirs():
+        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                          temperature=a.temperature, max_new_tokens=N, min_new_tokens=N)
+        assert out.shape[1] == ids.shape[1] + N
+
+    times = {ours: [], theirs: []}
+    for i in range(a.warmup + a.steps):
+        for fn in times:
+            t0 = time.perf_counter()
+            fn()
+            if i >= a.warmup:
+                times[fn].append(time.perf_counter() - t0)
+    rate = {fn: ids.shape[0] * N / median(t) for fn, t in times.items()}
+    lengths = mask.sum(1)
+    return Row("generate", "new tok/s", rate[ours], rate[theirs], rate[ours] / rate[theirs], 2.0,
+               {"logits": err},
+               [f"{ids.shape[0]} rows (prompt lengths {int(lengths.min())}..{int(lengths.max())}) x {N} new tokens, "
+                f"sampled at temperature {a.temperature}, KV cache in both"],
+               ours)
+
+
+ROWS = {"grpo": grpo, "dpo": dpo, "sft": sft, "generate": generation}
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"\n{'':10s} {'sprout':>14s} {'TRL/transformers':>18s} {'speed ratio':>12s} {'target':>8s}   "
+          f"first-batch check (max |diff|)")
+    for r in rows:
+        fmt = (lambda v: f"{v:.3f} s") if r.unit == "s" else (lambda v: f"{v:,.{0 if v >= 100 else 2}f} {r.unit}")
+        print(f"{r.name:10s} {fmt(r.sprout):>14s} {fmt(r.other):>18s} {r.speedup:>11.2f}x {r.target:>7.1f}x   "
+              + ", ".join(f"{k} {v:.1e}" for k, v in r.check.items()))
+    for r in rows:
+        print(f"\n{r.name}:" + "".join(f"\n  {n}" for n in r.notes))
+        if r.speedup < r.target:
+            print(f"  below the {r.target}x target: --profile shows where sprout's step spends its time")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default="runs/smollm2", help="sprout run folder or checkpoint (scripts/import_model.py)")
+    p.add_argument("--hf-folder", help="its transformers export (default: exported into a temporary folder)")
+    p.add_argument("--only", default=",".join(ROWS), help=f"comma-separated rows, of: {', '.join(ROWS)}")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (generation: timed runs) per side")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for every row (0: torch's default)")
+    p.add_argument("--profile", action="store_true", help="profile one more sprout step of each row")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (GRPO, generate)")
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    g.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
+    g.add_argument("--micro-completions", type=int, default=8, help="completions per micro-batch")
+    g.add_argument("--completion-length", type=int, default=64, help="max_completion_length")
+    g.add_argument("--loss-type", default="dapo", choices=("grpo", "dr_grpo", "dapo"),
+                   help="(not bnpo: TRL normalises it per micro-batch, sprout per global batch)")
+    g.add_argument("--epsilon", type=float, default=0.2)
+    g = p.add_argument_group("DPO and SFT")
+    g.add_argument("--pairs", type=int, default=4, help="DPO pairs per micro-batch")
+    g.add_argument("--beta", type=float, default=0.1, help="DPO beta")
+    g.add_argument("--rows", type=int, default=8, help="SFT conversations per micro-batch")
+    g.add_argument("--accum", type=int, default=1, help="micro-batches per step (DPO, SFT)")
+    g = p.add_argument_group("generate")
+    g.add_argument("--gen-rows", type=int, default=16)
+    g.add_argument("--new-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(ROWS)
+    if unknown:
+        p.error(f"--only: unknown rows {', '.join(sorted(unknown))} (of: {', '.join(ROWS)})")
+    return args
+
+
+def main(argv=None) -> list[Row]:
+    args = parse_args(argv)
+    try:
+        import trl  # noqa: F401
+        import transformers
+    except ImportError:
+        raise SystemExit("trl_compare needs trl and transformers: pip install -e '.[bench]'") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    meta = read_meta(args.run)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="trl_compare.") as tmp:
+        hf = Path(args.hf_folder) if args.hf_folder else Path(tmp) / "hf"
+        if not args.hf_folder:
+            from sprout.model.export import export_hf
+
+            export_hf(args.run, hf)
+        bench = Bench(args, args.run, hf, Path(tmp), checkpoint_tokenizer(meta),
+                      transformers.AutoTokenizer.from_pretrained(hf), meta["model_config"]["max_seq_len"])
+        cfg = meta["model_config"]
+        print(f"{meta['path']}: d_model {cfg['d_model']}, {cfg['n_layers']} layers, vocab {cfg['vocab_size']}; "
+              f"fp32 on CPU, torch threads {torch.get_num_threads()}; torch {torch.__version__}, transformers "
+              f"{version('transformers')}, trl {version('trl')}; load average {os.getloadavg()[0]:.1f}")
+        for name in args.only.split(","):
+            rows.append(ROWS[name](bench))
+            print(f"{rows[-1].name}: sprout {rows[-1].sprout:.3f}, other {rows[-1].other:.3f} {rows[-1].unit}",
+                  flush=True)
+        print_table(rows)
+        if args.profile:
+            for row in rows:
+                print_profile(row)
+    return rows
+
+
+if __name__ == "__main__":
+    run_main(lambda: main() and None)

@@ -1,0 +1,481 @@
+"""The trainer rows of benchmarks/trl_compare.py: GRPO, DPO and SFT, sprout's stage against TRL's trainer.
+
+Each row builds both sides from the same run folder (sprout: `sprout.model.load.load_model`;
+TRL: the transformers export of the same weights), the same data (arithmetic problems from
+`sprout.prep.arithmetic`, in conversational form) and the same batch, times optimizer steps
+on each (`Bench.time_sprout`, `Bench.time_trl`) and checks the first batch's loss: the same
+tensors fed to both loss functions, initial weights on both sides (see each row's function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from data_loader.preferences import PreferenceLoader
+from data_loader.prompts import PromptLoader
+from sprout.chat import render
+from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.engine.optim import OptimConfig, build_optimizer
+from sprout.formats.preferences import write_preferences
+from sprout.formats.prompts import write_prompts
+from sprout.model.load import load_model
+from sprout.prep.arithmetic import generate as arithmetic_problems
+from sprout.prep.arithmetic import wrong_answer
+from sprout.rl.verifiers import WeightedReward, correctness_reward
+from sprout.stages.dpo import DPOLossConfig, DPOStage
+from sprout.stages.grpo import GRPOLossConfig, GRPOStage
+from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig, completion_logps
+from sprout.stages.sft import SFTStage, sft_batch_loss
+
+
+# ---- what every row shares ----------------------------------------------------------------------
+@dataclass
+class Row:
+    """One line of the table: sprout's median and the other side's, in `unit`; `speedup` is
+    sprout's speed over the other's; `check` the first-batch comparison {what: max |diff|};
+    `step` runs one more sprout step (for --profile) with `phases` {label: (object, method
+    name)} labelled."""
+    name: str
+    unit: str
+    sprout: float
+    other: float
+    speedup: float
+    target: float
+    check: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    step: Callable | None = None
+    phases: dict = field(default_factory=dict)
+
+
+@dataclass
+class Bench:
+    """The run folder, its transformers export, both tokenizers, a scratch folder and the options."""
+    args: argparse.Namespace
+    run: str
+    hf: Path
+    tmp: Path
+    tok: object      # sprout's tokenizer of the run
+    hf_tok: object   # transformers' tokenizer of the export
+    context: int     # the model's max_seq_len
+
+    @property
+    def total_steps(self) -> int:
+        return self.args.warmup + self.args.steps
+
+    def sprout_model(self):
+        """A fresh sprout model with the run's weights (train mode)."""
+        return load_model(self.run)[0].train()
+
+    def hf_model(self):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.hf, dtype=torch.float32)
+
+    def sprout_trainer(self, model, lr: float) -> Trainer:
+        """sprout's loop with AdamW as transformers' default (betas 0.9/0.999, no weight decay),
+        a constant lr, clipping at 1, fp32."""
+        cfg = TrainConfig(max_steps=10**6, progress=False, peak_tflops=-1, mixed_precision="no")
+        optim = OptimConfig(lr=lr, warmup_steps=0, weight_decay=0.0, beta2=0.999)
+        return Trainer(make_accelerator(cfg), model, build_optimizer(model, optim), lambda step, peak: peak, cfg)
+
+    def trl_config(self, cls, name: str, lr: float, **options):
+        """A TRL *Config alike: CPU, fp32, no gradient checkpointing (TRL's default is on), no
+        saving, no logging, constant lr, AdamW without weight decay, clipping at 1."""
+        return cls(output_dir=str(self.tmp / name), report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+                   gradient_checkpointing=False, max_steps=self.total_steps, learning_rate=lr,
+                   lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_strategy="no",
+                   disable_tqdm=True, seed=0, **options)
+
+    def time_sprout(self, step: Callable) -> list[float]:
+        """Seconds of each `step()` after --warmup untimed ones."""
+        times = []
+        for i in range(self.total_steps):
+            t0 = time.perf_counter()
+            step()
+            if i >= self.args.warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    def time_trl(self, trainer) -> list[float]:
+        """Seconds between the ends of consecutive optimizer steps of `trainer.train()` (the
+        first step, from the start of training, is left out with the rest of --warmup)."""
+        from transformers import TrainerCallback
+        from transformers.trainer_callback import PrinterCallback
+
+        class Clock(TrainerCallback):
+            marks: list[float] = []
+
+            def on_train_begin(self, *args, **kwargs):
+                self.marks = [time.perf_counter()]
+
+            def on_step_end(self, *args, **kwargs):
+                self.marks.append(time.perf_counter())
+
+        clock = Clock()
+        trainer.add_callback(clock)
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+        return list(np.diff(clock.marks)[self.args.warmup:])
+
+
+def problems(count: int) -> list:
+    """`count` distinct arithmetic problems, all four levels in turn (seed 0)."""
+    out = list(arithmetic_problems(count, levels=(1, 2, 3, 4), seed=0, split="all"))
+    if len(out) < count:
+        raise SystemExit(f"error: only {len(out)} arithmetic problems for {count} needed; use fewer steps")
+    return out
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def assistant(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def correctness(completions, gold, **_) -> list:
+    """The reward of both GRPO runs: 1 when the completion's answer (its <answer> block, else
+    its last number) equals the gold, else 0 (`sprout.rl.verifiers.correctness_reward`).
+    TRL passes conversational completions as messages, sprout as text."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return correctness_reward(texts, gold, fallback_last_number=True)
+
+
+def shifted(ids: torch.Tensor, attention: torch.Tensor, trained: torch.Tensor) -> dict:
+    """Right-padded rows as sprout's losses read them: every token an input, targets[:, t] =
+    ids[:, t + 1], loss_mask where that target is trained (`trained[:, t]`: token t is a
+    target), segment 1 on real tokens, positions from 0 in each row."""
+    real = attention.bool()
+    targets = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    loss_mask = torch.zeros_like(real)
+    loss_mask[:, :-1] = trained[:, 1:].bool() & real[:, 1:]
+    positions = (real.long().cumsum(1) - 1).clamp(min=0) * real
+    return {"input_ids": ids, "targets": targets, "loss_mask": loss_mask, "attention_mask": real,
+            "segment_ids": real.long(), "position_ids": positions}
+
+
+def padded(rows: list[list[int]], masks: list[list[int]], pad_id: int) -> dict:
+    """`shifted` of token rows and their trained-token masks, right-padded to the longest."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+    trained = torch.tensor([m + [0] * (width - len(m)) for m in masks])
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return shifted(ids, attention, trained)
+
+
+def compare_tokens(ours: list[tuple], theirs: list[tuple], decode) -> str:
+    """How sprout's rendering of some sequences, (ids, trained mask) each, compares with TRL's:
+    the ids, then the tokens only one side trains (decoded, with their counts)."""
+    n = len(ours)
+    aligned = [(o, om, t, tm) for (o, om), (t, tm) in zip(ours, theirs) if t[:len(o)] == o or o[:len(t)] == t]
+    tails = {tuple(t[len(o):]) for o, _, t, _ in aligned}
+    if all(o == t for (o, _), (t, _) in zip(ours, theirs)):
+        ids = f"same ids in all {n} sequences"
+    elif len(aligned) == n and len(tails) == 1:
+        ids = f"ids differ: TRL's = sprout's + {decode(list(tails.pop()))!r} in all {n} sequences"
+    else:
+        ids = f"ids differ in {sum(o != t for (o, _), (t, _) in zip(ours, theirs))} of {n} sequences"
+    only = {"TRL": Counter(), "sprout": Counter()}
+    for o, om, t, tm in aligned:
+        for i in range(max(len(o), len(t))):
+            a, b = i < len(om) and bool(om[i]), i < len(tm) and bool(tm[i])
+            if a != b:
+                only["TRL" if b else "sprout"][decode([(t if b else o)[i]])] += 1
+    trained = [f"trained only by {who}: " + ", ".join(f"{k!r} x{v}" for k, v in c.items())
+               for who, c in only.items() if c]
+    return "; ".join([ids, *(trained or ["same trained tokens"])])
+
+
+def trl_side(example: dict, side: str) -> tuple[list[int], list[int]]:
+    """(ids, trained mask) of one side of a pair as TRL's DPOTrainer tokenized it."""
+    prompt, answer = example["prompt_ids"], example[side]
+    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+
+def first_loss(stage, model, batch: dict) -> tuple[float, dict]:
+    """A stage's loss on one micro-batch (its summed loss over its targets) and its metrics
+    (each sum over its count), no gradient."""
+    with torch.no_grad():
+        loss_sum, n, metrics = stage.loss(model, batch)
+    return float(loss_sum) / float(n), {k: float(s) / float(c) for k, (s, c) in metrics.items() if float(c)}
+
+
+def median(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+# ---- GRPO ---------------------------------------------------------------------------------------
+def grpo(b: Bench) -> Row:
+    """GRPOStage under sprout's loop against TRL's GRPOTrainer (transformers generate, no vLLM):
+    the same prompts in the same order (no shuffling), G, completion length, temperature,
+    loss_type, epsilon, beta 0 (no reference model), batch (TRL: per_device_train_batch_size =
+    micro_completions, gradient_accumulation_steps = prompts × G / micro_completions) and
+    reward. Check: TRL's first optimizer step's micro-batches (prompt and completion ids,
+    masks, advantages) and its loss on each are recorded during training; sprout's
+    GRPOStage.loss on those same tensors, with its old log-probs from its own forward (TRL, at
+    one step per generation batch, takes the current log-probs as the old ones) gives the
+    loss compared; TRL's per-token log-probs of the completions against sprout's too."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    a = b.args
+    P, G, M, L = a.prompts, a.generations, a.micro_completions, a.completion_length
+    if P * G % M:
+        raise SystemExit(f"error: --prompts {P} x --generations {G} is not a multiple of --micro-completions {M}")
+    records = [{"id": f"p{i}", "source": "arithmetic", "prompt": user(p.question), "gold": p.gold, "level": p.level}
+               for i, p in enumerate(problems((b.total_steps + 1) * P))]
+    write_prompts(b.tmp / "prompts.jsonl", records)
+
+    trainer = b.sprout_trainer(b.sprout_model(), 1e-6)
+    loader = PromptLoader(b.tmp / "prompts.jsonl", b.tok, b.context - L, P, shuffle=False)
+    stage = GRPOStage(trainer.accelerator, b.tok, loader, None, PromptBatchConfig(P, G, M),
+                      RolloutConfig(max_completion_length=L, temperature=a.temperature),
+                      [WeightedReward("correctness", correctness)],
+                      grpo=GRPOLossConfig(loss_type=a.loss_type, epsilon=a.epsilon, beta=0.0), seed=0)
+    stage.setup(trainer)
+    lengths = []
+
+    def step():
+        lengths.append(trainer.step(stage.next_micro_batches(trainer.steps_done), stage)["completions/mean_length"])
+
+    ours = b.time_sprout(step)
+
+    class RecordingGRPO(GRPOTrainer):
+        """GRPOTrainer that keeps the first optimizer step's micro-batches, losses and log-probs."""
+        first_step: list[dict] = []
+        lengths: list[float] = []  # mean completion length of each generation batch
+
+        def _generate(self, prompts):
+            out = super()._generate(prompts)
+            self.lengths.append(float(np.mean([len(ids) for ids in out[1]])))
+            return out
+
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            if len(self.first_step) < self.args.gradient_accumulation_steps:
+                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+                mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+                with torch.no_grad():
+                    logps = self._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
+                self.first_step.append({**{k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)},
+                                        "loss": float(loss), "logps": logps})
+            return loss
+
+    cfg = b.trl_config(GRPOConfig, "grpo", 1e-6, per_device_train_batch_size=M, gradient_accumulation_steps=P * G // M,
+                       num_generations=G, max_completion_length=L, temperature=a.temperature, top_p=1.0, top_k=0,
+                       loss_type=a.loss_type, epsilon=a.epsilon, beta=0.0, shuffle_dataset=False)
+    data = Dataset.from_list([{"prompt": r["prompt"], "gold": r["gold"]} for r in records])
+    trl = RecordingGRPO(model=b.hf_model(), reward_funcs=[correctness], args=cfg, train_dataset=data,
+                        processing_class=b.hf_tok)
+    theirs = b.time_trl(trl)
+
+    loss_ours, loss_theirs, logp_err = grpo_check(b, stage, trl.first_step)
+    adv = torch.cat([c["advantages"] for c in trl.first_step])
+    trl_lengths = trl.lengths
+    return Row("GRPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.5,
+               {"loss": abs(loss_ours - loss_theirs), "logps": logp_err},
+               [f"{P} prompts x {G} completions of <= {L} tokens, micro-batch {M}, loss_type {a.loss_type}, "
+                f"temperature {a.temperature}; each step generates, scores, computes log-probs and updates",
+                f"mean completion length over the timed steps: sprout {np.mean(lengths[a.warmup:]):.1f}, "
+                f"TRL {np.mean(trl_lengths[a.warmup:]):.1f} tokens (sampled: step times follow them)",
+                f"first step's loss on TRL's tensors: sprout {loss_ours:.6f}, TRL {loss_theirs:.6f} "
+                f"({int((adv != 0).sum())} of {len(adv)} completions with a non-zero advantage); largest |log-prob "
+                f"difference| over its completion tokens {logp_err:.1e}",
+                "sprout recomputes the old log-probs in one extra no-grad forward per generation batch; TRL skips it "
+                "at one optimizer step per generation batch"],
+               step, {"generation": (stage, "sample"), "rewards": (stage, "score"), "old log-probs": (stage, "logps_of"),
+                      "loss forward": (stage, "loss"), "backward": (trainer.accelerator, "backward"),
+                      "optimizer step": (trainer.optimizer, "step")})
+
+
+def grpo_check(b: Bench, stage: GRPOStage, captured: list[dict]) -> tuple[float, float, float]:
+    """(sprout's loss, TRL's loss, largest |log-prob difference|) on TRL's first step's micro-batches."""
+    model = b.sprout_model()
+    loss_sum, count, logp_err = 0.0, 0.0, 0.0
+    for c in captured:
+        batch = {k: c[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
+        batch["extra_target"] = torch.zeros(len(c["advantages"]), dtype=torch.long)
+        real = batch["completion_mask"].bool()
+        with torch.no_grad():
+            logps = completion_logps(model, batch, stage.rollout.temperature)[0]
+            batch["old_logps"] = logps.masked_fill(~real, 0.0)
+            s, n, _ = stage.loss(model, batch)
+        loss_sum, count = loss_sum + float(s), count + float(n)
+        logp_err = max(logp_err, float((logps - c["logps"]).abs()[real].max()))
+    return loss_sum / count, sum(c["loss"] for c in captured), logp_err
+
+
+# ---- DPO ----------------------------------------------------------------------------------------
+def dpo(b: Bench) -> Row:
+    """DPOStage (live reference: a frozen copy, one forward per micro-batch) against TRL's
+    DPOTrainer (a reference model passed in, precompute_ref_log_probs off) on the same pairs,
+    beta, sigmoid loss and batch (--pairs per micro-batch, --accum micro-batches per step).
+    Check: TRL's collated first --pairs pairs through TRL's compute_loss and, converted
+    (`shifted`: TRL's completion mask as the trained tokens), through DPOStage.loss; also
+    sprout's own rendering of those pairs (`PreferenceLoader.collate`) against TRL's loss. At
+    the initial weights the policy is the reference, so the loss is log 2 whatever the
+    log-probs: the summed log-probs of each side (TRL's logps/chosen and logps/rejected
+    metrics, means over the pairs) are compared too."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    a = b.args
+    B, K = a.pairs, a.accum
+    rng = random.Random(0)
+    records = [{"id": f"p{i}", "source": "arithmetic", "prompt": user(p.question), "chosen": assistant(p.worked),
+                "rejected": assistant(wrong_answer(p, rng)[0])} for i, p in enumerate(problems((b.total_steps + 1) * B * K))]
+    write_preferences(b.tmp / "preferences.jsonl", records)
+
+    trainer = b.sprout_trainer(b.sprout_model(), 5e-7)
+    loader = PreferenceLoader(b.tmp / "preferences.jsonl", b.tok, B * K, b.context, shuffle=False)
+    stage = DPOStage(trainer.accelerator, loader, None, K, DPOLossConfig(loss_type="sigmoid", beta=a.beta),
+                     ref_model=b.sprout_model())
+    stage.setup(trainer)
+
+    cfg = b.trl_config(DPOConfig, "dpo", 5e-7, per_device_train_batch_size=B, gradient_accumulation_steps=K,
+                       beta=a.beta, loss_type=["sigmoid"], max_length=None, precompute_ref_log_probs=False)
+    data = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in records])
+    trl = DPOTrainer(model=b.hf_model(), ref_model=b.hf_model(), args=cfg, train_dataset=data,
+                     processing_class=b.hf_tok)
+
+    # the check first: both sides still hold the initial weights
+    trl_batch = trl.data_collator([trl.train_dataset[i] for i in range(B)])
+    with torch.no_grad():
+        loss_theirs = float(trl.compute_loss(trl.model, trl_batch))
+    policy = b.sprout_model()
+    pair_fields = {"pair_mask": torch.ones(B, dtype=torch.bool), "margin": torch.zeros(B), "pair_index": torch.arange(B)}
+    same, metrics = first_loss(stage, policy, {**shifted(trl_batch["input_ids"], trl_batch["attention_mask"],
+                                                         trl_batch["completion_mask"]), **pair_fields})
+    own = first_loss(stage, policy, loader.collate(np.arange(B)))[0]
+    trl_metrics = trl._metrics["train" if trl.model.training else "eval"]
+    logp_err = max(abs(metrics[k] - trl_metrics[k][-1]) for k in ("logps/chosen", "logps/rejected"))
+    n = len(records)
+    tokens = compare_tokens([(p.chosen.tolist(), p.chosen_mask) for p in loader.pairs]
+                            + [(p.rejected.tolist(), p.rejected_mask) for p in loader.pairs],
+                            [trl_side(trl.train_dataset[i], side) for side in ("chosen_ids", "rejected_ids")
+                             for i in range(n)], b.hf_tok.decode)
+
+    def step():
+        trainer.step(stage.next_micro_batches(trainer.steps_done), stage)
+
+    ours = b.time_sprout(step)
+    theirs = b.time_trl(trl)
+    return Row("DPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
+               {"loss": abs(same - loss_theirs), "logps": logp_err},
+               [f"{B} pairs per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's first), "
+                f"{K} per step, beta {a.beta}, sigmoid, reference model live in both",
+                f"first micro-batch's loss: TRL {loss_theirs:.6f}; sprout on TRL's tensors {same:.6f}, on its own "
+                f"rendering {own:.6f} (|diff| {abs(own - loss_theirs):.1e}); the initial policy is the reference, "
+                f"so that loss is log 2 on both sides and the summed log-probs (mean over the pairs, chosen and "
+                f"rejected: |diff| {logp_err:.1e}) carry the check",
+                tokens],
+               step, {"forwards + loss": (stage, "pair_terms"), "reference forward (in it)": (stage, "_ref_logps"),
+                "backward": (trainer.accelerator, "backward"), "optimizer step": (trainer.optimizer, "step")})
+
+
+# ---- SFT ----------------------------------------------------------------------------------------
+def sft(b: Bench) -> Row:
+    """SFTStage's loss under sprout's loop against TRL's SFTTrainer with completion-only loss, on
+    the same conversations (prompt: the question; completion: the worked answer), one per row,
+    right-padded to the micro-batch's longest in both (sprout's own SFT data would pack them),
+    --rows per micro-batch, --accum per step. Check: TRL's collated first --rows
+    conversations through TRL's compute_loss and, converted (`shifted`: TRL's labels as the
+    trained tokens), through `sft_batch_loss`; also sprout's own rendering against TRL's."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    a = b.args
+    R, K = a.rows, a.accum
+    convs = [(user(p.question), assistant(p.worked)) for p in problems((b.total_steps + 1) * R * K)]
+    rendered = [render(prompt + answer, b.tok) for prompt, answer in convs]
+    pad = b.tok.pad_id if b.tok.pad_id is not None else b.tok.eot_id
+    micro = [padded(*map(list, zip(*rendered[i:i + R])), pad) for i in range(0, len(rendered), R)]
+
+    trainer = b.sprout_trainer(b.sprout_model(), 3e-5)
+    stage = SFTStage(trainer.accelerator, None, None, K)
+
+    def step():
+        start = trainer.steps_done * K % len(micro)
+        trainer.step(micro[start:start + K], stage)
+
+    cfg = b.trl_config(SFTConfig, "sft", 3e-5, per_device_train_batch_size=R, gradient_accumulation_steps=K,
+                       completion_only_loss=True, packing=False, max_length=None, shuffle_dataset=False)
+    data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in convs])
+    trl = SFTTrainer(model=b.hf_model(), args=cfg, train_dataset=data, processing_class=b.hf_tok)
+
+    trl_batch = trl.data_collator([trl.train_dataset[i] for i in range(R)])
+    with torch.no_grad():
+        loss_theirs = float(trl.compute_loss(trl.model, trl_batch))
+    model = b.sprout_model()
+    same = first_loss(stage, model, shifted(trl_batch["input_ids"], trl_batch["attention_mask"],
+                                            trl_batch["labels"] != -100))[0]
+    own = first_loss(stage, model, micro[0])[0]
+    tokens = compare_tokens(rendered, [(x["input_ids"], [int(t != -100) for t in x["labels"]])
+                                       for x in (trl.train_dataset[i] for i in range(len(convs)))], b.hf_tok.decode)
+
+    ours = b.time_sprout(step)
+    theirs = b.time_trl(trl)
+    return Row("SFT step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
+               {"loss": abs(same - loss_theirs)},
+               [f"{R} conversations per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's "
+                f"first), {K} per step, completion-only loss",
+                f"first micro-batch's loss: TRL {loss_theirs:.6f}; sprout on TRL's tensors {same:.6f}, on its own "
+                f"rendering {own:.6f} (|diff| {abs(own - loss_theirs):.1e})",
+                tokens],
+               step, {"forward + loss": (stage, "loss"), "backward": (trainer.accelerator, "backward"),
+                      "optimizer step": (trainer.optimizer, "step")})
+
+
+# ---- --profile ----------------------------------------------------------------------------------
+@contextmanager
+def labelled(phases: dict):
+    """Each `getattr(obj, name)` of `phases` {label: (obj, name)} runs inside a profiler range
+    "phase: label" until the block ends."""
+    from torch.profiler import record_function
+
+    def wrap(fn, label):
+        def run(*args, **kwargs):
+            with record_function(f"phase: {label}"):
+                return fn(*args, **kwargs)
+        return run
+
+    patched = []
+    for label, (obj, name) in phases.items():
+        patched.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, wrap(getattr(obj, name), label))
+    try:
+        yield
+    finally:
+        for obj, name, own in reversed(patched):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+
+
+def print_profile(row: Row, top: int = 15) -> None:
+    """One more sprout step of `row` under torch.profiler: its labelled phases (CPU time, share
+    of the step's wall time), then the top ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with labelled(row.phases), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        row.step()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    print(f"\nprofile: one sprout {row.name} ({wall:.2f} s wall, under the profiler)")
+    for e in sorted((e for e in events if e.key.startswith("phase: ")), key=lambda e: -e.cpu_time_total):
+        print(f"  {e.key[len('phase: '):]:26s} {e.cpu_time_total / 1e6:7.2f} s  {e.cpu_time_total / 1e6 / wall:6.1%}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top))
