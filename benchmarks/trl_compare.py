@@ -35,9 +35,11 @@ Rows (benchmarks/trl_compare_rows.py builds the trainer rows):
   --temperature with no top-k/top-p and no stop id (every row runs every step), timed in
   alternation; the check is the largest |logit difference| on the prompts.
 
-Step times are medians over --steps steps after --warmup untimed ones (TRL: between the ends
-of consecutive optimizer steps of `trainer.train()`); a trainer row runs sprout's steps, then
-TRL's (not interleaved), so measure on an otherwise idle machine. The table gives sprout's median, the
+Step times are medians over --steps steps after --warmup untimed ones, the two sides in
+alternation: each TRL optimizer step ends in a callback that runs one sprout step, and TRL's
+time runs from the end of that sprout step to the end of its own next step. Load from other
+processes then falls on both alike, but a machine shared with other work still blurs the
+figures: measure on an otherwise idle one. The table gives sprout's median, the
 other's, the ratio sprout speed / other speed, the target it is held to (GRPO 1.5x, DPO and
 SFT 1.1x, generation 2x) and the check's largest |difference|. --profile then runs one more
 sprout step of each row under torch.profiler: its phases (generation, forwards, backward,

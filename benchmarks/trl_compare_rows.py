@@ -3,7 +3,7 @@
 Each row builds both sides from the same run folder (sprout: `sprout.model.load.load_model`;
 TRL: the transformers export of the same weights), the same data (arithmetic problems from
 `sprout.prep.arithmetic`, in conversational form) and the same batch, times optimizer steps
-on each (`Bench.time_sprout`, `Bench.time_trl`) and checks the first batch's loss: the same
+on each in alternation (`Bench.time_side_by_side`) and checks the first batch's loss: the same
 tensors fed to both loss functions, initial weights on both sides (see each row's function).
 """
 
@@ -97,36 +97,36 @@ class Bench:
                    lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_strategy="no",
                    disable_tqdm=True, seed=0, **options)
 
-    def time_sprout(self, step: Callable) -> list[float]:
-        """Seconds of each `step()` after --warmup untimed ones."""
-        times = []
-        for i in range(self.total_steps):
-            t0 = time.perf_counter()
-            step()
-            if i >= self.args.warmup:
-                times.append(time.perf_counter() - t0)
-        return times
-
-    def time_trl(self, trainer) -> list[float]:
-        """Seconds between the ends of consecutive optimizer steps of `trainer.train()` (the
-        first step, from the start of training, is left out with the rest of --warmup)."""
+    def time_side_by_side(self, trl, sprout_step: Callable) -> tuple[list[float], list[float]]:
+        """(sprout's, TRL's) optimizer step times in alternation, after --warmup of each:
+        `trl.train()` runs, and at the end of each of its optimizer steps a callback runs one
+        `sprout_step()`. TRL's step time runs from the end of the previous sprout step to the
+        end of its own, so neither side's time holds the other's and load from other
+        processes falls on both alike."""
         from transformers import TrainerCallback
         from transformers.trainer_callback import PrinterCallback
 
-        class Clock(TrainerCallback):
-            marks: list[float] = []
+        ours, theirs = [], []
+
+        class Alternate(TrainerCallback):
+            mark = 0.0
 
             def on_train_begin(self, *args, **kwargs):
-                self.marks = [time.perf_counter()]
+                self.mark = time.perf_counter()
 
             def on_step_end(self, *args, **kwargs):
-                self.marks.append(time.perf_counter())
+                theirs.append(time.perf_counter() - self.mark)
+                if not trl.accelerator.sync_gradients:  # accelerate's gradient state is shared by both loops
+                    raise RuntimeError("a sprout step inside TRL's gradient accumulation would skip its update")
+                t0 = time.perf_counter()
+                sprout_step()
+                ours.append(time.perf_counter() - t0)
+                self.mark = time.perf_counter()
 
-        clock = Clock()
-        trainer.add_callback(clock)
-        trainer.remove_callback(PrinterCallback)
-        trainer.train()
-        return list(np.diff(clock.marks)[self.args.warmup:])
+        trl.add_callback(Alternate())
+        trl.remove_callback(PrinterCallback)
+        trl.train()
+        return ours[self.args.warmup:], theirs[self.args.warmup:]
 
 
 def problems(count: int) -> list:
@@ -250,8 +250,6 @@ def grpo(b: Bench) -> Row:
     def step():
         lengths.append(trainer.step(stage.next_micro_batches(trainer.steps_done), stage)["completions/mean_length"])
 
-    ours = b.time_sprout(step)
-
     class RecordingGRPO(GRPOTrainer):
         """GRPOTrainer that keeps the first optimizer step's micro-batches, losses and log-probs."""
         first_step: list[dict] = []
@@ -279,7 +277,7 @@ def grpo(b: Bench) -> Row:
     data = Dataset.from_list([{"prompt": r["prompt"], "gold": r["gold"]} for r in records])
     trl = RecordingGRPO(model=b.hf_model(), reward_funcs=[correctness], args=cfg, train_dataset=data,
                         processing_class=b.hf_tok)
-    theirs = b.time_trl(trl)
+    ours, theirs = b.time_side_by_side(trl, step)
 
     loss_ours, loss_theirs, logp_err = grpo_check(b, stage, trl.first_step)
     adv = torch.cat([c["advantages"] for c in trl.first_step])
@@ -370,8 +368,7 @@ def dpo(b: Bench) -> Row:
     def step():
         trainer.step(stage.next_micro_batches(trainer.steps_done), stage)
 
-    ours = b.time_sprout(step)
-    theirs = b.time_trl(trl)
+    ours, theirs = b.time_side_by_side(trl, step)
     return Row("DPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
                {"loss": abs(same - loss_theirs), "logps": logp_err},
                [f"{B} pairs per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's first), "
@@ -425,8 +422,7 @@ def sft(b: Bench) -> Row:
     tokens = compare_tokens(rendered, [(x["input_ids"], [int(t != -100) for t in x["labels"]])
                                        for x in (trl.train_dataset[i] for i in range(len(convs)))], b.hf_tok.decode)
 
-    ours = b.time_sprout(step)
-    theirs = b.time_trl(trl)
+    ours, theirs = b.time_side_by_side(trl, step)
     return Row("SFT step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
                {"loss": abs(same - loss_theirs)},
                [f"{R} conversations per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's "
