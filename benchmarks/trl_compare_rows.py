@@ -36,7 +36,7 @@ from sprout.rl.verifiers import WeightedReward, correctness_reward
 from sprout.stages.dpo import DPOLossConfig, DPOStage
 from sprout.stages.grpo import GRPOLossConfig, GRPOStage
 from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig, completion_logps
-from sprout.stages.sft import SFTStage, sft_batch_loss
+from sprout.stages.sft import SFTStage
 
 
 # ---- what every row shares ----------------------------------------------------------------------
@@ -389,7 +389,7 @@ def sft(b: Bench) -> Row:
     right-padded to the micro-batch's longest in both (sprout's own SFT data would pack them),
     --rows per micro-batch, --accum per step. Check: TRL's collated first --rows
     conversations through TRL's compute_loss and, converted (`shifted`: TRL's labels as the
-    trained tokens), through `sft_batch_loss`; also sprout's own rendering against TRL's."""
+    trained tokens), through SFTStage's loss (`first_loss`); also sprout's own rendering against TRL's."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 

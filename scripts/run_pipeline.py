@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sprout.errors import SproutError, run_main
+from sprout.errors import run_main
 from sprout.pipeline.runner import StageFailed, load_preset, preset_path, read_state, run_pipeline
 from sprout.pipeline.report_card import write_report_card
 

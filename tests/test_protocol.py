@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from proc import run_group
-from protocol_worker import BETA, MODEL, ROWS, KLToReference, ToyConfig, global_rows
+from protocol_worker import BETA, MODEL, ROWS, KLToReference, global_rows
 from safetensors.torch import load_file
 
 from sprout.checkpoint import load_train_state

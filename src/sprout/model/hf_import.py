@@ -56,7 +56,7 @@ from safetensors.torch import load_file
 from sprout.atomic import sha256_file
 from sprout.chat_detect import CHAT_TEMPLATE_FILE, detect_chat_format, read_chat_template
 from sprout.chat_formats import ChatFormat, write_chat_format
-from sprout.checkpoint import TOKENIZER_DIR, bundle_tokenizer, save_rotating
+from sprout.checkpoint import bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
 from sprout.mirror import expand_path
