@@ -9,8 +9,12 @@ generation batch (`GRPOStage.fill_buffer`):
   holds its share of informative groups or `grpo.max_generation_rounds` rounds were run;
   a batch still short is topped up with set-aside groups (advantage 0) and counted in
   `dynamic_sampling/short_batches`; `dynamic_sampling/rounds` is the rounds it took;
-- old log-probs (and the frozen reference's when `grpo.beta` > 0) come from one no-grad
-  forward per buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
+- old log-probs come from one no-grad forward per buffer when the buffer serves more than one
+  optimizer step (`grpo.num_iterations` > 1) or the KL goes into the reward; otherwise the
+  policy that computes the loss is the one that sampled, so its own detached log-probs are
+  the old ones (ratio 1, the same gradient, as TRL does) and that forward is skipped;
+  the frozen reference's log-probs (`grpo.beta` > 0) come from one no-grad forward per
+  buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
   its reward before the advantages; `loss` (default) adds β × KL per token to the loss;
 - advantages per group (`sprout.rl.advantages.group_advantages`: `grpo.advantage` grpo |
   rloo | dr_grpo, `grpo.scale_rewards` group | batch | none; batch scaling divides by the
@@ -118,6 +122,9 @@ class GRPOStage(RLStage):
         super().__init__(*args, num_iterations=grpo.num_iterations, **kw)
         self.cfg, self.ref_model = grpo, ref_model
         self.scale = DEFAULT_SCALE[grpo.advantage] if grpo.scale_rewards is None else grpo.scale_rewards
+        # the loss's own detached log-probs are the old ones (module doc): no old-logprob forward
+        self.old_from_loss = grpo.num_iterations == 1 and not (ref_model is not None and grpo.kl_in == "reward")
+        self.step_logp_diff_max = 0.0  # sampling/logp_diff_max over this step's micro-batches (old_from_loss)
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -159,7 +166,8 @@ class GRPOStage(RLStage):
         c, acc = self.cfg, self.acc
         rollout, totals, per_fn, counts = self.sample_groups()
         mask = rollout["completion_mask"]
-        rollout["old_logps"] = self.logps_of(self.model, rollout)
+        if not self.old_from_loss:
+            rollout["old_logps"] = self.logps_of(self.model, rollout)
         kl_sums = None
         if self.ref_model is not None:
             rollout["ref_logps"] = self.logps_of(self.ref_model, rollout)
@@ -193,10 +201,6 @@ class GRPOStage(RLStage):
         acc, G = self.acc, self.G
         red = all_reduce_sums(acc, {"groups": counts["groups"], "zero_std": counts["zero_std"],
                                     "short": counts["short"], **dict(zip(("kl", "kl_n"), kl_sums or (0, 0)))})
-        mask = rollout["completion_mask"].bool()
-        diff = (rollout["old_logps"] - rollout["sampler_logps"]).abs()[mask]
-        d = all_reduce_sums(acc, {"sum": diff.double().sum(), "n": float(diff.numel())})
-        diff_max = float(self.gather(diff.max().reshape(1) if diff.numel() else torch.zeros(1)).max())
         n, lengths = table.shape[0], table[:, 2]
         stats = {"reward": (float(table[:, 1].sum()), n),
                  "reward_std": (float(table[:, 0].view(-1, G).std(dim=1).sum()), n // G),
@@ -204,8 +208,13 @@ class GRPOStage(RLStage):
                  "completions/mean_length": (float(lengths.sum()), n),
                  "completions/max_length": (float(lengths.max()), 1),
                  "completions/min_length": (float(lengths.min()), 1),
-                 "completions/clipped_ratio": (float(table[:, 3].sum()), n),
-                 "sampling/logp_diff_mean": (d["sum"], d["n"]), "sampling/logp_diff_max": (diff_max, 1)}
+                 "completions/clipped_ratio": (float(table[:, 3].sum()), n)}
+        if "old_logps" in rollout:  # else the loss logs them (`sampling_metrics`)
+            mask = rollout["completion_mask"].bool()
+            diff = (rollout["old_logps"] - rollout["sampler_logps"]).abs()[mask]
+            d = all_reduce_sums(acc, {"sum": diff.double().sum(), "n": float(diff.numel())})
+            diff_max = float(self.gather(diff.max().reshape(1) if diff.numel() else torch.zeros(1)).max())
+            stats.update({"sampling/logp_diff_mean": (d["sum"], d["n"]), "sampling/logp_diff_max": (diff_max, 1)})
         per_fn = {r.name: [None if math.isnan(v) else v for v in table[:, 4 + i].tolist()]
                   for i, r in enumerate(self.rewards)}
         stats.update({k: (v, 1) for k, v in reward_metrics(per_fn).items()})
@@ -237,13 +246,32 @@ class GRPOStage(RLStage):
         if self.ref_model is not None and c.kl_in == "loss":
             kl = kl_estimate(logps, batch["ref_logps"], c.kl_estimator)
             kl = torch.where(real, kl, torch.zeros((), device=kl.device))
-        out = policy_loss(logps, batch["old_logps"], batch["advantages"], self.loss_mask(batch),
+        old, sampling = batch.get("old_logps"), {}
+        if old is None:  # old_from_loss
+            old, sampling = logps.detach(), self.sampling_metrics(logps.detach(), batch, real)
+        out = policy_loss(logps, old, batch["advantages"], self.loss_mask(batch),
                           loss_type=c.loss_type, max_completion_length=self.rollout.max_completion_length,
                           epsilon=c.epsilon, epsilon_high=c.epsilon_high, delta=c.delta,
                           importance_sampling=c.importance_sampling_level, per_token_kl=kl, beta=c.beta,
                           entropy=entropy, entropy_coef=c.entropy_coef)
         n = out.denominator + batch["extra_target"].sum()
-        return out.loss_sum, n, {**out.metrics, **self.stat_metrics(batch)}
+        return out.loss_sum, n, {**out.metrics, **sampling, **self.stat_metrics(batch)}
+
+    def sampling_metrics(self, logps: torch.Tensor, batch: dict, real: torch.Tensor) -> dict:
+        """sampling/logp_diff_mean of a micro-batch as (sum, count) per completion token; its
+        max is kept for `derived_metrics`. Used when the loss's log-probs are the old ones."""
+        diff = (logps - batch["sampler_logps"]).abs()[real]
+        if diff.numel():
+            self.step_logp_diff_max = max(self.step_logp_diff_max, float(diff.max()))
+        return {"sampling/logp_diff_mean": (diff.double().sum(), diff.numel())}
+
+    def derived_metrics(self, reduced: dict) -> dict:
+        """sampling/logp_diff_max of the step over every rank (old_from_loss; else the buffer's)."""
+        if not self.old_from_loss:
+            return {}
+        worst = float(self.gather(torch.tensor([self.step_logp_diff_max])).max())
+        self.step_logp_diff_max = 0.0
+        return {"sampling/logp_diff_max": worst}
 
 
 def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
