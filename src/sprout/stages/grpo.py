@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 
 from sprout.config import require, resume_free
+from sprout.ranges import in_range
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
 from sprout.rl.kl import kl_estimate
@@ -74,30 +75,24 @@ class GRPOLossConfig:
     advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
     scale_rewards: str | None = None    # group | batch | none; None: the advantage's default (grpo: group)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None   # None: epsilon (clip-higher when larger)
-    delta: float | None = None          # two-sided clipping: the ratio is capped at delta (> 1)
+    epsilon: float = in_range(0.2, "(0, 1)")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = in_range(None, "(0, inf)")  # None: epsilon (clip-higher when larger)
+    delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
-    num_iterations: int = 1             # μ: optimizer steps per generation batch
-    beta: float = 0.0                   # KL weight; 0: no reference model at all
+    num_iterations: int = in_range(1, "[1, inf)")  # μ: optimizer steps per generation batch
+    beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
-    max_generation_rounds: int = 4      # rounds of generation per batch with dynamic_sampling
-    entropy_coef: float = 0.0           # entropy bonus
+    max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
+    entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
 
     def __post_init__(self) -> None:
         require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", self.scale_rewards,
                 "group, batch, none or null")
         require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards",
                 self.scale_rewards, "none (or null) with advantage dr_grpo")
-        require(self.epsilon > 0, "epsilon", self.epsilon, "> 0")
-        require(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", self.epsilon_high, "> 0")
-        require(self.delta is None or self.delta > 1, "delta", self.delta, "> 1")
-        require(self.num_iterations >= 1, "num_iterations", self.num_iterations, ">= 1")
-        require(self.beta >= 0, "beta", self.beta, ">= 0")
-        require(self.max_generation_rounds >= 1, "max_generation_rounds", self.max_generation_rounds, ">= 1")
 
 
 @dataclass

@@ -62,7 +62,8 @@ from data_loader.prompts import PromptLoader
 
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
-from sprout.config import require, resume_free
+from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, require, resume_free
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.prompts import TEST_FILE, TRAIN_FILE
 from sprout.losses.policy import token_entropy
@@ -80,14 +81,9 @@ from sprout.engine.stage import LoaderPosition
 @dataclass
 class PromptBatchConfig:
     """The batch of the RL stages: prompts per optimizer step and completions per prompt."""
-    global_prompts: int = 16            # prompts per generation batch, all processes together
-    num_generations: int = 8            # G completions per prompt (a group; all on the prompt's rank)
-    micro_completions: int = 16         # completions per forward/backward on one process
-
-    def __post_init__(self) -> None:
-        for name in ("global_prompts", "micro_completions"):
-            require(getattr(self, name) > 0, name, getattr(self, name), "a positive number")
-        require(self.num_generations >= 2, "num_generations", self.num_generations, "at least 2 (a group)")
+    global_prompts: int = in_range(16, "[1, inf)")  # prompts per generation batch, all processes together
+    num_generations: int = in_range(8, "[2, inf)")  # G completions per prompt (a group; all on the prompt's rank)
+    micro_completions: int = in_range(16, "[1, inf)")  # completions per forward/backward on one process
 
 
 def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: int = 1) -> int:
@@ -106,26 +102,28 @@ def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: i
 class RLDataConfig:
     path: str = resume_free("")         # prompts.jsonl from scripts/prepare_rl_prompts.py
     val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside it
-    max_prompt_length: int = 512        # longer prompts (rendered, in tokens) are dropped and counted
+    max_prompt_length: int = in_range(512, "[1, inf)")  # longer prompts (rendered, in tokens) are dropped and counted
     sources: list | None = None         # keep only the prompts of these sources (both files); None: all
-    eval_prompts: int = resume_free(256)  # held-out prompts per eval (the file's first; 0: all)
-    eval_batch: int = resume_free(32)   # prompts per generation call in eval
-    eval_num_generations: int = resume_free(4)  # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
-    epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
+    # held-out prompts per eval (the file's first; 0: all)
+    eval_prompts: int = in_range(256, "[0, inf)", metadata=RESUME_FREE)
+    eval_batch: int = in_range(32, "[1, inf)", metadata=RESUME_FREE)  # prompts per generation call in eval
+    # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
+    eval_num_generations: int = in_range(4, "[0, inf)", metadata=RESUME_FREE)
+    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
 
 
 @dataclass
 class RolloutConfig:
-    max_completion_length: int = 256    # new tokens per completion (a row without a stop id is truncated)
-    temperature: float = 1.0            # 1 with no top-k/top-p: the sampler's distribution is the policy's
-    top_k: int | None = None
-    top_p: float | None = None
+    # new tokens per completion (a row without a stop id is truncated)
+    max_completion_length: int = in_range(256, "[1, inf)")
+    # 1 with no top-k/top-p: the sampler's distribution is the policy's
+    temperature: float = in_range(1.0, "(0, inf)")
+    top_k: int | None = in_range(None, "[1, inf)")  # sample among the k likeliest tokens; None: all
+    top_p: float | None = in_range(None, "(0, 1]")  # sample within this probability mass (nucleus); None: all
     compile: bool = resume_free(False)  # compile the decode step (single process only; see model/generate.py)
-
-    def __post_init__(self) -> None:
-        require(self.max_completion_length > 0, "max_completion_length", self.max_completion_length,
-                "a positive number of tokens")
-        require(self.temperature > 0, "temperature", self.temperature, "> 0 (RL samples)")
+    # consecutive steps whose every completion is out of the loss (truncated and masked: loss 0, no
+    # gradient) before the run stops; the first such step is warned about
+    max_all_masked_steps: int = in_range(5, "[1, inf)", metadata={**RESUME_FREE, **RECORDED_WHEN_SET})
 
 
 REWARD_FUNCS = ("correctness", "format", "overlong")
@@ -136,7 +134,8 @@ class RewardsConfig:
     # correctness, format, overlong, or "module:function" (TRL's signature: fn(completions, **columns) -> floats)
     reward_funcs: list = dataclasses.field(default_factory=lambda: ["correctness", "format"])
     reward_weights: list | None = None  # one per function; None: 1.0 each
-    overlong_cache_length: int = 0      # overlong: the last this many tokens before max_completion_length ramp to -1
+    # overlong: the last this many tokens before max_completion_length ramp to -1
+    overlong_cache_length: int = in_range(0, "[0, inf)")
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.reward_funcs if f not in REWARD_FUNCS and ":" not in str(f)]
