@@ -42,6 +42,7 @@ val_accuracy, val_format, val_mean_length, ...).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -113,6 +114,7 @@ class GRPOStage(RLStage):
         super().__init__(*args, num_iterations=grpo.num_iterations, **kw)
         self.cfg, self.ref_model = grpo, ref_model
         self.scale = DEFAULT_SCALE[grpo.advantage] if grpo.scale_rewards is None else grpo.scale_rewards
+        self.first_buffer = True          # the run's first generation batch: its rewards are looked at
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -173,6 +175,9 @@ class GRPOStage(RLStage):
         else:
             adv = group_advantages(totals_adv, self.G, c.advantage, self.scale).advantages
         rollout["advantages"] = adv.float()
+        if self.first_buffer:
+            self.first_buffer = False
+            self.warn_zero_rewards(table[:, 1])
         stats = self.buffer_stats(table, rollout, counts, kl_sums)
         rollout.pop("lengths")
         # TRL clamps the token denominator to 1: a global batch whose every completion left the
@@ -182,6 +187,15 @@ class GRPOStage(RLStage):
         rollout["extra_target"] = torch.zeros(rollout["advantages"].shape[0], dtype=torch.long)
         rollout["extra_target"][0] = int(empty and acc.is_main_process)
         return rollout, stats
+
+    def warn_zero_rewards(self, rewards: torch.Tensor) -> None:
+        """A warning (rank 0) when every reward of the global batch `rewards` is 0: every
+        advantage is then 0 and the step learns nothing."""
+        if self.acc.is_main_process and not bool(rewards.abs().sum()):
+            names = ", ".join(r.name for r in self.rewards)
+            print(f"warning: grpo: every reward of the first generation batch is 0 ({rewards.numel()} completions; "
+                  f"reward functions {names}): every advantage is 0 and nothing is learned until some reward is not; "
+                  f"check rewards.reward_funcs and the prompts' gold", file=sys.stderr, flush=True)
 
     def buffer_stats(self, table: torch.Tensor, rollout: dict, counts: dict, kl_sums) -> dict:
         """The buffer's figures over the global batch as {name: (sum, count)} (rl_stage doc)."""
@@ -244,9 +258,9 @@ class GRPOStage(RLStage):
 def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference when grpo.beta > 0), resume if asked,
     train; returns fit's summary (sprout.engine.fit)."""
+    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
     cfg, acc = run.cfg, run.accelerator
-    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     policy = run.init_lm(load=run.resume is None)  # from a PPO policy: without its value head
     ref = run.init_lm() if cfg.grpo.beta > 0 else None
     if ref is not None:

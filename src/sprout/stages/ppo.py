@@ -336,7 +336,7 @@ class PPOStage(RLStage):
     def next_micro_batches(self, step: int) -> list[dict]:
         """The next mini-batch of the buffer (pass k // M, mini-batch k % M of this rank's
         shuffled rows) in micro-batches; a new buffer (rollouts) when it is used up."""
-        b = self.serve_buffer()
+        b = self.serve_buffer(step)
         epoch, mini = divmod(self.served - 1, self.M)
         rows = b["order"][epoch][mini * self.mini_rows:(mini + 1) * self.mini_rows]
         data = {k: v[rows] for k, v in b.items() if k not in ("stats", "stat_names", "order")}
@@ -420,9 +420,9 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     if c.value_init == "reward" and not cfg.reward_model:
         raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")
     M = cfg.batch.num_mini_batches
+    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * M, resume, mini_batches=M)
     cfg, acc = run.cfg, run.accelerator
-    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     rm, rm_meta = None, None
     if cfg.reward_model:
         rm, rm_meta = load_reward_model(cfg.reward_model, run.base,
