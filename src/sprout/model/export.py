@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from sprout.atomic import check_writable, replace_dir
@@ -211,9 +212,10 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise SproutError(f"{out}: already exists and is not empty (pass --overwrite to replace it)")
     check_writable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
-    try:
+    tmp = None
+    try:  # a full disk (ENOSPC) may strike at any write, from the first folder on
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
         weights, dropped = hf_state_dict(model)
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", hf_config(model, special_ids(tok)))
@@ -223,11 +225,13 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
             files.append("generation_config.json")
         files += write_tokenizer(tok, tmp, model.config.max_seq_len)
         replace_dir(tmp, out, files)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SproutError(f"{out}: cannot write the export: {exc.strerror or exc}") from None
+    except (OSError, SafetensorError) as exc:  # safetensors reports its own write errors as SafetensorError
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SproutError(f"{out}: cannot write the export: {getattr(exc, 'strerror', None) or exc}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out, arch, hf_class_name(model), files, dropped)
 

@@ -46,12 +46,14 @@ val_accuracy, val_format, val_mean_length, ...).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from sprout.config import require, resume_free
+from sprout.ranges import in_range
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
 from sprout.rl.kl import kl_estimate
@@ -78,30 +80,24 @@ class GRPOLossConfig:
     advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
     scale_rewards: str | None = None    # group | batch | none; None: the advantage's default (grpo: group)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None   # None: epsilon (clip-higher when larger)
-    delta: float | None = None          # two-sided clipping: the ratio is capped at delta (> 1)
+    epsilon: float = in_range(0.2, "(0, 1)")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = in_range(None, "(0, inf)")  # None: epsilon (clip-higher when larger)
+    delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
-    num_iterations: int = 1             # μ: optimizer steps per generation batch
-    beta: float = 0.0                   # KL weight; 0: no reference model at all
+    num_iterations: int = in_range(1, "[1, inf)")  # μ: optimizer steps per generation batch
+    beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
-    max_generation_rounds: int = 4      # rounds of generation per batch with dynamic_sampling
-    entropy_coef: float = 0.0           # entropy bonus
+    max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
+    entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
 
     def __post_init__(self) -> None:
         require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", self.scale_rewards,
                 "group, batch, none or null")
         require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards",
                 self.scale_rewards, "none (or null) with advantage dr_grpo")
-        require(self.epsilon > 0, "epsilon", self.epsilon, "> 0")
-        require(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", self.epsilon_high, "> 0")
-        require(self.delta is None or self.delta > 1, "delta", self.delta, "> 1")
-        require(self.num_iterations >= 1, "num_iterations", self.num_iterations, ">= 1")
-        require(self.beta >= 0, "beta", self.beta, ">= 0")
-        require(self.max_generation_rounds >= 1, "max_generation_rounds", self.max_generation_rounds, ">= 1")
 
 
 @dataclass
@@ -125,6 +121,7 @@ class GRPOStage(RLStage):
         # the loss's own detached log-probs are the old ones (module doc): no old-logprob forward
         self.old_from_loss = grpo.num_iterations == 1 and not (ref_model is not None and grpo.kl_in == "reward")
         self.step_logp_diff_max = 0.0  # sampling/logp_diff_max over this step's micro-batches (old_from_loss)
+        self.first_buffer = True          # the run's first generation batch: its rewards are looked at
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -186,6 +183,9 @@ class GRPOStage(RLStage):
         else:
             adv = group_advantages(totals_adv, self.G, c.advantage, self.scale).advantages
         rollout["advantages"] = adv.float()
+        if self.first_buffer:
+            self.first_buffer = False
+            self.warn_zero_rewards(table[:, 1])
         stats = self.buffer_stats(table, rollout, counts, kl_sums)
         rollout.pop("lengths")
         # TRL clamps the token denominator to 1: a global batch whose every completion left the
@@ -195,6 +195,15 @@ class GRPOStage(RLStage):
         rollout["extra_target"] = torch.zeros(rollout["advantages"].shape[0], dtype=torch.long)
         rollout["extra_target"][0] = int(empty and acc.is_main_process)
         return rollout, stats
+
+    def warn_zero_rewards(self, rewards: torch.Tensor) -> None:
+        """A warning (rank 0) when every reward of the global batch `rewards` is 0: every
+        advantage is then 0 and the step learns nothing."""
+        if self.acc.is_main_process and not bool(rewards.abs().sum()):
+            names = ", ".join(r.name for r in self.rewards)
+            print(f"warning: grpo: every reward of the first generation batch is 0 ({rewards.numel()} completions; "
+                  f"reward functions {names}): every advantage is 0 and nothing is learned until some reward is not; "
+                  f"check rewards.reward_funcs and the prompts' gold", file=sys.stderr, flush=True)
 
     def buffer_stats(self, table: torch.Tensor, rollout: dict, counts: dict, kl_sums) -> dict:
         """The buffer's figures over the global batch as {name: (sum, count)} (rl_stage doc)."""
@@ -277,9 +286,9 @@ class GRPOStage(RLStage):
 def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference when grpo.beta > 0), resume if asked,
     train; returns fit's summary (sprout.engine.fit)."""
+    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
     cfg, acc = run.cfg, run.accelerator
-    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     policy = run.init_lm(load=run.resume is None)  # from a PPO policy: without its value head
     ref = run.init_lm() if cfg.grpo.beta > 0 else None
     if ref is not None:

@@ -43,7 +43,8 @@ import torch
 from data_loader.preferences import PreferenceLoader
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, read_meta
-from sprout.config import resume_free
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
 from sprout.formats.verify import verify_preference_data
@@ -55,8 +56,8 @@ from sprout.engine.stage import LoaderPosition, micro_steps
 @dataclass
 class PairBatchConfig:
     """The batch of the preference stages, in pairs (each pair is two rows: chosen and rejected)."""
-    global_pairs: int = 64              # per optimizer step, all processes together
-    micro_pairs: int = 8                # per forward/backward on one process (2 × micro_pairs rows)
+    global_pairs: int = in_range(64, "[1, inf)")  # per optimizer step, all processes together
+    micro_pairs: int = in_range(8, "[1, inf)")    # per forward/backward on one process (2 × micro_pairs rows)
 
 
 @dataclass
@@ -65,9 +66,9 @@ class PairDataConfig:
     # epochs, which only set max_steps.
     path: str = resume_free("")         # preferences.jsonl from scripts/prepare_preference_data.py
     val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (or <name>_test.jsonl) beside it
-    seq_len: int | None = None          # longest side in tokens; None: the model's max_seq_len
+    seq_len: int | None = in_range(None, "[2, inf)")  # longest side in tokens; None: the model's max_seq_len
     truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
-    epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
+    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
     verify: str = resume_free("full")   # start-up check against the prep's manifest.json: full (listed, and
                                         # the sha256 of both files) | sizes (listed only, no hashing)
 

@@ -30,7 +30,8 @@ from sprout.formats.verify import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
-from sprout.config import resume_free
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import in_range
 from sprout.engine.loop import all_reduce_sums
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
 from sprout.engine.run import (StageConfig, is_rank0, print_rank0, resolve_resume, start_run, train_stage,
@@ -43,10 +44,11 @@ class TokenDataConfig:
     dir: str = resume_free("")     # shard folder (*_train_*.bin, *_val_*.bin, manifest.json) or a *train*.h5 file
     tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
     sampler: Literal["sequential", "random"] = "sequential"  # per-rank spans | nanoGPT random windows
-    seq_len: int | None = None     # None: model.max_seq_len
-    seq_len_start: int = 128       # sequence-length warmup: start here, double up to seq_len ...
-    seq_warmup_frac: float = 0.1   # ... over this fraction of the steps (0 disables)
-    eval_tokens: int = resume_free(262144)  # val tokens scored at each eval (the first ones of the val split)
+    seq_len: int | None = in_range(None, "[1, inf)")  # None: model.max_seq_len
+    seq_len_start: int = in_range(128, "[1, inf)")  # sequence-length warmup: start here, double up to seq_len ...
+    seq_warmup_frac: float = in_range(0.1, "[0, 1]")  # ... over this fraction of the steps (0 disables)
+    # val tokens scored at each eval (the first ones of the val split)
+    eval_tokens: int = in_range(262144, "[1, inf)", metadata=RESUME_FREE)
     verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every file) | sizes (skip the hashes)
 
 

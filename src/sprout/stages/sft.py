@@ -49,7 +49,8 @@ from sprout.model.chat_session import ChatSession
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.sft import SFTFile, val_path
 from sprout.formats.verify import verify_sft_pair
-from sprout.config import resume_free
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import in_range
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
@@ -62,7 +63,7 @@ class SFTRowsConfig:
     # epochs, which only set max_steps.
     path: str = resume_free("")   # packed train rows from scripts/prepare_sft_data.py (sft.h5)
     val_path: str | None = resume_free(None)  # None: the `_val` file beside it (sft_val.h5)
-    epochs: float = resume_free(1.0)  # sets train.max_steps when that is null
+    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
     verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
 
 
