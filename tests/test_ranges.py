@@ -137,3 +137,18 @@ def test_scripts_refuse_an_out_of_range_value_before_writing(tmp_path, script, a
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "reward", "dpo", "ppo", "grpo"])
+def test_a_config_built_in_python_is_range_checked_before_its_run_starts(stage, tmp_path):
+    """The run_* functions check what `from_dict` would have: a dataclass built in Python skips it."""
+    import importlib
+
+    module = importlib.import_module(f"sprout.stages.{stage}")
+    cls = next(c for c in script_configs() if c.__module__ == module.__name__)
+    cfg = cls()
+    cfg.optim = dataclasses.replace(cfg.optim, beta2=1.5)  # built directly: no check at construction
+    cfg.out = str(tmp_path / "out")
+    with pytest.raises(SproutError, match=r"^config: optim\.beta2: got 1\.5; expected a number in \[0, 1\)$"):
+        getattr(module, f"run_{stage}")(cfg)
+    assert not (tmp_path / "out").exists()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sprout.checkpoint import load_weights, read_meta
-from sprout.config import resume_free
+from sprout.config import check_ranges, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.losses.preference import (
@@ -188,6 +188,7 @@ class DPOStage(PreferenceStage):
 def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference unless reference-free), resume if asked,
     train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     check_dpo_options(cfg.dpo)
     run = open_preference_run(cfg, "dpo", resume)
     cfg, acc = run.cfg, run.accelerator

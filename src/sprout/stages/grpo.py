@@ -52,7 +52,7 @@ from typing import Literal
 
 import torch
 
-from sprout.config import require, resume_free
+from sprout.config import check_ranges, require, resume_free
 from sprout.ranges import in_range
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
@@ -286,6 +286,7 @@ class GRPOStage(RLStage):
 def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference when grpo.beta > 0), resume if asked,
     train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
     cfg, acc = run.cfg, run.accelerator

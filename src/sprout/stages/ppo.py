@@ -72,7 +72,7 @@ from typing import Literal
 
 import torch
 
-from sprout.config import resume_free
+from sprout.config import check_ranges, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
@@ -416,6 +416,7 @@ def init_value_head(policy, reward_model, where) -> None:
 def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     """Check inputs, build the policy with its value head, the reference and the reward model,
     resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     c = cfg.ppo
     if c.value_init == "reward" and not cfg.reward_model:
         raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")

@@ -30,7 +30,7 @@ from sprout.formats.verify import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
-from sprout.config import RESUME_FREE, resume_free
+from sprout.config import RESUME_FREE, check_ranges, resume_free
 from sprout.ranges import in_range
 from sprout.engine.loop import all_reduce_sums
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
@@ -138,6 +138,7 @@ def check_vocab(check: DataCheck, model_vocab: int, where: str | Path) -> None:
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.data.dir:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
     if cfg.data.sampler not in ("sequential", "random"):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sprout.config import resume_free
+from sprout.config import check_ranges, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
@@ -168,6 +168,7 @@ class RewardStage(PreferenceStage):
 
 def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     """Check inputs, build the reward model from the init LM, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     run = open_preference_run(cfg, "reward", resume)
     cfg, acc = run.cfg, run.accelerator
     model, _ = init_from_lm(run.base["path"], "reward", seed=cfg.train.seed)

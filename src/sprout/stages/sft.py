@@ -49,7 +49,7 @@ from sprout.model.chat_session import ChatSession
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.sft import SFTFile, val_path
 from sprout.formats.verify import verify_sft_pair
-from sprout.config import RESUME_FREE, resume_free
+from sprout.config import RESUME_FREE, check_ranges, resume_free
 from sprout.ranges import in_range
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
@@ -218,6 +218,7 @@ def _attrs(path: Path) -> dict:
 # ---- the run ---------------------------------------------------------------------------------
 def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     """Check inputs, load the base model, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.init:
         raise SproutError("no base model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
