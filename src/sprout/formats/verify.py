@@ -190,8 +190,8 @@ def _check_sidecar(directory: Path, man: dict, failures: list[str]) -> None:
 # ---- what every trainer checks at start -------------------------------------------------------
 # `verify_dir` above is the full audit (`scripts/verify_shards.py`). A trainer runs the part of
 # it that proves the files it is about to read are the ones prep wrote: `verify_token_data`
-# (pretraining shards or HDF5), `verify_sft_pair` (sft.h5 + sft_val.h5), `verify_preference_data`
-# (preference JSONL). Each raises SproutError naming the file at the first failure and returns a
+# (pretraining shards or HDF5), `verify_sft_pair` (sft.h5 + sft_val.h5), `verify_jsonl_data`
+# (preference pairs and RL prompts, JSONL). Each raises SproutError naming the file at the first failure and returns a
 # `DataCheck` whose `line()` says what was checked and how long it took.
 
 VERIFY_MODES = ("full", "sizes")  # full: sha256 of every byte; sizes: presence, sizes, counts only
@@ -443,19 +443,21 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
     return check
 
 
-def verify_preference_data(path: str | Path, val_path: str | Path | None = None, mode: str = "full") -> DataCheck:
-    """Check preference JSONL files (`sprout.formats.preferences`) against the `manifest.json`
-    that `scripts/prepare_preference_data.py` writes beside them: each given file (the train file
+def verify_jsonl_data(path: str | Path, val_path: str | Path | None = None, mode: str = "full",
+                      kind: str = "preference") -> DataCheck:
+    """Check the JSONL files of a prep that writes `manifest.json` beside them with
+    `files.<split>.{path, sha256}` (preference pairs, `sprout.formats.preferences`; RL prompts,
+    `sprout.formats.prompts`; `kind` names which in messages): each given file (the train file
     `path`, and `val_path` when given) must be listed under `files` and, with mode "full", match
     its sha256. Without a manifest nothing is compared (a hand-made file): a note says so.
-    Records themselves are checked as they are read (`read_preferences`)."""
+    Records themselves are checked as they are read (`read_preferences`, `read_prompts`)."""
     _check_mode(mode)
     t0 = time.perf_counter()
     paths = [Path(p) for p in (path, val_path) if p is not None]
     check = DataCheck(hashed=mode == "full")
     for p in paths:
         if not p.is_file():
-            raise SproutError(f"{p}: no such preference file")
+            raise SproutError(f"{p}: no such {kind} file")
     check.files, check.bytes = len(paths), sum(p.stat().st_size for p in paths)
     for p in paths:
         man_path = p.parent / "manifest.json"
@@ -465,7 +467,7 @@ def verify_preference_data(path: str | Path, val_path: str | Path | None = None,
         try:
             listed = {e["path"]: e for e in json.loads(man_path.read_text())["files"].values()}
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise SproutError(f"{man_path}: not a preference manifest (no files.<split>.path/sha256)") from None
+            raise SproutError(f"{man_path}: not a {kind} manifest (no files.<split>.path/sha256)") from None
         entry = listed.get(p.name)
         if entry is None:
             raise SproutError(f"{p}: not listed in {man_path} (another prep run's file?)")
