@@ -37,7 +37,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import shlex
@@ -52,7 +51,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from sprout.atomic import atomic_write, hold_lock
-from sprout.checkpoint import META, bundle_tokenizer, resolve_checkpoint
+from sprout.checkpoint import META, bundle_tokenizer, read_meta, resolve_checkpoint
 from sprout.config import (RESUME_FREE, add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides,
                            read_yaml, resume_config)
 from sprout.errors import SproutError
@@ -147,8 +146,7 @@ def run_files(out: str | Path) -> list[Path]:
 def latest_step(out: str | Path) -> int | None:
     """Step of the latest checkpoint in `<out>/checkpoints`, or None when there is none."""
     try:
-        ckpt = resolve_checkpoint(Path(out) / "checkpoints")
-        return int(json.loads((ckpt / META).read_text())["step"])
+        return int(read_meta(Path(out) / "checkpoints", verify=False)["step"])
     except (SproutError, OSError, ValueError, KeyError, TypeError):
         steps = [int(p.name[5:]) for p in (Path(out) / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
         return max(steps) if steps else None
@@ -290,8 +288,8 @@ def _resume_config(args, overrides: dict, config_cls):
         raise SproutError("--resume needs --out RUN_DIR (the run to continue)")
     ckpt = resolve_checkpoint(out / "checkpoints" if args.resume == "latest" else args.resume)
     try:
-        meta = json.loads((ckpt / META).read_text())
-    except (OSError, ValueError) as exc:
+        meta = read_meta(ckpt, verify=False)  # its own hash checked: the step below is the one saved
+    except OSError as exc:
         raise SproutError(f"{ckpt / META}: unreadable checkpoint meta ({exc})") from None
     saved_yaml = out / "config.yaml"
     saved = read_yaml(saved_yaml) if saved_yaml.is_file() else meta.get("config") or {}
