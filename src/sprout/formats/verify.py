@@ -411,10 +411,17 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
 
     Both must open as the contract, say split "train" and "val", and carry the same
     `prep_run_id` (the id of the prep run that wrote them together): a pair from two runs,
-    e.g. after a killed prep, is refused. With mode "full" every dataset is read block by block
-    and must match the sha256 its file records (an edited loss_mask is refused). Files from a
-    prep older than `prep_run_id` pass the pair check with a note."""
-    from sprout.formats.sft import SFTFile
+    e.g. after a killed prep, is refused, and so is an id that no longer matches the config,
+    command and dataset sha256s the files record (`run_id_of`: a recorded sha256 rewritten
+    after an edit). With mode "full" every dataset is read block by block and must match the
+    sha256 its file records, and every row must keep the layout rules of
+    `sprout.formats.maskcheck.check_layout` (ids inside the vocabulary, loss_mask 0/1, never 1
+    on padding nor at position 0: an all-ones mask is refused however its hashes were
+    rewritten). With mode "sizes" the token ids are still read for the largest one, which must
+    be below the vocabulary. Files from a prep older than `prep_run_id` pass the pair checks
+    with a note."""
+    from sprout.formats.maskcheck import Report, check_layout
+    from sprout.formats.sft import SFTFile, run_id_of
 
     _check_mode(mode)
     t0, paths = time.perf_counter(), (Path(train), Path(val))
@@ -430,12 +437,36 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
                               f"{ids[0]!r}: the two files come from different prep runs; prepare the data again")
         if ids[0] is None:
             check.notes.append(f"{paths[0]}: no prep_run_id (older prep): train/val pairing not checked")
+        elif run_id_of([(f.attrs, f.attrs["sha256"]) for f in files]) != ids[0]:
+            raise SproutError(f"{paths[0]}: prep_run_id {ids[0]!r} does not match the config, command and dataset "
+                              f"sha256s the pair records (changed after prep); prepare the data again")
         check.vocab_size, check.tokenizer = files[0].attrs["vocab_size"], files[0].attrs["tokenizer_spec"]
         check.files, check.bytes = 2, sum(p.stat().st_size for p in paths)
-        if mode == "full":
-            with _bar(check.bytes, show_progress) as bar:
-                for f in files:
-                    f.check_hashes(progress=bar.update)
+        with _bar(check.bytes if mode == "full" else 0, show_progress) as bar:
+            for f in files:
+                broken: list[str] = []  # the first layout violation, reported once the hashes match
+
+                def scan(start: int, block: dict, f=f, broken=broken) -> None:
+                    if mode == "full" and not broken:
+                        report = Report(limit=1)
+                        check_layout(block, f.attrs["pad_id"], check.vocab_size, report)
+                        if report.violations:
+                            v = report.violations[0]
+                            broken.append(f"{f.path}: row {start + v.row} position {v.position}: {v.message} "
+                                          f"(changed after prep; scripts/check_loss_mask.py shows the rows)")
+                    if block["tokens"].size:
+                        check.saw(int(block["tokens"].max()), f.path)
+
+                if mode == "full":
+                    f.check_hashes(progress=bar.update, each_block=scan)
+                    if broken:
+                        raise SproutError(broken[0])
+                else:
+                    for start, block in f.blocks(names=("tokens",)):
+                        scan(start, block)
+                if check.max_token_id >= check.vocab_size:
+                    raise SproutError(f"{check.max_where}: token id {check.max_token_id:,} is >= vocab size "
+                                      f"{check.vocab_size:,} of {check.tokenizer or 'the data'}")
     finally:
         for f in files:
             f.close()
