@@ -14,13 +14,13 @@ and sprout/stages/rl_stage.py for the rollouts and the buffer.
 
 from sprout.errors import run_main
 from sprout.stages.grpo import GRPOConfig, run_grpo
-from sprout.engine.run import add_input_flags, parse_run_config, run_parser
+from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/grpo.yaml")
     add_input_flags(p, data_help="RL prompts (scripts/prepare_rl_prompts.py)", data_metavar="FILE.jsonl",
-                    init_help="LM checkpoint (an SFT run dir)")
+                    init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, GRPOConfig)
     run_grpo(cfg, resume=args.resume)
 

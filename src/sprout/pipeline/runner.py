@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -61,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from sprout.atomic import make_dir, sha256_file, write_json_atomic
+from sprout.atomic import locked, sha256_file, write_json_atomic
 from sprout.config import read_yaml
 from sprout.errors import SproutError
 from sprout.mirror import ENV as MIRROR_ENV
@@ -322,22 +321,6 @@ def write_state(root: Path, state: dict) -> None:
     write_json_atomic(root / STATE, state)
 
 
-@contextlib.contextmanager
-def locked(root: Path):
-    """Hold `<root>/pipeline.lock` (flock) for the runner's lifetime; a second runner is refused."""
-    make_dir(root)
-    f = open(root / LOCK, "a")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise SproutError(f"{root / LOCK}: another pipeline runner is using {root}") from None
-    try:
-        yield
-    finally:
-        f.close()
-
-
 def remove_temporaries(root: Path) -> list[Path]:
     """Delete every `.tmp-*` file or folder under `root` (what killed atomic writes left)."""
     removed = []
@@ -472,7 +455,7 @@ def run_pipeline(preset: Preset, start: str | None = None, end: str | None = Non
     if mirror:
         env[MIRROR_ENV] = str(Path(mirror).resolve())
     env.setdefault("PYTHONUNBUFFERED", "1")
-    with locked(preset.out):
+    with locked(preset.out, LOCK, "pipeline runner"):
         if removed := remove_temporaries(preset.out):
             log(f"removed {len(removed)} temporary file(s) a killed write left under {preset.out}")
         state = read_state(preset.out)

@@ -18,7 +18,7 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
   does with other models, such as a reference forward, is not counted: MFU is the trained
   model's);
 - `open_preference_run`: checks both files against the preference `manifest.json` beside
-  them (`sprout.formats.verify.verify_preference_data`: listed, and their sha256 unless
+  them (`sprout.formats.verify.verify_jsonl_data`: listed, and their sha256 unless
   data.verify is `sizes`; its report printed on rank 0), reads the init checkpoint's meta
   and tokenizer, refuses an init checkpoint trained with another chat format than its tokenizer
   renders (`sprout.chat_formats.check_trained_format`) and data the model cannot take (a side
@@ -47,7 +47,7 @@ from sprout.config import RESUME_FREE, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
-from sprout.formats.verify import verify_preference_data
+from sprout.formats.verify import verify_jsonl_data
 from sprout.model.transformer import ModelConfig
 from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
 from sprout.engine.stage import LoaderPosition, micro_steps
@@ -191,7 +191,7 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     val = Path(cfg.data.val_path) if cfg.data.val_path else held_out_path(data)
     if not val.is_file():
         raise SproutError(f"{val}: held-out preference file not found (set data.val_path)")
-    check = verify_preference_data(data, val, cfg.data.verify)
+    check = verify_jsonl_data(data, val, cfg.data.verify, kind="preference")
     print_rank0(check.report("preference files"))
     resume_path = resolve_resume(resume, cfg.out)
 

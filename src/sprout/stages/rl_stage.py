@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_loader.prompts import PromptLoader
+from data_loader.prompts import PromptLoader, check_held_out
 
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
@@ -67,6 +67,7 @@ from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, require, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.prompts import TEST_FILE, TRAIN_FILE
+from sprout.formats.verify import verify_jsonl_data
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
@@ -76,7 +77,7 @@ from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, check_reward_function,
                                  combine_rewards, correctness_reward, format_reward)
 from sprout.engine.loop import all_reduce_sums
-from sprout.engine.run import resolve_resume, start_run, with_epochs
+from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
 from sprout.engine.stage import LoaderPosition
 
 
@@ -113,6 +114,8 @@ class RLDataConfig:
     # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
     eval_num_generations: int = in_range(4, "[0, inf)", metadata=RESUME_FREE)
     epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
+    verify: str = resume_free("full")   # start-up check against the prep's manifest.json: full (listed, and
+                                        # the sha256 of both files) | sizes (listed only, no hashing)
 
 
 @dataclass
@@ -472,7 +475,11 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
                 mini_batches: int = 1) -> RLRun:
     """Checks, accelerator, tokenizer and prompt loaders for an RL stage. `cfg` has init, data
     (RLDataConfig), batch (PromptBatchConfig), rollout, train and out; `num_iterations`: the
-    optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO)."""
+    optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO).
+    Before anything is written, both prompt files are checked against the prep's `manifest.json`
+    beside them (`sprout.formats.verify.verify_jsonl_data`: listed, and their sha256 unless
+    data.verify is `sizes`) and against each other (`data_loader.prompts.check_held_out`: no
+    prompt in both, by id or by prompt key)."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
@@ -489,6 +496,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
         data.with_name(TEST_FILE) if data.name == TRAIN_FILE else data.with_name(f"{data.stem}_test{data.suffix}"))
     if not val.is_file():
         raise SproutError(f"{val}: held-out prompt file not found (set data.val_path)")
+    check = verify_jsonl_data(data, val, cfg.data.verify, kind="prompt")
+    check_held_out(data, val)
+    print_rank0(check.report("prompt files"))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
     if longest > model_cfg.max_seq_len:
         raise SproutError(f"data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_completion_length "
