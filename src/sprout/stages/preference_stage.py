@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
@@ -69,8 +69,9 @@ class PairDataConfig:
     seq_len: int | None = in_range(None, "[2, inf)")  # longest side in tokens; None: the model's max_seq_len
     truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
     epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
-    verify: str = resume_free("full")   # start-up check against the prep's manifest.json: full (listed, and
-                                        # the sha256 of both files) | sizes (listed only, no hashing)
+    # start-up check against the prep's manifest.json: full (listed, and the sha256 of both
+    # files) | sizes (listed only, no hashing)
+    verify: Literal["full", "sizes"] = resume_free("full")
 
 
 def held_out_path(path: str | Path) -> Path:

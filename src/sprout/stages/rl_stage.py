@@ -55,6 +55,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -114,8 +115,9 @@ class RLDataConfig:
     # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
     eval_num_generations: int = in_range(4, "[0, inf)", metadata=RESUME_FREE)
     epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
-    verify: str = resume_free("full")   # start-up check against the prep's manifest.json: full (listed, and
-                                        # the sha256 of both files) | sizes (listed only, no hashing)
+    # start-up check against the prep's manifest.json: full (listed, and the sha256 of both
+    # files) | sizes (listed only, no hashing)
+    verify: Literal["full", "sizes"] = resume_free("full")
 
 
 @dataclass
