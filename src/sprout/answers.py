@@ -17,7 +17,8 @@ unicode minus U+2212 and its small and full-width forms), a `$`, thousands separ
 groups of three (`1,000`), decimals (`0.50`, `.5`, `5.`), fractions (`3/4`), a trailing
 `%` (dropped: the number of percent is the answer) and surrounding whitespace. Anything
 else (`1e3`, `seven`, `5 apples`, `1,00`, more than `MAX_NUMBER_CHARS` characters) is not
-a number. `normalise_number` writes a number's canonical text (what a gold holds).
+a number (`not_a_number_reason` says which, quoting at most a few characters).
+`normalise_number` writes a number's canonical text (what a gold holds).
 `answers_match` compares integers exactly, at any size; when the gold is not an integer
 (a decimal or a fraction) the answer may differ by `rel_tol` × |gold|.
 """
@@ -117,6 +118,22 @@ def parse_number(text: str | None) -> Fraction | None:
     except (InvalidOperation, ValueError):
         return None
     return sign * value
+
+
+def quote_short(text: str, limit: int = 24) -> str:
+    """`text` quoted as Python writes it, cut to its first `limit` characters (with the
+    length said) when it is longer, so a message about it stays short."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text):,} characters)"
+
+
+def not_a_number_reason(text: str) -> str:
+    """Why `parse_number` refuses `text`, as a short phrase that quotes `text` (`quote_short`):
+    too long for a number, or not a number."""
+    if len(text) > MAX_NUMBER_CHARS:
+        return f"{quote_short(text)} is longer than a number may be ({MAX_NUMBER_CHARS:,} characters)"
+    return f"{quote_short(text, 60)} is not a number"
 
 
 def normalise_number(text: str | None) -> str | None:
