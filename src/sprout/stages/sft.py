@@ -47,7 +47,8 @@ from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.formats.sft import SFTFile, val_path
+from sprout.formats.data_paths import SFT_FILES, resolve_data
+from sprout.formats.sft import SFTFile
 from sprout.formats.verify import verify_sft_pair
 from sprout.config import resume_free
 from sprout.engine.loop import TrainConfig, all_reduce_sums
@@ -60,8 +61,8 @@ from sprout.engine.run import StageConfig, is_rank0, print_rank0, resolve_resume
 class SFTRowsConfig:
     # Paths may change on resume (the loader checks the row count and global batch), and the
     # epochs, which only set max_steps.
-    path: str = resume_free("")   # packed train rows from scripts/prepare_sft_data.py (sft.h5)
-    val_path: str | None = resume_free(None)  # None: the `_val` file beside it (sft_val.h5)
+    path: str = resume_free("")   # packed rows from scripts/prepare_sft_data.py: its folder, or a file of it (sft.h5)
+    val_path: str | None = resume_free(None)  # None: the `_val` file beside the train file (sft_val.h5)
     epochs: float = resume_free(1.0)  # sets train.max_steps when that is null
     verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
 
@@ -220,10 +221,10 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     if not cfg.init:
         raise SproutError("no base model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
-        raise SproutError("no SFT data: set data.path in the config or pass --data FILE.h5")
+        raise SproutError("no SFT data: set data.path in the config or pass --data DIR (or FILE.h5)")
+    data, val = resolve_data(cfg.data.path, SFT_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
     model_cfg = ModelConfig(**base["model_config"])
-    data, val = Path(cfg.data.path), Path(cfg.data.val_path or val_path(cfg.data.path))
     check = verify_sft_pair(data, val, cfg.data.verify, show_progress=is_rank0())
     print_rank0(check.report("SFT files"))
     attrs = _attrs(data)
