@@ -184,6 +184,16 @@ def test_tampered_pretraining_data_is_refused(case, built, data, tmp_path):
     assert tree(out) == before
 
 
+@pytest.mark.parametrize("given", ["manifest.json", "shard"])
+def test_any_file_of_the_prep_folder_is_read_as_the_folder(given, data, tmp_path):
+    """--data given a file of the prep's folder (not "shard directory does not exist"): the data is
+    checked, and the check that fails here is the vocab, named at the folder's manifest."""
+    path = data / (manifest(data)["shards"]["train"][0]["file"] if given == "shard" else given)
+    proc = pretrain(path, tmp_path / "out", "--model.vocab_size", "1024")
+    one_error(proc, f"{data / 'manifest.json'}: data vocab is")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_verified_data_trains_and_sizes_mode_skips_the_hashes(data, tmp_path):
     full = pretrain(data, tmp_path / "full")
