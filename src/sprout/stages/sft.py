@@ -23,7 +23,8 @@ answers `sample_prompts` greedily (`SFTStage.samples`), shown in report.md.
 start from a base checkpoint (`init`; the model config comes from its meta), refuse a train
 and val file from different prep runs or whose datasets no longer match their recorded
 sha256 (`sprout.formats.verify.verify_sft_pair`; data.verify `sizes` skips the hashes), refuse
-SFT data made with another tokenizer, chat template or a longer context than the model's, then
+SFT data made with another tokenizer, chat template or a longer context than the model's, and
+a file with a row that trains nothing (`check_trained_rows`, naming the rows), then
 train with the same loop, checkpoints, resume and multi-process support as pretraining.
 Each checkpoint's meta carries the tokenizer spec and fingerprint, the chat-template version
 and the base checkpoint it started from, which `scripts/chat.py` and later stages read.
@@ -215,6 +216,17 @@ def _attrs(path: Path) -> dict:
         return f.attrs
 
 
+def check_trained_rows(path: Path, shown: int = 5) -> None:
+    """Refuse an SFT file with a row that trains nothing, naming the file and the rows: no
+    loss could be taken from it (prep never writes one: the loss mask was edited)."""
+    with SFTFile(path) as f:
+        rows, total = f.rows_without_targets(), f.num_rows
+    if rows.size:
+        listed = ", ".join(map(str, rows[:shown])) + (", ..." if rows.size > shown else "")
+        raise SproutError(f"{path}: {rows.size:,} of {total:,} rows have no trained target (loss_mask all 0): "
+                          f"rows {listed}; prepare the SFT data again")
+
+
 # ---- the run ---------------------------------------------------------------------------------
 def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     """Check inputs, load the base model, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
@@ -231,6 +243,8 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     sample_tok = _sample_tokenizer(base)
     fmt = format_for(sample_tok) if sample_tok is not None else format_for_spec(attrs["tokenizer_spec"])
     check_sft_data(base, model_cfg, data, attrs, val, _attrs(val), fmt)
+    for path in (data, val):
+        check_trained_rows(path)
     row_len, micro = attrs["seq_len"], cfg.batch.micro_tokens
     if micro % row_len:
         raise SproutError(f"batch.micro_tokens {micro} is not a multiple of the row length {row_len} of {data}")
