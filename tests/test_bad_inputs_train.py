@@ -285,6 +285,35 @@ def test_a_forged_all_zero_loss_mask_is_refused_naming_the_file_and_rows(sft_run
     assert not out.exists()
 
 
+def test_a_reward_model_as_sft_init_says_what_it_is(sft_runs, tmp_path):
+    from sprout.model.heads import RewardModel
+
+    root, base = sft_runs
+    model = RewardModel(ModelConfig(vocab_size=448, d_model=32, n_layers=1, n_heads=2, max_seq_len=32))
+    reward = save_checkpoint(tmp_path / "reward", model, meta={"model_config": model.config, "stage": "reward",
+                                                              "step": 1})
+    out = tmp_path / "run"
+    one_error(sft(root / "a", reward, out), f"{reward / 'meta.json'}: a reward model checkpoint (architecture reward)",
+              "sft needs an lm checkpoint")
+    assert not out.exists()
+
+
+def test_resuming_another_stages_run_names_that_stage(sft_runs, tmp_path):
+    """`train_sft.py --out RUN --resume` on a pretraining run: the stage and its script are named
+    (not the config's keys), and the run is left as it was."""
+    root, base = sft_runs
+    run_dir = tmp_path / "pretrain_run"
+    model = Transformer(ModelConfig(vocab_size=448, d_model=32, n_layers=1, n_heads=2, max_seq_len=32))
+    save_rotating(run_dir / "checkpoints", 1, model, meta={"model_config": model.config, "stage": "pretrain",
+                                                           "config": {"model": {"d_model": 32}}})
+    (run_dir / "config.yaml").write_text("model:\n  d_model: 32\n")
+    before = tree(run_dir)
+    proc = run("train_sft.py", "--out", run_dir, "--resume")
+    one_error(proc, "meta.json: a checkpoint of a pretrain run, which the sft trainer cannot resume",
+              "resume it with scripts/pretrain.py")
+    assert tree(run_dir) == before
+
+
 def test_preference_files_are_checked_against_their_manifest(tmp_path):
     from sprout.formats.verify import verify_preference_data
 

@@ -48,6 +48,7 @@ from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
 from sprout.formats.preferences import read_preferences
 from sprout.formats.verify import verify_preference_data
+from sprout.model.load import check_init_architecture
 from sprout.model.transformer import ModelConfig
 from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
 from sprout.engine.stage import LoaderPosition, micro_steps
@@ -64,7 +65,7 @@ class PairBatchConfig:
 class PairDataConfig:
     # Paths may change on resume (the loader checks the pair count and global batch), and the
     # epochs, which only set max_steps.
-    path: str = resume_free("")         # scripts/prepare_preference_data.py's folder, or a file of it (preferences.jsonl)
+    path: str = resume_free("")         # the preference prep's folder, or a file of it (preferences.jsonl)
     val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (<name>_test.jsonl) beside the train file
     seq_len: int | None = None          # longest side in tokens; None: the model's max_seq_len
     truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
@@ -169,9 +170,7 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
         raise SproutError("no preference data: set data.path in the config or pass --data DIR (or FILE.jsonl)")
     data, val = resolve_data(cfg.data.path, PREFERENCE_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
-    if base.get("architecture", "lm") != "lm":
-        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint, "
-                          f"not architecture {base.get('architecture')!r}")
+    check_init_architecture(base, stage_name)
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
     check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))

@@ -41,7 +41,7 @@ from sprout.engine.schedule import seq_len_at, seq_len_stages
 
 @dataclass
 class TokenDataConfig:
-    dir: str = resume_free("")     # the prep's folder (*_train_*.bin, *_val_*.bin, manifest.json) or any file of it; a *_train.h5 file
+    dir: str = resume_free("")     # the prep's folder (*_train_*.bin, *_val_*.bin, manifest.json) or a file of it
     tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
     sampler: Literal["sequential", "random"] = "sequential"  # per-rank spans | nanoGPT random windows
     seq_len: int | None = None     # None: model.max_seq_len
@@ -52,7 +52,7 @@ class TokenDataConfig:
 
 
 @dataclass
-class PretrainConfig(StageConfig, out="runs/pretrain"):
+class PretrainConfig(StageConfig, stage="pretrain", out="runs/pretrain"):
     model: ModelConfig = field(default_factory=ModelConfig)  # the transformer's shape
     data: TokenDataConfig = field(default_factory=TokenDataConfig)  # token shards, sampling and eval
     batch: TokenBatchConfig = field(default_factory=TokenBatchConfig)

@@ -68,7 +68,7 @@ from sprout.formats.data_paths import PROMPT_FILES, resolve_data
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
-from sprout.model.load import init_from_lm
+from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
@@ -437,9 +437,7 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
         raise SproutError("no prompts: set data.path in the config or pass --data DIR (or prompts.jsonl)")
     data, val = resolve_data(cfg.data.path, PROMPT_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)
-    if base.get("architecture", "lm") not in ("lm", "lm+value"):
-        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint "
-                          f"(lm, or a PPO policy lm+value), not architecture {base.get('architecture')!r}")
+    check_init_architecture(base, stage_name, ("lm", "lm+value"))
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
     check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
@@ -456,7 +454,8 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     val_loader = PromptLoader(val, tok, cfg.data.max_prompt_length, world, rank=rank, world_size=world,
                               shuffle=False, limit=cfg.data.eval_prompts, sources=cfg.data.sources)
     if val_loader.num_prompts == 0:
-        others = f", {val_loader.other_sources:,} of other sources than data.sources" if cfg.data.sources is not None else ""
+        others = (f", {val_loader.other_sources:,} of other sources than data.sources"
+                  if cfg.data.sources is not None else "")
         raise SproutError(f"{val}: no held-out prompts to evaluate ({val_loader.read:,} read; {val_loader.dropped:,} "
                           f"longer than data.max_prompt_length {cfg.data.max_prompt_length}{others})")
     if loader.batches_per_epoch == 0:

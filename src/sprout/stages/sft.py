@@ -47,6 +47,7 @@ from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
+from sprout.model.load import check_init_architecture
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.sft import SFTFile
@@ -72,7 +73,7 @@ SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one senten
 
 
 @dataclass
-class SFTConfig(StageConfig, out="runs/sft", optim=OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0),
+class SFTConfig(StageConfig, stage="sft", out="runs/sft", optim=OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0),
                 train=TrainConfig(eval_every=50, ckpt_every=100)):
     init: str = resume_free("")   # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
     data: SFTRowsConfig = field(default_factory=SFTRowsConfig)  # packed SFT rows and epochs
@@ -236,6 +237,7 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
         raise SproutError("no SFT data: set data.path in the config or pass --data DIR (or FILE.h5)")
     data, val = resolve_data(cfg.data.path, SFT_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
+    check_init_architecture(base, "sft")
     model_cfg = ModelConfig(**base["model_config"])
     check = verify_sft_pair(data, val, cfg.data.verify, show_progress=is_rank0())
     print_rank0(check.report("SFT files"))
