@@ -8,6 +8,8 @@ prompts of those sources are kept (`other_sources` counts the rest). The order i
 batches of `global_prompts` and every global batch into one contiguous slice per rank
 (`next_prompts`), so ranks never share a prompt and stay in step however many batches they
 draw; its position (epoch, batch) is its `state_dict`.
+
+`check_held_out` refuses a held-out file that shares a prompt with the train file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from data_loader.order import EpochOrder
 from sprout.chat import ChatError, render
 from sprout.errors import SproutError
 from sprout.formats.prompts import read_prompts
+from sprout.prep.keys import conversation_key
 
 
 class PromptLoader(EpochOrder):
@@ -60,3 +63,25 @@ class PromptLoader(EpochOrder):
     def next_prompts(self) -> np.ndarray:
         """This rank's prompt indices of the next global batch (a new epoch starts when one is used up)."""
         return self.next(f"{self.global_prompts} (batch.global_prompts)")
+
+
+def check_held_out(train: str | Path, test: str | Path) -> None:
+    """Refuse a held-out prompt file that shares a prompt with the train file: the same id, or
+    the same prompt under the prep's dedup and split key (`sprout.prep.keys.conversation_key`:
+    its roles and contents, lower-cased). Held-out figures over prompts the policy trained on
+    measure nothing, so every file is read whole, whatever the loaders keep of it."""
+    train_ids, train_keys = set(), {}
+    for record in read_prompts(train):
+        train_ids.add(record["id"])
+        train_keys.setdefault(conversation_key(record["prompt"]), record["id"])
+    shared = []
+    for record in read_prompts(test):
+        key = conversation_key(record["prompt"])
+        if record["id"] in train_ids:
+            shared.append(f"id {record['id']!r}")
+        elif key in train_keys:
+            shared.append(f"{record['id']!r}, the prompt of train id {train_keys[key]!r}")
+    if shared:
+        raise SproutError(f"{test}: {len(shared):,} held-out prompt(s) also in the train file {train} (first: "
+                          f"{shared[0]}); held-out figures must not count trained prompts: prepare the prompts "
+                          f"again or set data.val_path to a disjoint file")

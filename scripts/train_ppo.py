@@ -16,7 +16,7 @@ and sprout/stages/rl_stage.py for the rollouts and the buffer.
 
 from sprout.errors import run_main
 from sprout.stages.ppo import PPOConfig, run_ppo
-from sprout.engine.run import add_input_flags, parse_run_config, run_parser
+from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     add_input_flags(p, data_help="the folder scripts/prepare_rl_prompts.py wrote, or any file of it "
                                   "(prompts.jsonl; prompts_test.jsonl beside it is the held-out file)",
                     data_metavar="DIR|FILE.jsonl",
-                    init_help="LM checkpoint (an SFT run dir)")
+                    init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     p.add_argument("--reward-model", metavar="RUN", help="reward model run or checkpoint; overrides reward_model")
     args, cfg = parse_run_config(p, PPOConfig)
     if args.reward_model:

@@ -330,7 +330,7 @@ def test_an_rl_run_without_held_out_prompts_is_refused_naming_the_file_before_th
 
 
 def test_preference_files_are_checked_against_their_manifest(tmp_path):
-    from sprout.formats.verify import verify_preference_data
+    from sprout.formats.verify import verify_jsonl_data
 
     train, test = tmp_path / "preferences.jsonl", tmp_path / "preferences_test.jsonl"
     train.write_text('{"id": "a"}\n')
@@ -338,11 +338,11 @@ def test_preference_files_are_checked_against_their_manifest(tmp_path):
     files = {"train": {"path": train.name, "records": 1, "sha256": sha256_file(train)},
              "test": {"path": test.name, "records": 1, "sha256": sha256_file(test)}}
     write_json_atomic(tmp_path / "manifest.json", {"files": files})
-    assert verify_preference_data(train, test).files == 2
+    assert verify_jsonl_data(train, test).files == 2
     test.write_text('{"id": "c"}\n')
     with pytest.raises(SproutError, match=f"{test}: sha256 does not match"):
-        verify_preference_data(train, test)
-    assert verify_preference_data(train, test, mode="sizes").hashed is False
+        verify_jsonl_data(train, test)
+    assert verify_jsonl_data(train, test, mode="sizes").hashed is False
 
 
 # ---------------------------------------------------------------- 3 and 5. checkpoint rotation, killed saves

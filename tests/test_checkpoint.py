@@ -9,6 +9,7 @@ from sprout.checkpoint import (
     STATE,
     WEIGHTS,
     load_train_state,
+    meta_digest,
     read_meta,
     resolve_checkpoint,
     save_checkpoint,
@@ -95,6 +96,7 @@ def test_pickled_code_in_train_state_is_refused(tmp_path):
     torch.save({"optimizer": None, "rng": [], "payload": Exploit()}, path / STATE)  # hand-made, hash updated
     meta = json.loads((path / "meta.json").read_text())
     meta["files"][STATE] = sha256_file(path / STATE)
+    meta["meta_sha256"] = meta_digest(meta)
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(SproutError, match=f"{path / STATE}"):
         load_train_state(path)
@@ -103,3 +105,23 @@ def test_pickled_code_in_train_state_is_refused(tmp_path):
 class Exploit:
     def __reduce__(self):
         return (print, ("unpickled!",))
+
+
+def test_an_edited_meta_and_a_latest_leading_out_are_refused(tmp_path):
+    model = tiny()
+    root = tmp_path / "run" / "checkpoints"
+    path = save_rotating(root, 4, model, meta={"model_config": model.config, "step": 4})
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["meta_sha256"] == meta_digest(meta) and read_meta(root)["step"] == 4
+    (path / "meta.json").write_text(json.dumps({**meta, "step": 99}, indent=2))
+    for verify in (True, False):
+        with pytest.raises(SproutError, match=f"{path / 'meta.json'}: its contents do not match its meta_sha256"):
+            read_meta(root, verify=verify)
+    other = save_rotating(tmp_path / "other" / "checkpoints", 8, model, meta={"model_config": model.config})
+    (root / "latest").write_text(f"../../other/checkpoints/{other.name}\n")
+    with pytest.raises(SproutError, match="is not a plain file name"):
+        resolve_checkpoint(root)
+    (root / "step_00000009").symlink_to(other)
+    (root / "latest").write_text("step_00000009\n")
+    with pytest.raises(SproutError, match=f"{root / 'latest'}: points at step_00000009, which leads out of"):
+        resolve_checkpoint(tmp_path / "run")

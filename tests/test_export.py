@@ -214,9 +214,14 @@ def test_refusals(sp, tmp_path):
     (out / "keep.txt").write_text("x")
     with pytest.raises(SproutError, match="already exists and is not empty"):
         export_model(tiny_model(sp.vocab_size), sp, out)
-    assert (out / "keep.txt").exists()
-    export_model(tiny_model(sp.vocab_size), sp, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    with pytest.raises(SproutError, match="holds 'keep.txt', which an export does not write"):
+        export_model(tiny_model(sp.vocab_size), sp, out, overwrite=True)  # --overwrite deletes only an export
+    assert (out / "keep.txt").exists() and not (out / "model.safetensors").exists()
+    (out / "keep.txt").unlink()
+    export_model(tiny_model(sp.vocab_size), sp, out)
+    first = (out / "model.safetensors").read_bytes()
+    export_model(tiny_model(sp.vocab_size, seed=1), sp, out, overwrite=True)  # an earlier export is replaced
+    assert (out / "model.safetensors").read_bytes() != first
     assert not list(tmp_path.glob(".tmp-*"))
     with pytest.raises(SproutError, match="does not fit the model's"):
         export_model(tiny_model(256), sp, tmp_path / "small")
@@ -233,6 +238,25 @@ def test_dummy_prefix_sentencepiece_is_refused(tmp_path):
     tok = load_tokenizer(f"sentencepiece:{tmp_path / 'm.model'}")
     with pytest.raises(SproutError, match="no dummy prefix"):
         export_model(tiny_model(tok.vocab_size), tok, tmp_path / "hf")
+
+
+def test_script_refuses_an_output_in_or_around_the_run_it_exports(sp, tmp_path):
+    model = tiny_model(sp.vocab_size)
+    run = tmp_path / "runs" / "run"
+    save_checkpoint(run / "checkpoints" / "step_00000001", model,
+                    meta={"model_config": model.config, "tokenizer": sp.spec, "stage": "sft", "step": 1,
+                          **bundle_tokenizer(sp.spec, run)})
+    (run / "checkpoints" / "latest").write_text("step_00000001\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    script = str(ROOT / "scripts" / "export_hf.py")
+    for source, out, where in [(run, run, "is"), (run / "checkpoints", run / "hf", "lies inside"),
+                               (run, tmp_path / "runs", "holds")]:
+        done = run_group([sys.executable, script, str(source), str(out), "--overwrite", "--no-check"], timeout=300)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert f"{out}: {where} the run folder {run}" in errors[0]
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
 
 
 @pytest.mark.slow

@@ -64,33 +64,37 @@ def make_stage(sp, base, data, *, rollout=None, batch=None, rewards=("grpo_fixtu
 
 # ---- normalisers ----------------------------------------------------------------------------------------------
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+# (loss_type, num_iterations): with 1 the loss's own log-probs are the old ones (no old-logprob forward)
+CASES = [(t, 2) for t in LOSS_TYPES] + [("dapo", 1)]
 
 
 @pytest.fixture(scope="module")
 def one_by_one(sft_base, data, tmp_path_factory):
-    """Per loss_type: 2 steps of 1 process × 1 micro-batch of 8 completions (per-prompt sampling)."""
+    """Per case: 2 steps of 1 process × 1 micro-batch of 8 completions (per-prompt sampling)."""
     outs = {}
-    for loss_type in LOSS_TYPES:
-        out = tmp_path_factory.mktemp(f"one_{loss_type}")
+    for loss_type, mu in CASES:
+        out = tmp_path_factory.mktemp(f"one_{loss_type}_{mu}")
         run_per_prompt(tiny_cfg(data, sft_base, out, loss_type=loss_type, micro_completions=8, max_steps=2,
-                                num_iterations=2, beta=0.1, mask_truncated_completions=True))
-        outs[loss_type] = out
+                                num_iterations=mu, beta=0.1, mask_truncated_completions=True))
+        outs[loss_type, mu] = out
     return outs
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_normaliser_is_exact_under_accumulation(loss_type, one_by_one, sft_base, data, tmp_path):
+@pytest.mark.parametrize("loss_type, mu", CASES)
+def test_normaliser_is_exact_under_accumulation(loss_type, mu, one_by_one, sft_base, data, tmp_path):
     """1 process × 4 micro-batches of 2 completions == 1 process × 1 of 8: losses and weights."""
     out = tmp_path / "four"
     run_per_prompt(tiny_cfg(data, sft_base, out, loss_type=loss_type, micro_completions=2, max_steps=2,
-                            num_iterations=2, beta=0.1, mask_truncated_completions=True))
-    a, b = train_records(one_by_one[loss_type]), train_records(out)
+                            num_iterations=mu, beta=0.1, mask_truncated_completions=True))
+    a, b = train_records(one_by_one[loss_type, mu]), train_records(out)
     assert a[1]["targets"] == b[1]["targets"]
     for s in (1, 2):
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
-        assert b[s]["kl"] == pytest.approx(a[s]["kl"], rel=1e-6, abs=1e-6)
+        assert b[s]["kl"] == pytest.approx(a[s]["kl"], rel=1e-5)  # fp32 log-probs of 2-row vs 8-row forwards
+        assert b[s]["sampling/logp_diff_mean"] == pytest.approx(a[s]["sampling/logp_diff_mean"], abs=1e-6)
+        assert b[s]["sampling/logp_diff_max"] == pytest.approx(a[s]["sampling/logp_diff_max"], abs=1e-5)
     assert a[2]["kl"] > 0 and a[2]["loss"] != 0  # the second step trains on moved weights
-    wa, wb = final_weights(one_by_one[loss_type]), final_weights(out)
+    wa, wb = final_weights(one_by_one[loss_type, mu]), final_weights(out)
     # 1 % of one AdamW step (lr 3e-3): Adam divides by sqrt(v), so the summation order's rounding
     # of a near-zero gradient can move a weight by ~1e-5; a wrong normaliser reweights whole
     # micro-batches and moves weights by a sizeable part of a step
@@ -112,30 +116,31 @@ def test_denominators_follow_the_loss_type(sp, sft_base, data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_two_processes_match_one(loss_type, one_by_one, sft_base, data, tmp_path):
+@pytest.mark.parametrize("loss_type, mu", CASES)
+def test_two_processes_match_one(loss_type, mu, one_by_one, sft_base, data, tmp_path):
     """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8."""
     out = tmp_path / "ddp"
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(config_dict(data, sft_base, out, loss_type=loss_type, micro_completions=2, max_steps=2,
-                                          num_iterations=2, beta=0.1, mask_truncated_completions=True)))
+                                          num_iterations=mu, beta=0.1, mask_truncated_completions=True)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29547",
            str(ROOT / "tests" / "grpo_fixtures.py"), str(cfg)]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) × 2 micro-steps" in proc.stdout
-    a, b = train_records(one_by_one[loss_type]), train_records(out)
+    a, b = train_records(one_by_one[loss_type, mu]), train_records(out)
     for s in (1, 2):
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
         assert b[s]["reward"] == pytest.approx(a[s]["reward"], abs=1e-9)
-    wa, wb = final_weights(one_by_one[loss_type]), final_weights(out)
+        assert b[s]["sampling/logp_diff_max"] == pytest.approx(a[s]["sampling/logp_diff_max"], abs=1e-5)
+    wa, wb = final_weights(one_by_one[loss_type, mu]), final_weights(out)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 3e-5  # as under accumulation above
 
 
 # ---- the buffer -----------------------------------------------------------------------------------------------
 def test_old_logps_equal_a_recompute_at_temperature_1(sp, base, data):
-    stage, model = make_stage(sp, base, data)
+    stage, model = make_stage(sp, base, data, num_iterations=2)  # a buffer of 2 steps: old log-probs stored
     batches = stage.next_micro_batches(0)
     buf = stage.buffer
     mask = buf["completion_mask"].bool()
@@ -151,7 +156,8 @@ def test_old_logps_equal_a_recompute_at_temperature_1(sp, base, data):
 def test_top_k_sampling_recomputes_the_policy_logps(sp, base, data):
     """With top-k the sampler's log-probs are those of the truncated distribution: the old
     log-probs are the policy's (the recompute), and the difference is logged."""
-    stage, model = make_stage(sp, base, data, rollout=RolloutConfig(max_completion_length=12, top_k=5))
+    stage, model = make_stage(sp, base, data, rollout=RolloutConfig(max_completion_length=12, top_k=5),
+                              num_iterations=2)
     stage.next_micro_batches(0)
     buf = stage.buffer
     mask = buf["completion_mask"].bool()
@@ -161,6 +167,36 @@ def test_top_k_sampling_recomputes_the_policy_logps(sp, base, data):
     assert (buf["old_logps"] - buf["sampler_logps"])[mask].max() < -1e-3  # top-k renormalised: sampler's higher
     logged = dict(zip(buf["stat_names"], buf["stats"].tolist()))
     assert logged["sampling/logp_diff_mean"][0] / logged["sampling/logp_diff_mean"][1] > 1e-3
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_one_step_per_buffer_takes_old_logps_from_the_loss_with_the_same_gradient(loss_type, sp, base, data):
+    """num_iterations 1: no old-logprob forward; the loss's detached log-probs stand in (ratio 1),
+    and loss, gradient and sampling/logp_diff_mean equal those with the recomputed old log-probs."""
+    stage, model = make_stage(sp, base, data, loss_type=loss_type)
+    assert stage.old_from_loss
+    batches = stage.next_micro_batches(0)
+    assert "old_logps" not in stage.buffer and "sampling/logp_diff_mean" not in stage.buffer["stat_names"]
+    runs = []
+    for recompute in (False, True):
+        model.zero_grad()
+        total, metrics = 0.0, []
+        for b in batches:
+            if recompute:
+                with torch.no_grad():
+                    b = {**b, "old_logps": completion_logps(model, b)[0] * b["completion_mask"]}
+            loss_sum, n, m = stage.loss(model, b)
+            loss_sum.backward()
+            total, metrics = total + float(loss_sum.detach()), metrics + [m]
+        runs.append((total, [p.grad.clone() for p in model.parameters() if p.grad is not None], metrics))
+    (a, ga, ma), (b, gb, mb) = runs
+    assert a == pytest.approx(b, abs=1e-6) and len(ga) == len(gb) > 0
+    assert max((x - y).abs().max().item() for x, y in zip(ga, gb)) < 1e-6
+    assert all("sampling/logp_diff_mean" in m for m in ma) and not any("sampling/logp_diff_mean" in m for m in mb)
+    total, count = (sum(float(m["sampling/logp_diff_mean"][i]) for m in ma) for i in (0, 1))
+    assert count == int(stage.buffer["completion_mask"].sum()) and total / count < 1e-5  # temperature 1
+    assert 0 <= stage.derived_metrics({})["sampling/logp_diff_max"] < 1e-5
+    assert stage.step_logp_diff_max == 0.0  # reset for the next step
 
 
 def test_dynamic_sampling_refills_with_informative_groups(sp, base, data):

@@ -3,15 +3,17 @@ imported once per test session by the `smollm2` fixture), its own byte-level BPE
 ChatML format.
 
 Each trainer (SFT, reward model, DPO, PPO, GRPO) runs 2 steps of tiny batches through its
-script with the imported run folder as --init and no other flag about the model; the loss is
-finite, the run resumed from its step-1 checkpoint repeats step 2 exactly, and the result
-exports to a transformers folder that `verify_export` checks (logits or scores within 1e-4,
+script with the imported run folder as --init and no other flag about the model (PPO's reward
+model is the reward case's run); the loss is finite, the run resumed from its step-1
+checkpoint repeats step 2 exactly, and the result exports to a transformers folder that
+`verify_export` checks (logits or scores within 1e-4,
 tokenizer and chat-template ids, greedy chat answers). Data prepared with another tokenizer
 is refused in one line. Evaluate, chat and sample run on the imported folder itself. All slow:
 a 135M-parameter model on a CPU."""
 
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -72,49 +74,54 @@ def data(smollm2, mirror, tmp_path_factory) -> dict:
             "PROMPTS": write_prompt_files(root / "prompts", n_train=4, n_test=2), "root": root}
 
 
+def train(stage: str, init: Path, data: dict, out: Path, reward: Path | None = None):
+    """Run `stage` for 2 steps from `init` into `out` (a checkpoint at each step, both kept)."""
+    file, config, flags = STAGES[stage]
+    fill = {**data, "REWARD": reward}
+    flags = [str(fill.get(f, f)) for f in flags]
+    got = script(file, "--config", CONFIGS / config, "--init", init, *flags, *COMMON, "--out", out)
+    assert got.returncode == 0, f"{stage}: {got.stderr[-3000:]}"
+    return out
+
+
 @pytest.fixture(scope="module")
-def chain(smollm2, data, tmp_path_factory) -> dict:
-    """name -> run folder: each stage run for 2 steps from the imported run (PPO's reward model
-    is the reward stage's run)."""
-    _, run = smollm2
-    root = tmp_path_factory.mktemp("imported-runs")
-    outs = {}
-    for name, (file, config, flags) in STAGES.items():
-        fill = {**data, "REWARD": outs.get("reward")}
-        flags = [str(fill.get(f, f)) for f in flags]
-        outs[name] = root / name
-        got = script(file, "--config", CONFIGS / config, "--init", run, *flags, *COMMON, "--out", outs[name])
-        assert got.returncode == 0, f"{name}: {got.stderr[-3000:]}"
-    return outs
+def reward_run(smollm2, data, tmp_path_factory):
+    """The reward stage's run (PPO's reward model, and the reward case itself); removed after the
+    module: each 135M-parameter checkpoint with its optimizer state is 1.6 GB."""
+    root = tmp_path_factory.mktemp("imported-reward")
+    yield train("reward", smollm2[1], data, root / "reward")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_stage_runs_from_the_imported_model_and_resumes_exactly(stage, chain, smollm2, tmp_path):
-    out = chain[stage]
+def test_stage_runs_from_the_imported_model_resumes_exactly_and_exports(stage, smollm2, data, reward_run, tmp_path):
+    """One stage from the import: 2 steps; a run resumed from its step-1 checkpoint repeats step 2's
+    loss exactly; the result exports to transformers and verifies. Disk: what a case writes is
+    removed as soon as it is checked (and its tmp_path once it passes), so the module never holds
+    more than the reward run and one case (about 9 GB)."""
+    out = reward_run if stage == "reward" else train(stage, smollm2[1], data, tmp_path / stage, reward=reward_run)
     first = losses(out)
     assert sorted(first) == [1, 2] and all(math.isfinite(v) for v in first.values())
     meta = read_meta(out / "checkpoints" / "step_00000002")
     assert meta["template_version"] == read_meta(smollm2[1])["template_version"]
     assert checkpoint_tokenizer(meta).spec.startswith("hf:")
-    again = tmp_path / "again"
+
+    again = tmp_path / "again"  # the run as it was at step 1 (the checkpoint hard-linked: no copy on disk)
     (again / "checkpoints").mkdir(parents=True)
-    shutil.copytree(out / "checkpoints" / "step_00000001", again / "checkpoints" / "step_00000001")
+    shutil.copytree(out / "checkpoints" / "step_00000001", again / "checkpoints" / "step_00000001",
+                    copy_function=os.link)
     (again / "checkpoints" / "latest").write_text("step_00000001\n")
     shutil.copy(out / "config.yaml", again / "config.yaml")
-    file = STAGES[stage][0]
-    got = script(file, "--out", again, "--resume")
+    got = script(STAGES[stage][0], "--out", again, "--resume")
     assert got.returncode == 0, got.stderr[-3000:]
     assert losses(again) == {2: first[2]}  # exact: the resumed step repeats the uninterrupted one
+    shutil.rmtree(again)
 
-
-@pytest.mark.parametrize("stage", list(STAGES))
-def test_stage_result_exports_to_transformers(stage, chain, tmp_path):
-    result, model, tok = export_hf(chain[stage], tmp_path / "export")
+    result, model, tok = export_hf(out, tmp_path / "export")
     check = verify_export(result.out, model, tok)
     assert check["max_abs_diff"] <= 1e-4 or check["max_abs_diff_fp64"] <= 1e-4
     assert check["answers"] == (0 if stage == "reward" else check["chats"])
-    expected = "LlamaForSequenceClassification" if stage == "reward" else "LlamaForCausalLM"
-    assert result.hf_class == expected
+    assert result.hf_class == ("LlamaForSequenceClassification" if stage == "reward" else "LlamaForCausalLM")
 
 
 def test_data_from_another_tokenizer_is_refused_in_one_line(smollm2, data, tmp_path):

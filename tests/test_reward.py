@@ -202,7 +202,7 @@ def test_a_file_edited_after_prep_is_refused_unless_data_verify_sizes(base, tmp_
     """Prep writes the files and their sha256 into manifest.json; one changed answer afterwards
     is refused at start with one line (data.verify full), and let through by data.verify sizes,
     which checks only that both files are listed."""
-    from sprout.formats.verify import verify_preference_data
+    from sprout.formats.verify import verify_jsonl_data
     from sprout.prep.preferences import PreferenceDataConfig as PrepConfig
     from sprout.prep.preferences import prepare
 
@@ -212,7 +212,7 @@ def test_a_file_edited_after_prep_is_refused_unless_data_verify_sizes(base, tmp_
     prepare(PrepConfig(out=str(out), test_fraction=0.2,
                        sources=[{"name": "marked", "format": "jsonl", "path": str(raw)}]), log=lambda *_: None)
     data = out / "preferences.jsonl"
-    check = verify_preference_data(data, out / "preferences_test.jsonl")
+    check = verify_jsonl_data(data, out / "preferences_test.jsonl")
     assert check.files == 2 and check.hashed and not check.notes
     assert check.report("preference files").startswith("data: verified 2 preference files")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.formats.prompts import read_prompts, verify_prompts, write_prompts
 from sprout.prep import arithmetic
@@ -250,7 +251,7 @@ def test_output_is_deterministic(tmp_path):
 ])
 def test_bad_config_is_one_line(tmp_path, cfg, message):
     with pytest.raises(SproutError, match=message):
-        prepare(PromptDataConfig(out=str(tmp_path / "o"), **cfg), log=lambda *_: None)
+        prepare(from_dict(PromptDataConfig, {"out": str(tmp_path / "o"), **cfg}), log=lambda *_: None)
 
 
 # ---- the script ------------------------------------------------------------------------------

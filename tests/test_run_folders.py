@@ -197,8 +197,10 @@ def test_help_lists_every_field_with_type_default_choices_and_meaning():
     for line in ("--optim.schedule          {cosine, wsd, constant} = cosine",
                  "--train.mixed_precision   {auto, bf16, no} = auto",
                  "--data.sampler            {sequential, random} = sequential",
-                 "--train.max_steps         int | {auto} | null = null",
-                 "--batch.global_tokens     int = 524288",
+                 "--train.max_steps         int in [1, inf) | {auto} | null = null",
+                 "--batch.global_tokens     int in [1, inf) = 524288",
+                 "--optim.beta2             float in [0, 1) = 0.95",
+                 "--model.n_kv_heads        int in [1, inf) | null = null",
                  "--train.trackers          list of {tensorboard, wandb} = []"):
         assert line in text, line
     assert "tokens per parameter for that budget" in text  # a field's meaning, from its comment
@@ -214,10 +216,13 @@ def test_every_script_lists_its_config_fields(script):
 
 # ---- bad values at load, through the script --------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
-    (["--train.max_steps", "0"], "command line: --train.max_steps: got 0; expected a positive number of steps, "
-                                 "or null / auto for the automatic length"),
-    (["--batch.micro_tokens", "0"], "command line: --batch.micro_tokens: got 0; expected a positive number of tokens"),
-    (["--optim.lr", "nan"], "command line: --optim.lr: got 'nan'; expected a finite number"),
+    (["--train.max_steps", "0"], "command line: --train.max_steps: got 0; expected an integer in [1, inf), auto or null"),
+    (["--batch.micro_tokens", "0"], "command line: --batch.micro_tokens: got 0; expected an integer in [1, inf)"),
+    (["--optim.beta2", "1.5"], "command line: --optim.beta2: got 1.5; expected a number in [0, 1)"),
+    (["--optim.min_lr_ratio", "2"], "command line: --optim.min_lr_ratio: got 2; expected a number in [0, 1]"),
+    (["--optim.eps", "0"], "command line: --optim.eps: got 0; expected a number in (0, inf)"),
+    (["--model.init_std", "-1"], "command line: --model.init_std: got -1; expected a number in (0, inf)"),
+    (["--optim.lr", "nan"], "command line: --optim.lr: got 'nan'; expected a number in (0, inf)"),
     (["--train.max-stepz", "3"], "command line: unknown option --train.max_stepz (did you mean --train.max_steps?)"),
 ])
 def test_bad_values_are_refused_in_one_line(data, tmp_path, args, message):

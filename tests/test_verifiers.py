@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from sprout.errors import SproutError
 from sprout.answers import answers_match, format_reasoning, is_reasoning_format, normalise_number, parse_answer, parse_number
 from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward,
                                  reward_metrics)
@@ -149,7 +150,7 @@ def test_combine_rewards_weights_and_abstentions():
 
 
 def test_combine_rewards_refuses_wrong_lengths_and_duplicate_names():
-    with pytest.raises(ValueError, match="returned 1 values"):
+    with pytest.raises(SproutError, match="returned 1 values"):
         combine_rewards([WeightedReward("short", lambda c, **_: [1.0])], ["a", "b"])
     with pytest.raises(ValueError, match="two reward functions"):
         combine_rewards([WeightedReward("f", format_reward), WeightedReward("f", format_reward)], ["a"])

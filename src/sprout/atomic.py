@@ -14,12 +14,18 @@ HDF5 files are written by h5py through a Python file object (`AtomicH5`): HDF5 c
 the process (SIGSEGV) when it closes a file after a failed write, so the file object
 records the first failed write, drops the writes after it, and the error is raised once
 h5py has closed the file.
+
+A folder one process at a time may write (a run folder, a pipeline's output root) is held
+with `hold_lock` / `locked`: an exclusive `flock` on a lock file in it, which records the
+holder's pid; a second process is refused with one line naming the folder and that pid.
+The kernel drops the lock when its holder exits, however it exits, so no stale lock is left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
 import hashlib
 import io
@@ -275,6 +281,38 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike, files) -> None:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
+
+
+def hold_lock(folder: str | os.PathLike, name: str, what: str) -> IO:
+    """Take an exclusive lock on `folder` (created if needed): `flock` on its file `name`, into
+    which this process's pid is written; returns the open file, which holds the lock until it is
+    closed or the process ends. When another process holds it, SproutError naming the folder,
+    the holder's pid and `what` holds it (e.g. "trainer")."""
+    folder = make_dir(folder)
+    path = folder / name
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, _umask_mode())
+    except OSError as exc:
+        raise SproutError(f"{path}: cannot open the lock file: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise SproutError(f"{folder}: in use by another {what} (pid {holder}, holding {path})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return os.fdopen(fd, "r+")
+
+
+@contextlib.contextmanager
+def locked(folder: str | os.PathLike, name: str, what: str) -> Iterator[None]:
+    """`hold_lock` for the block's lifetime."""
+    f = hold_lock(folder, name, what)
+    try:
+        yield
+    finally:
+        f.close()
 
 
 def remove_stale_temps(path: str | os.PathLike) -> list[Path]:

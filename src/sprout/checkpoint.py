@@ -6,7 +6,9 @@ One checkpoint is a directory:
     train_state.pt      optimizer, scheduler and RNG state: tensors and plain containers only,
                         read back with torch.load(weights_only=True), which refuses pickled code
     meta.json           format, architecture, model config, tokenizer, stage, step, tokens seen,
-                        loader state, the run's config and its hash, the run's `run_id`, and the sha256 of both files above
+                        loader state, the run's config and its hash, the run's `run_id`, the sha256 of both
+                        files above, and `meta_sha256`, the sha256 of everything else in meta.json
+                        (`meta_digest`), so an edited step or config is refused too
 
 It is written into a temporary sibling directory and renamed into place, so a crash leaves
 either the old checkpoint or the complete new one (the next save removes the temporary a
@@ -15,7 +17,9 @@ partial left. A run keeps its checkpoints under `<out>/checkpoints/step_XXXXXXXX
 `latest`, a one-line pointer written last; only the newest K of the run's own checkpoints
 (same `run_id` in meta.json) are kept. Loading checks every file's sha256 against meta.json
 and refuses a corrupted or modified file, or a meta.json without the hashes, with an error
-that names it.
+that names it; meta.json itself is checked against its `meta_sha256` on every read (a meta
+written before that field existed is read as it is). `latest` must name a checkpoint folder
+in its own folder: one that points elsewhere (another run's) is refused.
 
 Architecture: meta.json `architecture` says which module the weights belong to ("lm",
 "lm+value" or "reward"): `save_checkpoint` takes what the module declares (`architecture_of`),
@@ -40,6 +44,7 @@ only a `tokenizer` spec (the older form) loads that spec as before.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -55,7 +60,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from safetensors.torch import load_model as _load_safetensors_model
 
-from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, sha256_file, write_error
+from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, safe_name, sha256_file, write_error
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
 
@@ -63,6 +68,7 @@ FORMAT = "sprout-checkpoint-v1"
 WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
 LATEST = "latest"
 TOKENIZER_DIR = "tokenizer"
+META_DIGEST = "meta_sha256"  # meta.json's own hash, over every other field (`meta_digest`)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -132,6 +138,8 @@ def save_checkpoint(
             meta["model_config"] = config_to_dict(meta["model_config"])
         meta["format"] = FORMAT
         meta["files"] = {name: sha256_file(tmp / name) for name in (WEIGHTS, STATE)}
+        meta = json.loads(json.dumps(meta))  # as it reads back, so the digest is that of what is read
+        meta[META_DIGEST] = meta_digest(meta)
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         replace_dir(tmp, path, (WEIGHTS, STATE, META))  # re-saving a step moves the old one aside first
     except BaseException as exc:
@@ -141,6 +149,12 @@ def save_checkpoint(
             raise write_error(path, disk) from None
         raise
     return path
+
+
+def meta_digest(meta: dict) -> str:
+    """The sha256 of a checkpoint's meta without its `meta_sha256` (sorted keys, compact JSON)."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def _disk_error(exc: BaseException) -> OSError | None:
@@ -195,7 +209,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if (folder / META).is_file():
             return folder
         if (folder / LATEST).is_file():
-            target = folder / (folder / LATEST).read_text().strip()
+            name = (folder / LATEST).read_text().strip()
+            safe_name(name, str(folder / LATEST))
+            target = folder / name
+            if target.resolve().parent != folder.resolve():
+                raise SproutError(f"{folder / LATEST}: points at {name}, which leads out of {folder} (to "
+                                  f"{target.resolve()}); latest must name one of this folder's checkpoints")
             if not (target / META).is_file():
                 raise SproutError(f"{folder / LATEST}: points at {target.name}, which has no {META}")
             return target
@@ -205,7 +224,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
-    """meta.json of a checkpoint; with `verify`, check each file's sha256 and refuse on mismatch."""
+    """meta.json of a checkpoint, checked against its `meta_sha256`; with `verify`, also check each
+    file's sha256 and refuse on mismatch."""
     path = resolve_checkpoint(path)
     try:
         meta = json.loads((path / META).read_text())
@@ -213,11 +233,13 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
         raise SproutError(f"{path / META}: corrupted checkpoint meta ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise SproutError(f"{path / META}: not a {FORMAT} meta file")
+    files = meta.get("files")
+    if verify and (not isinstance(files, dict) or not {WEIGHTS, STATE} <= set(files)):
+        raise SproutError(f"{path / META}: no sha256 for {WEIGHTS} and {STATE} (`files` missing or incomplete); "
+                          f"refusing an unverifiable checkpoint")
+    if META_DIGEST in meta and meta_digest(meta) != meta[META_DIGEST]:
+        raise SproutError(f"{path / META}: its contents do not match its {META_DIGEST}; the file was modified")
     if verify:
-        files = meta.get("files")
-        if not isinstance(files, dict) or not {WEIGHTS, STATE} <= set(files):
-            raise SproutError(f"{path / META}: no sha256 for {WEIGHTS} and {STATE} (`files` missing or incomplete); "
-                              f"refusing an unverifiable checkpoint")
         for name, digest in files.items():
             f = path / name
             if not f.is_file():

@@ -9,13 +9,15 @@ work), and builds the dataclasses. Every value is checked against its field's ty
 (`int`, `float`, `str`, `bool`, `list`, `X | None`, a nested dataclass, and `Literal[...]` for
 a field with a fixed set of values): an unknown key, a value of the wrong type, a choice
 outside the allowed ones or a NaN/inf float is refused in one line naming where it came from
-(the file or the command line), the field, the value and what was expected. A dataclass's
-own checks (`__post_init__`) raise `FieldError` to be named the same way. `config_to_dict`
-gives the resolved config back for printing and saving beside a run's outputs.
+(the file or the command line), the field, the value and what was expected. A number outside
+its field's valid range (`sprout.ranges.in_range`, declared beside the field) is refused the
+same way, before the dataclass is built. A dataclass's own checks (`__post_init__`, for what
+involves several fields) raise `FieldError` to be named the same way. `config_to_dict` gives
+the resolved config back for printing and saving beside a run's outputs.
 
 `config_help(cls)` lists every field of a config for a script's --help: its dotted name, its
-type (its choices), its default and one line of meaning, taken from the field's
-`metadata["help"]` or else the comment after the field in its source.
+type (its choices, its valid range), its default and one line of meaning, taken from the
+field's `metadata["help"]` or else the comment after the field in its source.
 
 Which fields a resumed run may change is declared on the field itself:
 `resume_free(default)` (run length, logging, paths) instead of `default`; `resume_config(cfg)`
@@ -43,6 +45,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from sprout.errors import SproutError
+from sprout.ranges import Interval, field_range, out_of_range
 
 T = TypeVar("T")
 
@@ -149,13 +152,16 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _expected(tp: Any) -> str:
-    """What a value of type `tp` must be, in words: "an integer, auto or null"."""
+def _expected(tp: Any, interval: Interval | None = None) -> str:
+    """What a value of type `tp` (its numbers in `interval`) must be, in words: "an integer in
+    [1, inf), auto or null"."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        parts = [", ".join(map(str, typing.get_args(a))) if typing.get_origin(a) is Literal else _expected(a)
+        parts = [", ".join(map(str, typing.get_args(a))) if typing.get_origin(a) is Literal else _expected(a, interval)
                  for a in args]
         return ", ".join(parts[:-1]) + " or " + parts[-1]
+    if interval is not None and tp in (int, float):
+        return f"{'an integer' if tp is int else 'a number'} in {interval}"
     if origin is Literal:
         return "one of " + ", ".join(str(a) for a in args)
     if origin in (list, tuple) or tp in (list, tuple):
@@ -279,7 +285,8 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
         raise SproutError(f"{origin(prefix.rstrip('.')) if prefix else where}: expected a mapping, "
                           f"got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = set(fields)
     unknown = sorted(set(data) - names)
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(names), n=1, cutoff=0.6)
@@ -293,16 +300,30 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
         if dataclasses.is_dataclass(inner) and isinstance(value, dict):
             kwargs[name] = from_dict(inner, value, where, cli=cli, prefix=f"{prefix}{name}.")
             continue
+        interval = field_range(fields[name])
         try:
             kwargs[name] = _check_value(value, tp)
+            if out_of_range(kwargs[name], interval):
+                raise ValueError
         except ValueError:
-            raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp)}") from None
+            raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp, interval)}") from None
     try:
         return cls(**kwargs)
     except FieldError as exc:  # a dataclass's own check of one field
         raise SproutError(f"{origin(prefix + exc.field)}: {exc.message}") from None
     except (SproutError, ValueError, TypeError) as exc:  # a dataclass's own validation
         raise SproutError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{exc}") from None
+
+
+def check_ranges(cfg, where: str = "config", prefix: str = "") -> None:
+    """Refuse a config built in Python rather than through `from_dict` (which checks as it
+    builds) when one of its numbers, nested configs included, lies outside its field's range."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_ranges(value, where, f"{prefix}{f.name}.")
+        elif out_of_range(value, field_range(f)):
+            raise SproutError(f"{where}: {prefix}{f.name}: got {value!r}; expected a number in {field_range(f)}")
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None, overrides: list[str] | dict | None = None, *,
@@ -387,8 +408,17 @@ def config_fields(cls: type, prefix: str = "", default: Any = None) -> list[tupl
             rows.append((prefix + f.name, "section", None, meaning or doc))
             rows += config_fields(inner, f"{prefix}{f.name}.", value if dataclasses.is_dataclass(value) else None)
         else:
-            rows.append((prefix + f.name, type_name(tp), value, meaning))
+            rows.append((prefix + f.name, _type_text(tp, field_range(f)), value, meaning))
     return rows
+
+
+def _type_text(tp: Any, interval: Interval | None) -> str:
+    """`type_name(tp)` with the field's interval after its number type: "float | null" ->
+    "float in (0, 1] | null"."""
+    if interval is None:
+        return type_name(tp)
+    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return " | ".join(f"{type_name(a)} in {interval}" if a in (int, float) else type_name(a) for a in members)
 
 
 def config_help(cls: type) -> str:

@@ -53,7 +53,8 @@ from sprout.checkpoint import (
     set_rng_state,
     tied_aliases,
 )
-from sprout.config import require, resume_free
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
 from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.engine.metrics import MetricsLogger, check_trackers
@@ -66,30 +67,26 @@ class TrainConfig:
     """Run length, precision, seed and cadence of logging, eval and checkpoints. The fields
     declared `resume_free` may change when a run is resumed."""
     # null / auto: the stage decides (pretraining: the Chinchilla budget; SFT and preference stages: data.epochs)
-    max_steps: int | Literal["auto"] | None = resume_free(None)
-    chinchilla_ratio: float = resume_free(20.0)  # tokens per parameter for that budget
+    max_steps: int | Literal["auto"] | None = in_range(None, "[1, inf)", metadata=RESUME_FREE)
+    chinchilla_ratio: float = in_range(20.0, "(0, inf)", metadata=RESUME_FREE)  # tokens per parameter for that budget
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # auto: bf16 on a GPU, fp32 on CPU
     compile: bool = resume_free(False)  # torch.compile the model's forward
-    cpu_threads: int = resume_free(0)   # torch threads per process on CPU; 0: torch's default
-    seed: int = 1337                    # initial weights, data order, dropout: every process alike
-    log_every: int = resume_free(10)    # steps between training records (metrics.jsonl, log line)
-    eval_every: int = resume_free(100)  # 0: eval only before and after training
-    ckpt_every: int = resume_free(100)  # 0: checkpoint only at the end
-    keep_checkpoints: int = resume_free(3)  # newest checkpoints kept in <out>/checkpoints
+    # torch threads per process on CPU; 0: torch's default
+    cpu_threads: int = in_range(0, "[0, inf)", metadata=RESUME_FREE)
+    seed: int = in_range(1337, SEED_RANGE)  # initial weights, data order, dropout: every process alike
+    # steps between training records (metrics.jsonl, log line)
+    log_every: int = in_range(10, "[1, inf)", metadata=RESUME_FREE)
+    eval_every: int = in_range(100, "[0, inf)", metadata=RESUME_FREE)  # 0: eval only before and after training
+    ckpt_every: int = in_range(100, "[0, inf)", metadata=RESUME_FREE)  # 0: checkpoint only at the end
+    keep_checkpoints: int = in_range(3, "[1, inf)", metadata=RESUME_FREE)  # newest checkpoints kept in <out>/checkpoints
     progress: bool = resume_free(True)  # tqdm bar on rank 0
     trackers: list[Literal["tensorboard", "wandb"]] = resume_free(default_factory=list)  # also log to these
-    peak_tflops: float = resume_free(0.0)  # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
+    # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
+    peak_tflops: float = in_range(0.0, "(-inf, inf)", metadata=RESUME_FREE)
 
     def __post_init__(self) -> None:
         if self.max_steps == "auto":
             self.max_steps = None
-        require(self.max_steps is None or self.max_steps > 0, "max_steps", self.max_steps,
-                "a positive number of steps, or null / auto for the automatic length")
-        require(self.chinchilla_ratio > 0, "chinchilla_ratio", self.chinchilla_ratio, "a positive number")
-        require(self.log_every > 0, "log_every", self.log_every, "a positive number of steps")
-        for name in ("eval_every", "ckpt_every", "cpu_threads"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), "0 or a positive number")
-        require(self.keep_checkpoints > 0, "keep_checkpoints", self.keep_checkpoints, "a positive number")
 
 
 class NonFiniteLoss(SproutError):

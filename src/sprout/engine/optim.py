@@ -13,28 +13,23 @@ from typing import Callable, Literal
 
 import torch
 
-from sprout.config import require
+from sprout.ranges import in_range
 from sprout.engine.schedule import lr_at
 
 
 @dataclass
 class OptimConfig:
     """AdamW and its learning-rate schedule (`sprout.engine.schedule`)."""
-    lr: float = 6e-4                    # peak lr; a stage's parameter groups may scale it
-    min_lr_ratio: float = 0.1           # the lr decays to lr × min_lr_ratio
-    warmup_steps: int = 100             # steps of linear warmup up to lr
+    lr: float = in_range(6e-4, "(0, inf)")  # peak lr; a stage's parameter groups may scale it
+    min_lr_ratio: float = in_range(0.1, "[0, 1]")  # the lr decays to lr × min_lr_ratio
+    warmup_steps: int = in_range(100, "[0, inf)")  # steps of linear warmup up to lr
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # shape after warmup (wsd: warmup-stable-decay)
-    wsd_decay_frac: float = 0.2         # wsd: fraction of the steps in the final linear decay
-    weight_decay: float = 0.1           # on matrices (ndim >= 2) only
-    beta1: float = 0.9                  # AdamW's first-moment decay
-    beta2: float = 0.95                 # AdamW's second-moment decay
-    eps: float = 1e-8                   # AdamW's denominator epsilon
-    grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
-
-    def __post_init__(self) -> None:
-        require(self.lr > 0, "lr", self.lr, "a positive learning rate")
-        for name in ("min_lr_ratio", "wsd_decay_frac", "weight_decay", "grad_clip", "eps", "warmup_steps"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), "0 or more")
+    wsd_decay_frac: float = in_range(0.2, "[0, 1]")  # wsd: fraction of the steps in the final linear decay
+    weight_decay: float = in_range(0.1, "[0, inf)")  # on matrices (ndim >= 2) only
+    beta1: float = in_range(0.9, "[0, 1)")   # AdamW's first-moment decay
+    beta2: float = in_range(0.95, "[0, 1)")  # AdamW's second-moment decay
+    eps: float = in_range(1e-8, "(0, inf)")  # AdamW's denominator epsilon
+    grad_clip: float = in_range(1.0, "[0, inf)")  # 0 disables clipping (the norm is still logged)
 
 
 def decay_groups(params, weight_decay: float, **options) -> list[dict]:

@@ -1,5 +1,9 @@
 """What every stage's script does around the loop: the run folder, config, resume, fit, report.
 
+One trainer at a time per run folder: `train_stage` holds `<out>/run.lock` (`run_lock`, rank 0;
+`sprout.atomic.hold_lock`) while it trains, and --overwrite takes it before deleting anything,
+so a second trainer on the same --out exits 2 naming the folder and the holder's pid.
+
 A training script parses its arguments with `run_parser` + `parse_run_config`, which
   - lists every config field in --help (`sprout.config.config_help`),
   - refuses a fresh run into a folder that already holds a run (its checkpoints, metrics,
@@ -29,10 +33,10 @@ its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchill
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import shlex
@@ -40,13 +44,14 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import IO, Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from sprout.atomic import atomic_write
-from sprout.checkpoint import META, bundle_tokenizer, resolve_checkpoint
+from sprout.atomic import atomic_write, hold_lock
+from sprout.checkpoint import META, bundle_tokenizer, read_meta, resolve_checkpoint
 from sprout.config import (RESUME_FREE, add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides,
                            read_yaml, resume_config)
 from sprout.errors import SproutError
@@ -107,6 +112,7 @@ def apply_input_flags(args: argparse.Namespace, cfg) -> None:
 
 # ---- the run folder -----------------------------------------------------------------------------
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "checkpoints", "tokenizer")
+RUN_LOCK = "run.lock"  # held by the trainer writing the folder; not a file of the run (never deleted)
 TRACKER_DIR = "sprout"  # TensorBoard's event folder: accelerate's project_dir / the project MetricsLogger names
 
 
@@ -140,8 +146,7 @@ def run_files(out: str | Path) -> list[Path]:
 def latest_step(out: str | Path) -> int | None:
     """Step of the latest checkpoint in `<out>/checkpoints`, or None when there is none."""
     try:
-        ckpt = resolve_checkpoint(Path(out) / "checkpoints")
-        return int(json.loads((ckpt / META).read_text())["step"])
+        return int(read_meta(Path(out) / "checkpoints", verify=False)["step"])
     except (SproutError, OSError, ValueError, KeyError, TypeError):
         steps = [int(p.name[5:]) for p in (Path(out) / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
         return max(steps) if steps else None
@@ -156,6 +161,7 @@ def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = 
         return
     if overwrite:
         if is_rank0():
+            hold_run(out)  # another trainer may be writing this run: refused before anything is deleted
             clear_run(out, files)
         return
     step = latest_step(out)
@@ -163,6 +169,37 @@ def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = 
         f"holds the files of a run without a checkpoint ({', '.join(f.name for f in files)})"
     resume = "pass --resume to continue it or " if step is not None and resumable else "pass "
     raise SproutError(f"{out} {held}; {resume}--overwrite to start again")
+
+
+_held_runs: dict[Path, IO] = {}  # run folder -> its open lock file, while this process holds it
+
+
+def hold_run(out: str | Path) -> bool:
+    """Hold the run folder `out` (`RUN_LOCK`, `sprout.atomic.hold_lock`) until `release_run` or
+    the process ends; True when this call took it, False when this process held it already."""
+    key = Path(out).resolve()
+    if key in _held_runs:
+        return False
+    _held_runs[key] = hold_lock(out, RUN_LOCK, "trainer")
+    return True
+
+
+def release_run(out: str | Path) -> None:
+    f = _held_runs.pop(Path(out).resolve(), None)
+    if f is not None:
+        f.close()
+
+
+@contextlib.contextmanager
+def run_lock(out: str | Path, main: bool = True) -> Iterator[None]:
+    """The run folder held for the block (on the main process: `main`); released after it
+    unless this process held it before (--overwrite takes it in `check_fresh_run`)."""
+    took = main and hold_run(out)
+    try:
+        yield
+    finally:
+        if took:
+            release_run(out)
 
 
 def clear_run(out: str | Path, files: list[Path] | None = None) -> None:
@@ -255,8 +292,8 @@ def _resume_config(args, overrides: dict, config_cls):
         raise SproutError("--resume needs --out RUN_DIR (the run to continue)")
     ckpt = resolve_checkpoint(out / "checkpoints" if args.resume == "latest" else args.resume)
     try:
-        meta = json.loads((ckpt / META).read_text())
-    except (OSError, ValueError) as exc:
+        meta = read_meta(ckpt, verify=False)  # its own hash checked: the step below is the one saved
+    except OSError as exc:
         raise SproutError(f"{ckpt / META}: unreadable checkpoint meta ({exc})") from None
     check_same_stage(meta, ckpt, config_cls.stage_name)
     saved_yaml = out / "config.yaml"
@@ -336,47 +373,51 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
     """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report.
 
     `cfg` has a `batch` section besides StageConfig's; `extra_meta`: more fields for every
-    checkpoint's meta.json (e.g. the chat-template version of an SFT run).
+    checkpoint's meta.json (e.g. the chat-template version of an SFT run). The run folder is
+    held (`run_lock`) from before its first write to the end.
     """
-    train_cfg, out = cfg.train, Path(cfg.out)
-    meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
-            "resume_config": resume_config(cfg), **bundle_tokenizer(tokenizer, out, write=acc.is_main_process),
-            **(extra_meta or {})}
-    groups = stage.param_groups(model) if hasattr(stage, "param_groups") else None
-    trainer = Trainer(acc, model, build_optimizer(model, cfg.optim, groups), lr_schedule(cfg.optim, train_cfg.max_steps),
-                      train_cfg, grad_clip=cfg.optim.grad_clip, out_dir=out, meta=meta)
-    if hasattr(stage, "setup"):
-        stage.setup(trainer)
-    if resume is not None:
-        trainer.resume(resume, stage)
-    acc.print(dump_yaml(cfg), end="")
-    if acc.is_main_process:
-        with atomic_write(out / "config.yaml", "w") as f:
-            f.write(dump_yaml(cfg))
-    acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es)"
-              + (f" × {micro_steps} micro-steps" if micro_steps else "")
-              + f" | {train_cfg.max_steps} steps; batch " + ", ".join(f"{k} {v:,}" for k, v in vars(cfg.batch).items()))
-    if warning := warmup_warning(cfg.optim.warmup_steps, train_cfg.max_steps):
-        acc.print(warning)
-    if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
-        acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
-                  f"{local_params(trainer.model):,} of {model.num_params():,}")
-    result = fit(trainer, stage)
-    first, last = result["first_eval"], result["last_eval"]
-    for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
-                       ("after training", last if not result.get("interrupted") else None)):
-        if rec is not None:
-            values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_"))
-            acc.print(f"{label} (step {rec['step']}): {values}")
-    end_processes(acc)
-    if result.get("interrupted"):
-        signum = result["interrupted"]
+    with run_lock(cfg.out, acc.is_main_process):
+        train_cfg, out = cfg.train, Path(cfg.out)
+        meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
+                "resume_config": resume_config(cfg), **bundle_tokenizer(tokenizer, out, write=acc.is_main_process),
+                **(extra_meta or {})}
+        groups = stage.param_groups(model) if hasattr(stage, "param_groups") else None
+        trainer = Trainer(acc, model, build_optimizer(model, cfg.optim, groups),
+                          lr_schedule(cfg.optim, train_cfg.max_steps), train_cfg, grad_clip=cfg.optim.grad_clip,
+                          out_dir=out, meta=meta)
+        if hasattr(stage, "setup"):
+            stage.setup(trainer)
+        if resume is not None:
+            trainer.resume(resume, stage)
+        acc.print(dump_yaml(cfg), end="")
         if acc.is_main_process:
-            print(f"stopped by {signal.Signals(signum).name} at step {result['steps']} of {train_cfg.max_steps}; "
-                  f"checkpoint {result['checkpoint']}\nresume with:\n  {resume_command(out, acc.num_processes)}",
-                  flush=True)
-        raise SystemExit(128 + signum)
-    return result
+            with atomic_write(out / "config.yaml", "w") as f:
+                f.write(dump_yaml(cfg))
+        acc.print(f"{stage.name}: model {model.num_params():,} params | {acc.num_processes} process(es)"
+                  + (f" × {micro_steps} micro-steps" if micro_steps else "")
+                  + f" | {train_cfg.max_steps} steps; batch "
+                  + ", ".join(f"{k} {v:,}" for k, v in vars(cfg.batch).items()))
+        if warning := warmup_warning(cfg.optim.warmup_steps, train_cfg.max_steps):
+            acc.print(warning)
+        if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
+            acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
+                      f"{local_params(trainer.model):,} of {model.num_params():,}")
+        result = fit(trainer, stage)
+        first, last = result["first_eval"], result["last_eval"]
+        for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
+                           ("after training", last if not result.get("interrupted") else None)):
+            if rec is not None:
+                values = "  ".join(f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_"))
+                acc.print(f"{label} (step {rec['step']}): {values}")
+        end_processes(acc)
+        if result.get("interrupted"):
+            signum = result["interrupted"]
+            if acc.is_main_process:
+                print(f"stopped by {signal.Signals(signum).name} at step {result['steps']} of {train_cfg.max_steps}; "
+                      f"checkpoint {result['checkpoint']}\nresume with:\n  {resume_command(out, acc.num_processes)}",
+                      flush=True)
+            raise SystemExit(128 + signum)
+        return result
 
 
 def end_processes(acc: Accelerator) -> None:

@@ -50,19 +50,15 @@ from typing import Protocol
 
 import torch
 
-from sprout.config import require
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 
 
 @dataclass
 class TokenBatchConfig:
     """The batch of the token stages (pretraining, SFT), in tokens (rows × row length)."""
-    global_tokens: int = 524288         # per optimizer step, all processes together
-    micro_tokens: int = 16384           # per forward/backward on one process
-
-    def __post_init__(self) -> None:
-        for name in ("global_tokens", "micro_tokens"):
-            require(getattr(self, name) > 0, name, getattr(self, name), "a positive number of tokens")
+    global_tokens: int = in_range(524288, "[1, inf)")  # per optimizer step, all processes together
+    micro_tokens: int = in_range(16384, "[1, inf)")    # per forward/backward on one process
 
 
 class Stage(Protocol):

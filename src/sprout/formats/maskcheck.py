@@ -100,7 +100,10 @@ def _first(bad: np.ndarray):
     return (int(hits[0][0]), int(hits[0][1]), len(hits)) if len(hits) else None
 
 
-def _check_layout(a: dict, pad_id: int, vocab_size: int, report: Report) -> None:
+def check_layout(a: dict, pad_id: int, vocab_size: int, report: Report) -> None:
+    """The layout rules of the module doc (every rule but the documents' parse), vectorised over
+    the rows of `a` (the four arrays, or a block of their rows): each failed rule is flagged
+    once, at its first row and position, with its count."""
     tokens, mask, seg, pos = a["tokens"], a["loss_mask"], a["segment_ids"], a["position_ids"]
     n, length = tokens.shape
     seg = seg.astype(np.int64)
@@ -175,7 +178,7 @@ def check_arrays(arrays: dict, tpl: Template, pad_id: int, vocab_size: int,
     tokens, mask, seg = arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"]
     n, length = tokens.shape
     report = Report(limit, rows=n, positions=n * length)
-    _check_layout(arrays, pad_id, vocab_size, report)
+    check_layout(arrays, pad_id, vocab_size, report)
     report.tokens = int((seg != 0).sum())
     report.trained = int(mask.sum())
     report.rows_without_trained = int((mask.sum(axis=1) == 0).sum())

@@ -18,8 +18,9 @@ drops by reason, dedup, split, packing totals),
 `config` (JSON: the resolved prep config), `command`, `sha256` (JSON: a sha256 per
 dataset over its C-order bytes, checked by `SFTFile.verify` and, streaming, `check_hashes`),
 and `prep_run_id`: the same in both files of a pair (the first 32 hex digits of the sha256
-of the prep config, command and every dataset's sha256 of both files), so a train file and a
-val file from different prep runs are told apart (`sprout.formats.verify.verify_sft_pair`).
+of the prep config, command and every dataset's sha256 of both files, `run_id_of`), so a train
+file and a val file from different prep runs are told apart, and a recorded sha256 or config
+changed after prep no longer matches the id (`sprout.formats.verify.verify_sft_pair`).
 
 Each row holds whole examples (conversations rendered by `sprout.chat.render`), packed
 best fit by `sprout.prep.packing`, never cut across rows (an over-long one is truncated at
@@ -39,6 +40,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 import h5py
 import numpy as np
@@ -92,16 +94,22 @@ def write_sft(path, arrays: dict, attrs: dict) -> None:
     write_sft_files([(path, arrays, attrs)])
 
 
-def pair_run_id(files: list[tuple]) -> str:
-    """The `prep_run_id` of files written together, `(path, arrays, attrs)` each: the first 32
-    hex digits of the sha256 of each file's config, command and split and of every dataset's
-    sha256. The same inputs give the same id (the files' bytes stay reproducible)."""
+def run_id_of(files: list[tuple[dict, dict]]) -> str:
+    """The `prep_run_id` of files written together, `(attrs, {dataset: sha256})` each: the first
+    32 hex digits of the sha256 of each file's config, command and split and of every dataset's
+    sha256. The same inputs give the same id (the files' bytes stay reproducible); a reader
+    recomputes it from what the files record (`sprout.formats.verify.verify_sft_pair`)."""
     h = hashlib.sha256()
-    for _, arrays, attrs in files:
+    for attrs, digests in files:
         h.update(json.dumps([attrs.get(k) for k in ("config", "command", "split")], sort_keys=True, default=str).encode())
         for name in DATASETS:
-            h.update(_sha256(arrays[name]).encode())
+            h.update(str(digests.get(name)).encode())
     return h.hexdigest()[:32]
+
+
+def pair_run_id(files: list[tuple]) -> str:
+    """`run_id_of` files about to be written, `(path, arrays, attrs)` each."""
+    return run_id_of([(attrs, {name: _sha256(arrays[name]) for name in DATASETS}) for _, arrays, attrs in files])
 
 
 def write_sft_files(files: list[tuple]) -> None:
@@ -213,19 +221,31 @@ class SFTFile:
                 self._fail(f"dataset {name} does not match its stored sha256 (corrupted or edited)")
         return arrays
 
-    def check_hashes(self, block_rows: int = 4096, progress=None) -> None:
-        """Compare each dataset with its stored sha256, reading `block_rows` rows at a time
-        (memory stays flat); `progress(nbytes)` is called after each block."""
-        for name in DATASETS:
-            ds, h = self._f[name], hashlib.sha256()
-            try:
-                for start in range(0, self.num_rows, block_rows):
-                    block = np.ascontiguousarray(ds[start : start + block_rows])
-                    h.update(block.tobytes())
-                    if progress is not None:
-                        progress(block.nbytes)
-            except OSError as exc:  # fletcher32 mismatch, truncated file
-                raise SFTFormatError(f"{self.path}: corrupted data ({exc})") from None
+    def _rows(self, names, start: int, stop: int) -> dict:
+        try:
+            return {name: np.ascontiguousarray(self._f[name][start:stop]) for name in names}
+        except OSError as exc:  # fletcher32 mismatch, truncated file
+            raise SFTFormatError(f"{self.path}: corrupted data ({exc})") from None
+
+    def blocks(self, names=tuple(DATASETS), block_rows: int = 4096) -> Iterator[tuple[int, dict]]:
+        """(first row, {name: rows}) for consecutive blocks of `block_rows` rows of the datasets
+        `names` (memory stays flat)."""
+        for start in range(0, self.num_rows, block_rows):
+            yield start, self._rows(names, start, start + block_rows)
+
+    def check_hashes(self, block_rows: int = 4096, progress=None, each_block=None) -> None:
+        """Compare each dataset with its stored sha256, reading `block_rows` rows at a time;
+        `progress(nbytes)` is called after each block, and `each_block(first_row, arrays)` with
+        it when given (checks that ride on the same read)."""
+        hashes = {name: hashlib.sha256() for name in DATASETS}
+        for start, block in self.blocks(block_rows=block_rows):
+            for name, rows in block.items():
+                hashes[name].update(rows.tobytes())
+                if progress is not None:
+                    progress(rows.nbytes)
+            if each_block is not None:
+                each_block(start, block)
+        for name, h in hashes.items():
             if h.hexdigest() != self.attrs["sha256"].get(name):
                 self._fail(f"dataset {name} does not match its stored sha256 (corrupted or edited)")
 

@@ -190,8 +190,8 @@ def _check_sidecar(directory: Path, man: dict, failures: list[str]) -> None:
 # ---- what every trainer checks at start -------------------------------------------------------
 # `verify_dir` above is the full audit (`scripts/verify_shards.py`). A trainer runs the part of
 # it that proves the files it is about to read are the ones prep wrote: `verify_token_data`
-# (pretraining shards or HDF5), `verify_sft_pair` (sft.h5 + sft_val.h5), `verify_preference_data`
-# (preference JSONL). Each raises SproutError naming the file at the first failure and returns a
+# (pretraining shards or HDF5), `verify_sft_pair` (sft.h5 + sft_val.h5), `verify_jsonl_data`
+# (preference pairs and RL prompts, JSONL). Each raises SproutError naming the file at the first failure and returns a
 # `DataCheck` whose `line()` says what was checked and how long it took.
 
 VERIFY_MODES = ("full", "sizes")  # full: sha256 of every byte; sizes: presence, sizes, counts only
@@ -411,10 +411,17 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
 
     Both must open as the contract, say split "train" and "val", and carry the same
     `prep_run_id` (the id of the prep run that wrote them together): a pair from two runs,
-    e.g. after a killed prep, is refused. With mode "full" every dataset is read block by block
-    and must match the sha256 its file records (an edited loss_mask is refused). Files from a
-    prep older than `prep_run_id` pass the pair check with a note."""
-    from sprout.formats.sft import SFTFile
+    e.g. after a killed prep, is refused, and so is an id that no longer matches the config,
+    command and dataset sha256s the files record (`run_id_of`: a recorded sha256 rewritten
+    after an edit). With mode "full" every dataset is read block by block and must match the
+    sha256 its file records, and every row must keep the layout rules of
+    `sprout.formats.maskcheck.check_layout` (ids inside the vocabulary, loss_mask 0/1, never 1
+    on padding nor at position 0: an all-ones mask is refused however its hashes were
+    rewritten). With mode "sizes" the token ids are still read for the largest one, which must
+    be below the vocabulary. Files from a prep older than `prep_run_id` pass the pair checks
+    with a note."""
+    from sprout.formats.maskcheck import Report, check_layout
+    from sprout.formats.sft import SFTFile, run_id_of
 
     _check_mode(mode)
     t0, paths = time.perf_counter(), (Path(train), Path(val))
@@ -430,12 +437,36 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
                               f"{ids[0]!r}: the two files come from different prep runs; prepare the data again")
         if ids[0] is None:
             check.notes.append(f"{paths[0]}: no prep_run_id (older prep): train/val pairing not checked")
+        elif run_id_of([(f.attrs, f.attrs["sha256"]) for f in files]) != ids[0]:
+            raise SproutError(f"{paths[0]}: prep_run_id {ids[0]!r} does not match the config, command and dataset "
+                              f"sha256s the pair records (changed after prep); prepare the data again")
         check.vocab_size, check.tokenizer = files[0].attrs["vocab_size"], files[0].attrs["tokenizer_spec"]
         check.files, check.bytes = 2, sum(p.stat().st_size for p in paths)
-        if mode == "full":
-            with _bar(check.bytes, show_progress) as bar:
-                for f in files:
-                    f.check_hashes(progress=bar.update)
+        with _bar(check.bytes if mode == "full" else 0, show_progress) as bar:
+            for f in files:
+                broken: list[str] = []  # the first layout violation, reported once the hashes match
+
+                def scan(start: int, block: dict, f=f, broken=broken) -> None:
+                    if mode == "full" and not broken:
+                        report = Report(limit=1)
+                        check_layout(block, f.attrs["pad_id"], check.vocab_size, report)
+                        if report.violations:
+                            v = report.violations[0]
+                            broken.append(f"{f.path}: row {start + v.row} position {v.position}: {v.message} "
+                                          f"(changed after prep; scripts/check_loss_mask.py shows the rows)")
+                    if block["tokens"].size:
+                        check.saw(int(block["tokens"].max()), f.path)
+
+                if mode == "full":
+                    f.check_hashes(progress=bar.update, each_block=scan)
+                    if broken:
+                        raise SproutError(broken[0])
+                else:
+                    for start, block in f.blocks(names=("tokens",)):
+                        scan(start, block)
+                if check.max_token_id >= check.vocab_size:
+                    raise SproutError(f"{check.max_where}: token id {check.max_token_id:,} is >= vocab size "
+                                      f"{check.vocab_size:,} of {check.tokenizer or 'the data'}")
     finally:
         for f in files:
             f.close()
@@ -443,19 +474,21 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
     return check
 
 
-def verify_preference_data(path: str | Path, val_path: str | Path | None = None, mode: str = "full") -> DataCheck:
-    """Check preference JSONL files (`sprout.formats.preferences`) against the `manifest.json`
-    that `scripts/prepare_preference_data.py` writes beside them: each given file (the train file
+def verify_jsonl_data(path: str | Path, val_path: str | Path | None = None, mode: str = "full",
+                      kind: str = "preference") -> DataCheck:
+    """Check the JSONL files of a prep that writes `manifest.json` beside them with
+    `files.<split>.{path, sha256}` (preference pairs, `sprout.formats.preferences`; RL prompts,
+    `sprout.formats.prompts`; `kind` names which in messages): each given file (the train file
     `path`, and `val_path` when given) must be listed under `files` and, with mode "full", match
     its sha256. Without a manifest nothing is compared (a hand-made file): a note says so.
-    Records themselves are checked as they are read (`read_preferences`)."""
+    Records themselves are checked as they are read (`read_preferences`, `read_prompts`)."""
     _check_mode(mode)
     t0 = time.perf_counter()
     paths = [Path(p) for p in (path, val_path) if p is not None]
     check = DataCheck(hashed=mode == "full")
     for p in paths:
         if not p.is_file():
-            raise SproutError(f"{p}: no such preference file")
+            raise SproutError(f"{p}: no such {kind} file")
     check.files, check.bytes = len(paths), sum(p.stat().st_size for p in paths)
     for p in paths:
         man_path = p.parent / "manifest.json"
@@ -465,7 +498,7 @@ def verify_preference_data(path: str | Path, val_path: str | Path | None = None,
         try:
             listed = {e["path"]: e for e in json.loads(man_path.read_text())["files"].values()}
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise SproutError(f"{man_path}: not a preference manifest (no files.<split>.path/sha256)") from None
+            raise SproutError(f"{man_path}: not a {kind} manifest (no files.<split>.path/sha256)") from None
         entry = listed.get(p.name)
         if entry is None:
             raise SproutError(f"{p}: not listed in {man_path} (another prep run's file?)")

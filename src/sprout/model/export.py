@@ -51,6 +51,12 @@ pad id (tiktoken) then scores one unpadded row per call (transformers refuses a 
 one whose pad token is the end-of-turn token (SmolLM2's `<|im_end|>`): transformers would read
 the score before it, so a reward model's config.json names no pad id then.
 
+The folder is written whole or not at all (built beside it, renamed into place). An existing
+`out` that is not empty is refused; with `overwrite` it is replaced only when it holds nothing
+but what an export writes (`EXPORT_FILES`: an earlier export), so an overwrite never deletes
+anything else. `export_hf` also refuses an `out` that is, holds or lies inside the source
+checkpoint's run folder.
+
 `verify_export` loads the folder with transformers and checks it against the sprout model and
 tokenizer: logits (or scores) on a batch of random ids, ids on sample texts, chat-template ids
 on sample conversations and, for an LM, the greedy answers to them;
@@ -68,14 +74,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from sprout.atomic import check_writable, replace_dir
 from sprout.chat import render, template_for
 from sprout.chat_formats import SPROUT
-from sprout.checkpoint import architecture_of, checkpoint_tokenizer, tied_aliases
+from sprout.checkpoint import architecture_of, checkpoint_tokenizer, resolve_checkpoint, run_folder, tied_aliases
 from sprout.errors import SproutError
-from sprout.model.export_tokenizer import INSTALL_HINT, write_json, write_tokenizer
+from sprout.model.export_tokenizer import INSTALL_HINT, TOKENIZER_FILES, write_json, write_tokenizer
 from sprout.model.generate import generate
 from sprout.model.load import load_model
 from sprout.tokenizer import HFTokenizer
@@ -197,23 +204,52 @@ def generation_config(tok) -> dict:
 
 
 # ---- the folder ----------------------------------------------------------------------------------
+EXPORT_FILES = ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES)
+
+
+def check_export_out(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` that exists and is not empty, unless `overwrite` and it holds only what
+    an export writes (`EXPORT_FILES`)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise SproutError(f"{out}: exists and is not a folder; choose another output folder")
+    held = sorted(p.name for p in out.iterdir())
+    if held and not overwrite:
+        raise SproutError(f"{out}: already exists and is not empty (pass --overwrite to replace an earlier export)")
+    others = [name for name in held if name not in EXPORT_FILES]
+    if others:
+        raise SproutError(f"{out}: holds {others[0]!r}{f' and {len(others) - 1} more' if len(others) > 1 else ''}, "
+                          f"which an export does not write; --overwrite replaces only an earlier export: "
+                          f"choose another output folder")
+
+
+def check_outside_run(out: Path, source: Path) -> None:
+    """Refuse an `out` that is the run folder `source`, holds it, or lies inside it."""
+    o, r = Path(os.path.abspath(out)).resolve(), Path(os.path.abspath(source)).resolve()
+    if o == r or r.is_relative_to(o) or o.is_relative_to(r):
+        where = "is" if o == r else ("holds" if r.is_relative_to(o) else "lies inside")
+        raise SproutError(f"{out}: {where} the run folder {source} being exported; choose an output folder "
+                          f"outside it")
+
+
 def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False) -> ExportResult:
     """Write `model` and `tok` as a transformers folder at `out`, atomically (see the module doc).
 
     The folder is built under a temporary sibling name and renamed into place, so `out` is
     either absent, the old folder or the complete new one. An `out` that exists and is not
-    empty is refused unless `overwrite`.
+    empty is refused unless `overwrite` and it holds only `EXPORT_FILES` (`check_export_out`).
     """
     out = Path(out)
     arch = architecture_of(model)
     if tok.vocab_size > model.config.vocab_size:
         raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise SproutError(f"{out}: already exists and is not empty (pass --overwrite to replace it)")
+    check_export_out(out, overwrite)
     check_writable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
-    try:
+    tmp = None
+    try:  # a full disk (ENOSPC) may strike at any write, from the first folder on
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
         weights, dropped = hf_state_dict(model)
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", hf_config(model, special_ids(tok)))
@@ -223,11 +259,13 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
             files.append("generation_config.json")
         files += write_tokenizer(tok, tmp, model.config.max_seq_len)
         replace_dir(tmp, out, files)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SproutError(f"{out}: cannot write the export: {exc.strerror or exc}") from None
+    except (OSError, SafetensorError) as exc:  # safetensors reports its own write errors as SafetensorError
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SproutError(f"{out}: cannot write the export: {getattr(exc, 'strerror', None) or exc}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out, arch, hf_class_name(model), files, dropped)
 
@@ -235,7 +273,11 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,
               overwrite: bool = False) -> tuple[ExportResult, object, object]:
     """Export a checkpoint (dir, run dir or checkpoints/ folder) with the tokenizer it was trained
-    with (`tokenizer`, a spec, overrides); returns (result, sprout model, sprout tokenizer)."""
+    with (`tokenizer`, a spec, overrides); returns (result, sprout model, sprout tokenizer).
+    An `out` that is, holds or lies inside the checkpoint's run folder is refused first."""
+    out = Path(out)
+    check_outside_run(out, run_folder(resolve_checkpoint(checkpoint)))
+    check_export_out(out, overwrite)
     model, meta = load_model(checkpoint)
     tok = checkpoint_tokenizer(meta, tokenizer)
     return export_model(model, tok, out, overwrite=overwrite), model, tok

@@ -58,6 +58,8 @@ from sprout.tokenizer import (EOT, HF_FILE, HF_SIDE_FILES, HFTokenizer, Sentence
 HEADER_CUT = r"<\|(?:system|user|assistant)\|>\n"  # tiktoken: text is cut after each role header
 SP_WORD = r"▁*[^▁]+|▁+"  # SentencePiece's words: a run of "▁", then the text up to the next "▁"
 INSTALL_HINT = "pip install -e '.[export]'"
+TOKENIZER_FILES = (HF_FILE, *HF_SIDE_FILES, CHAT_TEMPLATE_FILE, "vocab.json", "merges.txt",
+                   "tokenizer.model")  # every name `write_tokenizer` may write, whatever the kind
 
 
 def write_json(path: Path, obj) -> None:

@@ -69,33 +69,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from sprout.config import RECORDED_WHEN_SET
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.model.onednn import linear, matmul_weight
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 4096              # token ids the embedding holds (the tokenizer's, maybe padded)
-    d_model: int = 256                  # width of the residual stream
-    n_layers: int = 6                   # transformer blocks
-    n_heads: int = 8                    # attention (query) heads; d_model / n_heads must be even
-    n_kv_heads: int | None = None  # None -> n_heads; fewer -> grouped-query attention
-    d_ff: int | None = None  # None -> SwiGLU hidden: smallest multiple of 64 >= 8/3 d_model
-    max_seq_len: int = 512              # longest sequence (context) the model takes
-    rope_theta: float = 10000.0         # rotary embedding base
-    norm_eps: float = 1e-5              # RMSNorm epsilon
+    vocab_size: int = in_range(4096, "[1, inf)")  # token ids the embedding holds (the tokenizer's, maybe padded)
+    d_model: int = in_range(256, "[2, inf)")  # width of the residual stream
+    n_layers: int = in_range(6, "[1, inf)")   # transformer blocks
+    n_heads: int = in_range(8, "[1, inf)")    # attention (query) heads; d_model / n_heads must be even
+    n_kv_heads: int | None = in_range(None, "[1, inf)")  # None -> n_heads; fewer -> grouped-query attention
+    d_ff: int | None = in_range(None, "[1, inf)")  # None -> SwiGLU hidden: smallest multiple of 64 >= 8/3 d_model
+    max_seq_len: int = in_range(512, "[1, inf)")  # longest sequence (context) the model takes
+    rope_theta: float = in_range(10000.0, "(0, inf)")  # rotary embedding base
+    norm_eps: float = in_range(1e-5, "(0, inf)")  # RMSNorm epsilon
     tie_embeddings: bool = False        # the output head shares the embedding matrix
-    init_std: float = 0.02              # std of the normal initial weights
+    init_std: float = in_range(0.02, "(0, inf)")  # std of the normal initial weights
     # Recorded only when set (`sprout.config.RECORDED_WHEN_SET`): earlier configs read and hash as before.
-    d_head: int | None = field(default=None, metadata=RECORDED_WHEN_SET)  # None -> d_model / n_heads
+    d_head: int | None = in_range(None, "[2, inf)", metadata=RECORDED_WHEN_SET)  # None -> d_model / n_heads
     attention_bias: bool = field(default=False, metadata=RECORDED_WHEN_SET)  # biases on q, k, v (Qwen2)
     rope_scaling: dict | None = field(default=None, metadata=RECORDED_WHEN_SET)  # None, or Llama 3's (see LLAMA3_ROPE)
 
     def __post_init__(self) -> None:
         if self.d_head is None and self.d_model % self.n_heads:
             raise SproutError(f"model config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
-        if self.d_head is not None and self.d_head < 2:
-            raise SproutError(f"model config: d_head {self.d_head} must be at least 2")
         if self.head_dim % 2:
             raise SproutError(f"model config: head size {self.head_dim} must be even for rotary embeddings")
         if self.n_heads % self.kv_heads:

@@ -266,15 +266,16 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
              "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |"]
     for r in rows:
         lines.append(f"| {r['stage']} | {r['step']} | " + " | ".join(_fmt(r[c], c) for c in columns) + " |")
-    lines += ["", f"## Wall time and throughput ({hardware()})", "", "| stage | kind | wall time | train tokens/s |",
-              "| --- | --- | ---: | ---: |"]
+    lines += ["", f"## Wall time and throughput ({hardware()})", "", "| stage | kind | wall time | peak RSS | train tokens/s |",
+              "| --- | --- | ---: | ---: | ---: |"]
     tps = {r["stage"]: r["tokens_per_s"] for r in rows}
     for s in preset.stages:
         rec = state["stages"].get(s.name) or {}
         if rec.get("status") == "done":
             t = tps.get(s.name)
+            rss = rec.get("peak_rss_mb")
             lines.append(f"| {s.name} | {s.kind} | {duration(rec.get('wall_s') or 0)} | "
-                         f"{f'{t:,.0f}' if t is not None else '–'} |")
+                         f"{f'{rss / 1024:.2f} GiB' if rss else '–'} | {f'{t:,.0f}' if t is not None else '–'} |")
     shown = lines[3:]  # the two tables
     if held_out:
         lines += [""] + held_out

@@ -26,7 +26,8 @@ under `accelerate launch --config_file <accelerate_config>` when the launcher is
 each, run in order (an eval stage's tasks).
 
 What happens to each stage (`<out>/pipeline_state.json`, written atomically, records for
-each its input hashes and, once it completes, its output hashes):
+each its input hashes, its wall time, its peak resident memory (`peak_rss_mb`: the largest
+process it ran, `run_child`) and, once it completes, its output hashes):
   - its inputs are the sha256 of its config file, its command line, and the input and output
     hashes of the stages it reads, so a change anywhere upstream reaches it;
   - done (same inputs, outputs verify) -> skipped with a note. Outputs verify when a prep or
@@ -47,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from sprout.atomic import make_dir, sha256_file, write_json_atomic
+from sprout.atomic import locked, sha256_file, write_json_atomic
 from sprout.config import read_yaml
 from sprout.errors import SproutError
 from sprout.mirror import ENV as MIRROR_ENV
@@ -321,22 +321,6 @@ def write_state(root: Path, state: dict) -> None:
     write_json_atomic(root / STATE, state)
 
 
-@contextlib.contextmanager
-def locked(root: Path):
-    """Hold `<root>/pipeline.lock` (flock) for the runner's lifetime; a second runner is refused."""
-    make_dir(root)
-    f = open(root / LOCK, "a")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise SproutError(f"{root / LOCK}: another pipeline runner is using {root}") from None
-    try:
-        yield
-    finally:
-        f.close()
-
-
 def remove_temporaries(root: Path) -> list[Path]:
     """Delete every `.tmp-*` file or folder under `root` (what killed atomic writes left)."""
     removed = []
@@ -368,9 +352,12 @@ class StageFailed(Exception):
         self.code = code
 
 
-def run_child(cmd: list[str], env: dict) -> int:
-    """Run one command; SIGTERM to the runner is passed on to it (Ctrl-C reaches it directly, as
-    its process group's terminal signal), and the runner waits for it to stop."""
+def run_child(cmd: list[str], env: dict) -> tuple[int, int]:
+    """Run one command; returns its exit status (as Popen's returncode) and its peak resident
+    memory in bytes (`ru_maxrss` of wait4: the largest of the child and the descendants it
+    waited for, such as `accelerate launch`'s workers; one process's peak, not a sum). SIGTERM
+    to the runner is passed on to it (Ctrl-C reaches it directly, as its process group's
+    terminal signal), and the runner waits for it to stop."""
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     previous = {}
 
@@ -382,7 +369,9 @@ def run_child(cmd: list[str], env: dict) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, forward)
     try:
-        return proc.wait()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return proc.returncode, usage.ru_maxrss * 1024  # Linux reports KiB
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -423,7 +412,8 @@ def run_stage(preset: Preset, stage: Stage, state: dict, env: dict, *, force: bo
         if stage.kind == "train":
             commands = [c + ["--overwrite"] for c in commands]  # deletes only a run's own files, if any
     state["stages"][stage.name] = {"status": "running", "input_hash": input_hash, "inputs": inputs,
-                                   "wall_s": rec.get("wall_s", 0.0) if resume else 0.0}
+                                   "wall_s": rec.get("wall_s", 0.0) if resume else 0.0,
+                                   "peak_rss_mb": rec.get("peak_rss_mb", 0.0) if resume else 0.0}
     write_state(preset.out, state)
     start = time.perf_counter()
     try:
@@ -431,7 +421,9 @@ def run_stage(preset: Preset, stage: Stage, state: dict, env: dict, *, force: bo
             cmd = launch_prefix(preset, stage) + [str(stage.script), *args]
             log("$ " + shlex.join(["python", *cmd[1:]] if cmd[0] == sys.executable else cmd))
             sys.stdout.flush()
-            code = run_child(cmd, env)
+            code, peak_rss = run_child(cmd, env)
+            rss = state["stages"][stage.name]
+            rss["peak_rss_mb"] = max(rss.get("peak_rss_mb", 0.0), round(peak_rss / 2**20, 1))
             if code != 0:
                 raise _exit_message(stage, code)
     finally:
@@ -463,7 +455,7 @@ def run_pipeline(preset: Preset, start: str | None = None, end: str | None = Non
     if mirror:
         env[MIRROR_ENV] = str(Path(mirror).resolve())
     env.setdefault("PYTHONUNBUFFERED", "1")
-    with locked(preset.out):
+    with locked(preset.out, LOCK, "pipeline runner"):
         if removed := remove_temporaries(preset.out):
             log(f"removed {len(removed)} temporary file(s) a killed write left under {preset.out}")
         state = read_state(preset.out)

@@ -49,6 +49,7 @@ from typing import Iterator
 
 from sprout.answers import format_reasoning, normalise_number, not_a_number_reason
 from sprout.config import from_dict
+from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
 from sprout.formats.jsonl import load_json
 from sprout.mirror import ENV as MIRROR_VARIABLE
@@ -69,10 +70,10 @@ class SourceConfig:
     hub: str | None = None  # dataset id (or local folder) for `datasets.load_dataset`
     hub_config: str | None = None
     split: str = "train"
-    weight: float = 1.0  # examples taken per example read (train split): 0.5 halves, 2 doubles
-    count: int = 0  # arithmetic only: problems generated
+    weight: float = in_range(1.0, "[0, inf)")  # examples taken per example read (train split): 0.5 halves, 2 doubles
+    count: int = in_range(0, "[0, inf)")  # arithmetic only: problems generated
     levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic only
-    seed: int = 0  # arithmetic only
+    seed: int = in_range(0, SEED_RANGE)  # arithmetic only
 
 
 def from_dict_source(data, index: int) -> SourceConfig:
@@ -80,8 +81,6 @@ def from_dict_source(data, index: int) -> SourceConfig:
     spec = from_dict(SourceConfig, data, f"sources[{index}]")
     if spec.format not in FORMATS:
         raise SproutError(f"sources[{index}] ({spec.name}): unknown format {spec.format!r} (expected one of {', '.join(FORMATS)})")
-    if spec.weight < 0:
-        raise SproutError(f"sources[{index}] ({spec.name}): weight must be >= 0, got {spec.weight}")
     return spec
 
 

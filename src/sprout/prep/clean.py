@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sprout.ranges import in_range
+
 RULES: dict[str, dict[str, str]] = {
     "quotes": {"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'},
     "dashes": {"\u2013": "-", "\u2014": " - "},
@@ -39,8 +41,8 @@ class CleanConfig:
     nbsp: bool = True                    # non-breaking spaces -> spaces
     cr: bool = True                      # drop carriage returns
     whitespace: bool = True              # trim lines, collapse runs of blank lines
-    min_chars: int = 80                  # 0 disables
-    max_non_ascii: float | None = 0.002  # None disables
+    min_chars: int = in_range(80, "[0, inf)")  # 0 disables
+    max_non_ascii: float | None = in_range(0.002, "[0, 1]")  # None disables
     dedup: bool = True                   # drop exact duplicate documents
 
 

@@ -56,6 +56,7 @@ from sprout.atomic import write_json_atomic
 from sprout.chat import ChatError, validate
 from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
+from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_preferences
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, string_field
@@ -75,19 +76,19 @@ class PreferenceSourceConfig:
     hub_config: str | None = None
     split: str = "train"  # hub split; for arithmetic the generator's split (train | test | all)
     margin: bool = False  # ultrafeedback / jsonl: score_chosen - score_rejected becomes `margin`
-    count: int = 0  # arithmetic: pairs to generate
+    count: int = in_range(0, "[0, inf)")  # arithmetic: pairs to generate
     levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic
-    seed: int | None = None  # arithmetic; None: the prep seed
-    broken_format_fraction: float = 0.25  # arithmetic: share of rejected answers with broken tags
+    seed: int | None = in_range(None, SEED_RANGE)  # arithmetic; None: the prep seed
+    broken_format_fraction: float = in_range(0.25, "[0, 1]")  # arithmetic: share of rejected answers with broken tags
 
 
 @dataclass
 class PreferenceDataConfig:
     out: str = "runs/demo/prefs"  # output folder: preferences.jsonl, preferences_test.jsonl
     mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
-    max_examples: int | None = None  # records read per source, for quick runs
-    seed: int = 0  # generated sources and the order of each split
-    test_fraction: float = 0.05  # share of pairs (by prompt hash) in the test file
+    max_examples: int | None = in_range(None, "[0, inf)")  # records read per source, for quick runs
+    seed: int = in_range(0, SEED_RANGE)  # generated sources and the order of each split
+    test_fraction: float = in_range(0.05, "[0, 1)")  # share of pairs (by prompt hash) in the test file
     dedup: bool = True  # drop exact duplicates
     sources: list = field(default_factory=list)  # PreferenceSourceConfig fields, one mapping each
 
@@ -258,14 +259,7 @@ def prompt_key(prompt: list) -> bytes:
 # ---- the whole prep --------------------------------------------------------------------
 
 def check_config(cfg: PreferenceDataConfig) -> list[PreferenceSourceConfig]:
-    if not 0.0 <= cfg.test_fraction < 1.0:
-        raise SproutError(f"test_fraction must be in [0, 1), got {cfg.test_fraction}")
-    return check_sources(cfg.sources, PreferenceSourceConfig, FORMATS, _check_spec)
-
-
-def _check_spec(spec: PreferenceSourceConfig, where: str) -> None:
-    if spec.format == "arithmetic" and not 0.0 <= spec.broken_format_fraction <= 1.0:
-        raise SproutError(f"{where}: broken_format_fraction must be in [0, 1], got {spec.broken_format_fraction}")
+    return check_sources(cfg.sources, PreferenceSourceConfig, FORMATS)
 
 
 def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:

@@ -45,6 +45,7 @@ import numpy as np
 from sprout.formats import manifest as mf
 from sprout.atomic import check_writable, make_dir, safe_name, sha256_file
 from sprout.config import from_dict
+from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
 from sprout.formats.shards import dtype_for_vocab
 from sprout.mirror import expand_path, mirror_dir
@@ -67,15 +68,16 @@ class PrepConfig:
     tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME, sentencepiece:PATH.model or hf:PATH
     out: str = "runs/data"             # output folder: shards, manifest.json
     mirror: str | None = None          # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
-    val_frac: float = 0.01             # share of documents (by hash) in the val split
-    val_docs: int | None = None        # per source; overrides val_frac
-    shard_tokens: int = 100_000_000    # tokens per .bin shard
-    run_tokens: int = 1_000_000        # documents are shuffled in runs of about this many tokens
-    train_tokens: int | None = None    # output train size when weights are given (default: natural total)
+    val_frac: float = in_range(0.01, "[0, 1)")  # share of documents (by hash) in the val split
+    val_docs: int | None = in_range(None, "[0, inf)")  # per source; overrides val_frac
+    shard_tokens: int = in_range(100_000_000, "[1, inf)")  # tokens per .bin shard
+    run_tokens: int = in_range(1_000_000, "[1, inf)")  # documents are shuffled in runs of about this many tokens
+    # output train size when weights are given (default: natural total)
+    train_tokens: int | None = in_range(None, "[1, inf)")
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocab fits
     format: Literal["bin", "hdf5", "both"] = "bin"  # .bin shards, one HDF5 file, or both
-    workers: int = 0                   # 0 = one per core
-    seed: int = 0                      # order and resampling of the documents
+    workers: int = in_range(0, "[0, inf)")  # 0 = one per core
+    seed: int = in_range(0, SEED_RANGE)  # order and resampling of the documents
     strict: bool = False               # fail on an invalid JSON line instead of skipping it
     clean: CleanConfig = field(default_factory=CleanConfig)  # text cleaning (sprout.prep.clean)
 
@@ -174,8 +176,6 @@ def prepare(
     mirror = str(root) if root is not None else None
     if cfg.format not in ("bin", "hdf5", "both"):
         raise SproutError(f"--format must be bin, hdf5 or both, got {cfg.format!r}")
-    if cfg.shard_tokens <= 0 or cfg.run_tokens <= 0:
-        raise SproutError("shard_tokens and run_tokens must be positive")
     safe_name(cfg.name, "name")
     given, specs = zip(*resolve_sources(cfg, mirror))
     tok = tokenizer or load_tokenizer(expand_path(cfg.tokenizer, mirror), mirror)

@@ -29,9 +29,11 @@ class Drop(Exception):
         self.reason = reason
 
 
-def check_sources(sources: list, spec_cls: type, formats, check_spec: Callable[[object, str], None]) -> list:
+def check_sources(sources: list, spec_cls: type, formats,
+                  check_spec: Callable[[object, str], None] | None = None) -> list:
     """`sources[i]` read as `spec_cls`, each checked: a known format; levels and a positive count
-    for an arithmetic source, else a path or a hub id; then `check_spec(spec, where)`. Names unique."""
+    for an arithmetic source, else a path or a hub id; then `check_spec(spec, where)` when given.
+    Names unique."""
     if not sources:
         raise SproutError("no sources configured (the config needs a `sources:` list)")
     specs = []
@@ -46,7 +48,8 @@ def check_sources(sources: list, spec_cls: type, formats, check_spec: Callable[[
                 raise SproutError(f"{where}: count must be > 0 for an arithmetic source")
         elif not spec.path and not spec.hub:
             raise SproutError(f"{where}: needs a path or a hub id")
-        check_spec(spec, where)
+        if check_spec is not None:
+            check_spec(spec, where)
         specs.append(spec)
     names = [s.name for s in specs]
     if len(set(names)) != len(names):

@@ -65,6 +65,7 @@ from sprout.atomic import write_json_atomic
 from sprout.chat import ChatError, validate
 from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
+from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.prompts import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
@@ -88,18 +89,18 @@ class PromptSourceConfig:
     hub_config: str | None = None
     split: str = "train"  # hub split / the split the file holds; arithmetic: the generator's (train | test | all)
     own_split: bool = False  # keep `split` (train | test) instead of the hash split
-    count: int = 0  # arithmetic: problems to generate
+    count: int = in_range(0, "[0, inf)")  # arithmetic: problems to generate
     levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic
-    seed: int | None = None  # arithmetic; None: the prep seed
+    seed: int | None = in_range(None, SEED_RANGE)  # arithmetic; None: the prep seed
 
 
 @dataclass
 class PromptDataConfig:
     out: str = "runs/demo/rl_prompts"  # output folder of the prompt files
     mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
-    max_examples: int | None = None  # records read per source, for quick runs
-    seed: int = 0  # generated sources and the order of each split
-    test_fraction: float = 0.05  # for sources without own_split
+    max_examples: int | None = in_range(None, "[0, inf)")  # records read per source, for quick runs
+    seed: int = in_range(0, SEED_RANGE)  # generated sources and the order of each split
+    test_fraction: float = in_range(0.05, "[0, 1)")  # for sources without own_split
     dedup: bool = True  # drop exact duplicates
     instruction: str | None = None  # appended to GSM8K / arithmetic questions; None: the SFT shape
     sources: list = field(default_factory=list)  # PromptSourceConfig fields, one mapping each
@@ -219,10 +220,6 @@ def source_prompt_id(source: str, key: bytes) -> str:
 # ---- the whole prep --------------------------------------------------------------------
 
 def check_config(cfg: PromptDataConfig) -> list[PromptSourceConfig]:
-    if not 0.0 <= cfg.test_fraction < 1.0:
-        raise SproutError(f"test_fraction must be in [0, 1), got {cfg.test_fraction}")
-    if cfg.max_examples is not None and cfg.max_examples < 0:
-        raise SproutError(f"max_examples must be >= 0, got {cfg.max_examples}")
     return check_sources(cfg.sources, PromptSourceConfig, FORMATS, _check_spec)
 
 

@@ -44,17 +44,18 @@ from sprout.prep.mixture import resample
 from sprout.prep.packing import OVERLONG_POLICIES, pack
 from sprout.prep.records import empty_split_warning, kept_records, log_first_drops
 from sprout.prep.sources import print_warning
+from sprout.ranges import SEED_RANGE, in_range
 
 
 @dataclass
 class SFTDataConfig:
     tokenizer: str = "tiktoken:r50k_base"  # tiktoken:NAME, sentencepiece:PATH.model or hf:PATH
     out: str = "runs/demo/sft/sft.h5"  # train file; val beside it with _val
-    seq_len: int = 512  # row length in tokens
+    seq_len: int = in_range(512, "[2, 65535]")  # row length in tokens
     mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
-    max_examples: int | None = None  # per source, for quick runs
-    seed: int = 0  # resampling of weighted sources
-    val_fraction: float = 0.02  # share of conversations in the val file
+    max_examples: int | None = in_range(None, "[0, inf)")  # per source, for quick runs
+    seed: int = in_range(0, SEED_RANGE)  # resampling of weighted sources
+    val_fraction: float = in_range(0.02, "[0, 1)")  # share of conversations in the val file
     dedup: bool = True  # drop exact duplicate conversations
     overlong: Literal["truncate", "drop"] = "truncate"  # what happens to examples longer than seq_len
     sources: list = field(default_factory=list)  # SourceConfig fields, one mapping per source
@@ -63,10 +64,6 @@ class SFTDataConfig:
 def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
     if cfg.overlong not in OVERLONG_POLICIES:
         raise SproutError(f"overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {cfg.overlong!r}")
-    if not 2 <= cfg.seq_len <= 65535:
-        raise SproutError(f"seq_len must be in 2..65535, got {cfg.seq_len}")
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise SproutError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
     if not cfg.sources:
         raise SproutError("no sources configured (--source PATH[:WEIGHT] with --format, or a `sources:` list in the config)")
     safe_name(Path(cfg.out).name, f"out {cfg.out}")

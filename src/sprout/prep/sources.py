@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from sprout.errors import SproutError
+from sprout.ranges import in_range
 from sprout.tokenizer import EOT
 
 CHUNK = 1 << 20
@@ -54,14 +55,14 @@ class SourceSpec:
 
     path: str
     name: str | None = None
-    weight: float | None = None
+    weight: float | None = in_range(None, "[0, inf)")  # documents taken per document read; None: 1
     text_field: str | None = None      # None -> the pipeline's default ("text")
     format: str = "auto"              # auto | txt | jsonl | json | parquet | hf
     separator: str | None = None      # .txt: None = auto (<|endoftext|> if present, else blank lines)
     keep_unterminated: bool = False   # .txt: keep a final fragment with no closing separator
     hf_config: str | None = None      # hub datasets: config name (e.g. "sample-10BT")
     split: str = "train"              # hub / save_to_disk datasets: which split
-    max_docs: int | None = None       # stop after this many documents (None: all)
+    max_docs: int | None = in_range(None, "[0, inf)")  # stop after this many documents (None: all)
 
 
 @dataclass

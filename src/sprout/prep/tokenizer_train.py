@@ -27,6 +27,7 @@ from typing import Iterable, Iterator
 
 from sprout.atomic import atomic_write, check_writable, remove_stale_temps, safe_name
 from sprout.config import from_dict
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.mirror import expand_path, mirror_dir
 from sprout.prep.clean import CleanConfig, Cleaner
@@ -120,14 +121,14 @@ def train_sentencepiece(
 class TokenizerTrainConfig:
     sources: list = field(default_factory=list)  # "PATH" strings or SourceSpec mappings, as for prep
     text_field: str = "text"                     # JSON field holding the document text
-    vocab_size: int = 4096                       # pieces, the special ones included
+    vocab_size: int = in_range(4096, f"[{len(SPECIAL_PIECES) + 257}, inf)")  # pieces, the special ones included
     out: str = "runs/tokenizer/sp4096"           # writes OUT.model and OUT.vocab
     mirror: str | None = None                    # fills ${SPROUT_MIRROR} in paths
-    max_chars: int = 200_000_000                 # training text cap (sources interleaved)
+    max_chars: int = in_range(200_000_000, "[0, inf)")  # training text cap (sources interleaved); 0: none
     clean: bool = True                           # apply the pipeline's cleaning (sprout.prep.clean) first
     strict: bool = False                         # fail on an invalid JSON line instead of skipping it
-    exclude_val_frac: float = 0.0                # skip the documents that prep's hash-fraction split with
-                                                 # this val_frac sends to val, so val bpb is honest
+    # skip the documents that prep's hash-fraction split with this val_frac sends to val, so val bpb is honest
+    exclude_val_frac: float = in_range(0.0, "[0, 1)")
     split_digits: bool = True                    # every digit its own piece (numbers spelt digit by digit)
 
 

@@ -2,19 +2,29 @@
 by `sprout.answers` (`parse_answer`, `answers_match`, `is_reasoning_format`).
 
 Rewards follow TRL's reward-function convention: `fn(completions, **columns)` returns one
-float per completion, or None to abstain on it (here: a gold that is not a number).
-`combine_rewards` sums `weight × value` over the functions that did not abstain (an
-abstention counts 0, as TRL's nansum does; a sample every function abstains on gets 0)
-and keeps each function's values for `reward_metrics` (`rewards/<name>/mean|std`).
+float per completion, or None to abstain on it (here: a gold that is not a number). The RL
+stages pass the columns `REWARD_COLUMNS`; `check_reward_function` refuses, before a run
+starts, a function that cannot be called so. `combine_rewards` takes each function's values
+as they are (a list of one finite number or None per completion; anything else -- NaN, inf,
+a string, a bool, a value too many or too few -- is refused in one line naming the function
+and the completion, never converted), sums `weight × value` over the functions that did not
+abstain (an abstention counts 0, as TRL's nansum does; a sample every function abstains on
+gets 0) and keeps each function's values for `reward_metrics` (`rewards/<name>/mean|std`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 from dataclasses import dataclass
+from collections.abc import Iterable, Sized
 from typing import Callable, Sequence
 
 from sprout.answers import answers_match, is_reasoning_format, parse_answer, parse_number
+from sprout.errors import SproutError
+
+REWARD_COLUMNS = ("gold", "completion_lengths")  # what the RL stages pass a reward function besides the completions
 
 
 # ---- reward functions ------------------------------------------------------------------
@@ -83,17 +93,59 @@ class CombinedRewards:
     per_function: dict[str, list[float | None]]
 
 
-def combine_rewards(rewards: Sequence[WeightedReward], completions: Sequence[str], **columns) -> CombinedRewards:
-    """Call every function on the batch; total = sum of weight × value over the functions
-    that did not abstain on a sample (0 when all did)."""
+def check_reward_function(name: str, fn, where: str) -> None:
+    """SproutError (one line, naming `where` and the function) unless `fn` can be called as a
+    reward function: `fn(completions, **{column: ...})` for every one of `REWARD_COLUMNS`."""
+    if not callable(fn):
+        raise SproutError(f"{where}: {name!r} is a {type(fn).__name__}, not a function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise SproutError(f"{where}: {name!r} is not a reward function (its signature cannot be read; a reward "
+                          f"function is fn(completions, **columns))") from None
+    try:
+        signature.bind([], **{column: [] for column in REWARD_COLUMNS})
+    except TypeError:
+        raise SproutError(f"{where}: {name!r} is not a reward function: it takes {signature}, not (completions, "
+                          f"**columns) with the columns {', '.join(REWARD_COLUMNS)}") from None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def reward_values(r: WeightedReward, values, n: int, completion_names: Sequence[str] | None = None) -> list:
+    """`values`, what reward function `r` returned for `n` completions, as a list of floats and
+    Nones; SproutError naming the function (and the completion: `completion_names[i]`, else its
+    index) unless it is a list of one finite number (not a bool) or None per completion."""
+    if isinstance(values, (str, bytes, dict)) or not (isinstance(values, Sized) and isinstance(values, Iterable)):
+        raise SproutError(f"reward function {r.name!r} returned {_short(values)}; expected a list of one number "
+                          f"(or None) per completion")
+    values = list(values)
+    if len(values) != n:
+        raise SproutError(f"reward function {r.name!r} returned {len(values)} values for {n} completions; expected "
+                          f"one per completion")
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)):
+            name = completion_names[i] if completion_names is not None else f"completion {i}"
+            raise SproutError(f"reward function {r.name!r} returned {_short(v)} for {name}; expected a finite "
+                              f"number or None (abstain)")
+        out.append(None if v is None else float(v))
+    return out
+
+
+def combine_rewards(rewards: Sequence[WeightedReward], completions: Sequence[str], *,
+                    completion_names: Sequence[str] | None = None, **columns) -> CombinedRewards:
+    """Call every function on the batch (with `columns`); total = sum of weight × value over
+    the functions that did not abstain on a sample (0 when all did). `completion_names`: how an
+    error names each completion (`reward_values`)."""
     per_function: dict[str, list[float | None]] = {}
     for r in rewards:
         if r.name in per_function:
             raise ValueError(f"two reward functions are named {r.name!r}")
-        values = list(r.fn(completions, **columns))
-        if len(values) != len(completions):
-            raise ValueError(f"reward {r.name!r} returned {len(values)} values for {len(completions)} completions")
-        per_function[r.name] = [None if v is None else float(v) for v in values]
+        per_function[r.name] = reward_values(r, r.fn(completions, **columns), len(completions), completion_names)
     totals = []
     for i in range(len(completions)):
         totals.append(math.fsum(r.weight * per_function[r.name][i] for r in rewards

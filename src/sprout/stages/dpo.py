@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sprout.checkpoint import load_weights, read_meta
-from sprout.config import resume_free
+from sprout.config import check_ranges, resume_free
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.losses.preference import (
     REFERENCE_FREE,
@@ -61,10 +62,10 @@ class DPOLossConfig:
     """TRL's DPOConfig names; see sprout.losses.preference for each loss."""
     loss_type: str | list = "sigmoid"   # a name or a list: sigmoid, ipo, hinge, robust, simpo, orpo, sft, ...
     loss_weights: list | None = None    # one weight per loss_type; None: 1.0 each
-    beta: float = 0.1                   # β of every variant (ORPO's λ)
-    label_smoothing: float = 0.0        # ε of robust and exo_pair
-    simpo_gamma: float = 0.5
-    discopop_tau: float = 0.05
+    beta: float = in_range(0.1, "(0, inf)")  # β of every variant (ORPO's λ)
+    label_smoothing: float = in_range(0.0, "[0, 0.5]")  # ε of robust and exo_pair (TRL's range)
+    simpo_gamma: float = in_range(0.5, "[0, inf)")  # SimPO's target reward margin γ
+    discopop_tau: float = in_range(0.05, "(0, inf)")  # DiscoPOP's temperature τ
     ref: str = ""                       # reference checkpoint; "": the init checkpoint
     precompute_ref_logps: bool = False  # reference log-probs computed once and cached beside the data
 
@@ -187,6 +188,7 @@ class DPOStage(PreferenceStage):
 def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference unless reference-free), resume if asked,
     train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     check_dpo_options(cfg.dpo)
     run = open_preference_run(cfg, "dpo", resume)
     cfg, acc = run.cfg, run.accelerator

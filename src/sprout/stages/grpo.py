@@ -9,8 +9,12 @@ generation batch (`GRPOStage.fill_buffer`):
   holds its share of informative groups or `grpo.max_generation_rounds` rounds were run;
   a batch still short is topped up with set-aside groups (advantage 0) and counted in
   `dynamic_sampling/short_batches`; `dynamic_sampling/rounds` is the rounds it took;
-- old log-probs (and the frozen reference's when `grpo.beta` > 0) come from one no-grad
-  forward per buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
+- old log-probs come from one no-grad forward per buffer when the buffer serves more than one
+  optimizer step (`grpo.num_iterations` > 1) or the KL goes into the reward; otherwise the
+  policy that computes the loss is the one that sampled, so its own detached log-probs are
+  the old ones (ratio 1, the same gradient, as TRL does) and that forward is skipped;
+  the frozen reference's log-probs (`grpo.beta` > 0) come from one no-grad forward per
+  buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
   its reward before the advantages; `loss` (default) adds β × KL per token to the loss;
 - advantages per group (`sprout.rl.advantages.group_advantages`: `grpo.advantage` grpo |
   rloo | dr_grpo, `grpo.scale_rewards` group | batch | none; batch scaling divides by the
@@ -42,12 +46,14 @@ val_accuracy, val_format, val_mean_length, ...).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from sprout.config import require, resume_free
+from sprout.config import check_ranges, require, resume_free
+from sprout.ranges import in_range
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
 from sprout.rl.kl import kl_estimate
@@ -74,30 +80,24 @@ class GRPOLossConfig:
     advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
     scale_rewards: str | None = None    # group | batch | none; None: the advantage's default (grpo: group)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None   # None: epsilon (clip-higher when larger)
-    delta: float | None = None          # two-sided clipping: the ratio is capped at delta (> 1)
+    epsilon: float = in_range(0.2, "(0, 1)")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = in_range(None, "(0, inf)")  # None: epsilon (clip-higher when larger)
+    delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
-    num_iterations: int = 1             # μ: optimizer steps per generation batch
-    beta: float = 0.0                   # KL weight; 0: no reference model at all
+    num_iterations: int = in_range(1, "[1, inf)")  # μ: optimizer steps per generation batch
+    beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
-    max_generation_rounds: int = 4      # rounds of generation per batch with dynamic_sampling
-    entropy_coef: float = 0.0           # entropy bonus
+    max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
+    entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
 
     def __post_init__(self) -> None:
         require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", self.scale_rewards,
                 "group, batch, none or null")
         require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards",
                 self.scale_rewards, "none (or null) with advantage dr_grpo")
-        require(self.epsilon > 0, "epsilon", self.epsilon, "> 0")
-        require(self.epsilon_high is None or self.epsilon_high > 0, "epsilon_high", self.epsilon_high, "> 0")
-        require(self.delta is None or self.delta > 1, "delta", self.delta, "> 1")
-        require(self.num_iterations >= 1, "num_iterations", self.num_iterations, ">= 1")
-        require(self.beta >= 0, "beta", self.beta, ">= 0")
-        require(self.max_generation_rounds >= 1, "max_generation_rounds", self.max_generation_rounds, ">= 1")
 
 
 @dataclass
@@ -119,6 +119,10 @@ class GRPOStage(RLStage):
         super().__init__(*args, num_iterations=grpo.num_iterations, **kw)
         self.cfg, self.ref_model = grpo, ref_model
         self.scale = DEFAULT_SCALE[grpo.advantage] if grpo.scale_rewards is None else grpo.scale_rewards
+        # the loss's own detached log-probs are the old ones (module doc): no old-logprob forward
+        self.old_from_loss = grpo.num_iterations == 1 and not (ref_model is not None and grpo.kl_in == "reward")
+        self.step_logp_diff_max = 0.0  # sampling/logp_diff_max over this step's micro-batches (old_from_loss)
+        self.first_buffer = True          # the run's first generation batch: its rewards are looked at
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -160,7 +164,8 @@ class GRPOStage(RLStage):
         c, acc = self.cfg, self.acc
         rollout, totals, per_fn, counts = self.sample_groups()
         mask = rollout["completion_mask"]
-        rollout["old_logps"] = self.logps_of(self.model, rollout)
+        if not self.old_from_loss:
+            rollout["old_logps"] = self.logps_of(self.model, rollout)
         kl_sums = None
         if self.ref_model is not None:
             rollout["ref_logps"] = self.logps_of(self.ref_model, rollout)
@@ -179,6 +184,9 @@ class GRPOStage(RLStage):
         else:
             adv = group_advantages(totals_adv, self.G, c.advantage, self.scale).advantages
         rollout["advantages"] = adv.float()
+        if self.first_buffer:
+            self.first_buffer = False
+            self.warn_zero_rewards(table[:, 1])
         stats = self.buffer_stats(table, rollout, counts, kl_sums)
         rollout.pop("lengths")
         # TRL clamps the token denominator to 1: a global batch whose every completion left the
@@ -189,15 +197,20 @@ class GRPOStage(RLStage):
         rollout["extra_target"][0] = int(empty and acc.is_main_process)
         return rollout, stats
 
+    def warn_zero_rewards(self, rewards: torch.Tensor) -> None:
+        """A warning (rank 0) when every reward of the global batch `rewards` is 0: every
+        advantage is then 0 and the step learns nothing."""
+        if self.acc.is_main_process and not bool(rewards.abs().sum()):
+            names = ", ".join(r.name for r in self.rewards)
+            print(f"warning: grpo: every reward of the first generation batch is 0 ({rewards.numel()} completions; "
+                  f"reward functions {names}): every advantage is 0 and nothing is learned until some reward is not; "
+                  f"check rewards.reward_funcs and the prompts' gold", file=sys.stderr, flush=True)
+
     def buffer_stats(self, table: torch.Tensor, rollout: dict, counts: dict, kl_sums) -> dict:
         """The buffer's figures over the global batch as {name: (sum, count)} (rl_stage doc)."""
         acc, G = self.acc, self.G
         red = all_reduce_sums(acc, {"groups": counts["groups"], "zero_std": counts["zero_std"],
                                     "short": counts["short"], **dict(zip(("kl", "kl_n"), kl_sums or (0, 0)))})
-        mask = rollout["completion_mask"].bool()
-        diff = (rollout["old_logps"] - rollout["sampler_logps"]).abs()[mask]
-        d = all_reduce_sums(acc, {"sum": diff.double().sum(), "n": float(diff.numel())})
-        diff_max = float(self.gather(diff.max().reshape(1) if diff.numel() else torch.zeros(1)).max())
         n, lengths = table.shape[0], table[:, 2]
         stats = {"reward": (float(table[:, 1].sum()), n),
                  "reward_std": (float(table[:, 0].view(-1, G).std(dim=1).sum()), n // G),
@@ -205,8 +218,13 @@ class GRPOStage(RLStage):
                  "completions/mean_length": (float(lengths.sum()), n),
                  "completions/max_length": (float(lengths.max()), 1),
                  "completions/min_length": (float(lengths.min()), 1),
-                 "completions/clipped_ratio": (float(table[:, 3].sum()), n),
-                 "sampling/logp_diff_mean": (d["sum"], d["n"]), "sampling/logp_diff_max": (diff_max, 1)}
+                 "completions/clipped_ratio": (float(table[:, 3].sum()), n)}
+        if "old_logps" in rollout:  # else the loss logs them (`sampling_metrics`)
+            mask = rollout["completion_mask"].bool()
+            diff = (rollout["old_logps"] - rollout["sampler_logps"]).abs()[mask]
+            d = all_reduce_sums(acc, {"sum": diff.double().sum(), "n": float(diff.numel())})
+            diff_max = float(self.gather(diff.max().reshape(1) if diff.numel() else torch.zeros(1)).max())
+            stats.update({"sampling/logp_diff_mean": (d["sum"], d["n"]), "sampling/logp_diff_max": (diff_max, 1)})
         per_fn = {r.name: [None if math.isnan(v) else v for v in table[:, 4 + i].tolist()]
                   for i, r in enumerate(self.rewards)}
         stats.update({k: (v, 1) for k, v in reward_metrics(per_fn).items()})
@@ -238,21 +256,41 @@ class GRPOStage(RLStage):
         if self.ref_model is not None and c.kl_in == "loss":
             kl = kl_estimate(logps, batch["ref_logps"], c.kl_estimator)
             kl = torch.where(real, kl, torch.zeros((), device=kl.device))
-        out = policy_loss(logps, batch["old_logps"], batch["advantages"], self.loss_mask(batch),
+        old, sampling = batch.get("old_logps"), {}
+        if old is None:  # old_from_loss
+            old, sampling = logps.detach(), self.sampling_metrics(logps.detach(), batch, real)
+        out = policy_loss(logps, old, batch["advantages"], self.loss_mask(batch),
                           loss_type=c.loss_type, max_completion_length=self.rollout.max_completion_length,
                           epsilon=c.epsilon, epsilon_high=c.epsilon_high, delta=c.delta,
                           importance_sampling=c.importance_sampling_level, per_token_kl=kl, beta=c.beta,
                           entropy=entropy, entropy_coef=c.entropy_coef)
         n = out.denominator + batch["extra_target"].sum()
-        return out.loss_sum, n, {**out.metrics, **self.stat_metrics(batch)}
+        return out.loss_sum, n, {**out.metrics, **sampling, **self.stat_metrics(batch)}
+
+    def sampling_metrics(self, logps: torch.Tensor, batch: dict, real: torch.Tensor) -> dict:
+        """sampling/logp_diff_mean of a micro-batch as (sum, count) per completion token; its
+        max is kept for `derived_metrics`. Used when the loss's log-probs are the old ones."""
+        diff = (logps - batch["sampler_logps"]).abs()[real]
+        if diff.numel():
+            self.step_logp_diff_max = max(self.step_logp_diff_max, float(diff.max()))
+        return {"sampling/logp_diff_mean": (diff.double().sum(), diff.numel())}
+
+    def derived_metrics(self, reduced: dict) -> dict:
+        """sampling/logp_diff_max of the step over every rank (old_from_loss; else the buffer's)."""
+        if not self.old_from_loss:
+            return {}
+        worst = float(self.gather(torch.tensor([self.step_logp_diff_max])).max())
+        self.step_logp_diff_max = 0.0
+        return {"sampling/logp_diff_max": worst}
 
 
 def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference when grpo.beta > 0), resume if asked,
     train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
+    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
     cfg, acc = run.cfg, run.accelerator
-    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     policy = run.init_lm(load=run.resume is None)  # from a PPO policy: without its value head
     ref = run.init_lm() if cfg.grpo.beta > 0 else None
     if ref is not None:

@@ -72,7 +72,8 @@ from typing import Literal
 
 import torch
 
-from sprout.config import require, resume_free
+from sprout.config import check_ranges, resume_free
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
 from sprout.model.load import init_from_lm, load_model
@@ -100,51 +101,35 @@ from sprout.engine.run import StageConfig, train_stage
 @dataclass
 class PPOBatchConfig(PromptBatchConfig):
     """The RL batch with PPO's defaults: one completion per prompt, and mini-batches."""
-    num_generations: int = 1            # completions per prompt (PPO needs no groups)
-    num_mini_batches: int = 1           # optimizer steps per pass over a generation batch (TRL's)
-
-    def __post_init__(self) -> None:
-        for name in ("global_prompts", "micro_completions", "num_generations", "num_mini_batches"):
-            require(getattr(self, name) > 0, name, getattr(self, name), "a positive number")
+    num_generations: int = in_range(1, "[1, inf)")  # completions per prompt (PPO needs no groups)
+    num_mini_batches: int = in_range(1, "[1, inf)")  # optimizer steps per pass over a generation batch (TRL's)
 
 
 @dataclass
 class PPOLossConfig:
     """TRL's PPOConfig names where it has them (module doc)."""
-    reward_model_weight: float = 1.0    # weight of the reward model's score (with a reward_model)
+    reward_model_weight: float = in_range(1.0, "[0, inf)")  # weight of the reward model's score (with a reward_model)
     missing_eos: Literal["penalty", "zero"] = "penalty"  # a completion without end-of-turn: penalised or scored 0
-    missing_eos_penalty: float = 1.0    # subtracted from its score (missing_eos: penalty)
-    kl_coef: float = 0.05               # KL weight (the adaptive controller's initial value)
+    missing_eos_penalty: float = in_range(1.0, "[0, inf)")  # subtracted from its score (missing_eos: penalty)
+    kl_coef: float = in_range(0.05, "[0, inf)")  # KL weight (the adaptive controller's initial value)
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in: Literal["reward", "loss"] = "reward"
     adaptive_kl: bool = False           # steer kl_coef towards target_kl (Ziegler et al. 2019)
-    target_kl: float = 6.0              # objective/kl the adaptive controller aims at (nats per sequence)
-    horizon: int = 10000                # the adaptive controller's horizon, in completions
-    gamma: float = 1.0                  # GAE discount
-    lam: float = 0.95                   # GAE lambda
+    target_kl: float = in_range(6.0, "(0, inf)")  # objective/kl the adaptive controller aims at (nats per sequence)
+    horizon: int = in_range(10000, "[1, inf)")  # the adaptive controller's horizon, in completions
+    gamma: float = in_range(1.0, "[0, 1]")  # GAE discount
+    lam: float = in_range(0.95, "[0, 1]")   # GAE lambda
     whiten_rewards: bool = False        # whiten the token rewards (mean kept) before GAE
-    cliprange: float = 0.2              # policy ratio clip
-    dual_clip: float | None = None      # c > 1 (3 in Ye et al. 2020): a negative advantage's loss is at most -c A
-    vf_coef: float = 0.1                # weight of the value loss
-    cliprange_value: float = 0.2        # value clip around the old values
-    entropy_coef: float = 0.0           # entropy bonus
-    num_ppo_epochs: int = 4             # passes over each generation batch
+    cliprange: float = in_range(0.2, "(0, 1)")  # the policy ratio is clipped to [1 - cliprange, 1 + cliprange]
+    # c (3 in Ye et al. 2020): a negative advantage's loss is at most -c A
+    dual_clip: float | None = in_range(None, "(1, inf)")
+    vf_coef: float = in_range(0.1, "[0, inf)")  # weight of the value loss
+    cliprange_value: float = in_range(0.2, "[0, inf)")  # value clip around the old values
+    entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
+    num_ppo_epochs: int = in_range(4, "[1, inf)")  # passes over each generation batch
     value_init: Literal["policy", "reward"] = "policy"  # value head: fresh, or the reward model's score head
-    value_lr: float | None = None       # the value head's peak lr; None: optim.lr × vf_lr_scale
-    vf_lr_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("kl_coef", "missing_eos_penalty", "vf_coef", "entropy_coef", "cliprange_value"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
-        require(self.cliprange > 0, "cliprange", self.cliprange, "> 0")
-        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", self.dual_clip, "> 1 (or null)")
-        require(0 <= self.gamma <= 1, "gamma", self.gamma, "in [0, 1]")
-        require(0 <= self.lam <= 1, "lam", self.lam, "in [0, 1]")
-        require(self.target_kl > 0, "target_kl", self.target_kl, "> 0")
-        require(self.horizon > 0, "horizon", self.horizon, "> 0")
-        require(self.num_ppo_epochs >= 1, "num_ppo_epochs", self.num_ppo_epochs, ">= 1")
-        require(self.value_lr is None or self.value_lr > 0, "value_lr", self.value_lr, "> 0 (or null)")
-        require(self.vf_lr_scale > 0, "vf_lr_scale", self.vf_lr_scale, "> 0")
+    value_lr: float | None = in_range(None, "(0, inf)")  # the value head's peak lr; None: optim.lr × vf_lr_scale
+    vf_lr_scale: float = in_range(1.0, "(0, inf)")  # the value head's lr as a multiple of optim.lr
 
 
 @dataclass
@@ -351,7 +336,7 @@ class PPOStage(RLStage):
     def next_micro_batches(self, step: int) -> list[dict]:
         """The next mini-batch of the buffer (pass k // M, mini-batch k % M of this rank's
         shuffled rows) in micro-batches; a new buffer (rollouts) when it is used up."""
-        b = self.serve_buffer()
+        b = self.serve_buffer(step)
         epoch, mini = divmod(self.served - 1, self.M)
         rows = b["order"][epoch][mini * self.mini_rows:(mini + 1) * self.mini_rows]
         data = {k: v[rows] for k, v in b.items() if k not in ("stats", "stat_names", "order")}
@@ -431,13 +416,14 @@ def init_value_head(policy, reward_model, where) -> None:
 def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     """Check inputs, build the policy with its value head, the reference and the reward model,
     resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     c = cfg.ppo
     if c.value_init == "reward" and not cfg.reward_model:
         raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")
     M = cfg.batch.num_mini_batches
+    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * M, resume, mini_batches=M)
     cfg, acc = run.cfg, run.accelerator
-    rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     rm, rm_meta = None, None
     if cfg.reward_model:
         rm, rm_meta = load_reward_model(cfg.reward_model, run.base,

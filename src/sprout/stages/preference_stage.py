@@ -18,7 +18,7 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
   does with other models, such as a reference forward, is not counted: MFU is the trained
   model's);
 - `open_preference_run`: checks both files against the preference `manifest.json` beside
-  them (`sprout.formats.verify.verify_preference_data`: listed, and their sha256 unless
+  them (`sprout.formats.verify.verify_jsonl_data`: listed, and their sha256 unless
   data.verify is `sizes`; its report printed on rank 0), reads the init checkpoint's meta
   and tokenizer, refuses an init checkpoint trained with another chat format than its tokenizer
   renders (`sprout.chat_formats.check_trained_format`) and data the model cannot take (a side
@@ -43,11 +43,12 @@ import torch
 from data_loader.preferences import PreferenceLoader
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, read_meta
-from sprout.config import resume_free
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
 from sprout.formats.preferences import read_preferences
-from sprout.formats.verify import verify_preference_data
+from sprout.formats.verify import verify_jsonl_data
 from sprout.model.load import check_init_architecture
 from sprout.model.transformer import ModelConfig
 from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
@@ -57,8 +58,8 @@ from sprout.engine.stage import LoaderPosition, micro_steps
 @dataclass
 class PairBatchConfig:
     """The batch of the preference stages, in pairs (each pair is two rows: chosen and rejected)."""
-    global_pairs: int = 64              # per optimizer step, all processes together
-    micro_pairs: int = 8                # per forward/backward on one process (2 × micro_pairs rows)
+    global_pairs: int = in_range(64, "[1, inf)")  # per optimizer step, all processes together
+    micro_pairs: int = in_range(8, "[1, inf)")    # per forward/backward on one process (2 × micro_pairs rows)
 
 
 @dataclass
@@ -67,9 +68,9 @@ class PairDataConfig:
     # epochs, which only set max_steps.
     path: str = resume_free("")         # the preference prep's folder, or a file of it (preferences.jsonl)
     val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (<name>_test.jsonl) beside the train file
-    seq_len: int | None = None          # longest side in tokens; None: the model's max_seq_len
+    seq_len: int | None = in_range(None, "[2, inf)")  # longest side in tokens; None: the model's max_seq_len
     truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
-    epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
+    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
     verify: str = resume_free("full")   # start-up check against the prep's manifest.json: full (listed, and
                                         # the sha256 of both files) | sizes (listed only, no hashing)
 
@@ -181,7 +182,7 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     if seq_len > model_cfg.max_seq_len:
         raise SproutError(f"data.seq_len {seq_len} exceeds max_seq_len {model_cfg.max_seq_len} of the init "
                           f"checkpoint {base['path']}")
-    check = verify_preference_data(data, val, cfg.data.verify)
+    check = verify_jsonl_data(data, val, cfg.data.verify, kind="preference")
     print_rank0(check.report("preference files"))
     resume_path = resolve_resume(resume, cfg.out)
 

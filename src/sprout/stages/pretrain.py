@@ -31,7 +31,8 @@ from sprout.formats.verify import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
-from sprout.config import resume_free
+from sprout.config import RESUME_FREE, check_ranges, resume_free
+from sprout.ranges import in_range
 from sprout.engine.loop import all_reduce_sums
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
 from sprout.engine.run import (StageConfig, is_rank0, print_rank0, resolve_resume, start_run, train_stage,
@@ -44,10 +45,11 @@ class TokenDataConfig:
     dir: str = resume_free("")     # the prep's folder (*_train_*.bin, *_val_*.bin, manifest.json) or a file of it
     tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
     sampler: Literal["sequential", "random"] = "sequential"  # per-rank spans | nanoGPT random windows
-    seq_len: int | None = None     # None: model.max_seq_len
-    seq_len_start: int = 128       # sequence-length warmup: start here, double up to seq_len ...
-    seq_warmup_frac: float = 0.1   # ... over this fraction of the steps (0 disables)
-    eval_tokens: int = resume_free(262144)  # val tokens scored at each eval (the first ones of the val split)
+    seq_len: int | None = in_range(None, "[1, inf)")  # None: model.max_seq_len
+    seq_len_start: int = in_range(128, "[1, inf)")  # sequence-length warmup: start here, double up to seq_len ...
+    seq_warmup_frac: float = in_range(0.1, "[0, 1]")  # ... over this fraction of the steps (0 disables)
+    # val tokens scored at each eval (the first ones of the val split)
+    eval_tokens: int = in_range(262144, "[1, inf)", metadata=RESUME_FREE)
     verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every file) | sizes (skip the hashes)
 
 
@@ -137,6 +139,7 @@ def check_vocab(check: DataCheck, model_vocab: int, where: str | Path) -> None:
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.data.dir:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(token_data_path(cfg.data.dir))))

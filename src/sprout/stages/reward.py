@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sprout.config import resume_free
+from sprout.config import check_ranges, resume_free
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
 from sprout.model.heads import last_index, padding_inputs, score_at
@@ -61,7 +62,7 @@ from sprout.engine.run import StageConfig, train_stage
 
 @dataclass
 class RewardLossConfig:
-    center_rewards_coefficient: float = 0.0  # TRL's RewardConfig; 0.01 is its suggested value
+    center_rewards_coefficient: float = in_range(0.0, "[0, inf)")  # TRL's RewardConfig; 0.01 is its suggested value
     use_margin: bool = True             # subtract each record's margin (Llama 2); false: ignore margins
 
 
@@ -168,6 +169,7 @@ class RewardStage(PreferenceStage):
 
 def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     """Check inputs, build the reward model from the init LM, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     run = open_preference_run(cfg, "reward", resume)
     cfg, acc = run.cfg, run.accelerator
     model, _ = init_from_lm(run.base["path"], "reward", seed=cfg.train.seed)

@@ -52,27 +52,32 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data_loader.prompts import PromptLoader
+from data_loader.prompts import PromptLoader, check_held_out
 
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
-from sprout.config import require, resume_free
+from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, require, resume_free
+from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PROMPT_FILES, resolve_data
+from sprout.formats.verify import verify_jsonl_data
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
 from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
-from sprout.rl.verifiers import SoftOverlongPenalty, WeightedReward, combine_rewards, correctness_reward, format_reward
-from sprout.engine.run import resolve_resume, start_run, with_epochs
+from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, check_reward_function,
+                                 combine_rewards, correctness_reward, format_reward)
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
 from sprout.engine.stage import LoaderPosition
 
 
@@ -80,14 +85,9 @@ from sprout.engine.stage import LoaderPosition
 @dataclass
 class PromptBatchConfig:
     """The batch of the RL stages: prompts per optimizer step and completions per prompt."""
-    global_prompts: int = 16            # prompts per generation batch, all processes together
-    num_generations: int = 8            # G completions per prompt (a group; all on the prompt's rank)
-    micro_completions: int = 16         # completions per forward/backward on one process
-
-    def __post_init__(self) -> None:
-        for name in ("global_prompts", "micro_completions"):
-            require(getattr(self, name) > 0, name, getattr(self, name), "a positive number")
-        require(self.num_generations >= 2, "num_generations", self.num_generations, "at least 2 (a group)")
+    global_prompts: int = in_range(16, "[1, inf)")  # prompts per generation batch, all processes together
+    num_generations: int = in_range(8, "[2, inf)")  # G completions per prompt (a group; all on the prompt's rank)
+    micro_completions: int = in_range(16, "[1, inf)")  # completions per forward/backward on one process
 
 
 def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: int = 1) -> int:
@@ -106,26 +106,30 @@ def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: i
 class RLDataConfig:
     path: str = resume_free("")         # scripts/prepare_rl_prompts.py's folder, or a file of it (prompts.jsonl)
     val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside the train file
-    max_prompt_length: int = 512        # longer prompts (rendered, in tokens) are dropped and counted
+    max_prompt_length: int = in_range(512, "[1, inf)")  # longer prompts (rendered, in tokens) are dropped and counted
     sources: list | None = None         # keep only the prompts of these sources (both files); None: all
-    eval_prompts: int = resume_free(256)  # held-out prompts per eval (the file's first; 0: all)
-    eval_batch: int = resume_free(32)   # prompts per generation call in eval
-    eval_num_generations: int = resume_free(4)  # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
-    epochs: float = resume_free(1.0)    # sets train.max_steps when that is null
+    # held-out prompts per eval (the file's first; 0: all)
+    eval_prompts: int = in_range(256, "[0, inf)", metadata=RESUME_FREE)
+    eval_batch: int = in_range(32, "[1, inf)", metadata=RESUME_FREE)  # prompts per generation call in eval
+    # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
+    eval_num_generations: int = in_range(4, "[0, inf)", metadata=RESUME_FREE)
+    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
+    verify: str = resume_free("full")   # start-up check against the prep's manifest.json: full (listed, and
+                                        # the sha256 of both files) | sizes (listed only, no hashing)
 
 
 @dataclass
 class RolloutConfig:
-    max_completion_length: int = 256    # new tokens per completion (a row without a stop id is truncated)
-    temperature: float = 1.0            # 1 with no top-k/top-p: the sampler's distribution is the policy's
-    top_k: int | None = None
-    top_p: float | None = None
+    # new tokens per completion (a row without a stop id is truncated)
+    max_completion_length: int = in_range(256, "[1, inf)")
+    # 1 with no top-k/top-p: the sampler's distribution is the policy's
+    temperature: float = in_range(1.0, "(0, inf)")
+    top_k: int | None = in_range(None, "[1, inf)")  # sample among the k likeliest tokens; None: all
+    top_p: float | None = in_range(None, "(0, 1]")  # sample within this probability mass (nucleus); None: all
     compile: bool = resume_free(False)  # compile the decode step (single process only; see model/generate.py)
-
-    def __post_init__(self) -> None:
-        require(self.max_completion_length > 0, "max_completion_length", self.max_completion_length,
-                "a positive number of tokens")
-        require(self.temperature > 0, "temperature", self.temperature, "> 0 (RL samples)")
+    # consecutive steps whose every completion is out of the loss (truncated and masked: loss 0, no
+    # gradient) before the run stops; the first such step is warned about
+    max_all_masked_steps: int = in_range(5, "[1, inf)", metadata={**RESUME_FREE, **RECORDED_WHEN_SET})
 
 
 REWARD_FUNCS = ("correctness", "format", "overlong")
@@ -136,7 +140,8 @@ class RewardsConfig:
     # correctness, format, overlong, or "module:function" (TRL's signature: fn(completions, **columns) -> floats)
     reward_funcs: list = dataclasses.field(default_factory=lambda: ["correctness", "format"])
     reward_weights: list | None = None  # one per function; None: 1.0 each
-    overlong_cache_length: int = 0      # overlong: the last this many tokens before max_completion_length ramp to -1
+    # overlong: the last this many tokens before max_completion_length ramp to -1
+    overlong_cache_length: int = in_range(0, "[0, inf)")
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.reward_funcs if f not in REWARD_FUNCS and ":" not in str(f)]
@@ -149,12 +154,15 @@ class RewardsConfig:
 
 
 def import_reward(spec: str):
-    """The function named by "module:function" (the module importable from sys.path)."""
+    """The reward function named by "module:function" (the module importable from sys.path),
+    refused unless it can be called as one (`sprout.rl.verifiers.check_reward_function`)."""
     module, _, attr = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise SproutError(f"rewards.reward_funcs: cannot import {spec!r} ({exc})") from None
+        fn = getattr(importlib.import_module(module), attr)
+    except Exception as exc:  # the module's own code may raise anything while it is imported
+        raise SproutError(f"rewards.reward_funcs: cannot import {spec!r} ({type(exc).__name__}: {exc})") from None
+    check_reward_function(spec, fn, "rewards.reward_funcs")
+    return fn
 
 
 def build_rewards(cfg: RewardsConfig, max_completion_length: int) -> list[WeightedReward]:
@@ -169,6 +177,10 @@ def build_rewards(cfg: RewardsConfig, max_completion_length: int) -> list[Weight
                               f"rollout.max_completion_length {max_completion_length}")
         fns["overlong"] = SoftOverlongPenalty(max_completion_length, cfg.overlong_cache_length)
     names = [spec.partition(":")[2] if ":" in spec else spec for spec in cfg.reward_funcs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise SproutError(f"rewards.reward_funcs: two reward functions are named {twice[0]!r} ({cfg.reward_funcs}); "
+                          f"each is logged under its function's name")
     return [WeightedReward(name, fns[name], float(w)) for name, w in zip(names, weights)]
 
 
@@ -261,6 +273,8 @@ class RLStage(LoaderPosition):
         self.generator.manual_seed(seed * 1000 + accelerator.process_index)
         self.buffer: dict | None = None
         self.served = 0                   # iterations of the buffer already served
+        self.buffer_all_masked = False    # no completion token of the global batch is in the loss
+        self.all_masked_steps = 0         # steps in a row served such a buffer
         self.model = None                 # the policy for generation and old log-probs (setup)
         self.sharded = False
 
@@ -296,8 +310,10 @@ class RLStage(LoaderPosition):
     def score(self, rollout: dict, idx: np.ndarray):
         """(totals [N] float64, per-function values [N, F] with NaN where a function abstained)."""
         gold = [self.loader.gold[i] for i in idx for _ in range(self.G)]
-        combined = combine_rewards(self.rewards, self.texts(rollout), gold=gold,
-                                   completion_lengths=rollout["lengths"].tolist())
+        names = [f"completion {k} of prompt {self.loader.records[i]['id']!r} ({self.loader.path})"
+                 for i in idx for k in range(self.G)]
+        columns = {"gold": gold, "completion_lengths": rollout["lengths"].tolist()}  # REWARD_COLUMNS
+        combined = combine_rewards(self.rewards, self.texts(rollout), completion_names=names, **columns)
         per_fn = torch.tensor([[math.nan if v is None else v for v in combined.per_function[r.name]]
                                for r in self.rewards], dtype=torch.float64).T
         return torch.tensor(combined.totals, dtype=torch.float64), per_fn
@@ -332,21 +348,48 @@ class RLStage(LoaderPosition):
 
     def next_micro_batches(self, step: int) -> list[dict]:
         """The next iteration over the buffer; a new buffer (rollouts) when it is used up."""
-        b = self.serve_buffer()
+        b = self.serve_buffer(step)
         rows = {k: v for k, v in b.items() if k not in ("stats", "stat_names")}
         return self.micro_batches(rows, b["completion_ids"].shape[0])
 
-    def serve_buffer(self) -> dict:
-        """The buffer for this step, refilled (`fill_buffer`, its stats packed) once it has been
-        served `num_iterations` times; counts this serving in `served` (1 after a refill)."""
+    def serve_buffer(self, step: int) -> dict:
+        """The buffer for step `step` (0-based), refilled (`fill_buffer`, its stats packed) once it
+        has been served `num_iterations` times; counts this serving in `served` (1 after a refill)
+        and checks that the step trains on something (`check_all_masked`)."""
         self.generated_tokens = 0
         if self.buffer is None or self.served >= self.num_iterations:
             self.buffer, stats = self.fill_buffer()
             self.buffer["stats"] = pack_stats(stats, self.acc.is_main_process)
             self.buffer["stat_names"] = list(stats)
             self.served = 0
+            in_loss = float(self.loss_mask(self.buffer).sum())
+            self.buffer_all_masked = all_reduce_sums(self.acc, {"n": in_loss})["n"] == 0
         self.served += 1
+        self.check_all_masked(step)
         return self.buffer
+
+    def loss_mask(self, batch: dict) -> torch.Tensor:
+        """The completion tokens the loss trains on [N, L] (a stage may leave some out)."""
+        return batch["completion_mask"]
+
+    def check_all_masked(self, step: int) -> None:
+        """Count the steps in a row whose buffer has no completion token in the loss (every
+        completion truncated and masked: loss 0, no gradient): a warning at the first, and a
+        SproutError once there are rollout.max_all_masked_steps of them."""
+        if not self.buffer_all_masked:
+            self.all_masked_steps = 0
+            return
+        self.all_masked_steps += 1
+        limit, length = self.rollout.max_all_masked_steps, self.rollout.max_completion_length
+        what = (f"every completion of the batch is out of the loss (truncated at rollout.max_completion_length "
+                f"{length} and masked)")
+        if self.all_masked_steps >= limit:
+            raise SproutError(f"{self.name}: step {step + 1}: {limit} step(s) in a row where {what}: nothing is "
+                              f"learned; raise rollout.max_completion_length or stop masking truncated completions "
+                              f"(rollout.max_all_masked_steps sets how many such steps a run allows)")
+        if self.all_masked_steps == 1 and self.acc.is_main_process:
+            print(f"warning: {self.name}: step {step + 1}: {what}: loss 0, no gradient; the run stops after "
+                  f"{limit} such steps in a row (rollout.max_all_masked_steps)", file=sys.stderr, flush=True)
 
     def micro_batches(self, rows: dict, n: int) -> list[dict]:
         """The first `n` rows of `rows` in micro-batches of batch.micro_completions, each trimmed;
@@ -371,13 +414,15 @@ class RLStage(LoaderPosition):
         return flops_per_token(T) * self.num_tokens(batch) if flops_per_token else 0.0
 
     def tensor_state(self) -> dict:
-        return {"buffer": self.buffer, "served": self.served, "generator": self.generator.get_state()}
+        return {"buffer": self.buffer, "served": self.served, "generator": self.generator.get_state(),
+                "all_masked": (self.buffer_all_masked, self.all_masked_steps)}
 
     def load_tensor_state(self, state: dict | None) -> None:
         if not state:
             return
         self.buffer, self.served = state["buffer"], int(state["served"])
         self.generator.set_state(state["generator"])
+        self.buffer_all_masked, self.all_masked_steps = state.get("all_masked", (False, 0))
 
     # ---- held-out eval ----
     def evaluate(self, model) -> dict:
@@ -430,7 +475,11 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
                 mini_batches: int = 1) -> RLRun:
     """Checks, accelerator, tokenizer and prompt loaders for an RL stage. `cfg` has init, data
     (RLDataConfig), batch (PromptBatchConfig), rollout, train and out; `num_iterations`: the
-    optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO)."""
+    optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO).
+    Before anything is written, both prompt files are checked against the prep's `manifest.json`
+    beside them (`sprout.formats.verify.verify_jsonl_data`: listed, and their sha256 unless
+    data.verify is `sizes`) and against each other (`data_loader.prompts.check_held_out`: no
+    prompt in both, by id or by prompt key)."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
@@ -441,6 +490,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
     check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
+    check = verify_jsonl_data(data, val, cfg.data.verify, kind="prompt")
+    check_held_out(data, val)
+    print_rank0(check.report("prompt files"))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
     if longest > model_cfg.max_seq_len:
         raise SproutError(f"data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_completion_length "

@@ -52,7 +52,8 @@ from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.sft import SFTFile
 from sprout.formats.verify import verify_sft_pair
-from sprout.config import resume_free
+from sprout.config import RESUME_FREE, check_ranges, resume_free
+from sprout.ranges import in_range
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
@@ -65,7 +66,7 @@ class SFTRowsConfig:
     # epochs, which only set max_steps.
     path: str = resume_free("")   # packed rows from scripts/prepare_sft_data.py: its folder, or a file of it (sft.h5)
     val_path: str | None = resume_free(None)  # None: the `_val` file beside the train file (sft_val.h5)
-    epochs: float = resume_free(1.0)  # sets train.max_steps when that is null
+    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
     verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
 
 
@@ -231,6 +232,7 @@ def check_trained_rows(path: Path, shown: int = 5) -> None:
 # ---- the run ---------------------------------------------------------------------------------
 def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     """Check inputs, load the base model, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.init:
         raise SproutError("no base model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
