@@ -7,7 +7,8 @@
     python scripts/pretrain.py --out runs/x --resume --train.max_steps 600   # ... and train longer
     python scripts/pretrain.py --config ... --train.max_steps 50 --model.d_model 128
 
-Any `--section.field VALUE` overrides the config (the fields are listed below); the resolved
+--data takes the folder the prep wrote or any file of it. Any `--section.field VALUE`
+overrides the config (the fields are listed below); the resolved
 config is printed and saved as <out>/config.yaml. An --out that already holds a run needs
 --resume or --overwrite. Ctrl-C or SIGTERM stops after the current step with a checkpoint and
 prints the command that resumes. See sprout/stages/pretrain.py for what is checked before training.
@@ -20,7 +21,9 @@ from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, parse_run_conf
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/pretrain.yaml")
-    add_input_flags(p, data_help="shard directory (or a <dataset>_train.h5 file)", data_field="dir",
+    add_input_flags(p, data_help="the folder scripts/prepare_pretrain_data.py wrote, or any file of it (its "
+                                  "manifest.json, a .bin shard, either file of an HDF5 pair)",
+                    data_metavar="DIR|FILE", data_field="dir",
                     verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, PretrainConfig)
     run_pretrain(cfg, resume=args.resume)

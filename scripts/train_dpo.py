@@ -7,7 +7,8 @@
     python scripts/train_dpo.py --config ... --dpo.loss_type '[sigmoid, sft]' --dpo.loss_weights '[1.0, 0.2]'
     python scripts/train_dpo.py --config ... --dpo.precompute_ref_logps true  # reference log-probs cached once
 
-The held-out file is preferences_test.jsonl beside --data (data.val_path to change it). Any
+--data takes the folder the prep wrote or any file of it; the held-out file is
+preferences_test.jsonl beside the train file (data.val_path to change it). Any
 `--section.field VALUE` overrides the config; the resolved config is printed and saved as
 <out>/config.yaml. See sprout/stages/dpo.py for the losses, the reference and the metrics.
 """
@@ -19,7 +20,9 @@ from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_c
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/dpo.yaml")
-    add_input_flags(p, data_help="preference pairs (scripts/prepare_preference_data.py)", data_metavar="FILE.jsonl",
+    add_input_flags(p, data_help="the folder scripts/prepare_preference_data.py wrote, or any file of it "
+                                  "(preferences.jsonl; preferences_test.jsonl beside it is the held-out file)",
+                    data_metavar="DIR|FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, DPOConfig)
     run_dpo(cfg, resume=args.resume)

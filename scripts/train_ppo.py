@@ -7,7 +7,8 @@
     python scripts/train_ppo.py --config ... --out runs/x --resume            # latest checkpoint in --out
     python scripts/train_ppo.py --config ... --ppo.kl_in loss --ppo.adaptive_kl true --ppo.target_kl 2
 
-The held-out file is prompts_test.jsonl beside --data (data.val_path to change it). Any
+--data takes the folder the prep wrote or any file of it; the held-out file is
+prompts_test.jsonl beside the train file (data.val_path to change it). Any
 `--section.field VALUE` overrides the config; the resolved config is printed and saved as
 <out>/config.yaml. See sprout/stages/ppo.py for the models, rewards, KL, losses and metrics,
 and sprout/stages/rl_stage.py for the rollouts and the buffer.
@@ -20,7 +21,9 @@ from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_c
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/ppo.yaml")
-    add_input_flags(p, data_help="RL prompts (scripts/prepare_rl_prompts.py)", data_metavar="FILE.jsonl",
+    add_input_flags(p, data_help="the folder scripts/prepare_rl_prompts.py wrote, or any file of it "
+                                  "(prompts.jsonl; prompts_test.jsonl beside it is the held-out file)",
+                    data_metavar="DIR|FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     p.add_argument("--reward-model", metavar="RUN", help="reward model run or checkpoint; overrides reward_model")
     args, cfg = parse_run_config(p, PPOConfig)

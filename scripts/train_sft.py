@@ -6,7 +6,8 @@
     python scripts/train_sft.py --out runs/x --resume                        # its config.yaml, latest checkpoint
     python scripts/train_sft.py --config ... --train.max_steps 50 --optim.lr 1e-4
 
-The val file is the `_val` one beside --data (sft_val.h5). Any `--section.field VALUE`
+--data takes the folder the prep wrote or either file of it; the val file is the `_val` one
+beside the train file (sft_val.h5). Any `--section.field VALUE`
 overrides the config (the fields are listed below); the resolved config is printed and saved
 as <out>/config.yaml. An --out that already holds a run needs --resume or --overwrite. Ctrl-C
 or SIGTERM stops after the current step with a checkpoint and prints the command that resumes.
@@ -20,7 +21,8 @@ from sprout.stages.sft import SFTConfig, run_sft
 
 def main() -> None:
     p = run_parser(__doc__, "configs/*/sft.yaml")
-    add_input_flags(p, data_help="packed SFT rows (scripts/prepare_sft_data.py)", data_metavar="FILE.h5",
+    add_input_flags(p, data_help="the folder scripts/prepare_sft_data.py wrote, or either file of it (sft.h5; "
+                                  "the sft_val.h5 beside it is the val file)", data_metavar="DIR|FILE.h5",
                     init_help="base checkpoint, or its run dir", verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, SFTConfig)
     run_sft(cfg, resume=args.resume)

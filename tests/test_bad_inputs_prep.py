@@ -331,9 +331,10 @@ def test_an_sft_source_with_no_usable_rows_is_refused(tok, tmp_path):
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n")
     before = tree(tmp_path)
-    for bad, detail in ((empty_turns, "3 read; dropped_empty_content 3"), (blank, "0 read; the source is empty")):
+    for bad, detail in ((empty_turns, "no usable rows (3 read; dropped_empty_content 3)"),
+                        (blank, "holds no records (it is empty or has blank lines only)")):
         proc = sft(tok, tmp_path / "out" / "sft.h5", good, bad)
-        one_error(proc, str(bad), "no usable rows", detail)
+        one_error(proc, str(bad), detail)
         assert tree(tmp_path) == before
 
 

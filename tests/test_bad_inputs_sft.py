@@ -1,6 +1,7 @@
 """An SFT pair edited after prep with every recorded hash rewritten to match, met through
-scripts/train_sft.py: a prep_run_id left as it was, an all-ones loss_mask and ids past the
-vocabulary are each refused in one line naming the file, nothing written."""
+scripts/train_sft.py: a prep_run_id left as it was, an all-ones loss_mask, rows whose mask
+trains nothing and ids past the vocabulary are each refused in one line naming the file (and
+the rows), nothing written, so a rerun with good data needs no --overwrite."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def all_ones(f):
     f["loss_mask"][...] = 1
 
 
+def rows_1_and_3_train_nothing(f):
+    mask = f["loss_mask"][...]
+    mask[[1, 3], :] = 0
+    f["loss_mask"][...] = mask
+
+
 def id_past_vocab(f):
     tokens = f["tokens"][...]
     tokens[0, 3] = 447  # inside the model's 448, past the data's vocabulary
@@ -52,6 +59,8 @@ def id_past_vocab(f):
     (all_ones, True, "full", ("row 0 position 0", "loss_mask[0] is 1")),
     (id_past_vocab, True, "full", ("row 0 position 3", "token id outside the vocabulary")),
     (id_past_vocab, True, "sizes", ("token id 447 is >= vocab size",)),
+    (rows_1_and_3_train_nothing, True, "full", ("2 of", "rows have no trained target", "rows 1, 3")),
+    (rows_1_and_3_train_nothing, True, "sizes", ("2 of", "rows have no trained target", "rows 1, 3")),
 ])
 def test_an_sft_pair_edited_after_prep_is_refused(edit, run_id, verify, needles, sft_runs, tmp_path):
     root, base = sft_runs

@@ -184,6 +184,16 @@ def test_tampered_pretraining_data_is_refused(case, built, data, tmp_path):
     assert tree(out) == before
 
 
+@pytest.mark.parametrize("given", ["manifest.json", "shard"])
+def test_any_file_of_the_prep_folder_is_read_as_the_folder(given, data, tmp_path):
+    """--data given a file of the prep's folder (not "shard directory does not exist"): the data is
+    checked, and the check that fails here is the vocab, named at the folder's manifest."""
+    path = data / (manifest(data)["shards"]["train"][0]["file"] if given == "shard" else given)
+    proc = pretrain(path, tmp_path / "out", "--model.vocab_size", "1024")
+    one_error(proc, f"{data / 'manifest.json'}: data vocab is")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_verified_data_trains_and_sizes_mode_skips_the_hashes(data, tmp_path):
     full = pretrain(data, tmp_path / "full")
@@ -253,6 +263,50 @@ def test_an_edited_loss_mask_is_refused(sft_runs, tmp_path):
     ok = sft(root / "a" / "sft.h5", base, tmp_path / "ok")
     assert ok.returncode == 0, ok.stderr
     assert "data: verified 2 SFT files" in ok.stdout
+
+
+def test_a_reward_model_as_sft_init_says_what_it_is(sft_runs, tmp_path):
+    from sprout.model.heads import RewardModel
+
+    root, base = sft_runs
+    model = RewardModel(ModelConfig(vocab_size=448, d_model=32, n_layers=1, n_heads=2, max_seq_len=32))
+    reward = save_checkpoint(tmp_path / "reward", model, meta={"model_config": model.config, "stage": "reward",
+                                                              "step": 1})
+    out = tmp_path / "run"
+    one_error(sft(root / "a", reward, out), f"{reward / 'meta.json'}: a reward model checkpoint (architecture reward)",
+              "sft needs an lm checkpoint")
+    assert not out.exists()
+
+
+def test_resuming_another_stages_run_names_that_stage(sft_runs, tmp_path):
+    """`train_sft.py --out RUN --resume` on a pretraining run: the stage and its script are named
+    (not the config's keys), and the run is left as it was."""
+    root, base = sft_runs
+    run_dir = tmp_path / "pretrain_run"
+    model = Transformer(ModelConfig(vocab_size=448, d_model=32, n_layers=1, n_heads=2, max_seq_len=32))
+    save_rotating(run_dir / "checkpoints", 1, model, meta={"model_config": model.config, "stage": "pretrain",
+                                                           "config": {"model": {"d_model": 32}}})
+    (run_dir / "config.yaml").write_text("model:\n  d_model: 32\n")
+    before = tree(run_dir)
+    proc = run("train_sft.py", "--out", run_dir, "--resume")
+    one_error(proc, "meta.json: a checkpoint of a pretrain run, which the sft trainer cannot resume",
+              "resume it with scripts/pretrain.py")
+    assert tree(run_dir) == before
+
+
+def test_an_rl_run_without_held_out_prompts_is_refused_naming_the_file_before_the_run_folder(sp, tmp_path):
+    from grpo_fixtures import write_prompt_files
+    from preference_train_fixtures import write_lm
+
+    prompts = write_prompt_files(tmp_path / "prompts").parent
+    (prompts / "prompts_test.jsonl").write_text("")
+    init = write_lm(tmp_path / "lm", sp)
+    out = tmp_path / "run"
+    proc = run("train_grpo.py", "--data", prompts, "--init", init, "--out", out, "--batch.global_prompts", "2",
+               "--batch.num_generations", "2", "--batch.micro_completions", "2", "--data.max_prompt_length", "24",
+               "--rollout.max_completion_length", "8", "--data.sources", "null", "--train.max_steps", "1")
+    one_error(proc, f"{prompts / 'prompts_test.jsonl'}: no held-out prompts to evaluate (0 read")
+    assert not out.exists()
 
 
 def test_preference_files_are_checked_against_their_manifest(tmp_path):

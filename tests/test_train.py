@@ -280,7 +280,7 @@ def test_vocab_mismatch_is_refused(data, tmp_path):
 
 
 def test_missing_shard_dir_is_refused(tmp_path):
-    with pytest.raises(SproutError, match="shard directory does not exist"):
+    with pytest.raises(SproutError, match="nope: not found; pass the folder scripts/prepare_pretrain_data.py wrote"):
         run_pretrain(tiny_cfg(tmp_path / "nope", tmp_path / "x"))
 
 

@@ -63,6 +63,18 @@ def test_reasoning_format(text, ok):
     assert (parse_answer(text, strict=True) is not None) is ok
 
 
+def test_reasoning_format_of_many_repeated_tags():
+    """50,000 repeated `</think><answer>`: refused (too many tags) in one pass over the text, and
+    as many near-miss tags inside a valid shape do not stop it from being recognised."""
+    repeated = "</think><answer>" * 50_000
+    assert not is_reasoning_format(f"<think>a{repeated}1</answer>")
+    assert not is_reasoning_format(f"<think>a</think><answer>1{repeated}</answer>")
+    assert parse_answer(f"<think>a{repeated}1</answer>", strict=True) is None
+    near_misses = "</think ><answer >" * 50_000
+    assert is_reasoning_format(f"<think>a{near_misses}</think><answer>1</answer>")
+    assert parse_answer(f" <think>a</think> <answer>{near_misses}7</answer>\n", strict=True) == f"{near_misses}7"
+
+
 @pytest.mark.parametrize("text, value", [
     ("1000", Fraction(1000)), ("1,000", Fraction(1000)), ("12,345,678", Fraction(12345678)),
     ("0.50", Fraction(1, 2)), (".5", Fraction(1, 2)), ("5.", Fraction(5)),

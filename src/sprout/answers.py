@@ -17,7 +17,8 @@ unicode minus U+2212 and its small and full-width forms), a `$`, thousands separ
 groups of three (`1,000`), decimals (`0.50`, `.5`, `5.`), fractions (`3/4`), a trailing
 `%` (dropped: the number of percent is the answer) and surrounding whitespace. Anything
 else (`1e3`, `seven`, `5 apples`, `1,00`, more than `MAX_NUMBER_CHARS` characters) is not
-a number. `normalise_number` writes a number's canonical text (what a gold holds).
+a number (`not_a_number_reason` says which, quoting at most a few characters).
+`normalise_number` writes a number's canonical text (what a gold holds).
 `answers_match` compares integers exactly, at any size; when the gold is not an integer
 (a decimal or a fraction) the answer may differ by `rel_tol` × |gold|.
 """
@@ -30,9 +31,9 @@ from fractions import Fraction
 
 # ---- the reasoning shape --------------------------------------------------------------
 
-_TAG = r"</?(?:think|answer)>"
+_TAG_RE = re.compile(r"</?(?:think|answer)>")
+_REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 _ANSWER_BLOCK_RE = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
-_REASONING_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 
 
 def format_reasoning(think: str, answer: str) -> str:
@@ -40,14 +41,30 @@ def format_reasoning(think: str, answer: str) -> str:
     return f"<think>{think.strip()}</think><answer>{answer.strip()}</answer>"
 
 
+def _reasoning_parts(text: str) -> tuple[str, str] | None:
+    """(think, answer) of a text in the reasoning shape (`is_reasoning_format`), else None.
+
+    One pass over the tags: the shape holds exactly the four tags, in order, with only
+    whitespace outside the two blocks, so the time is linear in the text's length."""
+    tags = []
+    for m in _TAG_RE.finditer(text):
+        if len(tags) == len(_REASONING_TAGS) or m.group() != _REASONING_TAGS[len(tags)]:
+            return None
+        tags.append(m)
+    if len(tags) != len(_REASONING_TAGS):
+        return None
+    open_think, close_think, open_answer, close_answer = tags
+    outside = (text[:open_think.start()], text[close_think.end():open_answer.start()], text[close_answer.end():])
+    if any(part.strip() for part in outside):
+        return None
+    think, answer = text[open_think.end():close_think.start()], text[open_answer.end():close_answer.start()]
+    return (think, answer) if think.strip() and answer.strip() else None
+
+
 def is_reasoning_format(text: str) -> bool:
     """True when `text` is exactly one non-empty think block then one non-empty answer
     block (whitespace around and between them allowed), with no tag inside either."""
-    m = _REASONING_RE.fullmatch(text)
-    if m is None:
-        return False
-    think, answer = m.group(1), m.group(2)
-    return bool(think.strip() and answer.strip()) and not re.search(_TAG, think + answer)
+    return _reasoning_parts(text) is not None
 
 
 def parse_answer(text: str, strict: bool = False, fallback_last_number: bool = False) -> str | None:
@@ -57,7 +74,8 @@ def parse_answer(text: str, strict: bool = False, fallback_last_number: bool = F
     With `fallback_last_number`, a text without a complete block gives its last number
     (see the module doc for why this is off by default). An empty block gives ""."""
     if strict:
-        return _REASONING_RE.fullmatch(text).group(2).strip() if is_reasoning_format(text) else None
+        parts = _reasoning_parts(text)
+        return parts[1].strip() if parts is not None else None
     blocks = _ANSWER_BLOCK_RE.findall(text)
     if blocks:
         return blocks[-1].strip()
@@ -100,6 +118,22 @@ def parse_number(text: str | None) -> Fraction | None:
     except (InvalidOperation, ValueError):
         return None
     return sign * value
+
+
+def quote_short(text: str, limit: int = 24) -> str:
+    """`text` quoted as Python writes it, cut to its first `limit` characters (with the
+    length said) when it is longer, so a message about it stays short."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text):,} characters)"
+
+
+def not_a_number_reason(text: str) -> str:
+    """Why `parse_number` refuses `text`, as a short phrase that quotes `text` (`quote_short`):
+    too long for a number, or not a number."""
+    if len(text) > MAX_NUMBER_CHARS:
+        return f"{quote_short(text)} is longer than a number may be ({MAX_NUMBER_CHARS:,} characters)"
+    return f"{quote_short(text, 60)} is not a number"
 
 
 def normalise_number(text: str | None) -> str | None:

@@ -232,18 +232,22 @@ class StageConfig:
     defaults for these three as class arguments:
 
         @dataclass
-        class DPOConfig(StageConfig, out="runs/dpo", optim=OptimConfig(lr=5e-7), train=TrainConfig(eval_every=50)):
+        class DPOConfig(StageConfig, stage="dpo", out="runs/dpo", optim=OptimConfig(lr=5e-7),
+                        train=TrainConfig(eval_every=50)):
 
     They are added after the subclass's own fields (a dataclass base would put them first), so
-    they come last in its YAML, its config.yaml and its --help."""
+    they come last in its YAML, its config.yaml and its --help. `stage` is the stage's name
+    (`stage_name`): a resume refuses another stage's run by it."""
 
     optim: OptimConfig
     train: TrainConfig
     out: str
+    stage_name = ""  # the stage's name, as its checkpoints record it (meta.json's `stage`)
 
-    def __init_subclass__(cls, *, out: str, optim: OptimConfig = OptimConfig(), train: TrainConfig = TrainConfig(),
-                          **kwargs) -> None:
+    def __init_subclass__(cls, *, stage: str, out: str, optim: OptimConfig = OptimConfig(),
+                          train: TrainConfig = TrainConfig(), **kwargs) -> None:
         super().__init_subclass__(**kwargs)
+        cls.stage_name = stage
         cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), "optim": OptimConfig,
                                "train": TrainConfig, "out": str}
         cls.optim = dataclasses.field(default_factory=functools.partial(copy.deepcopy, optim))
@@ -291,6 +295,7 @@ def _resume_config(args, overrides: dict, config_cls):
         meta = read_meta(ckpt, verify=False)  # its own hash checked: the step below is the one saved
     except OSError as exc:
         raise SproutError(f"{ckpt / META}: unreadable checkpoint meta ({exc})") from None
+    check_same_stage(meta, ckpt, config_cls.stage_name)
     saved_yaml = out / "config.yaml"
     saved = read_yaml(saved_yaml) if saved_yaml.is_file() else meta.get("config") or {}
     source = saved_yaml if saved_yaml.is_file() else ckpt / META
@@ -315,6 +320,21 @@ def _resume_config(args, overrides: dict, config_cls):
                     + "; pass --train.max_steps N to train longer")
         raise SystemExit(0)
     return cfg
+
+
+STAGE_SCRIPTS = {"pretrain": "scripts/pretrain.py", "sft": "scripts/train_sft.py", "reward": "scripts/train_reward.py",
+                 "dpo": "scripts/train_dpo.py", "ppo": "scripts/train_ppo.py", "grpo": "scripts/train_grpo.py"}
+
+
+def check_same_stage(meta: dict, ckpt: Path, stage: str) -> None:
+    """A resume continues a run of its own stage: a checkpoint of another stage is refused,
+    naming the stage it belongs to and the script that resumes it."""
+    saved = meta.get("stage")
+    if not stage or not saved or saved == stage:
+        return
+    script = STAGE_SCRIPTS.get(saved)
+    hint = f"; resume it with {script}" if script else ""
+    raise SproutError(f"{ckpt / META}: a checkpoint of a {saved} run, which the {stage} trainer cannot resume{hint}")
 
 
 def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:

@@ -66,6 +66,19 @@ def check_prompt_record(record, keys: tuple[str, ...], optional: tuple[str, ...]
     return prompt
 
 
+def load_json(text: str | bytes, path: str | os.PathLike, lineno: int | None = None):
+    """`json.loads(text)` of line `lineno` of `path` (None: the whole file); `SproutError`
+    naming the file and line when it is not JSON, or holds an integer longer than Python
+    reads (4,300 digits), which the message does not print."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SproutError(f"{path}:{lineno or exc.lineno}: invalid JSON: {exc.msg}") from None
+    except ValueError as exc:  # int()'s digit limit; the message names the limit, not the digits
+        where = f"{path}:{lineno}" if lineno else str(path)
+        raise SproutError(f"{where}: a JSON number too long to read: {str(exc).split(';')[0]}") from None
+
+
 def _lines(path: Path, what: str) -> Iterator[tuple[int, bytes]]:
     if not path.is_file():
         raise SproutError(f"{path}: {what} not found")
@@ -81,10 +94,7 @@ def _parse(raw: bytes, path: Path, lineno: int):
         raise SproutError(f"{path}:{lineno}: not valid UTF-8 (byte {exc.start} of the line)") from None
     if not text.strip():
         raise SproutError(f"{path}:{lineno}: empty line")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SproutError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+    return load_json(text, path, lineno)
 
 
 def _check_line(raw: bytes, path: Path, lineno: int, ids: dict, check: Check) -> dict:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Iterable, Iterator
 
-from sprout.answers import normalise_number
+from sprout.answers import normalise_number, not_a_number_reason
 from sprout.chat import ChatError, validate
 from sprout.errors import SproutError
 from sprout.formats.jsonl import check_prompt_record, read_records, verify_records, write_records
@@ -60,7 +60,7 @@ def check_prompt(record) -> dict:
         raise SproutError(f"'gold' must be a string, got {type(gold).__name__}")
     normal = normalise_number(gold)
     if normal is None:
-        raise SproutError(f"'gold' {gold!r} is not a number")
+        raise SproutError(f"'gold' {not_a_number_reason(gold)}")
     if normal != gold:
         raise SproutError(f"'gold' {gold!r} is not normalised (write {normal!r})")
     level = record["level"]

@@ -249,6 +249,18 @@ class SFTFile:
             if h.hexdigest() != self.attrs["sha256"].get(name):
                 self._fail(f"dataset {name} does not match its stored sha256 (corrupted or edited)")
 
+    def rows_without_targets(self, block_rows: int = 4096) -> np.ndarray:
+        """The rows whose loss mask trains no target (`loss_mask[r, 1:]` all 0), read `block_rows`
+        rows at a time. Prep packs only examples with a trained token, so such a row is an edit."""
+        ds, found = self._f["loss_mask"], []
+        try:
+            for start in range(0, self.num_rows, block_rows):
+                block = ds[start : start + block_rows, 1:]
+                found.append(start + np.flatnonzero(~block.any(axis=1)))
+        except OSError as exc:  # fletcher32 mismatch, truncated file
+            raise SFTFormatError(f"{self.path}: corrupted data ({exc})") from None
+        return np.concatenate(found) if found else np.zeros(0, np.int64)
+
     def close(self) -> None:
         self._f.close()
 

@@ -24,6 +24,22 @@ def model_class(meta: dict):
     return ARCHITECTURES[arch]
 
 
+ARCHITECTURE_NAMES = {"lm": "a language model", "lm+value": "a PPO policy (a language model with a value head)",
+                      "reward": "a reward model"}
+
+
+def check_init_architecture(meta: dict, stage: str, allowed: tuple[str, ...] = ("lm",)) -> None:
+    """Refuse a checkpoint that `stage` cannot start from, saying what it is and what the stage
+    needs: `{path}/meta.json: a reward model checkpoint (architecture reward); SFT needs an lm
+    checkpoint`."""
+    arch = meta.get("architecture", "lm")
+    if arch not in allowed:
+        what = ARCHITECTURE_NAMES.get(arch, "a")
+        needs = " or ".join(allowed)
+        raise SproutError(f"{Path(meta['path']) / META}: {what} checkpoint (architecture {arch}); {stage} needs "
+                          f"an {needs} checkpoint ({ARCHITECTURE_NAMES['lm']}, e.g. a pretraining or SFT run)")
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """(model in eval mode, meta) from a checkpoint, for inference, eval, scoring and export.
 

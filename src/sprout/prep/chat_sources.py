@@ -40,7 +40,6 @@ folder that `datasets` can load.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import Counter
@@ -48,10 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from sprout.answers import format_reasoning, normalise_number
+from sprout.answers import format_reasoning, normalise_number, not_a_number_reason
 from sprout.config import from_dict
 from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
+from sprout.formats.jsonl import load_json
 from sprout.mirror import ENV as MIRROR_VARIABLE
 from sprout.mirror import expand_path, mirror_dir
 from sprout.prep.arithmetic import check_levels
@@ -140,7 +140,8 @@ def _strings_encodable(obj) -> bool:
 def iter_records(path: str | os.PathLike, skipped: Counter | None = None, warn=print_warning) -> Iterator[tuple[str, dict]]:
     """Yield `(where, record)` from a `.json` array, `.jsonl`, `.jsonl.gz` or `.jsonl.zst` file.
     Records holding a lone surrogate are skipped, warned about and counted in
-    `skipped["dropped_invalid_unicode"]`."""
+    `skipped["dropped_invalid_unicode"]`. A file without a single record (empty, blank lines
+    only, or `[]`) is refused: it is not the data its config names."""
     path = Path(path)
     if not path.is_file():
         raise SproutError(f"{path}: source file not found")
@@ -161,28 +162,28 @@ def iter_records(path: str | os.PathLike, skipped: Counter | None = None, warn=p
         except UnicodeDecodeError as exc:
             line = data.count(b"\n", 0, exc.start) + 1
             raise SproutError(f"{path}:{line}: not valid UTF-8 (byte offset {exc.start})") from None
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SproutError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+        rows = load_json(text, path)
         if not isinstance(rows, list):
             raise SproutError(f"{path}: expected a JSON array of records, got {type(rows).__name__}")
+        if not rows:
+            raise SproutError(f"{path}: the source file holds no records (an empty JSON array)")
         any_escape = bool(_SURROGATE_ESCAPE.search(data))
         for i, row in enumerate(rows):
             if not any_escape or usable(data, row, f"{path}[{i}]"):
                 yield f"{path}[{i}]", row
         return
+    records = 0
     with open_binary(path) as f:
         for lineno, raw in numbered_lines(f, path):
             text = _decode(raw, path, lineno)
             if not text.strip():
                 continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise SproutError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+            record = load_json(text, path, lineno)
+            records += 1
             if usable(raw, record, f"{path}:{lineno}"):
                 yield f"{path}:{lineno}", record
+    if not records:
+        raise SproutError(f"{path}: the source file holds no records (it is empty or has blank lines only)")
 
 
 def string_field(row, key: str, where: str, optional: bool = False) -> str:
@@ -247,9 +248,10 @@ def gsm8k_gold(answer: str, where: str) -> str:
     """The normalised number after `####`."""
     if "####" not in answer:
         raise SproutError(f"{where}: GSM8K answer has no '#### N' final answer")
-    gold = normalise_number(answer.rsplit("####", 1)[1])
+    final = answer.rsplit("####", 1)[1]
+    gold = normalise_number(final)
     if gold is None:
-        raise SproutError(f"{where}: GSM8K final answer {answer.rsplit('####', 1)[1].strip()!r} is not a number")
+        raise SproutError(f"{where}: GSM8K final answer {not_a_number_reason(final.strip())}")
     return gold
 
 

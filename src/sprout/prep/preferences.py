@@ -45,6 +45,7 @@ and line: it means the file is not what the config says it is.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections import Counter
@@ -151,10 +152,18 @@ def _scores(row, where: str) -> float:
     values = []
     for key in ("score_chosen", "score_rejected"):
         v = row.get(key, meta.get(key))
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise SproutError(f"{where}: margin asked but {key!r} is missing or not a number")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise SproutError(f"{where}: margin asked but {key!r} is missing or not a finite number (got {v!r})")
         values.append(float(v))
-    return values[0] - values[1]
+    return finite_margin(values[0] - values[1], where)
+
+
+def finite_margin(value, where: str) -> float:
+    """`value` as a float when it is a finite number (JSON's NaN and Infinity are not); one
+    error naming the input record `where` otherwise, before any file is written."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SproutError(f"{where}: 'margin' must be a finite number, got {value!r}")
+    return float(value)
 
 
 def conversational_pair(row, where: str, spec: PreferenceSourceConfig):
@@ -187,10 +196,7 @@ def conversational_pair(row, where: str, spec: PreferenceSourceConfig):
         raise SproutError(f"{where}: the prompt must end with a user turn, ends with {prompt[-1]['role']}")
     margin = None
     if "margin" in row:
-        margin = row["margin"]
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
-            raise SproutError(f"{where}: 'margin' must be a number, got {margin!r}")
-        margin = float(margin)
+        margin = finite_margin(row["margin"], where)
     elif spec.margin:
         margin = _scores(row, where)
     return prompt, _answer(chosen, "chosen", where), _answer(rejected, "rejected", where), margin

@@ -18,6 +18,7 @@ from sprout.chat import ChatError
 from sprout.config import from_dict
 from sprout.errors import SproutError
 from sprout.prep import arithmetic
+from sprout.prep.sources import print_warning
 
 
 class Drop(Exception):
@@ -87,16 +88,26 @@ def record_id(ids: Counter, base: str) -> str:
 
 
 def write_split_files(out: Path, splits: dict[str, list], names: dict[str, str], seed: int,
-                      write: Callable[[Path, list], int], what: str, log=print) -> dict:
+                      write: Callable[[Path, list], int], what: str, log=print, warn=print_warning) -> dict:
     """Shuffle each split's records (seeded by `seed` and the split's name) and `write` them to
-    out/names[split]; returns {split: {path, records, sha256}}."""
+    out/names[split]; returns {split: {path, records, sha256}}. An empty split is written and
+    warned about (`empty_split_warning`)."""
     files = {}
+    total = sum(len(records) for records in splits.values())
     for split, name in names.items():
         random.Random(f"{seed}-{split}").shuffle(splits[split])
         n = write(out / name, splits[split])
         files[split] = {"path": name, "records": n, "sha256": sha256_file(out / name)}
         log(f"{split}: {n:,} {what} -> {out / name}")
+        if n == 0:
+            warn(empty_split_warning(split, out / name, total, what))
     return files
+
+
+def empty_split_warning(split: str, path: Path, total: int, what: str) -> str:
+    """What a prep says when it writes an empty split: the file and the counts."""
+    return (f"{path}: the {split} split is empty (0 of {total:,} {what}); a trainer cannot use it "
+            f"(more input, or a larger test/val fraction)")
 
 
 def dropped_totals(per_source: dict[str, Counter]) -> dict[str, int]:

@@ -12,12 +12,15 @@ The steps `scripts/prepare_rl_prompts.py` runs, in order:
    ...) for a prompt that `sprout.chat.render(..., add_generation_prompt=True)` refuses;
 3. exact dedup across all sources on `conversation_key(prompt)` (`sprout.prep.keys`: the
    roles and contents, lower-cased), first wins; a duplicate whose gold differs from the
-   kept one is also counted as `duplicates_other_gold`;
+   kept one is also counted as `duplicates_other_gold`, and a duplicate from a source with
+   its own split whose kept copy is in the other split as `duplicates_in_<split>`; both
+   are warned about on stderr with their counts (`duplicate_warnings`);
 4. split: a source with `own_split: true` keeps the split it comes from (its `split`,
    `train` or `test`: GSM8K's `train.jsonl` / `test.jsonl`, the generator's train or test
    problems), so its test questions stay the published test set; every other record goes
    by a hash of the PROMPT, `is_val(conversation_key(prompt), test_fraction)`;
-5. shuffle each split with `seed` and write `prompts.jsonl`, `prompts_test.jsonl` and,
+5. shuffle each split with `seed` and write `prompts.jsonl`, `prompts_test.jsonl` (an
+   empty one is warned about) and,
    last, `manifest.json` (counts per source, per drop reason and per level, the split
    rule, prompts found in both files, the config and the command).
 
@@ -57,7 +60,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sprout.answers import normalise_number
+from sprout.answers import normalise_number, not_a_number_reason
 from sprout.atomic import write_json_atomic
 from sprout.chat import ChatError, validate
 from sprout.chat_formats import ROLES
@@ -69,6 +72,7 @@ from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
 from sprout.prep.keys import SplitRule, conversation_key, is_val
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
+from sprout.prep.sources import print_warning
 
 FORMATS = ("gsm8k", "arithmetic", "jsonl")
 SPLITS = ("train", "test")
@@ -139,7 +143,7 @@ def _gold(value, where: str) -> str:
         raise SproutError(f"{where}: 'gold' must be a string or an integer, got {type(value).__name__}")
     gold = normalise_number(str(value))
     if gold is None:
-        raise Drop("unparsable_gold", f"gold {value!r} is not a number")
+        raise Drop("unparsable_gold", f"gold {not_a_number_reason(str(value))}")
     return gold
 
 
@@ -226,11 +230,30 @@ def _check_spec(spec: PromptSourceConfig, where: str) -> None:
         raise SproutError(f"{where}: own_split needs split train or test, got {spec.split!r}")
 
 
-def prepare(cfg: PromptDataConfig, command: str = "", log=print) -> dict:
-    """Run the whole prep; writes the two JSONL files and the manifest, returns the manifest."""
+def duplicate_warnings(spec: PromptSourceConfig, counts: Counter) -> list[str]:
+    """What dedup did to a source that its user should hear of, with the counts: prompts left
+    out although their gold differs from the kept copy's, and prompts of a source with its own
+    split left out because the kept copy is in the other split (a test file that repeats
+    training prompts is emptied by them)."""
+    where = f"source {spec.name} ({spec.path or spec.hub or spec.format})"
+    read = counts["read"]
+    messages = []
+    if counts["duplicates_other_gold"]:
+        messages.append(f"{where}: {counts['duplicates_other_gold']:,} of {read:,} prompts repeat a kept prompt with "
+                        f"a different gold; the first gold was kept (manifest: duplicates_other_gold)")
+    for split in SPLITS:
+        if n := counts[f"duplicates_in_{split}"]:
+            messages.append(f"{where}: {n:,} of its {read:,} {spec.split} prompts are already in the {split} split "
+                            f"and were left out ({counts[spec.split]:,} kept in {spec.split})")
+    return messages
+
+
+def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warning) -> dict:
+    """Run the whole prep; writes the two JSONL files and the manifest, returns the manifest.
+    What dedup changed (`duplicate_warnings`) and an empty split are warned about."""
     specs = check_config(cfg)
     out = Path(cfg.out)
-    seen: dict[bytes, str] = {}  # prompt key -> gold of the kept prompt
+    seen: dict[bytes, tuple[str, str]] = {}  # prompt key -> (gold, split) of the kept prompt
     ids: Counter = Counter()  # prompt id -> times used
     splits: dict[str, list] = {"train": [], "test": []}
     split_keys: dict[str, set] = {"train": set(), "test": set()}
@@ -240,24 +263,30 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print) -> dict:
         c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
         for item in kept_records(read_items(spec, cfg), c, first_drop, spec.name, check_content):
             key = prompt_key(item.prompt)
-            if cfg.dedup and key in seen:
-                c["duplicates"] += 1
-                if seen[key] != item.gold:
-                    c["duplicates_other_gold"] += 1
-                continue
-            seen.setdefault(key, item.gold)
             if spec.own_split:
                 split = spec.split
             else:
                 split = "test" if is_val(key, cfg.test_fraction) else "train"
+            if cfg.dedup and key in seen:
+                kept_gold, kept_split = seen[key]
+                c["duplicates"] += 1
+                if kept_gold != item.gold:
+                    c["duplicates_other_gold"] += 1
+                if spec.own_split and kept_split != split:
+                    c[f"duplicates_in_{kept_split}"] += 1
+                continue
+            seen.setdefault(key, (item.gold, split))
             c[split] += 1
             split_keys[split].add(key)
             splits[split].append({"id": record_id(ids, source_prompt_id(spec.name, key)), "source": spec.name, "prompt": item.prompt,
                                   "gold": item.gold, "level": item.level})
     log_first_drops(first_drop, log)
+    for spec in specs:
+        for message in duplicate_warnings(spec, per_source[spec.name]):
+            warn(message)
 
     files = write_split_files(out, splits, {"train": TRAIN_FILE, "test": TEST_FILE}, cfg.seed, write_prompts,
-                              "prompts", log)
+                              "prompts", log, warn)
     levels = {split: dict(sorted(Counter("null" if r["level"] is None else str(r["level"])
                                          for r in records).items())) for split, records in splits.items()}
     manifest = {

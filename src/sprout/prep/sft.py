@@ -42,7 +42,8 @@ from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
 from sprout.prep.keys import conversation_key, is_val
 from sprout.prep.mixture import resample
 from sprout.prep.packing import OVERLONG_POLICIES, pack
-from sprout.prep.records import kept_records, log_first_drops
+from sprout.prep.records import empty_split_warning, kept_records, log_first_drops
+from sprout.prep.sources import print_warning
 from sprout.ranges import SEED_RANGE, in_range
 
 
@@ -74,8 +75,9 @@ def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
     return specs
 
 
-def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
-    """Run the whole prep; writes the train and val files and returns the counts."""
+def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_warning) -> dict:
+    """Run the whole prep; writes the train and val files and returns the counts (a split
+    without a row is written and warned about)."""
     specs = _check_config(cfg)
     t0 = time.perf_counter()
     per_source = {s.name: Counter() for s in specs}
@@ -147,5 +149,8 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print) -> dict:
     write_sft_files(files)
     for line in lines:
         log(line)
+    for path, _, file_attrs in files:
+        if file_attrs["counts"]["split"]["rows"] == 0:
+            warn(empty_split_warning(file_attrs["split"], Path(path), len(train_convs) + len(val), "conversations"))
     result["seconds"] = {"read": round(t_read - t0, 2), "total": round(time.perf_counter() - t0, 2)}
     return result

@@ -71,7 +71,7 @@ class DPOLossConfig:
 
 
 @dataclass
-class DPOConfig(StageConfig, out="runs/dpo", optim=OptimConfig(lr=5e-7, warmup_steps=10, weight_decay=0.0),
+class DPOConfig(StageConfig, stage="dpo", out="runs/dpo", optim=OptimConfig(lr=5e-7, warmup_steps=10, weight_decay=0.0),
                 train=TrainConfig(eval_every=50, ckpt_every=100)):
     init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
     data: PairDataConfig = field(default_factory=PairDataConfig)

@@ -101,7 +101,8 @@ class GRPOLossConfig:
 
 
 @dataclass
-class GRPOConfig(StageConfig, out="runs/grpo", optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
+class GRPOConfig(StageConfig, stage="grpo", out="runs/grpo",
+                 optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
                  train=TrainConfig(eval_every=50, ckpt_every=50)):
     init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
     data: RLDataConfig = field(default_factory=RLDataConfig)

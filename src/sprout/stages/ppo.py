@@ -133,7 +133,7 @@ class PPOLossConfig:
 
 
 @dataclass
-class PPOConfig(StageConfig, out="runs/ppo", optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
+class PPOConfig(StageConfig, stage="ppo", out="runs/ppo", optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
                 train=TrainConfig(eval_every=50, ckpt_every=50)):
     init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
     reward_model: str = resume_free("")  # a reward model run (scripts/train_reward.py); "" = verifiers only

@@ -46,8 +46,10 @@ from sprout.checkpoint import checkpoint_tokenizer, read_meta
 from sprout.config import RESUME_FREE, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
-from sprout.formats.preferences import TEST_FILE, TRAIN_FILE, read_preferences
+from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
+from sprout.formats.preferences import read_preferences
 from sprout.formats.verify import verify_jsonl_data
+from sprout.model.load import check_init_architecture
 from sprout.model.transformer import ModelConfig
 from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
 from sprout.engine.stage import LoaderPosition, micro_steps
@@ -64,20 +66,14 @@ class PairBatchConfig:
 class PairDataConfig:
     # Paths may change on resume (the loader checks the pair count and global batch), and the
     # epochs, which only set max_steps.
-    path: str = resume_free("")         # preferences.jsonl from scripts/prepare_preference_data.py
-    val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (or <name>_test.jsonl) beside it
+    path: str = resume_free("")         # the preference prep's folder, or a file of it (preferences.jsonl)
+    val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (<name>_test.jsonl) beside the train file
     seq_len: int | None = in_range(None, "[2, inf)")  # longest side in tokens; None: the model's max_seq_len
     truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
     epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
     # start-up check against the prep's manifest.json: full (listed, and the sha256 of both
     # files) | sizes (listed only, no hashing)
     verify: Literal["full", "sizes"] = resume_free("full")
-
-
-def held_out_path(path: str | Path) -> Path:
-    """The held-out file beside a train file: preferences_test.jsonl, else <stem>_test<suffix>."""
-    path = Path(path)
-    return path.with_name(TEST_FILE) if path.name == TRAIN_FILE else path.with_name(f"{path.stem}_test{path.suffix}")
 
 
 def pair_sources(path: str | Path, loader: PreferenceLoader) -> list[str]:
@@ -173,11 +169,10 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
-        raise SproutError("no preference data: set data.path in the config or pass --data FILE.jsonl")
+        raise SproutError("no preference data: set data.path in the config or pass --data DIR (or FILE.jsonl)")
+    data, val = resolve_data(cfg.data.path, PREFERENCE_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
-    if base.get("architecture", "lm") != "lm":
-        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint, "
-                          f"not architecture {base.get('architecture')!r}")
+    check_init_architecture(base, stage_name)
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
     check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
@@ -188,10 +183,6 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     if seq_len > model_cfg.max_seq_len:
         raise SproutError(f"data.seq_len {seq_len} exceeds max_seq_len {model_cfg.max_seq_len} of the init "
                           f"checkpoint {base['path']}")
-    data = Path(cfg.data.path)
-    val = Path(cfg.data.val_path) if cfg.data.val_path else held_out_path(data)
-    if not val.is_file():
-        raise SproutError(f"{val}: held-out preference file not found (set data.val_path)")
     check = verify_jsonl_data(data, val, cfg.data.verify, kind="preference")
     print_rank0(check.report("preference files"))
     resume_path = resolve_resume(resume, cfg.out)

@@ -26,6 +26,7 @@ from data_loader.tokens import DistributedTokenLoader, RandomWindowSampler, eval
 from sprout.atomic import check_writable
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
+from sprout.formats.data_paths import token_data_path
 from sprout.formats.verify import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
@@ -41,7 +42,7 @@ from sprout.engine.schedule import seq_len_at, seq_len_stages
 
 @dataclass
 class TokenDataConfig:
-    dir: str = resume_free("")     # shard folder (*_train_*.bin, *_val_*.bin, manifest.json) or a *train*.h5 file
+    dir: str = resume_free("")     # the prep's folder (*_train_*.bin, *_val_*.bin, manifest.json) or a file of it
     tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
     sampler: Literal["sequential", "random"] = "sequential"  # per-rank spans | nanoGPT random windows
     seq_len: int | None = in_range(None, "[1, inf)")  # None: model.max_seq_len
@@ -53,7 +54,7 @@ class TokenDataConfig:
 
 
 @dataclass
-class PretrainConfig(StageConfig, out="runs/pretrain"):
+class PretrainConfig(StageConfig, stage="pretrain", out="runs/pretrain"):
     model: ModelConfig = field(default_factory=ModelConfig)  # the transformer's shape
     data: TokenDataConfig = field(default_factory=TokenDataConfig)  # token shards, sampling and eval
     batch: TokenBatchConfig = field(default_factory=TokenBatchConfig)
@@ -141,6 +142,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.data.dir:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=str(token_data_path(cfg.data.dir))))
     if cfg.data.sampler not in ("sequential", "random"):
         raise SproutError(f"data.sampler must be sequential or random, not {cfg.data.sampler!r}")
     check = verify_data(cfg.data)

@@ -67,7 +67,8 @@ class RewardLossConfig:
 
 
 @dataclass
-class RewardConfig(StageConfig, out="runs/reward", optim=OptimConfig(lr=1e-5, warmup_steps=10, weight_decay=0.0),
+class RewardConfig(StageConfig, stage="reward", out="runs/reward",
+                   optim=OptimConfig(lr=1e-5, warmup_steps=10, weight_decay=0.0),
                    train=TrainConfig(eval_every=50, ckpt_every=100)):
     init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
     data: PairDataConfig = field(default_factory=PairDataConfig)

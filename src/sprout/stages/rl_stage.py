@@ -67,12 +67,12 @@ from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, require, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
-from sprout.formats.prompts import TEST_FILE, TRAIN_FILE
+from sprout.formats.data_paths import PROMPT_FILES, resolve_data
 from sprout.formats.verify import verify_jsonl_data
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
-from sprout.model.load import init_from_lm
+from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, check_reward_function,
@@ -105,8 +105,8 @@ def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: i
 
 @dataclass
 class RLDataConfig:
-    path: str = resume_free("")         # prompts.jsonl from scripts/prepare_rl_prompts.py
-    val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside it
+    path: str = resume_free("")         # scripts/prepare_rl_prompts.py's folder, or a file of it (prompts.jsonl)
+    val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside the train file
     max_prompt_length: int = in_range(512, "[1, inf)")  # longer prompts (rendered, in tokens) are dropped and counted
     sources: list | None = None         # keep only the prompts of these sources (both files); None: all
     # held-out prompts per eval (the file's first; 0: all)
@@ -485,19 +485,13 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
-        raise SproutError("no prompts: set data.path in the config or pass --data prompts.jsonl")
+        raise SproutError("no prompts: set data.path in the config or pass --data DIR (or prompts.jsonl)")
+    data, val = resolve_data(cfg.data.path, PROMPT_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)
-    if base.get("architecture", "lm") not in ("lm", "lm+value"):
-        raise SproutError(f"{Path(base['path']) / 'meta.json'}: init must be a language model checkpoint "
-                          f"(lm, or a PPO policy lm+value), not architecture {base.get('architecture')!r}")
+    check_init_architecture(base, stage_name, ("lm", "lm+value"))
     model_cfg = ModelConfig(**base["model_config"])
     tok = checkpoint_tokenizer(base)
     check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
-    data = Path(cfg.data.path)
-    val = Path(cfg.data.val_path) if cfg.data.val_path else (
-        data.with_name(TEST_FILE) if data.name == TRAIN_FILE else data.with_name(f"{data.stem}_test{data.suffix}"))
-    if not val.is_file():
-        raise SproutError(f"{val}: held-out prompt file not found (set data.val_path)")
     check = verify_jsonl_data(data, val, cfg.data.verify, kind="prompt")
     check_held_out(data, val)
     print_rank0(check.report("prompt files"))
@@ -513,6 +507,11 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
                           rank=rank, world_size=world, sources=cfg.data.sources)
     val_loader = PromptLoader(val, tok, cfg.data.max_prompt_length, world, rank=rank, world_size=world,
                               shuffle=False, limit=cfg.data.eval_prompts, sources=cfg.data.sources)
+    if val_loader.num_prompts == 0:
+        others = (f", {val_loader.other_sources:,} of other sources than data.sources"
+                  if cfg.data.sources is not None else "")
+        raise SproutError(f"{val}: no held-out prompts to evaluate ({val_loader.read:,} read; {val_loader.dropped:,} "
+                          f"longer than data.max_prompt_length {cfg.data.max_prompt_length}{others})")
     if loader.batches_per_epoch == 0:
         raise SproutError(f"{data}: {loader.num_prompts} prompts (of {loader.read}) cannot fill one global batch "
                           f"of {cfg.batch.global_prompts} (batch.global_prompts)")

@@ -23,7 +23,8 @@ answers `sample_prompts` greedily (`SFTStage.samples`), shown in report.md.
 start from a base checkpoint (`init`; the model config comes from its meta), refuse a train
 and val file from different prep runs or whose datasets no longer match their recorded
 sha256 (`sprout.formats.verify.verify_sft_pair`; data.verify `sizes` skips the hashes), refuse
-SFT data made with another tokenizer, chat template or a longer context than the model's, then
+SFT data made with another tokenizer, chat template or a longer context than the model's, and
+a file with a row that trains nothing (`check_trained_rows`, naming the rows), then
 train with the same loop, checkpoints, resume and multi-process support as pretraining.
 Each checkpoint's meta carries the tokenizer spec and fingerprint, the chat-template version
 and the base checkpoint it started from, which `scripts/chat.py` and later stages read.
@@ -46,8 +47,10 @@ from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
+from sprout.model.load import check_init_architecture
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.formats.sft import SFTFile, val_path
+from sprout.formats.data_paths import SFT_FILES, resolve_data
+from sprout.formats.sft import SFTFile
 from sprout.formats.verify import verify_sft_pair
 from sprout.config import RESUME_FREE, check_ranges, resume_free
 from sprout.ranges import in_range
@@ -61,8 +64,8 @@ from sprout.engine.run import StageConfig, is_rank0, print_rank0, resolve_resume
 class SFTRowsConfig:
     # Paths may change on resume (the loader checks the row count and global batch), and the
     # epochs, which only set max_steps.
-    path: str = resume_free("")   # packed train rows from scripts/prepare_sft_data.py (sft.h5)
-    val_path: str | None = resume_free(None)  # None: the `_val` file beside it (sft_val.h5)
+    path: str = resume_free("")   # packed rows from scripts/prepare_sft_data.py: its folder, or a file of it (sft.h5)
+    val_path: str | None = resume_free(None)  # None: the `_val` file beside the train file (sft_val.h5)
     epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
     verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
 
@@ -71,7 +74,7 @@ SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one senten
 
 
 @dataclass
-class SFTConfig(StageConfig, out="runs/sft", optim=OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0),
+class SFTConfig(StageConfig, stage="sft", out="runs/sft", optim=OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0),
                 train=TrainConfig(eval_every=50, ckpt_every=100)):
     init: str = resume_free("")   # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
     data: SFTRowsConfig = field(default_factory=SFTRowsConfig)  # packed SFT rows and epochs
@@ -215,6 +218,17 @@ def _attrs(path: Path) -> dict:
         return f.attrs
 
 
+def check_trained_rows(path: Path, shown: int = 5) -> None:
+    """Refuse an SFT file with a row that trains nothing, naming the file and the rows: no
+    loss could be taken from it (prep never writes one: the loss mask was edited)."""
+    with SFTFile(path) as f:
+        rows, total = f.rows_without_targets(), f.num_rows
+    if rows.size:
+        listed = ", ".join(map(str, rows[:shown])) + (", ..." if rows.size > shown else "")
+        raise SproutError(f"{path}: {rows.size:,} of {total:,} rows have no trained target (loss_mask all 0): "
+                          f"rows {listed}; prepare the SFT data again")
+
+
 # ---- the run ---------------------------------------------------------------------------------
 def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     """Check inputs, load the base model, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
@@ -222,16 +236,19 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     if not cfg.init:
         raise SproutError("no base model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
-        raise SproutError("no SFT data: set data.path in the config or pass --data FILE.h5")
+        raise SproutError("no SFT data: set data.path in the config or pass --data DIR (or FILE.h5)")
+    data, val = resolve_data(cfg.data.path, SFT_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)  # resolves run dir / latest pointer, verifies every file's sha256
+    check_init_architecture(base, "sft")
     model_cfg = ModelConfig(**base["model_config"])
-    data, val = Path(cfg.data.path), Path(cfg.data.val_path or val_path(cfg.data.path))
     check = verify_sft_pair(data, val, cfg.data.verify, show_progress=is_rank0())
     print_rank0(check.report("SFT files"))
     attrs = _attrs(data)
     sample_tok = _sample_tokenizer(base)
     fmt = format_for(sample_tok) if sample_tok is not None else format_for_spec(attrs["tokenizer_spec"])
     check_sft_data(base, model_cfg, data, attrs, val, _attrs(val), fmt)
+    for path in (data, val):
+        check_trained_rows(path)
     row_len, micro = attrs["seq_len"], cfg.batch.micro_tokens
     if micro % row_len:
         raise SproutError(f"batch.micro_tokens {micro} is not a multiple of the row length {row_len} of {data}")

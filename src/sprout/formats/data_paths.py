@@ -1,0 +1,123 @@
+"""What a trainer's `--data` takes: the folder a prep wrote, or any file of it.
+
+Every trainer finds its train file, and the held-out file beside it, from one path:
+
+- the folder the prep wrote (its `--out`; for SFT, the folder holding the `.h5` pair);
+- the prep's `manifest.json` (read as its folder);
+- the train file itself, or the held-out file (read as the train file beside it);
+- pretraining only: any `.bin` shard (read as its folder), or either HDF5 file of a pair.
+
+The held-out file of a train file `X.ext` is `X<held_out>.ext` beside it (`preferences_test.jsonl`,
+`prompts_test.jsonl`, `sft_val.h5`), unless the config names another (`data.val_path`); HDF5
+pretraining data pairs `<dataset>_train.h5` with `<dataset>_val.h5`. A path that is none of
+these is refused with one line naming it and what to pass instead. `PrepFiles` describes
+what one prep writes; `resolve_data` maps a path to (train, held-out); `token_data_path` is
+the pretraining form, which keeps a shard folder a folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sprout.errors import SproutError
+from sprout.formats import preferences, prompts
+from sprout.formats.manifest import MANIFEST
+
+
+@dataclass(frozen=True)
+class PrepFiles:
+    """The files of one prep's folder, as a trainer's `--data` finds them."""
+
+    what: str           # what the files hold, for messages: "preference pairs"
+    script: str         # the prep that writes them
+    suffix: str         # the train file's: ".jsonl", ".h5"
+    held_out: str       # what the held-out file adds to the train file's stem: "_test", "_val"
+    train: str = ""     # the train file's usual name, preferred when a folder holds several
+
+    def held_out_of(self, train: Path) -> Path:
+        """The held-out file beside `train`: `X.ext` -> `X<held_out>.ext`."""
+        return train.with_name(f"{train.stem}{self.held_out}{train.suffix}")
+
+    def hint(self) -> str:
+        return f"pass the folder {self.script} wrote, or its train file"
+
+
+PREFERENCE_FILES = PrepFiles("preference pairs", "scripts/prepare_preference_data.py", ".jsonl", "_test",
+                             preferences.TRAIN_FILE)
+PROMPT_FILES = PrepFiles("RL prompts", "scripts/prepare_rl_prompts.py", ".jsonl", "_test", prompts.TRAIN_FILE)
+SFT_FILES = PrepFiles("packed SFT rows", "scripts/prepare_sft_data.py", ".h5", "_val", "sft.h5")
+PRETRAIN_SCRIPT = "scripts/prepare_pretrain_data.py"
+
+
+def resolve_data(path: str | os.PathLike, files: PrepFiles, val_path: str | os.PathLike | None = None,
+                 ) -> tuple[Path, Path]:
+    """(train file, held-out file) of a trainer's `--data` (module doc); the held-out file is
+    `val_path` when given. Both must exist; otherwise one line names the path and what to pass."""
+    train = _train_file(Path(path), files)
+    held_out = Path(val_path) if val_path else files.held_out_of(train)
+    if not held_out.is_file():
+        how = "data.val_path" if val_path else f"beside {train.name}; {files.script} writes it, or set data.val_path"
+        raise SproutError(f"{held_out}: held-out {files.what} file not found ({how})")
+    return train, held_out
+
+
+def _train_file(path: Path, files: PrepFiles) -> Path:
+    if path.name == MANIFEST and path.is_file():
+        path = path.parent
+    if path.is_dir():
+        return _train_file_in(path, files)
+    if not path.exists():
+        raise SproutError(f"{path}: not found; {files.hint()}")
+    if path.suffix != files.suffix:
+        raise SproutError(f"{path}: not a file of {files.what} (a {files.suffix} file); {files.hint()}")
+    if path.stem.endswith(files.held_out):  # the held-out file: its train file is beside it
+        train = path.with_name(path.stem[: -len(files.held_out)] + path.suffix)
+        if train.is_file():
+            return train
+    return path
+
+
+def _train_file_in(folder: Path, files: PrepFiles) -> Path:
+    """The one train file of a prep's folder: the usual name, else the one `X.ext` that is not
+    a held-out file."""
+    if files.train and (folder / files.train).is_file():
+        return folder / files.train
+    found = sorted(p for p in folder.glob(f"*{files.suffix}") if p.is_file() and not p.stem.endswith(files.held_out))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise SproutError(f"{folder}: a folder without {files.what} (no {files.train or '*' + files.suffix} train "
+                          f"file); {files.hint()}")
+    raise SproutError(f"{folder}: a folder with several train files ({', '.join(p.name for p in found)}); "
+                      f"pass the one to train on")
+
+
+def token_data_path(path: str | os.PathLike) -> Path:
+    """The pretraining input of a `--data` path: the shard folder (given as the folder, its
+    manifest.json or any `.bin` shard), or the `<dataset>_train.h5` of an HDF5 pair (given as
+    either file, or as a folder holding one pair and no shards)."""
+    path = Path(path)
+    if path.is_file() and (path.name == MANIFEST or path.suffix == ".bin"):
+        path = path.parent
+    if path.is_dir():
+        if any(path.glob("*.bin")):
+            return path
+        pairs = sorted(path.glob("*_train.h5")) + sorted(path.glob("*_train.hdf5"))
+        if len(pairs) == 1:
+            return pairs[0]
+        if len(pairs) > 1:
+            raise SproutError(f"{path}: a folder with several HDF5 train files ({', '.join(p.name for p in pairs)}); "
+                              f"pass the one to train on")
+        if (path / MANIFEST).is_file():
+            return path  # the shard check names what is missing
+        raise SproutError(f"{path}: a folder without pretraining data (no .bin shards, no manifest.json, no "
+                          f"*_train.h5); pass the folder {PRETRAIN_SCRIPT} wrote, or a file of it")
+    if not path.exists():
+        raise SproutError(f"{path}: not found; pass the folder {PRETRAIN_SCRIPT} wrote, or a file of it")
+    if path.suffix in (".h5", ".hdf5") and path.stem.endswith("_val"):
+        train = path.with_name(path.stem[: -len("_val")] + "_train" + path.suffix)
+        if train.is_file():
+            return train
+    return path
