@@ -207,7 +207,7 @@ def test_local_jsonl_trl_forms_and_contract(tmp_path):
       "rejected": "b"}, "must end with a user turn"),
     ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "one assistant message"),
     ({"chosen": "a", "rejected": "b"}, "plain strings"),
-    ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "x"}, "'margin' must be a number"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "x"}, "'margin' must be a finite number"),
     ("not json", "invalid JSON"),
     ("[1]", "expected a JSON object"),
 ])
