@@ -31,7 +31,7 @@ class PromptLoader(EpochOrder):
     def __init__(self, path, tok, max_prompt_length: int, global_prompts: int = 1, *, seed: int = 0,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True, limit: int = 0,
                  sources: list[str] | None = None):
-        self.path = Path(path)
+        self.path, self.sources, self.max_prompt_length = Path(path), sources, max_prompt_length
         self.ids: list[list[int]] = []
         self.gold: list[str] = []
         self.records: list[dict] = []  # the kept records themselves (for evaluation)
@@ -59,6 +59,16 @@ class PromptLoader(EpochOrder):
                          world_size=world_size, shuffle=shuffle, unit="prompts",
                          keys=("batch", "num_prompts", "global_prompts"))
         self.global_prompts, self.batches_per_epoch, self.num_prompts = global_prompts, self.steps_per_epoch, len(self.ids)
+
+    def left_out(self) -> str:
+        """Why prompts read were not kept, for an error: ": 5 left out by data.sources [...]; 2 longer
+        than data.max_prompt_length 64" ("" when none was left out)."""
+        why = []
+        if self.other_sources:
+            why.append(f"{self.other_sources} left out by data.sources {list(self.sources)}")
+        if self.dropped:
+            why.append(f"{self.dropped} longer than data.max_prompt_length {self.max_prompt_length}")
+        return f": {'; '.join(why)}" if why else ""
 
     def next_prompts(self) -> np.ndarray:
         """This rank's prompt indices of the next global batch (a new epoch starts when one is used up)."""

@@ -15,10 +15,7 @@ end-of-turn token; see sprout/model/chat_session.py.
 import argparse
 import sys
 
-import torch
-
 from sprout.chat import ChatError
-from sprout.model.chat_session import ChatSession, load_chat_model
 from sprout.errors import SproutError, run_main
 
 
@@ -28,13 +25,18 @@ def main() -> None:
     p.add_argument("--prompt", help="answer this one message and exit")
     p.add_argument("--system", help="system message at the start of the conversation")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: none, all tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
     p.add_argument("--seed", type=int, default=None, help="seed the sampler (default: random)")
     p.add_argument("--tokenizer", help="tokenizer spec (default: the one in the checkpoint's meta)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     args = p.parse_args()
+    import torch  # after parsing: --help never loads torch
+
+    from sprout.model.chat_session import ChatSession, load_chat_model
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.max_new_tokens < 1:
         raise SproutError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
     model, tok, meta = load_chat_model(args.checkpoint, args.device, args.tokenizer)

@@ -36,15 +36,9 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator
-
 from sprout.atomic import sha256_file, write_json_atomic
-from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer, run_folder
 from sprout.errors import SproutError, run_main
-from sprout.model.load import load_model
 from sprout.rl.eval_tasks import TASKS, file_prompts, task_prompts
-from sprout.rl.evaluation import evaluate_prompts
 
 DEFAULT_KS = (1, 8)  # those at most --n, when --k is not given
 ROWS = ("pass@{k}", "greedy/accuracy", "greedy/format_rate", "format/rate", "completions/mean_length",
@@ -91,8 +85,8 @@ def main() -> int:
     p.add_argument("--k", help="pass@k for these k, comma-separated, each <= n (default: 1,8 where <= n)")
     p.add_argument("--greedy", action="store_true", help="also one greedy answer per prompt: greedy/accuracy")
     p.add_argument("--max-examples", type=int, help="evaluate at most this many prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled answers (default 1.0)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (x n rows)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling (the problems never change)")
     p.add_argument("--samples", type=int, default=4, help="answers kept in the JSON (the first prompts)")
@@ -107,6 +101,12 @@ def main() -> int:
     if args.temperature <= 0:
         raise SproutError(f"--temperature must be > 0 (use --greedy for greedy answers), not {args.temperature}")
     ks = parse_ks(args.k, args.n)
+    import torch  # after the arguments are checked: --help never loads torch
+    from accelerate import Accelerator
+
+    from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer, run_folder
+    from sprout.model.load import load_model
+    from sprout.rl.evaluation import evaluate_prompts
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main_rank = accelerator.is_main_process

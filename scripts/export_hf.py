@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 
 from sprout.errors import run_main
-from sprout.model.export import export_hf, verify_export
 
 
 def main() -> None:
@@ -32,6 +31,8 @@ def main() -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-check", action="store_true", help="do not load the result with transformers to check it")
     args = p.parse_args()
+    from sprout.model.export import export_hf, verify_export  # after parsing: --help never loads torch
+
     result, model, tok = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer, overwrite=args.overwrite)
     print(f"{result.out}: {result.hf_class} from a sprout {result.architecture!r} checkpoint, "
           f"tokenizer {tok.spec}; wrote {', '.join(result.files)}")

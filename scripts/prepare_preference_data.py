@@ -21,13 +21,14 @@ import sys
 
 from sprout.errors import run_main
 from sprout.prep.cli import parse_prep_config, prep_parser
-from sprout.prep.preferences import PreferenceDataConfig, prepare
+from sprout.prep.preferences import FORMATS, PreferenceDataConfig, PreferenceSourceConfig, prepare
 
 FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float}
 
 
 def main() -> int:
-    parser = prep_parser(__doc__, PreferenceDataConfig, "configs/demo/preferences.yaml", FLAGS)
+    parser = prep_parser(__doc__, PreferenceDataConfig, "configs/demo/preferences.yaml", FLAGS,
+                         source_cls=PreferenceSourceConfig, formats=FORMATS)
     _, cfg = parse_prep_config(parser, PreferenceDataConfig, FLAGS, dedup_help="keep exact duplicate pairs")
     manifest = prepare(cfg, command=shlex.join(sys.argv))
     print(json.dumps({k: manifest[k] for k in ("files", "sources", "dropped")}, indent=2))

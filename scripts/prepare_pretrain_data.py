@@ -29,8 +29,8 @@ def main() -> int:
     parser.add_argument("--config", help="YAML config (configs/demo/pretrain_data.yaml)")
     parser.add_argument("--source", action="append", help="PATH_OR_HF_ID[:WEIGHT], repeatable; replaces the config's sources")
     for name, tp in FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)
-    parser.add_argument("--strict", action="store_true", default=None, help="fail on an invalid JSON line instead of skipping it")
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp, help=argparse.SUPPRESS)  # a config field
+    parser.add_argument("--strict", action="store_true", default=None, help=argparse.SUPPRESS)  # the config field
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     args, rest = parser.parse_known_args()
     overrides = {k: getattr(args, k) for k in (*FLAGS, "strict") if getattr(args, k) is not None}

@@ -21,13 +21,14 @@ import sys
 
 from sprout.errors import run_main
 from sprout.prep.cli import parse_prep_config, prep_parser
-from sprout.prep.rl_prompts import PromptDataConfig, prepare
+from sprout.prep.rl_prompts import FORMATS, PromptDataConfig, PromptSourceConfig, prepare
 
 FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float}
 
 
 def main() -> int:
-    parser = prep_parser(__doc__, PromptDataConfig, "configs/demo/rl_prompts.yaml", FLAGS)
+    parser = prep_parser(__doc__, PromptDataConfig, "configs/demo/rl_prompts.yaml", FLAGS,
+                         source_cls=PromptSourceConfig, formats=FORMATS)
     _, cfg = parse_prep_config(parser, PromptDataConfig, FLAGS, dedup_help="keep prompts seen before")
     manifest = prepare(cfg, command=shlex.join(sys.argv))
     print(json.dumps({k: manifest[k] for k in ("files", "sources", "dropped", "levels")}, indent=2))

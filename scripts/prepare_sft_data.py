@@ -2,13 +2,13 @@
 
     python scripts/prepare_sft_data.py --config configs/demo/sft_data.yaml \\
         --mirror ../shared/data --tokenizer tiktoken:r50k_base --out runs/demo/sft/sft.h5
-    python scripts/prepare_sft_data.py --format chat --source mine.jsonl \\
-        --format gsm8k --source gsm8k_train.jsonl:0.5 --format arithmetic --source 500 \\
+    python scripts/prepare_sft_data.py --source-format chat --source mine.jsonl \\
+        --source-format gsm8k --source gsm8k_train.jsonl:0.5 --source-format arithmetic --source 500 \\
         --tokenizer tiktoken:r50k_base --seq-len 512 --out runs/mine/sft.h5
 
 Without a config, `--source PATH[:WEIGHT]` (repeatable; replaces the config's sources) reads
-a file in the `--format` given last before it (a source before any --format takes the last
-one on the command line): alpaca, dolly, gsm8k, chat or arithmetic, whose PATH is the number
+a file in the `--source-format` (or its short name `--format`) given last before it (a source
+before any --source-format takes the last one on the command line): alpaca, dolly, gsm8k, chat or arithmetic, whose PATH is the number
 of problems to generate. Each source is named after its file, weight 1 by default.
 
 `${SPROUT_MIRROR}` in source paths is the data mirror: --mirror DIR, else $SPROUT_MIRROR, else
@@ -48,19 +48,21 @@ def _source_overrides(args: argparse.Namespace) -> dict:
     """{"sources": [...]} from the --source/--format flags, or {} without them."""
     if args.sources:
         if args.source_format is None:
-            raise SproutError("--source needs --format (one of " + ", ".join(FORMATS) + ")")
+            raise SproutError("--source needs --source-format (one of " + ", ".join(FORMATS) + ")")
         taken: set[str] = set()
         return {"sources": [source_from_arg(arg, fmt or args.source_format, taken) for arg, fmt in args.sources]}
     if args.source_format:
-        raise SproutError("--format names the format of --source files; give --source PATH[:WEIGHT] after it")
+        raise SproutError("--source-format names the format of --source files; give --source PATH[:WEIGHT] after it")
     return {}
 
 
 def main() -> int:
     parser = prep_parser(__doc__, SFTDataConfig, "configs/demo/sft_data.yaml", FLAGS)
     parser.add_argument("--source", action=_SourceAction, dest="sources", default=[],
-                        help="PATH[:WEIGHT] in the current --format, repeatable; replaces the config's sources")
-    parser.add_argument("--format", dest="source_format", help=f"format of the --source flags after it: {', '.join(FORMATS)}")
+                        help="PATH[:WEIGHT] in the current --source-format, repeatable; replaces the config's sources")
+    parser.add_argument("--source-format", "--format", dest="source_format", metavar="FORMAT",
+                        help=f"the format the --source files after it are read in (the input, not the output, "
+                             f"which is always HDF5 rows): {', '.join(FORMATS)}")
     _, cfg = parse_prep_config(parser, SFTDataConfig, FLAGS, dedup_help="keep exact duplicate conversations",
                                extra_overrides=_source_overrides)
     tok = load_tokenizer(cfg.tokenizer, mirror=cfg.mirror)

@@ -21,9 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sprout.errors import run_main
+from sprout.errors import SproutError, run_main
 from sprout.pipeline.runner import StageFailed, load_preset, preset_path, read_state, run_pipeline
-from sprout.pipeline.report_card import write_report_card
 
 
 def main() -> int:
@@ -41,6 +40,9 @@ def main() -> int:
     args = p.parse_args()
     preset = load_preset(preset_path(args.preset), args.out, args.model)
     failed = None
+    if args.report_only and not any(rec.get("status") == "done" for rec in read_state(preset.out)["stages"].values()):
+        raise SproutError(f"{preset.out}: nothing to report: no stage of this pipeline is done there (run it "
+                          f"without --report-only first, or pass the --out it ran in)")
     if not args.report_only:
         try:
             run_pipeline(preset, args.start, args.end, mirror=args.mirror)
@@ -48,6 +50,8 @@ def main() -> int:
             failed = exc
     if not args.no_report and (preset.out / "pipeline_state.json").is_file():
         print("\n==> report card")
+        from sprout.pipeline.report_card import write_report_card  # not at import: --help never loads torch
+
         report = write_report_card(preset, read_state(preset.out), log=print)
         print(f"report card: {report}")
     if failed is not None:

@@ -1,7 +1,7 @@
 """Continue a text with a base (pretrained) model: raw next-token sampling, no chat template.
 
     python scripts/sample.py runs/demo/base --prompt "Once upon a time"
-    python scripts/sample.py runs/demo/base --prompt "The river" --max-new-tokens 80 --temperature 0.8 \
+    python scripts/sample.py runs/demo/base --prompt "The river" --max-new-tokens 80 --temperature 0.8 \\
         --top-k 50 --top-p 0.95 --seed 0
 
 The checkpoint may be a checkpoint dir, a run dir or its checkpoints/ folder (newest one);
@@ -14,26 +14,28 @@ fine-tuned (chat) model use scripts/chat.py, which renders the chat template.
 import argparse
 import sys
 
-import torch
-
-from sprout.checkpoint import checkpoint_tokenizer
 from sprout.errors import SproutError, run_main
-from sprout.model.generate import generate
-from sprout.model.load import load_model
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint dir, or a run dir (its latest checkpoint)")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add at most (default 100)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: none, all tokens)")
     p.add_argument("--seed", type=int, default=None, help="seed the sampler (default: random)")
     p.add_argument("--tokenizer", help="tokenizer spec (default: the one the checkpoint records)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     args = p.parse_args()
+    import torch  # after parsing: --help never loads torch
+
+    from sprout.checkpoint import checkpoint_tokenizer
+    from sprout.model.generate import generate
+    from sprout.model.load import load_model
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.max_new_tokens < 1:
         raise SproutError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
     model, meta = load_model(args.checkpoint, args.device)

@@ -28,9 +28,9 @@ def main() -> int:
     parser.add_argument("--config", help="YAML config (configs/demo/tokenizer.yaml)")
     parser.add_argument("--source", action="append", help="PATH_OR_HF_ID, repeatable; replaces the config's sources")
     for name, tp in FLAGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp)
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=tp, help=argparse.SUPPRESS)  # a config field
     parser.add_argument("--no-clean", dest="clean", action="store_false", default=None, help="train on the raw text")
-    parser.add_argument("--strict", action="store_true", default=None, help="fail on an invalid JSON line")
+    parser.add_argument("--strict", action="store_true", default=None, help=argparse.SUPPRESS)  # the config field
     args, rest = parser.parse_known_args()
     overrides = {k: getattr(args, k) for k in (*FLAGS, "clean", "strict") if getattr(args, k) is not None}
     if args.source:

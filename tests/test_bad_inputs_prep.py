@@ -406,7 +406,7 @@ def test_sft_sources_from_flags_need_no_config(tok, tmp_path):
     assert list(counts) == ["alpaca", "mine", "arithmetic"]
     assert counts["mine"]["train_weighted"] == 2 * counts["mine"]["train"]
     assert counts["arithmetic"]["read"] == 30 and counts["alpaca"]["read"] == 40
-    one_error(run("prepare_sft_data.py", "--source", chat, "--tokenizer", tok.spec, "--out", out), "--format")
+    one_error(run("prepare_sft_data.py", "--source", chat, "--tokenizer", tok.spec, "--out", out), "--source-format")
     one_error(run("prepare_sft_data.py", "--format", "arithmetic", "--source", "many", "--tokenizer", tok.spec,
                   "--out", out), "--source many", "number of problems")
 

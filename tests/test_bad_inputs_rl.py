@@ -109,3 +109,17 @@ def test_a_run_folder_another_trainer_holds_is_refused(prepared, base, tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert "data: verified 2 prompt files" in ok.stdout
     assert (out / RUN_LOCK).is_file() and (out / "checkpoints").is_dir()
+
+
+def test_a_prompt_count_refusal_names_the_sources_filter(prepared, base, tmp_path):
+    mine = tmp_path / "mine"  # hand-made files (no manifest): train prompts of one source, held-out of another
+    mine.mkdir()
+    write_lines(mine / "prompts.jsonl", [{**r, "source": "story"} for r in lines(prepared / "prompts.jsonl")])
+    write_lines(mine / "prompts_test.jsonl", [{**r, "source": "sum"} for r in lines(prepared / "prompts_test.jsonl")])
+    n_train = len(lines(mine / "prompts.jsonl"))
+    before = tree(tmp_path)
+    one_error(train("train_grpo.py", mine / "prompts.jsonl", base, tmp_path / "out", "--data.sources", "[sum]"),
+              f"0 prompts (of {n_train}) cannot fill one global batch", f"{n_train} left out by data.sources ['sum']")
+    one_error(train("train_grpo.py", mine / "prompts.jsonl", base, tmp_path / "out", "--data.sources", "[story]"),
+              str(mine / "prompts_test.jsonl"), "no held-out prompts to evaluate", "left out by data.sources ['story']")
+    assert tree(tmp_path) == before

@@ -7,8 +7,8 @@ one line that starts with the rule's name.
 - layers: every module stands in one layer, lowest first, and imports only modules of its
   own layer or of a lower one (a module that is in no layer is a violation too):
 
-      base        sprout (the package itself), sprout.errors, sprout.atomic, sprout.ranges, sprout.config,
-                  sprout.mirror, sprout.answers
+      base        sprout (the package itself), sprout.errors, sprout.atomic, sprout.ranges,
+                  sprout.option_names, sprout.config, sprout.mirror, sprout.answers
       text        sprout.tokenizer, sprout.chat, sprout.bpb
       formats     sprout.formats
       prep        sprout.prep
@@ -47,8 +47,8 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = ("torch", "accelerate", "safetensors.torch")
 LAYERS = (
-    ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.ranges", "sprout.config", "sprout.mirror",
-              "sprout.answers")),
+    ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.ranges", "sprout.option_names", "sprout.config",
+              "sprout.mirror", "sprout.answers")),
     ("text", ("sprout.tokenizer", "sprout.chat_formats", "sprout.chat", "sprout.chat_detect", "sprout.bpb")),
     ("formats", ("sprout.formats",)),
     ("prep", ("sprout.prep",)),

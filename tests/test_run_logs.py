@@ -13,8 +13,8 @@ from test_train import tiny_cfg, write_data
 
 from sprout.atomic import sha256_file
 from sprout.checkpoint import read_meta
-from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matmul_flops, read_metrics,
-                                  truncate_metrics)
+from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matmul_flops, plot_loss_curve,
+                                  read_metrics, truncate_metrics)
 from sprout.stages.pretrain import run_pretrain
 from sprout.engine.report import git_commit
 from sprout.engine.schedule import warmup_warning
@@ -167,3 +167,16 @@ def test_plot_has_a_second_panel_with_lr_and_grad_norm(run_a):
     labels = {ax.get_ylabel() for ax in fig.axes}
     assert "gradient norm (before clipping)" in labels and "val_accuracy" in labels
     assert (out / "loss.png").stat().st_size > 10_000
+
+
+def test_plot_of_a_single_record_draws_points_on_integer_steps(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0, "val_loss": 6.1}\n{"step": 1, "loss": 6.0, "lr": 0.001, "grad_norm": 1.5}\n'
+                       '{"step": 1, "val_loss": 5.9}\n')
+    assert plot_loss_curve(metrics, tmp_path / "loss.png") == tmp_path / "loss.png"
+    fig = loss_figure(read_metrics(metrics))
+    fig.canvas.draw()
+    drawn = [line for ax in fig.axes for line in ax.lines]
+    assert len(drawn) == 4 and all(line.get_marker() not in (None, "None", "") for line in drawn)
+    steps = fig.axes[1].get_xticks()
+    assert len(steps) > 1 and all(float(s).is_integer() for s in steps)

@@ -45,6 +45,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from sprout.errors import SproutError
+from sprout.option_names import option_hint
 from sprout.ranges import Interval, field_range, out_of_range
 
 T = TypeVar("T")
@@ -243,7 +244,8 @@ def _flat(data: dict, prefix: str = "") -> list[str]:
 
 
 def check_overrides(cls: type, overrides: dict) -> None:
-    """Refuse a command-line key that names no field of `cls`, suggesting the closest one."""
+    """Refuse a command-line key that names no field of `cls`, with what it most likely meant
+    (`sprout.option_names.option_hint`: TRL's name for a field, or the closest field)."""
     known = _known_keys(cls)
     sections = {k for k in known if any(o.startswith(k + ".") for o in known)}
     fields = [k for k in known if k not in sections]
@@ -252,24 +254,7 @@ def check_overrides(cls: type, overrides: dict) -> None:
         ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
         if key in known or ancestors & set(fields):  # a field, or a key inside a mapping-valued field
             continue
-        close = _closest(key, fields)
-        hint = f" (did you mean --{close}?)" if close else " (see --help for the fields)"
-        raise SproutError(f"command line: unknown option --{key}{hint}")
-
-
-def _closest(key: str, fields: list[str]) -> str | None:
-    """The field a mistyped dotted `key` most likely meant: the same name in another section,
-    else the closest spelling of the whole path, else of the last name."""
-    last = key.rsplit(".", 1)[-1]
-    same = [f for f in fields if f.rsplit(".", 1)[-1] == last]
-    if same:
-        return same[0]
-    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    by_last = {f.rsplit(".", 1)[-1]: f for f in reversed(fields)}
-    close = difflib.get_close_matches(last, list(by_last), n=1, cutoff=0.75)
-    return by_last[close[0]] if close else None
+        raise SproutError(f"command line: unknown option --{key}{option_hint(key, fields)}")
 
 
 def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] | frozenset = frozenset(),
@@ -432,13 +417,19 @@ def config_help(cls: type) -> str:
         if tp == "section":
             lines.append(f"\n  {name}:" + (f" {meaning}" if meaning else ""))
             continue
-        shown = "(required)" if default is dataclasses.MISSING else yaml.safe_dump(default, default_flow_style=True,
-                                                                                  width=10_000).strip()
-        shown = shown.removesuffix("\n...").removesuffix(" ...").strip()
+        shown = shown_default(default)
         opt = f"--{name}"
         head = f"    {opt:<{width}} {tp} = {shown}"
         lines.append(head + (f"\n    {'':<{width}}   {meaning}" if meaning else ""))
     return "\n".join(lines)
+
+
+def shown_default(default: Any) -> str:
+    """A field's default as --help shows it: YAML (null, false, [1, 2]), or "(required)"."""
+    if default is dataclasses.MISSING:
+        return "(required)"
+    return yaml.safe_dump(default, default_flow_style=True, width=10_000).strip().removesuffix("\n...") \
+        .removesuffix(" ...").strip()
 
 
 def add_config_help(parser, cls: type) -> None:

@@ -195,26 +195,34 @@ def measure_matmul_flops(n: int = 1024, dtype=torch.float32, device: str = "cpu"
 EVAL_EXTRAS = ("val_bpb", "val_accuracy")  # drawn beside the loss when a stage logs them
 
 
+FEW_RECORDS = 30  # training records up to which `loss_figure` marks each one
+
+
 def loss_figure(records: list[dict], *, loss_label: str = "loss", title: str | None = None):
     """The run's figure from its metrics records, or None when there is no loss to draw.
 
     Top panel: train loss (line) and val loss (points) against step, with val bits per byte
     or val accuracy on a right-hand axis when the stage logs them. Bottom panel: the learning
-    rate and, on a right-hand axis, the gradient norm. `loss_label` names the loss on the
-    y axis (e.g. "masked loss"); `title` is the run's name.
+    rate and, on a right-hand axis, the gradient norm. The training lines mark each record
+    when there are at most `FEW_RECORDS` of them (a single record is a point, not an invisible
+    line), and the step axis has integer ticks. `loss_label` names the loss on the y axis
+    (e.g. "masked loss"); `title` is the run's name.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     train = [r for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if not train and not val:
         return None
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True, height_ratios=(3, 2))
+    marker = "o" if len(train) <= FEW_RECORDS else None
     if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"train {loss_label}", lw=1.2)
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"train {loss_label}", lw=1.2,
+                marker=marker, ms=3)
     if val:
         ax.plot(*zip(*val), "o-", label=f"val {loss_label}", ms=4)
     ax.set_ylabel(f"{loss_label} (nats/token)")
@@ -234,14 +242,15 @@ def loss_figure(records: list[dict], *, loss_label: str = "loss", title: str | N
     lr = [(r["step"], r["lr"]) for r in train if "lr" in r]
     norm = [(r["step"], r["grad_norm"]) for r in train if "grad_norm" in r]
     if lr:
-        ax_lr.plot(*zip(*lr), color="tab:purple", lw=1.2, label="lr")
+        ax_lr.plot(*zip(*lr), color="tab:purple", lw=1.2, label="lr", marker=marker, ms=3)
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("step")
+    ax_lr.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared with the top panel
     ax_lr.grid(alpha=0.3)
     handles, labels = ax_lr.get_legend_handles_labels()
     if norm:
         right = ax_lr.twinx()
-        right.plot(*zip(*norm), color="tab:red", lw=1, alpha=0.8, label="grad norm")
+        right.plot(*zip(*norm), color="tab:red", lw=1, alpha=0.8, label="grad norm", marker=marker, ms=3)
         right.set_ylabel("gradient norm (before clipping)")
         h, lab = right.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab

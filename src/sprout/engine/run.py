@@ -26,7 +26,8 @@ its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchill
   - records in each checkpoint the config and the part of it a resume must match
     (`sprout.config.resume_config`: every field not declared `resume_free`),
   - resumes when asked (refusing a checkpoint made with a different config),
-  - prints the resolved config and saves it as <out>/config.yaml (rank 0),
+  - prints the resolved config and saves it as <out>/config.yaml (rank 0); a resumed run
+    that fails in training puts back the config.yaml it resumed from,
   - runs `sprout.engine.fit.fit` and prints the eval before and after training.
 """
 
@@ -390,6 +391,8 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
         if resume is not None:
             trainer.resume(resume, stage)
         acc.print(dump_yaml(cfg), end="")
+        resumed_config = (out / "config.yaml").read_bytes() if resume is not None and (out / "config.yaml").is_file() \
+            else None
         if acc.is_main_process:
             with atomic_write(out / "config.yaml", "w") as f:
                 f.write(dump_yaml(cfg))
@@ -402,7 +405,13 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
         if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
             acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
                       f"{local_params(trainer.model):,} of {model.num_params():,}")
-        result = fit(trainer, stage)
+        try:
+            result = fit(trainer, stage)
+        except BaseException:
+            if resumed_config is not None and acc.is_main_process:  # a failed resume leaves the run's config.yaml
+                with atomic_write(out / "config.yaml", "wb") as f:
+                    f.write(resumed_config)
+            raise
         first, last = result["first_eval"], result["last_eval"]
         for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
                            ("after training", last if not result.get("interrupted") else None)):

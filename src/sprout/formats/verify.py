@@ -210,6 +210,7 @@ class DataCheck:
     hashed: bool = True
     vocab_size: int | None = None
     tokenizer: str | None = None
+    tokenizer_fingerprint: str | None = None  # the sha256 of the tokenizer's file, as prep recorded it
     max_token_id: int = -1
     max_where: str = ""
     notes: list = field(default_factory=list)
@@ -314,6 +315,7 @@ def _verify_shard_folder(directory: Path, mode: str, show: bool, check: DataChec
     man_path = directory / mf.MANIFEST
     tok = man["tokenizer"]
     check.vocab_size, check.tokenizer = tok["vocab_size"], tok["spec"] or None
+    check.tokenizer_fingerprint = tok.get("fingerprint") or None
     dtype = np.dtype(man["token_dtype"]).newbyteorder("<")
     entries = [e for split in ("train", "val") for e in man["shards"].get(split, [])]
     listed = {e["file"] for e in entries}
@@ -362,6 +364,7 @@ def _verify_h5_pair(path: Path, mode: str, show: bool, check: DataCheck) -> None
     man = mf.read_manifest(path.parent) if man_path.is_file() else None
     if man is not None:
         check.vocab_size, check.tokenizer = man["tokenizer"]["vocab_size"], man["tokenizer"]["spec"] or None
+        check.tokenizer_fingerprint = man["tokenizer"].get("fingerprint") or None
         by_file = {e["file"]: e for e in man["hdf5"].values()}
     check.files, check.bytes = len(files), sum(p.stat().st_size for p in files if p.is_file())
     with _bar(check.bytes, show) as bar:
@@ -370,6 +373,7 @@ def _verify_h5_pair(path: Path, mode: str, show: bool, check: DataCheck) -> None
             try:
                 if check.vocab_size is None:
                     check.vocab_size, check.tokenizer = int(h5.attrs["vocab_size"]), h5.attrs.get("tokenizer_spec")
+                    check.tokenizer_fingerprint = h5.attrs.get("tokenizer_fingerprint") or None
                 elif int(h5.attrs["vocab_size"]) != check.vocab_size:
                     raise SproutError(f"{p}: vocab_size {h5.attrs['vocab_size']} differs from {files[0]}'s {check.vocab_size}")
                 entry = None

@@ -76,7 +76,9 @@ from sprout.model.onednn import linear, matmul_weight
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = in_range(4096, "[1, inf)")  # token ids the embedding holds (the tokenizer's, maybe padded)
+    # token ids the embedding holds (the tokenizer's, maybe padded); None: pretraining sets it
+    # to the data's tokenizer vocabulary rounded up to a multiple of 64 (`sprout.stages.pretrain.vocab_for_data`)
+    vocab_size: int | None = in_range(None, "[1, inf)")
     d_model: int = in_range(256, "[2, inf)")  # width of the residual stream
     n_layers: int = in_range(6, "[1, inf)")   # transformer blocks
     n_heads: int = in_range(8, "[1, inf)")    # attention (query) heads; d_model / n_heads must be even
@@ -424,6 +426,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        if config.vocab_size is None:
+            raise SproutError("model config: vocab_size is not set (pretraining takes it from the data)")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))

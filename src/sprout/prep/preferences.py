@@ -69,11 +69,11 @@ FORMATS = ("hh_rlhf", "ultrafeedback", "jsonl", "arithmetic")
 
 @dataclass
 class PreferenceSourceConfig:
-    name: str
+    name: str  # the source's name in the records' `source` and the manifest
     format: str  # one of FORMATS
     path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
     hub: str | None = None  # dataset id for `datasets.load_dataset`
-    hub_config: str | None = None
+    hub_config: str | None = None  # the hub dataset's configuration (subset)
     split: str = "train"  # hub split; for arithmetic the generator's split (train | test | all)
     margin: bool = False  # ultrafeedback / jsonl: score_chosen - score_rejected becomes `margin`
     count: int = in_range(0, "[0, inf)")  # arithmetic: pairs to generate

@@ -75,7 +75,7 @@ class PrepConfig:
     # output train size when weights are given (default: natural total)
     train_tokens: int | None = in_range(None, "[1, inf)")
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocab fits
-    format: Literal["bin", "hdf5", "both"] = "bin"  # .bin shards, one HDF5 file, or both
+    format: Literal["bin", "hdf5", "both"] = "bin"  # output format: .bin shards, one HDF5 file, or both
     workers: int = in_range(0, "[0, inf)")  # 0 = one per core
     seed: int = in_range(0, SEED_RANGE)  # order and resampling of the documents
     strict: bool = False               # fail on an invalid JSON line instead of skipping it

@@ -82,11 +82,11 @@ ANSWER_FORMAT = ("Think step by step inside <think></think>, then give only the 
 
 @dataclass
 class PromptSourceConfig:
-    name: str
+    name: str  # the source's name in the records' `source` and the manifest
     format: str  # one of FORMATS
     path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
     hub: str | None = None  # dataset id for `datasets.load_dataset`
-    hub_config: str | None = None
+    hub_config: str | None = None  # the hub dataset's configuration (subset)
     split: str = "train"  # hub split / the split the file holds; arithmetic: the generator's (train | test | all)
     own_split: bool = False  # keep `split` (train | test) instead of the hash split
     count: int = in_range(0, "[0, inf)")  # arithmetic: problems to generate

@@ -65,7 +65,7 @@ def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
     if cfg.overlong not in OVERLONG_POLICIES:
         raise SproutError(f"overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {cfg.overlong!r}")
     if not cfg.sources:
-        raise SproutError("no sources configured (--source PATH[:WEIGHT] with --format, or a `sources:` list in the config)")
+        raise SproutError("no sources configured (--source PATH[:WEIGHT] with --source-format, or a `sources:` list in the config)")
     safe_name(Path(cfg.out).name, f"out {cfg.out}")
     check_writable(cfg.out)
     specs = [from_dict_source(s, i) for i, s in enumerate(cfg.sources)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -24,6 +25,7 @@ import torch
 
 from data_loader.tokens import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
 from sprout.atomic import check_writable
+from sprout.checkpoint import read_meta
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
 from sprout.formats.data_paths import token_data_path
@@ -125,20 +127,55 @@ def verify_data(data: TokenDataConfig) -> DataCheck:
     return check
 
 
+def vocab_for_data(data_vocab: int) -> int:
+    """model.vocab_size when the config leaves it null: the data's vocabulary rounded up to a
+    multiple of 64 (an embedding and output head of a size the matmul kernels like)."""
+    return -(-data_vocab // 64) * 64
+
+
 def check_vocab(check: DataCheck, model_vocab: int, where: str | Path) -> None:
     """The model's vocab must be the data's, or the data's padded up to a multiple of 64/128,
     and every token id must fit it."""
     v = check.vocab_size
-    allowed = {v, -(-v // 64) * 64, -(-v // 128) * 128}
+    allowed = {v, vocab_for_data(v), -(-v // 128) * 128}
     if model_vocab not in allowed:
         raise SproutError(f"{where}: data vocab is {v} but model.vocab_size is {model_vocab} "
-                          f"(use {' or '.join(map(str, sorted(allowed)))})")
+                          f"(use {' or '.join(map(str, sorted(allowed)))}, or leave it null for {vocab_for_data(v)})")
     if check.max_token_id >= model_vocab:
         raise SproutError(f"{check.max_where}: token id {check.max_token_id} does not fit model.vocab_size {model_vocab}")
 
 
+def check_val_split(val_src, seq_len: int, eval_tokens: int, where: str | Path) -> None:
+    """The val split must hold one window of seq_len + 1 tokens within the data.eval_tokens + 1
+    that each eval scores."""
+    have = sum(len(s) for s in val_src)
+    if min(have, eval_tokens + 1) < seq_len + 1:
+        limit = "data.eval_tokens" if eval_tokens < have else "the val split"
+        raise SproutError(f"{where}: the val split has {have:,} tokens and data.eval_tokens is {eval_tokens:,}; "
+                          f"one eval window needs {seq_len + 1:,} (sequence length {seq_len} + 1): {limit} is too "
+                          f"small (prepare more data, raise data.val_frac in prep or data.eval_tokens, or lower "
+                          f"data.seq_len)")
+
+
+def check_resumed_data(check: DataCheck, data_dir: str, resume_path: Path, where: str | Path) -> None:
+    """A resume must read data of the tokenizer the checkpoint was trained with (its recorded
+    fingerprint against the one prep recorded); other data of that tokenizer is said plainly."""
+    meta = read_meta(resume_path, verify=False)
+    was_fp, now_fp = meta.get("tokenizer_fingerprint"), check.tokenizer_fingerprint
+    was_dir = ((meta.get("config") or {}).get("data") or {}).get("dir")
+    if was_fp and now_fp and was_fp != now_fp:
+        raise SproutError(f"{where}: the data was tokenized with {check.tokenizer} (fingerprint {now_fp[:12]}) but "
+                          f"the run {resume_path} was trained on {was_dir} with {meta.get('tokenizer')} (fingerprint "
+                          f"{was_fp[:12]}); resume with that tokenizer's data, or start a new run")
+    if was_dir and Path(was_dir).resolve() != Path(data_dir).resolve() and is_rank0():
+        print(f"note: resuming on other data: data.dir was {was_dir}, now {data_dir} (same tokenizer); training "
+              f"continues from the checkpoint's loader position", file=sys.stderr, flush=True)
+
+
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
-    """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit).
+    Every check of the data (files, vocabulary, val size, the tokenizer of a resumed run) comes
+    before the run folder is touched."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.data.dir:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
@@ -148,15 +185,25 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     check = verify_data(cfg.data)
     train_src, val_src = open_token_sources(cfg.data.dir, "train"), open_token_sources(cfg.data.dir, "val")
     data_dir = Path(cfg.data.dir)
-    check_vocab(check, cfg.model.vocab_size, data_dir / "manifest.json" if data_dir.is_dir() else data_dir)
+    where = data_dir / "manifest.json" if data_dir.is_dir() else data_dir
+    if cfg.model.vocab_size is None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_for_data(check.vocab_size)))
+        print_rank0(f"model.vocab_size {cfg.model.vocab_size} (the data's vocabulary {check.vocab_size:,}, "
+                    f"rounded up to a multiple of 64)")
+    check_vocab(check, cfg.model.vocab_size, where)
     seq_len = cfg.data.seq_len or cfg.model.max_seq_len
     if seq_len > cfg.model.max_seq_len:
         raise SproutError(f"data.seq_len {seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
+    check_val_split(val_src, seq_len, cfg.data.eval_tokens, where)
     micro = cfg.batch.micro_tokens
     for T in seq_len_stages(seq_len, cfg.data.seq_len_start if cfg.data.seq_warmup_frac > 0 else seq_len):
         if micro % T:
             raise SproutError(f"batch.micro_tokens {micro} is not a multiple of sequence length {T}")
     resume_path = resolve_resume(resume, cfg.out)
+    if resume_path is not None:
+        check_resumed_data(check, cfg.data.dir, resume_path, where)
+    spec = cfg.data.tokenizer or check.tokenizer
+    tok = load_tokenizer(spec) if spec else None
     check_writable(Path(cfg.out) / "config.yaml")
 
     acc = start_run(cfg.train, cfg.out)
@@ -173,8 +220,6 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     rank, world = acc.process_index, acc.num_processes
     loader = (DistributedTokenLoader(train_src, rank, world) if data.sampler == "sequential"
               else RandomWindowSampler(train_src, cfg.train.seed, rank, world))
-    spec = data.tokenizer or check.tokenizer
-    tok = load_tokenizer(spec) if spec else None
     luts = luts_to_torch(tok.byte_luts(), acc.device) if tok else None
     if tok is None:
         acc.print("note: no tokenizer spec (data.tokenizer or manifest); val_bpb will not be reported")

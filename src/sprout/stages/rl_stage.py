@@ -508,13 +508,10 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     val_loader = PromptLoader(val, tok, cfg.data.max_prompt_length, world, rank=rank, world_size=world,
                               shuffle=False, limit=cfg.data.eval_prompts, sources=cfg.data.sources)
     if val_loader.num_prompts == 0:
-        others = (f", {val_loader.other_sources:,} of other sources than data.sources"
-                  if cfg.data.sources is not None else "")
-        raise SproutError(f"{val}: no held-out prompts to evaluate ({val_loader.read:,} read; {val_loader.dropped:,} "
-                          f"longer than data.max_prompt_length {cfg.data.max_prompt_length}{others})")
+        raise SproutError(f"{val}: no held-out prompts to evaluate ({val_loader.read:,} read){val_loader.left_out()}")
     if loader.batches_per_epoch == 0:
         raise SproutError(f"{data}: {loader.num_prompts} prompts (of {loader.read}) cannot fill one global batch "
-                          f"of {cfg.batch.global_prompts} (batch.global_prompts)")
+                          f"of {cfg.batch.global_prompts} (batch.global_prompts){loader.left_out()}")
     rollout_micro_steps(loader.per_rank, cfg.batch, mini_batches)
     cfg = with_epochs(cfg, loader.batches_per_epoch, num_iterations)
     for path, ld in ((data, loader), (val, val_loader)):
