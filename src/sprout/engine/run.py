@@ -27,7 +27,8 @@ its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchill
     (`sprout.config.resume_config`: every field not declared `resume_free`),
   - resumes when asked (refusing a checkpoint made with a different config),
   - prints the resolved config and saves it as <out>/config.yaml (rank 0); a resumed run
-    that fails in training puts back the config.yaml it resumed from,
+    that fails in training before its first new checkpoint puts back the config.yaml it resumed
+    from,
   - runs `sprout.engine.fit.fit` and prints the eval before and after training.
 """
 
@@ -405,10 +406,13 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
         if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
             acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
                       f"{local_params(trainer.model):,} of {model.num_params():,}")
+        resumed_step = trainer.steps_done
         try:
             result = fit(trainer, stage)
         except BaseException:
-            if resumed_config is not None and acc.is_main_process:  # a failed resume leaves the run's config.yaml
+            # a resume that fails before its first new checkpoint leaves the run's config.yaml as it was
+            # (a newer checkpoint was made under the new config, which must stay with it)
+            if resumed_config is not None and acc.is_main_process and latest_step(out) == resumed_step:
                 with atomic_write(out / "config.yaml", "wb") as f:
                     f.write(resumed_config)
             raise
