@@ -16,7 +16,7 @@ from test_train import V, losses, tiny_cfg, write_data
 from sprout.config import dump_yaml
 from sprout.errors import SproutError
 from sprout.stages.pretrain import PretrainConfig, run_pretrain
-from sprout.engine.run import check_fresh_run, clear_run, parse_run_config, run_files, run_parser
+from sprout.engine.run import RUN_LOCK, check_fresh_run, clear_run, parse_run_config, run_files, run_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,18 @@ def test_fresh_run_into_a_run_folder_is_refused_and_overwrite_clears_only_the_ru
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000002"]
     assert sorted(losses(out)) == [1, 2]
     assert (out / "notes.txt").read_text() == "mine" and (out / "mine" / "plot.png").read_bytes() == b"x"
+
+
+def test_overwrite_refused_by_the_inputs_leaves_the_old_run_whole(data, tmp_path):
+    """--overwrite deletes the old run only once the new run's inputs are checked."""
+    out = small_run(data, tmp_path / "run")
+    (out / RUN_LOCK).unlink()
+    before = tree_hash(out)
+    proc = pretrain("--data", str(tmp_path / "missing"), "--out", str(out), "--overwrite", *flags(train__max_steps=2))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "missing" in proc.stderr and "deleted" not in proc.stdout
+    (out / RUN_LOCK).unlink()  # the lock file records its last holder's pid; everything else is as it was
+    assert tree_hash(out) == before
 
 
 def test_clear_run_deletes_the_run_files_and_its_tensorboard_folder_only(tmp_path):

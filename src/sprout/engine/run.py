@@ -8,7 +8,8 @@ A training script parses its arguments with `run_parser` + `parse_run_config`, w
   - lists every config field in --help (`sprout.config.config_help`),
   - refuses a fresh run into a folder that already holds a run (its checkpoints, metrics,
     config.yaml, report, plot, tokenizer copy or tracker logs) unless --overwrite, which
-    deletes those files and only those (`clear_run`),
+    deletes those files and only those (`clear_run`), once the stage has checked its inputs
+    (in `train_stage`, before the new run's first write),
   - on --resume, reads the run's own <out>/config.yaml (so `--out DIR --resume` is enough),
     keeps the run's length unless --train.max_steps is given on the command line (printing
     the change), and exits 0 with "nothing to do" when the run is already complete.
@@ -154,9 +155,14 @@ def latest_step(out: str | Path) -> int | None:
         return max(steps) if steps else None
 
 
-def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = True) -> None:
+_pending_clear: dict[Path, list[Path]] = {}  # run folder -> the old run's files --overwrite deletes in train_stage
+
+
+def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = True, *, defer: bool = False) -> None:
     """A fresh run may start in `out` when it holds no run; with `overwrite` the old run's files
-    are deleted first (rank 0; `clear_run`). Otherwise one line says what to pass (--resume
+    are deleted (rank 0; `clear_run`), at once or, with `defer`, by `train_stage` just before the
+    new run's first write, so a run refused by its own input checks leaves the old one whole.
+    The folder is held (`hold_run`) from here on. Otherwise one line says what to pass (--resume
     only when the script has it: `resumable`)."""
     files = run_files(out)
     if not files:
@@ -164,7 +170,10 @@ def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = 
     if overwrite:
         if is_rank0():
             hold_run(out)  # another trainer may be writing this run: refused before anything is deleted
-            clear_run(out, files)
+            if defer:
+                _pending_clear[Path(out).resolve()] = files
+            else:
+                clear_run(out, files)
         return
     step = latest_step(out)
     held = f"holds a run at step {step}" if step is not None else \
@@ -194,13 +203,14 @@ def release_run(out: str | Path) -> None:
 
 @contextlib.contextmanager
 def run_lock(out: str | Path, main: bool = True) -> Iterator[None]:
-    """The run folder held for the block (on the main process: `main`); released after it
-    unless this process held it before (--overwrite takes it in `check_fresh_run`)."""
-    took = main and hold_run(out)
+    """The run folder held for the block (on the main process: `main`), and released after it,
+    also when --overwrite took it earlier (`check_fresh_run`)."""
+    if main:
+        hold_run(out)
     try:
         yield
     finally:
-        if took:
+        if main:
             release_run(out)
 
 
@@ -275,7 +285,7 @@ def parse_run_config(parser: argparse.ArgumentParser, config_cls):
         cfg = load_config(config_cls, args.config, overrides)
         if args.out:
             cfg.out = args.out
-        check_fresh_run(cfg.out, args.overwrite)
+        check_fresh_run(cfg.out, args.overwrite, defer=True)  # deleted after the stage's input checks
     else:
         cfg = _resume_config(args, overrides, config_cls)
     apply_input_flags(args, cfg)
@@ -380,6 +390,9 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
     """
     with run_lock(cfg.out, acc.is_main_process):
         train_cfg, out = cfg.train, Path(cfg.out)
+        old_run = _pending_clear.pop(out.resolve(), None)
+        if old_run and acc.is_main_process:  # --overwrite: the inputs are checked, the new run writes next
+            clear_run(out, [f for f in old_run if f.exists()])
         meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
                 "resume_config": resume_config(cfg), **bundle_tokenizer(tokenizer, out, write=acc.is_main_process),
                 **(extra_meta or {})}
@@ -392,8 +405,10 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
         if resume is not None:
             trainer.resume(resume, stage)
         acc.print(dump_yaml(cfg), end="")
-        resumed_config = (out / "config.yaml").read_bytes() if resume is not None and (out / "config.yaml").is_file() \
-            else None
+        # a resume that fails before its first new checkpoint leaves config.yaml as it was (b"" : none)
+        resumed_config = None
+        if resume is not None and acc.is_main_process:
+            resumed_config = (out / "config.yaml").read_bytes() if (out / "config.yaml").is_file() else b""
         if acc.is_main_process:
             with atomic_write(out / "config.yaml", "w") as f:
                 f.write(dump_yaml(cfg))
@@ -406,15 +421,17 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
         if trainer.sharded:  # counted from the parameter tensors themselves: a DDP run holds them all
             acc.print(f"FSDP: parameters sharded over {acc.num_processes} process(es); rank 0 holds "
                       f"{local_params(trainer.model):,} of {model.num_params():,}")
-        resumed_step = trainer.steps_done
+        latest_before = latest_step(out)
         try:
             result = fit(trainer, stage)
         except BaseException:
-            # a resume that fails before its first new checkpoint leaves the run's config.yaml as it was
-            # (a newer checkpoint was made under the new config, which must stay with it)
-            if resumed_config is not None and acc.is_main_process and latest_step(out) == resumed_step:
-                with atomic_write(out / "config.yaml", "wb") as f:
-                    f.write(resumed_config)
+            # a checkpoint saved by this run was made under the new config, which stays with it
+            if resumed_config is not None and latest_step(out) == latest_before:
+                if resumed_config:
+                    with atomic_write(out / "config.yaml", "wb") as f:
+                        f.write(resumed_config)
+                else:
+                    (out / "config.yaml").unlink(missing_ok=True)
             raise
         first, last = result["first_eval"], result["last_eval"]
         for label, rec in (("before training" if first and first["step"] == 0 else "first eval", first),
