@@ -121,8 +121,9 @@ class GRPOStage(RLStage):
         self.scale = DEFAULT_SCALE[grpo.advantage] if grpo.scale_rewards is None else grpo.scale_rewards
         # the loss's own detached log-probs are the old ones (module doc): no old-logprob forward
         self.old_from_loss = grpo.num_iterations == 1 and not (ref_model is not None and grpo.kl_in == "reward")
-        self.step_logp_diff_max = 0.0  # sampling/logp_diff_max over this step's micro-batches (old_from_loss)
-        self.first_buffer = True          # the run's first generation batch: its rewards are looked at
+        # sampling/logp_diff_max over this step's micro-batches (old_from_loss), kept on the device
+        self.step_logp_diff_max = torch.zeros(())
+        self.first_buffer = True  # the first generation batch of this process (a resumed run looks again)
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -272,15 +273,15 @@ class GRPOStage(RLStage):
         max is kept for `derived_metrics`. Used when the loss's log-probs are the old ones."""
         diff = (logps - batch["sampler_logps"]).abs()[real]
         if diff.numel():
-            self.step_logp_diff_max = max(self.step_logp_diff_max, float(diff.max()))
+            self.step_logp_diff_max = torch.maximum(self.step_logp_diff_max.to(diff.device), diff.max())
         return {"sampling/logp_diff_mean": (diff.double().sum(), diff.numel())}
 
     def derived_metrics(self, reduced: dict) -> dict:
         """sampling/logp_diff_max of the step over every rank (old_from_loss; else the buffer's)."""
         if not self.old_from_loss:
             return {}
-        worst = float(self.gather(torch.tensor([self.step_logp_diff_max])).max())
-        self.step_logp_diff_max = 0.0
+        worst = float(self.gather(self.step_logp_diff_max.reshape(1)).max())
+        self.step_logp_diff_max = torch.zeros(())
         return {"sampling/logp_diff_max": worst}
 
 
