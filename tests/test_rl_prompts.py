@@ -368,3 +368,18 @@ def test_check_loss_mask_fails_a_bad_rendering_naming_the_line(tmp_path, sp, mon
     assert f"FAIL {path}: line 2 (q1) position " in err and "turn 3 (user) decodes to" in err
     assert f"FAIL {path}: line 3 (q2): does not end with the assistant header" in err
     assert "line 1 " not in err
+
+
+def test_dedup_off_warns_when_a_held_out_prompt_is_also_trained_on(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 2 + 2?", "gold": "4"}) + "\n")
+    warned = []
+    sources = [{"name": "a", "format": "jsonl", "path": str(path), "split": "train", "own_split": True},
+               {"name": "b", "format": "jsonl", "path": str(path), "split": "test", "own_split": True}]
+    manifest = prepare(PromptDataConfig(out=str(tmp_path / "out"), sources=sources, dedup=False),
+                       log=lambda *_: None, warn=warned.append)
+    assert manifest["split"]["in_both"] == 1
+    assert [w for w in warned if "also in prompts.jsonl (dedup: false); PPO and GRPO refuse" in w], warned
+    warned.clear()
+    prepare(PromptDataConfig(out=str(tmp_path / "out2"), sources=sources), log=lambda *_: None, warn=warned.append)
+    assert not [w for w in warned if "PPO and GRPO refuse" in w]  # dedup on: never in both

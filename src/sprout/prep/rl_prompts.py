@@ -26,7 +26,8 @@ The steps `scripts/prepare_rl_prompts.py` runs, in order:
 
 With dedup on (the default) a prompt is never in both files: the second copy is a
 duplicate whichever split it would have gone to. With dedup off, own-split sources may
-share a prompt across files; the manifest counts them (`split.in_both`).
+share a prompt across files; the manifest counts them (`split.in_both`) and a warning says
+that the RL trainers refuse such files.
 
 The prompt shape is the SFT data's (`sprout.prep.chat_sources`): one user message holding
 the question as it is (stripped), because the SFT model learned the
@@ -287,6 +288,10 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
 
     files = write_split_files(out, splits, {"train": TRAIN_FILE, "test": TEST_FILE}, cfg.seed, write_prompts,
                               "prompts", log, warn)
+    in_both = len(split_keys["train"] & split_keys["test"])
+    if in_both:  # dedup off: the trainers refuse held-out prompts that are also trained on
+        warn(f"{out / TEST_FILE}: {in_both:,} of its prompts are also in {TRAIN_FILE} (dedup: false); "
+             f"PPO and GRPO refuse these files (a held-out prompt must not be trained on)")
     levels = {split: dict(sorted(Counter("null" if r["level"] is None else str(r["level"])
                                          for r in records).items())) for split, records in splits.items()}
     manifest = {
@@ -297,7 +302,7 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
         "split": {"by": "prompt", "test_fraction": cfg.test_fraction,
                   **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents"),
                   "own_split_sources": {s.name: s.split for s in specs if s.own_split},
-                  "in_both": len(split_keys["train"] & split_keys["test"])},
+                  "in_both": in_both},
         "dedup": {"enabled": cfg.dedup, "key": "conversation_key(prompt)"},
         "instruction": cfg.instruction,
         "config": asdict(cfg), "command": command,
