@@ -4,7 +4,6 @@ ETA), saved checkpoints and the report's path printed, the matmul peak recorded 
 the warmup warning."""
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
