@@ -304,8 +304,8 @@ def test_report_card_figures_are_the_stages_own_metrics(reference):
         assert rows[stage][f"{col}_ci"] == [lo, hi]
         assert f"{last(run, key):8.3f}   (of {pairs:,.0f} pairs)   95 % [{lo:.3f}, {hi:.3f}]" in report
     state = json.loads((out / "pipeline_state.json").read_text())["stages"]
-    for stage, rec in state.items():  # each stage's largest process: python with torch imported is > 100 MiB
-        assert 100 < rec["peak_rss_mb"] < 24 * 1024, (stage, rec)
+    for stage, rec in state.items():  # each stage's largest process: a Python process is > 10 MiB, torch's > 100
+        assert (100 if stage in TRAIN else 10) < rec["peak_rss_mb"] < 24 * 1024, (stage, rec)
         assert re.search(rf"\| {stage} \| \w+ \| [^|]+ \| {rec['peak_rss_mb'] / 1024:.2f} GiB \|", report), stage
     for png in ("loss_curves.png", "reward_model.png", "dpo.png"):
         assert (out / "report" / png).read_bytes()[:4] == b"\x89PNG"
