@@ -60,13 +60,12 @@ from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
+from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import (
     PromptBatchConfig,
-    RewardsConfig,
     RLDataConfig,
     RLStage,
     RolloutConfig,
-    build_rewards,
     completion_logps,
     concat_rollouts,
     open_rl_run,

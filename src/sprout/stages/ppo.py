@@ -83,13 +83,12 @@ from sprout.rl.verifiers import reward_metrics
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig, decay_groups
 from sprout.stages.reward import score_sequences
+from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import (
     PromptBatchConfig,
-    RewardsConfig,
     RLDataConfig,
     RLStage,
     RolloutConfig,
-    build_rewards,
     completion_logps,
     open_rl_run,
     pad_columns,
