@@ -52,8 +52,8 @@ from typing import Literal
 
 import torch
 
-from sprout.config import check_ranges, require, resume_free
-from sprout.ranges import in_range
+from sprout.config import require, resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
 from sprout.rl.kl import kl_estimate

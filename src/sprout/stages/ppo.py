@@ -72,8 +72,8 @@ from typing import Literal
 
 import torch
 
-from sprout.config import check_ranges, resume_free
-from sprout.ranges import in_range
+from sprout.config import resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
 from sprout.model.load import init_from_lm, load_model
