@@ -26,8 +26,8 @@ from sprout.stages.grpo import GRPOLossConfig, GRPOStage, run_grpo
 from sprout.engine.loop import Trainer
 from sprout.engine.metrics import read_metrics
 from data_loader.prompts import PromptLoader
-from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig, build_rewards, completion_logps
-from sprout.stages.rl_stage import RewardsConfig
+from sprout.stages.rl_rewards import RewardsConfig, build_rewards
+from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig, completion_logps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -42,7 +42,8 @@ from sprout.stages.ppo import (
 )
 from sprout.stages.reward import score_sequences
 from sprout.stages.grpo import run_grpo
-from sprout.stages.rl_stage import RewardsConfig, RolloutConfig, build_rewards
+from sprout.stages.rl_rewards import RewardsConfig, build_rewards
+from sprout.stages.rl_stage import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -300,17 +300,6 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
         raise SproutError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{exc}") from None
 
 
-def check_ranges(cfg, where: str = "config", prefix: str = "") -> None:
-    """Refuse a config built in Python rather than through `from_dict` (which checks as it
-    builds) when one of its numbers, nested configs included, lies outside its field's range."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            check_ranges(value, where, f"{prefix}{f.name}.")
-        elif out_of_range(value, field_range(f)):
-            raise SproutError(f"{where}: {prefix}{f.name}: got {value!r}; expected a number in {field_range(f)}")
-
-
 def load_config(cls: type[T], path: str | os.PathLike | None, overrides: list[str] | dict | None = None, *,
                 base: dict | None = None, where: str | None = None) -> T:
     """YAML file (optional; else `base`, e.g. a run's saved config, named `where` in errors) +

@@ -8,7 +8,8 @@ An interval is written as in mathematics, "[" / "]" closed and "(" / ")" open, w
 `-inf` for no bound. `sprout.config.from_dict` refuses a number outside its field's interval
 (an int, a float, or the numeric member of `X | None` and `int | Literal[...]`) before the
 dataclass is built, in one line naming where the value came from, and `config_help` shows the
-interval in --help after the type.
+interval in --help after the type. `check_ranges` checks a config built in Python, which
+skips `from_dict`: each stage's run function calls it before anything is written.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+from sprout.errors import SproutError
 
 RANGE_KEY = "range"  # field metadata: the field's `Interval`
 SEED_RANGE = "[0, 4294967295]"  # a seed every generator takes (numpy's legacy seeding stops at 2**32 - 1)
@@ -70,3 +73,14 @@ def out_of_range(value: Any, interval: Interval | None) -> bool:
     """True when `value` is a number (not a bool) outside `interval`."""
     return (interval is not None and isinstance(value, (int, float)) and not isinstance(value, bool)
             and value not in interval)
+
+
+def check_ranges(cfg, where: str = "config", prefix: str = "") -> None:
+    """Refuse a config built in Python rather than through `from_dict` (which checks as it
+    builds) when one of its numbers, nested configs included, lies outside its field's range."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_ranges(value, where, f"{prefix}{f.name}.")
+        elif out_of_range(value, field_range(f)):
+            raise SproutError(f"{where}: {prefix}{f.name}: got {value!r}; expected a number in {field_range(f)}")

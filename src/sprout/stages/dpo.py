@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sprout.checkpoint import load_weights, read_meta
-from sprout.config import check_ranges, resume_free
-from sprout.ranges import in_range
+from sprout.config import resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.errors import SproutError
 from sprout.losses.preference import (
     REFERENCE_FREE,

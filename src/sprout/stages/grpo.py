@@ -52,21 +52,20 @@ from typing import Literal
 
 import torch
 
-from sprout.config import check_ranges, require, resume_free
-from sprout.ranges import in_range
+from sprout.config import require, resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
+from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import (
     PromptBatchConfig,
-    RewardsConfig,
     RLDataConfig,
     RLStage,
     RolloutConfig,
-    build_rewards,
     completion_logps,
     concat_rollouts,
     open_rl_run,

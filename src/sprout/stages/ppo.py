@@ -72,8 +72,8 @@ from typing import Literal
 
 import torch
 
-from sprout.config import check_ranges, resume_free
-from sprout.ranges import in_range
+from sprout.config import resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
 from sprout.model.load import init_from_lm, load_model
@@ -83,13 +83,12 @@ from sprout.rl.verifiers import reward_metrics
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig, decay_groups
 from sprout.stages.reward import score_sequences
+from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import (
     PromptBatchConfig,
-    RewardsConfig,
     RLDataConfig,
     RLStage,
     RolloutConfig,
-    build_rewards,
     completion_logps,
     open_rl_run,
     pad_columns,

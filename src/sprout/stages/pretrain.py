@@ -33,8 +33,8 @@ from sprout.formats.verify import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.tokenizer import load_tokenizer
-from sprout.config import RESUME_FREE, check_ranges, resume_free
-from sprout.ranges import in_range
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.engine.loop import all_reduce_sums
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
 from sprout.engine.run import (StageConfig, is_rank0, print_rank0, resolve_resume, start_run, train_stage,

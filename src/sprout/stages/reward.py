@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sprout.config import check_ranges, resume_free
-from sprout.ranges import in_range
+from sprout.config import resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
 from sprout.model.heads import last_index, padding_inputs, score_at

@@ -14,10 +14,11 @@ An RL stage keeps a rollout buffer and feeds the shared loop (`sprout.engine.loo
      so all G completions of a prompt stay on its rank, adjacent. The default sampling
      (temperature 1, no top-k, no top-p) draws from the policy's own distribution.
   3. rewards: the completions, decoded without their stop token, are scored by
-     `rewards.reward_funcs` weighted by `rewards.reward_weights`
-     (`sprout.rl.verifiers.combine_rewards`).
+     `rewards.reward_funcs` weighted by `rewards.reward_weights` (the functions built by
+     `sprout.stages.rl_rewards.build_rewards`; combined by `sprout.rl.verifiers.combine_rewards`).
   4. log-probs: `completion_logps` (the loss's own forward, no gradient) gives the old
-     log-probs, and the frozen reference's when the stage has one, once per buffer.
+     log-probs (GRPO with one optimizer step per buffer takes them from the loss itself),
+     and the frozen reference's when the stage has one, once per buffer.
   5. the stage subclass (GRPO, PPO) turns rewards into advantages, then the buffer serves
      `num_iterations` optimizer steps, each over all of its completions in micro-batches of
      `batch.micro_completions`.
@@ -49,8 +50,6 @@ with samples, `val_mean_length` (sampled completion tokens).
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import math
 import sys
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from data_loader.prompts import PromptLoader, check_held_out
 
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
-from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, require, resume_free
+from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, resume_free
 from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PROMPT_FILES, resolve_data
@@ -75,8 +74,7 @@ from sprout.model.heads import padding_inputs
 from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.rl.evaluation import evaluate_prompts
-from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, check_reward_function,
-                                 combine_rewards, correctness_reward, format_reward)
+from sprout.rl.verifiers import WeightedReward, combine_rewards
 from sprout.engine.loop import all_reduce_sums
 from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
 from sprout.engine.stage import LoaderPosition
@@ -132,58 +130,6 @@ class RolloutConfig:
     # consecutive steps whose every completion is out of the loss (truncated and masked: loss 0, no
     # gradient) before the run stops; the first such step is warned about
     max_all_masked_steps: int = in_range(5, "[1, inf)", metadata={**RESUME_FREE, **RECORDED_WHEN_SET})
-
-
-REWARD_FUNCS = ("correctness", "format", "overlong")
-
-
-@dataclass
-class RewardsConfig:
-    # correctness, format, overlong, or "module:function" (TRL's signature: fn(completions, **columns) -> floats)
-    reward_funcs: list = dataclasses.field(default_factory=lambda: ["correctness", "format"])
-    reward_weights: list | None = None  # one per function; None: 1.0 each
-    # overlong: the last this many tokens before max_completion_length ramp to -1
-    overlong_cache_length: int = in_range(0, "[0, inf)")
-
-    def __post_init__(self) -> None:
-        unknown = [f for f in self.reward_funcs if f not in REWARD_FUNCS and ":" not in str(f)]
-        require(self.reward_funcs and not unknown, "reward_funcs", self.reward_funcs,
-                f"a non-empty list of {', '.join(REWARD_FUNCS)} or module:function")
-        require(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
-                "reward_weights", self.reward_weights, f"one weight per reward function ({len(self.reward_funcs)})")
-        require("overlong" not in self.reward_funcs or self.overlong_cache_length > 0, "overlong_cache_length",
-                self.overlong_cache_length, "> 0 when reward_funcs has overlong")
-
-
-def import_reward(spec: str):
-    """The reward function named by "module:function" (the module importable from sys.path),
-    refused unless it can be called as one (`sprout.rl.verifiers.check_reward_function`)."""
-    module, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except Exception as exc:  # the module's own code may raise anything while it is imported
-        raise SproutError(f"rewards.reward_funcs: cannot import {spec!r} ({type(exc).__name__}: {exc})") from None
-    check_reward_function(spec, fn, "rewards.reward_funcs")
-    return fn
-
-
-def build_rewards(cfg: RewardsConfig, max_completion_length: int) -> list[WeightedReward]:
-    """The configured reward functions with their weights; each is named in metrics by its
-    config name (`rewards/<name>/mean`; a "module:function" by its function's name)."""
-    weights = cfg.reward_weights or [1.0] * len(cfg.reward_funcs)
-    fns = {"correctness": correctness_reward, "format": format_reward}
-    fns.update({spec.partition(":")[2]: import_reward(spec) for spec in cfg.reward_funcs if ":" in spec})
-    if "overlong" in cfg.reward_funcs:
-        if cfg.overlong_cache_length > max_completion_length:
-            raise SproutError(f"rewards.overlong_cache_length {cfg.overlong_cache_length} exceeds "
-                              f"rollout.max_completion_length {max_completion_length}")
-        fns["overlong"] = SoftOverlongPenalty(max_completion_length, cfg.overlong_cache_length)
-    names = [spec.partition(":")[2] if ":" in spec else spec for spec in cfg.reward_funcs]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise SproutError(f"rewards.reward_funcs: two reward functions are named {twice[0]!r} ({cfg.reward_funcs}); "
-                          f"each is logged under its function's name")
-    return [WeightedReward(name, fns[name], float(w)) for name, w in zip(names, weights)]
 
 
 # ---- the forward every RL loss shares -----------------------------------------------------------

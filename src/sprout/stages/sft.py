@@ -52,8 +52,8 @@ from sprout.model.transformer import ModelConfig, Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.sft import SFTFile
 from sprout.formats.verify import verify_sft_pair
-from sprout.config import RESUME_FREE, check_ranges, resume_free
-from sprout.ranges import in_range
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import check_ranges, in_range
 from sprout.engine.loop import TrainConfig, all_reduce_sums
 from sprout.engine.optim import OptimConfig
 from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
