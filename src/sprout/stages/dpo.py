@@ -8,7 +8,14 @@ its response tokens (the final assistant content and its end-of-turn token;
 `loss_type` (one name or a list), `loss_weights`, `beta`, `label_smoothing`, `simpo_gamma`,
 `discopop_tau`. Normalisation: the loop divides the summed per-pair losses by the pairs of
 the whole global batch (all micro-batches, all processes); within a pair, each variant's
-own rule (none for sigmoid; per-token means for ipo, sft, simpo and orpo).
+own rule (none for sigmoid; per-token means for sigmoid_norm, ipo, sft, simpo and orpo).
+aot and aot_unpaired sort over each micro-batch (`sprout.losses.dpo.aot_loss`), as TRL sorts
+within its per-device batch: a step's loss is the mean of its micro-batches' losses. For a
+given `batch.micro_pairs` the micro-batches hold the same pairs whatever the number of
+processes (`data_loader.order`), so training is the same on 1 or N processes; another
+`micro_pairs` changes the loss. Held-out pairs are striped over the ranks, so their val_loss
+for these two depends on the number of processes (the other val figures do not); an eval
+batch's padding pairs never enter the sort.
 
 The reference, for every loss_type outside `REFERENCE_FREE` (sft, simpo, orpo need none,
 and then no reference is built at all), is the checkpoint `dpo.ref` (default: init):
@@ -41,6 +48,7 @@ from sprout.config import resume_free
 from sprout.ranges import check_ranges, in_range
 from sprout.errors import SproutError
 from sprout.losses.preference import (
+    LOSS_TYPES,
     REFERENCE_FREE,
     check_preference_options,
     loss_type_list,
@@ -59,11 +67,12 @@ from sprout.engine.run import StageConfig, train_stage
 
 @dataclass
 class DPOLossConfig:
-    """TRL's DPOConfig names; see sprout.losses.preference for each loss."""
-    loss_type: str | list = "sigmoid"   # a name or a list: sigmoid, ipo, hinge, robust, simpo, orpo, sft, ...
+    """TRL's DPOConfig names; each loss is in sprout.losses.dpo or sprout.losses.preference."""
+    loss_type: str | list = field(default="sigmoid", metadata={
+        "help": "a name or a list of: " + ", ".join(LOSS_TYPES) + " (TRL's names)"})
     loss_weights: list | None = None    # one weight per loss_type; None: 1.0 each
     beta: float = in_range(0.1, "(0, inf)")  # β of every variant (ORPO's λ)
-    label_smoothing: float = in_range(0.0, "[0, 0.5]")  # ε of robust and exo_pair (TRL's range)
+    label_smoothing: float = in_range(0.0, "[0, 0.5]")  # ε of robust, exo_pair, aot, aot_unpaired (TRL's range)
     simpo_gamma: float = in_range(0.5, "[0, inf)")  # SimPO's target reward margin γ
     discopop_tau: float = in_range(0.05, "(0, inf)")  # DiscoPOP's temperature τ
     ref: str = ""                       # reference checkpoint; "": the init checkpoint
@@ -150,7 +159,7 @@ class DPOStage(PreferenceStage):
         ref_c, ref_r = (None, None) if ref is None else (ref[:b], ref[b:])
         per_pair = preference_loss(c.loss_type, lp_c, lp_r, ref_c, ref_r, len_c, len_r,
                                    loss_weights=c.loss_weights, beta=c.beta, label_smoothing=c.label_smoothing,
-                                   discopop_tau=c.discopop_tau, simpo_gamma=c.simpo_gamma)
+                                   discopop_tau=c.discopop_tau, simpo_gamma=c.simpo_gamma, pair_mask=keep)
         k = keep.bool()
         pick = (lambda x: None if x is None else x[k])  # noqa: E731 (padding pairs of eval count nothing)
         metrics = preference_metric_sums(lp_c[k], lp_r[k], pick(ref_c), pick(ref_r), c.beta,
