@@ -102,3 +102,13 @@ def test_help_states_the_defaults_and_meanings_a_user_asked_for():
         text = run_help(script)[0].stdout
         assert f"source fields ({source_cls})" in text
         assert re.search(r"^\s+format\s+\{[a-z_0-9, ]+\} \(required\)", text, re.M), text
+
+
+def test_dpo_help_lists_every_loss_type():
+    from sprout.losses.preference import LOSS_TYPES
+
+    text = " ".join(run_help("train_dpo.py")[0].stdout.split())
+    listed = re.search(r"--dpo\.loss_type str \| list = sigmoid a name or a list of: ([a-z_, ]+)", text)
+    assert listed, text
+    assert listed.group(1).strip().split(", ") == list(LOSS_TYPES)
+    assert {"sigmoid_norm", "aot", "aot_unpaired"} <= set(LOSS_TYPES)
