@@ -32,9 +32,10 @@ The buffer then serves `grpo.num_iterations` (μ) optimizer steps. Per micro-bat
 `sprout.losses.policy.policy_loss`: the clipped ratio (`epsilon`, `epsilon_high`, `delta`)
 of token or sequence importance weights (`importance_sampling_level`: token; sequence, GSPO's
 mean log-ratio; sequence_sum, TRL's RLOO: the summed log-ratio, the default with advantage
-rloo), + β × KL (k1 or k3) per token, - entropy_coef × entropy, normalised by `grpo.loss_type` over the whole
-global batch: the stage's `count_targets` is `sprout.losses.policy.denominator` of the
-micro-batch's loss mask, so the loop divides the summed loss by
+rloo), + β × KL (k1 or k3) per token, - entropy_coef × entropy, normalised by
+`grpo.loss_type` over the whole global batch: the stage's `count_targets` is
+`sprout.losses.policy.denominator` of the micro-batch's loss mask, so the loop divides the
+summed loss by
   grpo      the sequences of the global batch (each sequence's token mean, then their mean),
   bnpo/dapo the completion tokens of the global batch,
   dr_grpo   the sequences × rollout.max_completion_length,
