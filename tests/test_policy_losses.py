@@ -1,4 +1,4 @@
-"""Policy losses by hand (clipping, dual clip, GSPO, value clip, entropy), each loss_type's
+"""Policy losses by hand (clipping, dual clip, GSPO, RLOO's summed ratio, value clip, entropy), each loss_type's
 normaliser split over micro-batches and simulated processes, and pass@k by enumeration."""
 
 import itertools
@@ -59,6 +59,21 @@ def test_gspo_sequence_ratio_by_hand():
     torch.testing.assert_close(importance_log_weights(logps, old, mask, "token"), logps)
     with pytest.raises(ValueError):
         importance_log_weights(logps, old, mask, "group")
+
+
+def test_rloo_summed_sequence_ratio_by_hand():
+    logps = torch.tensor([[0.1, 0.3, 5.0], [0.2, 0.0, 0.0]], requires_grad=True)
+    old = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    log_w = importance_log_weights(logps, old, mask, "sequence_sum")
+    torch.testing.assert_close(log_w, torch.tensor([[0.4], [0.2]]))  # 0.1 + 0.3 (GSPO's mean: 0.2); 0.2; 5.0 is padding
+    per_token = clipped_surrogate(log_w, torch.tensor([1.0, -1.0]), epsilon=0.5)
+    # A = +1, rho = e^0.4 ≈ 1.49 < 1.5: -rho; A = -1, rho = e^0.2: max(rho, clip(rho)) = rho
+    torch.testing.assert_close(per_token, torch.tensor([[-math.exp(0.4)], [math.exp(0.2)]]))
+    s, d = aggregate(per_token, mask, "grpo")  # loss_type grpo: each sequence once, as TRL's RLOO
+    assert s.item() == pytest.approx(-math.exp(0.4) + math.exp(0.2)) and d.item() == 2
+    per_token[0, 0].backward()  # d/dlogp_t = -A exp(0.4) for every token of the sequence (no 1/L)
+    torch.testing.assert_close(logps.grad, torch.tensor([[-math.exp(0.4)] * 2 + [0.0], [0.0] * 3]))
 
 
 def test_value_loss_clip_by_hand():
@@ -138,11 +153,12 @@ def _split(loss_type, processes, micro_batches, **kw):
     return loss / total_denom.item(), torch.stack(grads).mean(0)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence_sum"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
-def test_global_normalisation_does_not_depend_on_the_split(loss_type):
-    one_loss, one_grad = _split(loss_type, 1, 1)
+def test_global_normalisation_does_not_depend_on_the_split(loss_type, level):
+    one_loss, one_grad = _split(loss_type, 1, 1, importance_sampling=level)
     for processes, micro in ((1, 4), (2, 2), (1, 3), (2, 3)):  # (1, 3) and (2, 3): rows 3,3,2 and 2,2,1,1,1,1
-        loss, grad = _split(loss_type, processes, micro)
+        loss, grad = _split(loss_type, processes, micro, importance_sampling=level)
         assert loss == pytest.approx(one_loss, rel=1e-12)
         torch.testing.assert_close(grad, one_grad, rtol=1e-10, atol=1e-12)
 
@@ -161,6 +177,35 @@ def test_whole_batch_matches_trl_formulas():
         out = _loss(w, torch.arange(B), loss_type)
         assert (out.loss_sum / out.denominator).item() == pytest.approx(want.item(), rel=1e-12)
         assert out.metrics["kl"][1].item() == out.metrics["entropy"][1].item() == mask.sum().item()
+
+
+def test_rloo_loss_matches_trls_rloo_formula():
+    """TRL's RLOOTrainer loss on the same tensors: the per-sequence clipped loss of the summed
+    log-ratio, averaged over sequences == policy_loss(sequence_sum, loss_type grpo); gradients too."""
+    x, y, mask, adv, w0, noise = _batch()
+    m = mask.double()
+
+    def logps_of(w):
+        logps = (x @ w.T).log_softmax(-1).gather(-1, y[..., None]).squeeze(-1)
+        return logps, logps.detach() + 0.5 * noise  # summed ratios well away from 1: some clip
+
+    w_trl = w0.clone().requires_grad_(True)  # TRL 1.16 RLOOTrainer._compute_loss
+    per_token_logps, old_per_token = logps_of(w_trl)
+    coef_1 = torch.exp((per_token_logps * m).sum(1) - (old_per_token * m).sum(1))
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    trl = -torch.min(coef_1 * adv, coef_2 * adv).mean()
+    trl_clipped = (((coef_1 < 0.8) & (adv < 0)) | ((coef_1 > 1.28) & (adv > 0))).sum().item()
+    trl.backward()
+
+    w = w0.clone().requires_grad_(True)
+    out = policy_loss(*logps_of(w), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.28,
+                      importance_sampling="sequence_sum")
+    loss = out.loss_sum / out.denominator
+    loss.backward()
+    assert loss.item() == pytest.approx(trl.item(), rel=1e-12)
+    torch.testing.assert_close(w.grad, w_trl.grad, rtol=1e-10, atol=1e-12)
+    region, count = out.metrics["clip_ratio/region_mean"]  # per sequence, as TRL's
+    assert count.item() == B and region.item() == trl_clipped and 0 < trl_clipped < B
 
 
 def test_entropy_by_hand_and_the_bonus_changes_the_gradient():

@@ -5,7 +5,9 @@ Per token (tensors [B, T]; `mask` is 1 on completion tokens):
 - `importance_log_weights`: log ratio of the policy to the policy that sampled.
   `token`: log pi(y_t) - log pi_old(y_t). `sequence` (GSPO): the sequence's
   length-normalised sum sum_t m_t (log pi - log pi_old) / sum_t m_t, one value [B, 1]
-  used for every token of the sequence.
+  used for every token of the sequence. `sequence_sum` (TRL's RLOO): the plain sum
+  sum_t m_t (log pi - log pi_old) [B, 1], so the ratio is that of the whole completion's
+  probabilities; with loss_type grpo each sequence then counts once (TRL's RLOO loss).
 - `clipped_surrogate`: with ratio rho = exp(log weight) and advantage A,
   -min(rho' A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), where rho' = min(rho, delta)
   when `delta` is set (two-sided clipping, as TRL) and rho otherwise; `epsilon_high`
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING = ("token", "sequence")
+IMPORTANCE_SAMPLING = ("token", "sequence", "sequence_sum")
 
 
 # ---- per-token terms -------------------------------------------------------------------
@@ -62,6 +64,8 @@ def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: t
     if level == "sequence":
         m = mask.to(log_ratio.dtype)
         return ((log_ratio * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).unsqueeze(-1)
+    if level == "sequence_sum":
+        return (log_ratio * mask.to(log_ratio.dtype)).sum(dim=-1, keepdim=True)
     raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_SAMPLING)}, got {level!r}")
 
 

@@ -17,15 +17,25 @@ generation batch (`GRPOStage.fill_buffer`):
   buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
   its reward before the advantages; `loss` (default) adds β × KL per token to the loss;
 - advantages per group (`sprout.rl.advantages.group_advantages`: `grpo.advantage` grpo |
-  rloo | dr_grpo, `grpo.scale_rewards` group | batch | none; batch scaling divides by the
-  std of the rewards of the whole global batch, gathered from every rank).
+  rloo | dr_grpo, `grpo.scale_rewards` group | batch | none, or TRL's true (group) | false
+  (none); batch scaling divides by the std of the rewards of the whole global batch,
+  gathered from every rank). That is `grpo.multi_objective_aggregation: sum_then_normalize`
+  (the weighted sum of the reward functions, then its group statistics); `normalize_then_sum`
+  normalises each function within its group, sums them with their weights, and normalises
+  the sum over the global batch (`normalize_then_sum`, `batch_normalize`; a group then
+  teaches nothing, for dynamic sampling and frac_reward_zero_std, when each function's
+  rewards agree within it). `grpo.normalize_advantages` (TRL's RLOO option) then normalises
+  the advantages to mean 0, std 1 over the global batch. Every batch-wide figure is taken
+  over the gathered global batch, so 2 processes compute what 1 does.
 
 The buffer then serves `grpo.num_iterations` (μ) optimizer steps. Per micro-batch the loss is
 `sprout.losses.policy.policy_loss`: the clipped ratio (`epsilon`, `epsilon_high`, `delta`)
-of token or sequence (GSPO) importance weights (`importance_sampling_level`), + β × KL (k1
-or k3) per token, - entropy_coef × entropy, normalised by `grpo.loss_type` over the whole
-global batch: the stage's `count_targets` is `sprout.losses.policy.denominator` of the
-micro-batch's loss mask, so the loop divides the summed loss by
+of token or sequence importance weights (`importance_sampling_level`: token; sequence, GSPO's
+mean log-ratio; sequence_sum, TRL's RLOO: the summed log-ratio, the default with advantage
+rloo), + β × KL (k1 or k3) per token, - entropy_coef × entropy, normalised by
+`grpo.loss_type` over the whole global batch: the stage's `count_targets` is
+`sprout.losses.policy.denominator` of the micro-batch's loss mask, so the loop divides the
+summed loss by
   grpo      the sequences of the global batch (each sequence's token mean, then their mean),
   bnpo/dapo the completion tokens of the global batch,
   dr_grpo   the sequences × rollout.max_completion_length,
@@ -52,10 +62,11 @@ from typing import Literal
 
 import torch
 
-from sprout.config import require, resume_free
+from sprout.config import RECORDED_WHEN_SET, require, resume_free
 from sprout.ranges import check_ranges, in_range
 from sprout.losses.policy import denominator, policy_loss
-from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
+from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group_advantages, normalize_then_sum,
+                                   uniform_groups)
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
 from sprout.engine.loop import TrainConfig, all_reduce_sums
@@ -77,12 +88,21 @@ from sprout.engine.run import StageConfig, train_stage
 class GRPOLossConfig:
     """TRL's GRPOConfig names where it has them; see sprout.losses.policy and sprout.rl.advantages."""
     advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
-    scale_rewards: str | None = None    # group | batch | none; None: the advantage's default (grpo: group)
+    # the std the advantages divide by (TRL's true: group, false: none); null: the advantage's (grpo: group)
+    scale_rewards: Literal["group", "batch", "none"] | bool | None = None
+    # sum_then_normalize: weighted sum of the reward functions, then the group statistics; normalize_then_sum
+    # (advantage grpo): each function normalised within its group, summed, then normalised over the global batch
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = field(
+        default="sum_then_normalize", metadata=RECORDED_WHEN_SET)
+    # TRL's RLOO option: advantages normalised to mean 0, std 1 over the global batch (not with dr_grpo)
+    normalize_advantages: bool = field(default=False, metadata=RECORDED_WHEN_SET)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     epsilon: float = in_range(0.2, "(0, 1)")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = in_range(None, "(0, inf)")  # None: epsilon (clip-higher when larger)
     delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
-    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    # token; sequence (GSPO: the mean log-ratio); sequence_sum (TRL's RLOO: exp of the summed log-ratios);
+    # unset or null: sequence_sum with advantage rloo (TRL's RLOO), token otherwise
+    importance_sampling_level: Literal["token", "sequence", "sequence_sum"] | None = None
     num_iterations: int = in_range(1, "[1, inf)")  # μ: optimizer steps per generation batch
     beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -93,10 +113,24 @@ class GRPOLossConfig:
     entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
 
     def __post_init__(self) -> None:
-        require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", self.scale_rewards,
-                "group, batch, none or null")
-        require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards",
-                self.scale_rewards, "none (or null) with advantage dr_grpo")
+        given = self.scale_rewards
+        if isinstance(given, bool):  # TRL's booleans
+            self.scale_rewards = "group" if given else "none"
+        require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", given,
+                "group, batch, none, true, false or null")
+        require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards", given,
+                "none, false or null with advantage dr_grpo")
+        if self.importance_sampling_level is None:
+            self.importance_sampling_level = "sequence_sum" if self.advantage == "rloo" else "token"
+        require(not self.normalize_advantages or self.advantage != "dr_grpo", "normalize_advantages", True,
+                "false with advantage dr_grpo (it divides by no std)")
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            require(self.advantage == "grpo", "multi_objective_aggregation", self.multi_objective_aggregation,
+                    f"sum_then_normalize with advantage {self.advantage} (normalize_then_sum is GRPO's)")
+            require(self.scale_rewards is None, "scale_rewards", given, "null with normalize_then_sum "
+                    "(it scales each reward function within its group and their sum over the global batch)")
+            require(self.kl_in == "loss" or self.beta == 0, "kl_in", self.kl_in,
+                    "loss with normalize_then_sum (a KL in the reward is no reward function to normalise)")
 
 
 @dataclass
@@ -141,9 +175,10 @@ class GRPOStage(RLStage):
             if len(kept) < need or self.sharded:  # under FSDP every rank generates (a collective)
                 rollout = self.sample(idx)
                 totals, per_fn = self.score(rollout, idx)
+                flat = uniform_groups(per_fn if c.multi_objective_aggregation == "normalize_then_sum" else totals, G)
                 for j in range(len(idx)):
                     rows = slice(j * G, (j + 1) * G)
-                    zero = bool(torch.isclose(totals[rows].std(), torch.zeros((), dtype=torch.float64)))
+                    zero = bool(flat[j])
                     counts["groups"] += 1
                     counts["zero_std"] += zero
                     group = ({k: v[rows] for k, v in rollout.items()}, totals[rows], per_fn[rows])
@@ -178,12 +213,7 @@ class GRPOStage(RLStage):
         # the global batch, in rank order: [reward for advantages, reward, length, truncated, per function]
         table = self.gather(torch.cat([torch.stack([totals_adv, totals, rollout["lengths"].double(),
                                                     rollout["truncated"].double()], dim=1), per_fn], dim=1))
-        if self.scale == "batch":
-            adv = group_advantages(totals_adv, self.G, c.advantage, "none").advantages
-            adv = adv / (table[:, 0].std() + STD_EPS)
-        else:
-            adv = group_advantages(totals_adv, self.G, c.advantage, self.scale).advantages
-        rollout["advantages"] = adv.float()
+        rollout["advantages"] = self.advantages(totals_adv, per_fn, table[:, 0]).float()
         if self.first_buffer:
             self.first_buffer = False
             self.warn_zero_rewards(table[:, 1])
@@ -196,6 +226,22 @@ class GRPOStage(RLStage):
         rollout["extra_target"] = torch.zeros(rollout["advantages"].shape[0], dtype=torch.long)
         rollout["extra_target"][0] = int(empty and acc.is_main_process)
         return rollout, stats
+
+    def advantages(self, rewards: torch.Tensor, per_fn: torch.Tensor, batch_rewards: torch.Tensor) -> torch.Tensor:
+        """This rank's advantages [n] from its rewards [n], its per-function values [n, F] and the
+        rewards of the global batch (module doc); each batch-wide figure is taken over the global
+        batch, gathered, so N processes compute what one does."""
+        c, G = self.cfg, self.G
+        if c.multi_objective_aggregation == "normalize_then_sum":
+            summed = normalize_then_sum(per_fn, [r.weight for r in self.rewards], G)
+            adv = batch_normalize(summed, self.gather(summed))
+        elif self.scale == "batch":
+            adv = group_advantages(rewards, G, c.advantage, "none").advantages / (batch_rewards.std() + STD_EPS)
+        else:
+            adv = group_advantages(rewards, G, c.advantage, self.scale).advantages
+        if c.normalize_advantages:
+            adv = batch_normalize(adv, self.gather(adv))
+        return adv
 
     def warn_zero_rewards(self, rewards: torch.Tensor) -> None:
         """A warning (rank 0) when every reward of the global batch `rewards` is 0: every
