@@ -1,10 +1,12 @@
-"""Train a policy with GRPO (or Dr. GRPO, DAPO, GSPO, RLOO) on prompts with verifiable answers.
+"""Train a policy with GRPO (or Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO) on prompts with verifiable answers.
 
     python scripts/prepare_rl_prompts.py --config configs/demo/rl_prompts.yaml
     python scripts/train_grpo.py --config configs/demo/grpo.yaml --init runs/demo/sft_model
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/train_grpo.py --config ...
     python scripts/train_grpo.py --config ... --out runs/x --resume            # latest checkpoint in --out
     python scripts/train_grpo.py --config ... --grpo.loss_type grpo --grpo.beta 0.04 --grpo.num_iterations 2
+    python scripts/train_grpo.py --config ... --grpo.loss_type cispo --grpo.epsilon_high 5.0
+    python scripts/train_grpo.py --config ... --grpo.loss_type sapo --grpo.sapo_temperature_neg 1.05
 
 --data takes the folder the prep wrote or any file of it; the held-out file is
 prompts_test.jsonl beside the train file (data.val_path to change it). Any
