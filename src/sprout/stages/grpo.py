@@ -1,4 +1,4 @@
-"""GRPO (and its variants: Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO) on verifiable rewards, as one stage of the shared loop.
+"""GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO) on verifiable rewards, one stage of the loop.
 
 The rollout buffer, prompts, rewards and held-out eval are `sprout.stages.rl_stage`'s. Per
 generation batch (`GRPOStage.fill_buffer`):
@@ -115,7 +115,8 @@ class GRPOLossConfig:
         require(self.loss_type != "cispo" or self.epsilon_high is not None, "epsilon_high", self.epsilon_high,
                 "a number with loss_type cispo: the cap on the importance weight (e.g. 5.0)")
         require(self.delta is None or self.loss_type in CLIPPED_LOSS_TYPES, "delta", self.delta,
-                f"null with loss_type {self.loss_type} (delta bounds the clipped ratio of {', '.join(CLIPPED_LOSS_TYPES)})")
+                f"null with loss_type {self.loss_type} (delta bounds the clipped ratio of "
+                f"{', '.join(CLIPPED_LOSS_TYPES)})")
 
 
 @dataclass
