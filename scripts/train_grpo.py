@@ -1,4 +1,4 @@
-"""Train a policy with GRPO (or Dr. GRPO, DAPO, GSPO, RLOO) on prompts with verifiable answers.
+"""Train a policy with GRPO (or Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO) on prompts with verifiable answers.
 
     python scripts/prepare_rl_prompts.py --config configs/demo/rl_prompts.yaml
     python scripts/train_grpo.py --config configs/demo/grpo.yaml --init runs/demo/sft_model
@@ -9,6 +9,8 @@
     python scripts/train_grpo.py --config ... --grpo.advantage rloo --grpo.normalize_advantages true
     python scripts/train_grpo.py --config ... --grpo.multi_objective_aggregation normalize_then_sum
     python scripts/train_grpo.py --config ... --grpo.scale_rewards false   # TRL's booleans: true group, false none
+    python scripts/train_grpo.py --config ... --grpo.loss_type cispo --grpo.epsilon_high 5.0
+    python scripts/train_grpo.py --config ... --grpo.loss_type sapo --grpo.sapo_temperature_neg 1.05
 
 --data takes the folder the prep wrote or any file of it; the held-out file is
 prompts_test.jsonl beside the train file (data.val_path to change it). Any

@@ -2,6 +2,7 @@
 old log-probs equal a recompute, dynamic sampling refills, beta = 0 builds no reference, exact
 resume at a rollout boundary and inside a buffer, and the mean reward rises under RL."""
 
+import copy
 import json
 import os
 import shutil
@@ -64,21 +65,24 @@ def make_stage(sp, base, data, *, rollout=None, batch=None, rewards=("grpo_fixtu
 
 
 # ---- normalisers ----------------------------------------------------------------------------------------------
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+LOSS_OPTIONS = {"cispo": {"epsilon_high": 1.1}}  # cispo's cap on the weight, low enough to bind at step 2
 TWO_REWARDS = {"reward_funcs": ["grpo_fixtures:digit_share", "grpo_fixtures:single_digit"],
                "reward_weights": [1.0, 0.5]}
 # batch-wide advantage normalisers (over the gathered global batch): TRL's RLOO (summed sequence ratio,
 # loss per sequence) with normalize_advantages, and normalize_then_sum over two reward functions
 OPTIONS = {"": {}, "rloo_normalized": {"advantage": "rloo", "normalize_advantages": True},
            "normalize_then_sum": {"multi_objective_aggregation": "normalize_then_sum", **TWO_REWARDS}}
-# (loss_type, num_iterations, options): with 1 the loss's own log-probs are the old ones (no old-logprob forward)
+# (loss_type, num_iterations, options): with 1 the loss's own log-probs are the old ones (no old-logprob
+# forward); beta 0.1 with the default use_bias_correction_kl: the KL × the importance ratio in every case
 CASES = [(t, 2, "") for t in LOSS_TYPES] + [("dapo", 1, ""), ("grpo", 2, "rloo_normalized"),
                                              ("dapo", 2, "normalize_then_sum")]
 
 
 def case_cfg(data, init, out, loss_type, mu, options, micro_completions):
     return config_dict(data, init, out, loss_type=loss_type, micro_completions=micro_completions, max_steps=2,
-                       num_iterations=mu, beta=0.1, mask_truncated_completions=True, **OPTIONS[options])
+                       num_iterations=mu, beta=0.1, mask_truncated_completions=True,
+                       **LOSS_OPTIONS.get(loss_type, {}), **OPTIONS[options])
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +117,18 @@ def test_normaliser_is_exact_under_accumulation(loss_type, mu, options, one_by_o
 
 
 def test_denominators_follow_the_loss_type(sp, sft_base, data):
-    """count_targets: grpo sequences, bnpo/dapo completion tokens (truncated ones left out), dr_grpo
-    sequences × max_completion_length."""
+    """count_targets: grpo/sapo sequences, bnpo/dapo/cispo completion tokens (truncated ones left
+    out), dr_grpo sequences × max_completion_length."""
     counts = {}
     for loss_type in LOSS_TYPES:
-        stage, _ = make_stage(sp, sft_base, data, loss_type=loss_type, mask_truncated_completions=True)
+        stage, _ = make_stage(sp, sft_base, data, loss_type=loss_type, mask_truncated_completions=True,
+                              **LOSS_OPTIONS.get(loss_type, {}))
         batches = stage.next_micro_batches(0)
         counts[loss_type] = sum(int(stage.count_targets(b)) for b in batches)
         kept = sum(int((b["completion_mask"] * ~b["truncated"][:, None]).sum()) for b in batches)
         every = sum(int(b["completion_mask"].sum()) for b in batches)
-    assert counts["grpo"] == 8 and counts["dr_grpo"] == 8 * 12
-    assert 0 < counts["bnpo"] == counts["dapo"] == kept < every  # truncated completions left out
+    assert counts["grpo"] == counts["sapo"] == 8 and counts["dr_grpo"] == 8 * 12
+    assert 0 < counts["bnpo"] == counts["dapo"] == counts["cispo"] == kept < every  # truncated completions left out
 
 
 @pytest.mark.slow
@@ -233,6 +238,28 @@ def test_dynamic_sampling_counts_a_short_batch(sp, base, data):
 
 
 # ---- the reference --------------------------------------------------------------------------------------------
+def test_bias_correction_kl_keeps_the_loss_and_changes_the_gradient_on_policy(sp, base, data):
+    """beta > 0, num_iterations 1: the ratio is 1, so the loss and the logged kl are the same with
+    and without use_bias_correction_kl, but the ratio's gradient adds KL × grad log pi."""
+    stage, model = make_stage(sp, base, data, beta=0.5)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # a reference away from the policy: KL > 0
+    stage.ref_model = ref
+    batch = stage.next_micro_batches(0)[0]
+    assert stage.old_from_loss and "ref_logps" in batch
+    runs = []
+    for corrected in (True, False):  # TRL's default first
+        stage.cfg.use_bias_correction_kl = corrected
+        model.zero_grad()
+        loss_sum, _, metrics = stage.loss(model, batch)
+        loss_sum.backward()
+        runs.append((loss_sum.item(), float(metrics["kl"][0]), model.lm_head.weight.grad.clone()))
+    (a, kl_a, ga), (b, kl_b, gb) = runs
+    assert a == pytest.approx(b, rel=1e-6) and kl_a == pytest.approx(kl_b, rel=1e-6) and kl_a > 0
+    assert (ga - gb).abs().max() > 1e-4 * ga.abs().max()
+
 def test_beta_zero_builds_no_reference(base, data, tmp_path, monkeypatch):
     calls = []
     original = Trainer.prepare_frozen
@@ -292,6 +319,8 @@ def test_mean_reward_rises_under_rl(sft_base, data, tmp_path):
     ({"micro_completions": 3}, r"not a multiple of batch.micro_completions 3"),
     ({"max_prompt_length": 60}, r"data.max_prompt_length 60 \+ rollout.max_completion_length 12 exceeds max_seq_len"),
     ({"reward_funcs": ["grpo_fixtures:nothing"]}, r"rewards.reward_funcs: cannot import 'grpo_fixtures:nothing'"),
+    ({"loss_type": "cispo"}, r"grpo.epsilon_high: got None; expected a number with loss_type cispo"),
+    ({"loss_type": "sapo", "delta": 2.0}, r"grpo.delta: got 2.0; expected null with loss_type sapo"),
 ])
 def test_bad_options_are_refused_in_one_line(values, pattern, base, data, tmp_path):
     with pytest.raises(SproutError, match=pattern):

@@ -1,4 +1,4 @@
-"""GRPO (and its variants: Dr. GRPO, DAPO, GSPO, RLOO) on verifiable rewards, as one stage of the shared loop.
+"""GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO) on verifiable rewards, one stage of the loop.
 
 The rollout buffer, prompts, rewards and held-out eval are `sprout.stages.rl_stage`'s. Per
 generation batch (`GRPOStage.fill_buffer`):
@@ -32,13 +32,15 @@ The buffer then serves `grpo.num_iterations` (μ) optimizer steps. Per micro-bat
 `sprout.losses.policy.policy_loss`: the clipped ratio (`epsilon`, `epsilon_high`, `delta`)
 of token or sequence importance weights (`importance_sampling_level`: token; sequence, GSPO's
 mean log-ratio; sequence_sum, TRL's RLOO: the summed log-ratio, the default with advantage
-rloo), + β × KL (k1 or k3) per token, - entropy_coef × entropy, normalised by
-`grpo.loss_type` over the whole global batch: the stage's `count_targets` is
-`sprout.losses.policy.denominator` of the micro-batch's loss mask, so the loop divides the
-summed loss by
-  grpo      the sequences of the global batch (each sequence's token mean, then their mean),
-  bnpo/dapo the completion tokens of the global batch,
-  dr_grpo   the sequences × rollout.max_completion_length,
+rloo), or for `loss_type: cispo` the weight capped at `epsilon_high` (no gradient) × the
+log-prob, or for `sapo` the sigmoid gate (`sapo_temperature_pos`/`_neg`), + β × KL (k1, k2 or
+k3; × the importance ratio with `use_bias_correction_kl`, the default) per token,
+- entropy_coef × entropy, normalised by `grpo.loss_type` over the whole global batch: the
+stage's `count_targets` is `sprout.losses.policy.denominator` of the micro-batch's loss mask,
+so the loop divides the summed loss by
+  grpo/sapo       the sequences of the global batch (each sequence's token mean, then their mean),
+  bnpo/dapo/cispo the completion tokens of the global batch,
+  dr_grpo         the sequences × rollout.max_completion_length,
 whatever the split into micro-batches and processes (a global batch with no completion token
 left in the loss counts 1, as TRL clamps its token count). `mask_truncated_completions`: a
 completion that hit max_completion_length without a stop id leaves the loss mask (its
@@ -48,7 +50,8 @@ and dr_grpo, as TRL). With β = 0 no reference model is built at all.
 Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std
 (over every group generated, set-aside ones included), completions/mean_length|max_length|
 min_length|clipped_ratio, kl, entropy (per completion token), clip_ratio/low_mean|
-high_mean|region_mean, sampling/logp_diff_mean|max, dynamic_sampling/rounds|short_batches;
+high_mean|region_mean (cispo: cispo_clip_ratio; sapo: none), sampling/logp_diff_mean|max,
+dynamic_sampling/rounds|short_batches;
 the loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's (val_pass@1,
 val_accuracy, val_format, val_mean_length, ...).
 """
@@ -64,7 +67,7 @@ import torch
 
 from sprout.config import RECORDED_WHEN_SET, require, resume_free
 from sprout.ranges import check_ranges, in_range
-from sprout.losses.policy import denominator, policy_loss
+from sprout.losses.policy import CLIPPED_LOSS_TYPES, denominator, policy_loss
 from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group_advantages, normalize_then_sum,
                                    uniform_groups)
 from sprout.rl.kl import kl_estimate
@@ -96,10 +99,18 @@ class GRPOLossConfig:
         default="sum_then_normalize", metadata=RECORDED_WHEN_SET)
     # TRL's RLOO option: advantages normalised to mean 0, std 1 over the global batch (not with dr_grpo)
     normalize_advantages: bool = field(default=False, metadata=RECORDED_WHEN_SET)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    # the surrogate and its normaliser: clipped ratio for grpo (sequence means), bnpo and dapo (tokens),
+    # dr_grpo (sequences × max_completion_length); cispo: capped stop-gradient weight × log-prob (tokens);
+    # sapo: sigmoid-gated soft clip (sequence means)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
     epsilon: float = in_range(0.2, "(0, 1)")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = in_range(None, "(0, inf)")  # None: epsilon (clip-higher when larger)
+    # None: epsilon (clip-higher when larger); cispo: the cap on the importance weight itself (required; 5.0 in ScaleRL)
+    epsilon_high: float | None = in_range(None, "(0, inf)")
     delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
+    # sapo's gate -(4/tau) sigmoid(tau (ratio - 1)) A: tau where the advantage is > 0
+    sapo_temperature_pos: float = in_range(1.0, "(0, inf)", metadata=RECORDED_WHEN_SET)
+    # sapo's tau where the advantage is <= 0 (larger: the gate closes faster off-policy)
+    sapo_temperature_neg: float = in_range(1.05, "(0, inf)", metadata=RECORDED_WHEN_SET)
     # token; sequence (GSPO: the mean log-ratio); sequence_sum (TRL's RLOO: exp of the summed log-ratios);
     # unset or null: sequence_sum with advantage rloo (TRL's RLOO), token otherwise
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] | None = None
@@ -107,6 +118,9 @@ class GRPOLossConfig:
     beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
+    # kl_in loss, beta > 0: the per-token KL × the importance ratio (TRL's default, true), so its
+    # gradient is the reverse KL's; the ratio carries a gradient, so even on-policy the KL gradient differs
+    use_bias_correction_kl: bool = field(default=True, metadata=RECORDED_WHEN_SET)
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
     max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
@@ -131,6 +145,11 @@ class GRPOLossConfig:
                     "(it scales each reward function within its group and their sum over the global batch)")
             require(self.kl_in == "loss" or self.beta == 0, "kl_in", self.kl_in,
                     "loss with normalize_then_sum (a KL in the reward is no reward function to normalise)")
+        require(self.loss_type != "cispo" or self.epsilon_high is not None, "epsilon_high", self.epsilon_high,
+                "a number with loss_type cispo: the cap on the importance weight (e.g. 5.0)")
+        require(self.delta is None or self.loss_type in CLIPPED_LOSS_TYPES, "delta", self.delta,
+                f"null with loss_type {self.loss_type} (delta bounds the clipped ratio of "
+                f"{', '.join(CLIPPED_LOSS_TYPES)})")
 
 
 @dataclass
@@ -308,7 +327,9 @@ class GRPOStage(RLStage):
         out = policy_loss(logps, old, batch["advantages"], self.loss_mask(batch),
                           loss_type=c.loss_type, max_completion_length=self.rollout.max_completion_length,
                           epsilon=c.epsilon, epsilon_high=c.epsilon_high, delta=c.delta,
-                          importance_sampling=c.importance_sampling_level, per_token_kl=kl, beta=c.beta,
+                          importance_sampling=c.importance_sampling_level,
+                          sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+                          per_token_kl=kl, beta=c.beta, use_bias_correction_kl=c.use_bias_correction_kl,
                           entropy=entropy, entropy_coef=c.entropy_coef)
         n = out.denominator + batch["extra_target"].sum()
         return out.loss_sum, n, {**out.metrics, **sampling, **self.stat_metrics(batch)}
