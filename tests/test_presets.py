@@ -1,73 +1,35 @@
 """The pipeline presets in configs/pipelines/, dry: nothing is prepared or trained.
 
 Every stage's command line is built as the runner builds it (`command_args`) and handed to
-its own script's `main`, with the script's work (the prep, the trainer's run) replaced by a
-function that keeps the config it is given. So each config file is read by the stage's real
-parser and config dataclass, with the preset's flags and `--section.field` overrides on top:
-an unknown key, a value of the wrong type or out of its range fails here in the one line the
-stage itself would print at its start. Then the sizes must fit the preset's machine: every
-global batch divides over its process count (the accelerate config's num_processes) and over
-one process, SFT rows fill whole micro-batches, and prompt plus completion fit the model's
-context. Nothing is run but the scripts' argument parsing and config loading.
+its own script's `main` with its work replaced (`dry_run.dry_run`). So each config file is
+read by the stage's real parser and config dataclass, with the preset's flags and
+`--section.field` overrides on top: an unknown key, a value of the wrong type or out of its
+range fails here in the one line the stage itself would print at its start. Then the sizes
+must fit the preset's machine (`dry_run.check_batches`): every global batch divides over its
+process count (the accelerate config's num_processes) and over one process, SFT rows fill
+whole micro-batches, and prompt plus completion fit the model's context; the prep configs'
+sources pass the preps' own checks and the RL stages' data.sources are sources the prompt
+prep writes. Nothing is run but the scripts' argument parsing and config loading.
 """
 
 from __future__ import annotations
 
-import importlib
-import runpy
-import shlex
-import sys
-import types
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import yaml
 
-from sprout.engine.stage import micro_steps
+from dry_run import check_batches, dry_run
 from sprout.errors import SproutError
 from sprout.pipeline.runner import Preset, Stage, command_args, load_preset
 from sprout.prep.chat_sources import from_dict_source
 from sprout.prep.preferences import check_config as check_pair_sources
 from sprout.prep.pretrain import resolve_sources
 from sprout.prep.rl_prompts import check_config as check_prompt_sources
-from sprout.stages.rl_stage import rollout_micro_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "configs" / "pipelines").glob("*.yaml"))
 GPU_PRESETS = ("gpt2-small", "smollm2-gpu")
-# script -> (module, the function its main hands the config to): replaced by one that keeps it
-WORK = {
-    "train_tokenizer.py": ("sprout.prep.tokenizer_train", "train_from_sources"),
-    "prepare_pretrain_data.py": ("sprout.prep.pretrain", "prepare"),
-    "prepare_sft_data.py": ("sprout.prep.sft", "prepare"),
-    "prepare_preference_data.py": ("sprout.prep.preferences", "prepare"),
-    "prepare_rl_prompts.py": ("sprout.prep.rl_prompts", "prepare"),
-    "pretrain.py": ("sprout.stages.pretrain", "run_pretrain"),
-    "train_sft.py": ("sprout.stages.sft", "run_sft"),
-    "train_reward.py": ("sprout.stages.reward", "run_reward"),
-    "train_dpo.py": ("sprout.stages.dpo", "run_dpo"),
-    "train_ppo.py": ("sprout.stages.ppo", "run_ppo"),
-    "train_grpo.py": ("sprout.stages.grpo", "run_grpo"),
-}
-# what a script's main reads from a tokenizer it loads before its work (none exists yet)
-NO_TOKENIZER = types.SimpleNamespace(vocab_size=0, eot_id=0, bos_id=None, pad_id=None, fingerprint=lambda: "")
-
-
-def dry_run(script: Path, args: list[str], monkeypatch, capsys):
-    """The config `script`'s main builds from `args`, its work replaced by keeping that config;
-    AssertionError with the script's own error line when it refuses them."""
-    kept = []
-    module, name = WORK[script.name]
-    monkeypatch.setattr(importlib.import_module(module), name,
-                        lambda cfg, *_args, **_kwargs: kept.append(cfg) or defaultdict(dict))
-    monkeypatch.setattr("sprout.tokenizer.load_tokenizer", lambda *_args, **_kwargs: NO_TOKENIZER)
-    monkeypatch.setattr(sys, "argv", [script.name, *args])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(script), run_name="__main__")
-    err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 0 and len(kept) == 1, f"{script.name} {shlex.join(args)}: {err}"
-    return kept[0]
 
 
 def processes(preset: Preset) -> int:
@@ -112,7 +74,7 @@ def check_sizes(preset: Preset, configs: dict) -> None:
         where = f"{preset.path.stem}: stage {stage.name}"
         try:
             check_stage_sizes(preset, stage, configs, ctx, where)
-        except SproutError as exc:
+        except (SproutError, AssertionError) as exc:
             pytest.fail(f"{where}: {exc}")
 
 
@@ -124,29 +86,16 @@ def check_stage_sizes(preset: Preset, stage: Stage, configs: dict, ctx: int, whe
     elif script == "prepare_sft_data.py":
         for i, source in enumerate(cfg.sources):
             from_dict_source(source, i)
-        assert cfg.seq_len <= ctx, where
     elif script == "prepare_preference_data.py":
         check_pair_sources(cfg)
     elif script == "prepare_rl_prompts.py":
         check_prompt_sources(cfg)
+    elif script in ("train_ppo.py", "train_grpo.py"):
+        made = {s["name"] for s in configs[upstream(preset, stage, "prepare_rl_prompts.py")].sources}
+        assert set(cfg.data.sources or made) <= made, f"{where}: data.sources {cfg.data.sources}"
+    row_len = configs[upstream(preset, stage, "prepare_sft_data.py")].seq_len if script == "train_sft.py" else None
     for world in sorted({1, processes(preset)}):
-        if script == "pretrain.py":
-            assert cfg.batch.micro_tokens % cfg.data.seq_len == 0 and cfg.data.seq_len <= ctx, where
-            micro_steps(cfg.batch.global_tokens, cfg.batch.micro_tokens, world)
-        elif script == "train_sft.py":
-            row = configs[upstream(preset, stage, "prepare_sft_data.py")].seq_len
-            assert cfg.batch.micro_tokens % row == 0, f"{where}: micro_tokens {cfg.batch.micro_tokens}, rows {row}"
-            micro_steps(cfg.batch.global_tokens, cfg.batch.micro_tokens, world)
-        elif script in ("train_reward.py", "train_dpo.py"):
-            assert (cfg.data.seq_len or ctx) <= ctx, where
-            micro_steps(cfg.batch.global_pairs, cfg.batch.micro_pairs, world, unit="pairs")
-        elif script in ("train_ppo.py", "train_grpo.py"):
-            assert cfg.batch.global_prompts % world == 0, f"{where}: {cfg.batch.global_prompts} prompts, {world}"
-            rollout_micro_steps(cfg.batch.global_prompts // world, cfg.batch,
-                                getattr(cfg.batch, "num_mini_batches", 1))
-            assert cfg.data.max_prompt_length + cfg.rollout.max_completion_length <= ctx, where
-            made = {s["name"] for s in configs[upstream(preset, stage, "prepare_rl_prompts.py")].sources}
-            assert set(cfg.data.sources or made) <= made, f"{where}: data.sources {cfg.data.sources}"
+        check_batches(script, cfg, world, ctx, row_len)
 
 
 # ---- the presets ---------------------------------------------------------------------------------
