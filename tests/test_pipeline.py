@@ -123,27 +123,7 @@ def reference(tmp_path_factory):
     return preset, folder / "runs"
 
 
-# ---- the preset ---------------------------------------------------------------------------------
-def test_presets_in_the_repository_load_and_chain_their_stages():
-    for name in ("demo", "gpt2-small"):
-        preset = load_preset(ROOT / "configs" / "pipelines" / f"{name}.yaml")
-        names = [s.name for s in preset.stages]
-        assert names.index("pretrain") < names.index("sft") < names.index("dpo") < names.index("ppo") \
-            < names.index("grpo")  # the default chain SFT -> DPO -> PPO -> GRPO
-        assert preset.stage("reward").inputs[0] == "sft" and preset.stage("dpo").inputs[0] == "sft"
-        assert {"dpo", "reward"} <= set(preset.stage("ppo").inputs)
-        assert preset.stage("grpo").inputs[0] == "ppo"  # GRPO loads the PPO policy's LM
-    gpu = load_preset(ROOT / "configs" / "pipelines" / "gpt2-small.yaml")
-    assert gpu.launcher == "accelerate" and gpu.accelerate_config.is_file()
-    smol = load_preset(ROOT / "configs" / "pipelines" / "smollm2.yaml")
-    names = [s.name for s in smol.stages]
-    assert names[:2] == ["import", "eval_import"] and names[-1] == "export"
-    assert names.index("sft") < names.index("dpo") < names.index("ppo") < names.index("grpo")
-    assert all(smol.stage(n).inputs[0] == "import" for n in ("sft_data", "sft"))
-    assert all(s.config is None or s.config.is_file() for s in smol.stages)
-    assert smol.model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
+# ---- the preset (the presets in the repository: tests/test_presets.py) ---------------------------
 def test_model_fills_its_placeholder_and_is_overridden(tmp_path):
     stages = [{"name": "a", "kind": "prep", "script": "x.py", "out": "a", "args": ["{model}", "--out", "{out}"]}]
     path = write_yaml(tmp_path / "p.yaml", {"out": str(tmp_path / "runs"), "model": "org/base", "stages": stages})
