@@ -165,16 +165,21 @@ def test_report_card_figures_are_the_stages_own_metrics(smol):
         arith, gsm8k = (tasks.get(t, {}).get("metrics", {}) for t in ("arith", "gsm8k"))
         assert (row["arith_pass@1"], row["arith_pass@8"], row["mean_length"], row["gsm8k_pass@1"]) == \
             (arith.get("pass@1"), arith.get("pass@8"), arith.get("completions/mean_length"), gsm8k.get("pass@1"))
+        assert (row["arith_greedy"], row["gsm8k_greedy"]) == (arith.get("greedy/accuracy"), gsm8k.get("greedy/accuracy"))
         assert (row["arith_pass@1"] is not None) == (stage in POLICIES)
         # the stage's own last eval: SFT's masked val loss, the reward model's and DPO's accuracy
         want = {"sft_val_loss": last(out, runs[stage], "val_loss") if stage == "sft" else None,
                 "rm_val_accuracy": last(out, runs[stage], "val_accuracy") if stage == "reward" else None,
                 "dpo_val_accuracy": last(out, runs[stage], "val_rewards/accuracies") if stage == "dpo" else None}
         assert {k: row[k] for k in want} == want and row["val_bpb"] is None
-        line = (f"| {stage} | {STEPS} | – | {cell(want['sft_val_loss'], 4)} | {cell(want['rm_val_accuracy'], 3)} | "
+        assert row["gsm8k_pass@1"] is None  # GSM8K is greedy only (--n 0): no pass@1, so no column of dashes
+        line = (f"| {stage} | {STEPS} | {cell(want['sft_val_loss'], 4)} | {cell(want['rm_val_accuracy'], 3)} | "
                 f"{cell(want['dpo_val_accuracy'], 3)} | {cell(row['arith_pass@1'], 3)} | {cell(row['arith_pass@8'], 3)} "
-                f"| {cell(row['gsm8k_pass@1'], 3)} | {cell(row['mean_length'], 1)} |")
+                f"| {cell(row['arith_greedy'], 3)} | {cell(row['gsm8k_greedy'], 3)} | {cell(row['mean_length'], 1)} |")
         assert line in report.splitlines(), line
+    header = ("| stage | step | SFT val masked loss | RM val accuracy | DPO val reward accuracy | arith pass@1 | "
+              "arith pass@8 | arith greedy accuracy | GSM8K greedy accuracy | mean completion length |")
+    assert header in report.splitlines()
     for stage, key, col in (("reward", "val_accuracy", "rm_val_accuracy"),
                             ("dpo", "val_rewards/accuracies", "dpo_val_accuracy")):
         pairs = last(out, runs[stage], "val_pairs")
