@@ -20,8 +20,8 @@ and sprout/stages/rl_stage.py for the rollouts and the buffer.
 """
 
 from sprout.errors import run_main
-from sprout.stages.grpo import GRPOConfig, run_grpo
-from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.run_args import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.stages.configs import GRPOConfig
 
 
 def main() -> None:
@@ -31,6 +31,8 @@ def main() -> None:
                     data_metavar="DIR|FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, GRPOConfig)
+    from sprout.stages.grpo import run_grpo  # after parsing: --help never loads torch
+
     run_grpo(cfg, resume=args.resume)
 
 

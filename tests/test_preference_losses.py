@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from sprout.errors import SproutError
 from sprout.losses import dpo as D
+from sprout.losses.loss_types import BATCH_COUPLED, PREFERENCE_LOSS_TYPES
 from sprout.losses import preference as P
 from sprout.losses.tokens import sequence_logps
 
@@ -209,7 +210,7 @@ def _pair_split(loss_type, processes, micro_batches):
     return total / PAIRS, torch.stack(grads).mean(0)
 
 
-@pytest.mark.parametrize("loss_type", [name for name in P.LOSS_TYPES if name not in P.BATCH_COUPLED])
+@pytest.mark.parametrize("loss_type", [name for name in PREFERENCE_LOSS_TYPES if name not in BATCH_COUPLED])
 def test_per_pair_normalisation_does_not_depend_on_the_split(loss_type):
     one_loss, one_grad = _pair_split(loss_type, 1, 1)
     for processes, micro in ((1, 4), (2, 2), (1, 3), (2, 3)):  # (1, 3) and (2, 3): pairs 3,3,2 and 2,2,1,1,1,1
@@ -218,7 +219,7 @@ def test_per_pair_normalisation_does_not_depend_on_the_split(loss_type):
         torch.testing.assert_close(grad, one_grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", sorted(P.BATCH_COUPLED))
+@pytest.mark.parametrize("loss_type", sorted(BATCH_COUPLED))
 def test_aot_sorts_within_each_micro_batch_whichever_process_runs_it(loss_type):
     """The same 4 micro-batches of 2 pairs on 1 process × 4, 2 × 2 or 4 × 1: the same loss and
     gradient, the mean of TRL's loss on each micro-batch; one sort over all 8 pairs differs."""
@@ -313,7 +314,7 @@ def test_combinator_weights_names_and_reference_free():
         P.preference_loss("sigmoid", **free)
 
 
-@pytest.mark.parametrize("loss_type", P.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", PREFERENCE_LOSS_TYPES)
 def test_combinator_dispatches_each_name_to_its_function(loss_type):
     lc, lr, rc, rr, nc, nr = t(LOGP_C), t(LOGP_R), t(REF_C), t(REF_R), t(LEN_C), t(LEN_R)
     c, r = lc - rc, lr - rr

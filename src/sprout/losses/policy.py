@@ -64,10 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # clipped_surrogate; cispo and sapo have their own
-SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")  # each sequence's token mean, then the mean over sequences
-IMPORTANCE_SAMPLING = ("token", "sequence", "sequence_sum")
+from sprout.losses.loss_types import IMPORTANCE_SAMPLING, POLICY_LOSS_TYPES, SEQUENCE_MEAN_LOSS_TYPES
 
 
 # ---- per-token terms -------------------------------------------------------------------
@@ -151,8 +148,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 # ---- normalisers -----------------------------------------------------------------------
 
 def _check(loss_type: str, max_completion_length: int | None) -> None:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if loss_type not in POLICY_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(POLICY_LOSS_TYPES)}, got {loss_type!r}")
     if loss_type == "dr_grpo" and not max_completion_length:
         raise ValueError("loss_type dr_grpo needs max_completion_length")
 

@@ -8,8 +8,9 @@ micro-batches and processes), so the gradient does not depend on how the batch w
 same rule as `sprout.losses.tokens`, with pairs in place of target tokens. Any normalisation
 *inside* a pair (a per-token mean of a sequence's log-prob) is written in the function's
 docstring; "normaliser: none within the pair" means the formula is used as is. The AOT
-variants are the exception: they sort over the batch they are given (`BATCH_COUPLED`; see
-`sprout.losses.dpo.aot_loss` for what that means under accumulation and several processes).
+variants are the exception: they sort over the batch they are given (`BATCH_COUPLED` in
+`sprout.losses.loss_types`, which names every variant; see `sprout.losses.dpo.aot_loss` for
+what that means under accumulation and several processes).
 
 Inputs are per-pair tensors [B]:
 - `chosen_logps`, `rejected_logps`: the policy's log p(response | prompt), summed over the
@@ -51,6 +52,7 @@ from sprout.losses.dpo import (
     sigmoid_norm_loss,
     sppo_hard_loss,
 )
+from sprout.losses.loss_types import PREFERENCE_LOSS_TYPES, REFERENCE_FREE
 
 
 # -----------------------------------------------------------------------------------------
@@ -164,12 +166,6 @@ def orpo_loss(
 # -----------------------------------------------------------------------------------------
 # loss_type by name, combined with loss_weights (TRL's DPOConfig semantics)
 
-LOSS_TYPES = (
-    "sigmoid", "sigmoid_norm", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "nca_pair", "sppo_hard",
-    "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "simpo", "orpo",
-)
-REFERENCE_FREE = frozenset({"sft", "simpo", "orpo"})  # need no reference log-probs
-BATCH_COUPLED = frozenset({"aot", "aot_unpaired"})  # sort over the batch: entry k is a sorted position, not pair k
 _NEEDS_LENGTHS = frozenset({"sigmoid_norm", "ipo", "sft", "simpo", "orpo"})
 
 
@@ -189,10 +185,10 @@ def check_preference_options(
     """Raise SproutError (one line naming the field) for options no loss can run with."""
     types = loss_type_list(loss_type)
     if not types:
-        raise SproutError("loss_type: empty; give at least one of " + ", ".join(LOSS_TYPES))
-    unknown = [t for t in types if t not in LOSS_TYPES]
+        raise SproutError("loss_type: empty; give at least one of " + ", ".join(PREFERENCE_LOSS_TYPES))
+    unknown = [t for t in types if t not in PREFERENCE_LOSS_TYPES]
     if unknown:
-        raise SproutError(f"loss_type: unknown {unknown[0]!r}; expected one of " + ", ".join(LOSS_TYPES))
+        raise SproutError(f"loss_type: unknown {unknown[0]!r}; expected one of " + ", ".join(PREFERENCE_LOSS_TYPES))
     if loss_weights is not None and len(loss_weights) != len(types):
         raise SproutError(f"loss_weights: {len(loss_weights)} weights for {len(types)} loss types {types}")
     if not beta > 0:
@@ -226,7 +222,7 @@ def preference_loss(
 ) -> torch.Tensor:
     """Σ_k w_k · loss_k per pair, for the named variants `loss_type` and weights `loss_weights`.
 
-    loss_type: one name of LOSS_TYPES or a list of them; loss_weights: one weight per name,
+    loss_type: one name of PREFERENCE_LOSS_TYPES or a list of them; loss_weights: one weight per name,
     default 1.0 each (TRL's DPOConfig). `beta` is each variant's β (ORPO's λ, as in TRL's
     ORPOConfig); `label_smoothing` is the ε of robust, exo_pair, aot and aot_unpaired. The
     reference log-probs may be None when every variant is in REFERENCE_FREE; the lengths are

@@ -45,7 +45,7 @@ from pathlib import Path
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
 from sprout.pipeline.report_intervals import eval_files, evaluated_stages, held_out_section, rate_interval
-from sprout.stages.sft import SAMPLE_PROMPTS
+from sprout.stages.configs import SAMPLE_PROMPTS
 
 REPORT_DIR = "report"
 ANSWER_TOKENS = 64

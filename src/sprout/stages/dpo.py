@@ -39,53 +39,26 @@ live reference forward (a third of a step's FLOPs more) is extra work that MFU l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from sprout.checkpoint import load_weights, read_meta
-from sprout.config import resume_free
-from sprout.ranges import check_ranges, in_range
+from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.preference import (
-    LOSS_TYPES,
-    REFERENCE_FREE,
     check_preference_options,
     loss_type_list,
     mean_logit_sums,
     preference_loss,
     preference_metric_sums,
 )
+from sprout.losses.loss_types import REFERENCE_FREE
 from sprout.losses.tokens import sequence_logps
 from sprout.model.transformer import Transformer
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig
-from sprout.stages.preference_stage import PairBatchConfig, PairDataConfig, PreferenceStage, open_preference_run
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.run import train_stage
+from sprout.stages.configs import DPOConfig, DPOLossConfig
+from sprout.stages.preference_stage import PreferenceStage, open_preference_run
 from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
-from sprout.engine.run import StageConfig, train_stage
-
-
-@dataclass
-class DPOLossConfig:
-    """TRL's DPOConfig names; each loss is in sprout.losses.dpo or sprout.losses.preference."""
-    loss_type: str | list = field(default="sigmoid", metadata={
-        "help": "a name or a list of: " + ", ".join(LOSS_TYPES) + " (TRL's names)"})
-    loss_weights: list | None = None    # one weight per loss_type; None: 1.0 each
-    beta: float = in_range(0.1, "(0, inf)")  # β of every variant (ORPO's λ)
-    label_smoothing: float = in_range(0.0, "[0, 0.5]")  # ε of robust, exo_pair, aot, aot_unpaired (TRL's range)
-    simpo_gamma: float = in_range(0.5, "[0, inf)")  # SimPO's target reward margin γ
-    discopop_tau: float = in_range(0.05, "(0, inf)")  # DiscoPOP's temperature τ
-    ref: str = ""                       # reference checkpoint; "": the init checkpoint
-    precompute_ref_logps: bool = False  # reference log-probs computed once and cached beside the data
-
-
-@dataclass
-class DPOConfig(StageConfig, stage="dpo", out="runs/dpo", optim=OptimConfig(lr=5e-7, warmup_steps=10, weight_decay=0.0),
-                train=TrainConfig(eval_every=50, ckpt_every=100)):
-    init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
-    data: PairDataConfig = field(default_factory=PairDataConfig)
-    batch: PairBatchConfig = field(default_factory=PairBatchConfig)
-    dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
 
 
 def needs_reference(loss_cfg: DPOLossConfig) -> bool:

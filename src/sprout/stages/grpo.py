@@ -60,108 +60,20 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from sprout.config import RECORDED_WHEN_SET, require, resume_free
-from sprout.ranges import check_ranges, in_range
-from sprout.losses.policy import CLIPPED_LOSS_TYPES, denominator, policy_loss
+from sprout.ranges import check_ranges
+from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group_advantages, normalize_then_sum,
                                    uniform_groups)
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig
-from sprout.stages.rl_rewards import RewardsConfig, build_rewards
-from sprout.stages.rl_stage import (
-    PromptBatchConfig,
-    RLDataConfig,
-    RLStage,
-    RolloutConfig,
-    completion_logps,
-    concat_rollouts,
-    open_rl_run,
-)
-from sprout.engine.run import StageConfig, train_stage
-
-
-@dataclass
-class GRPOLossConfig:
-    """TRL's GRPOConfig names where it has them; see sprout.losses.policy and sprout.rl.advantages."""
-    advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
-    # the std the advantages divide by (TRL's true: group, false: none); null: the advantage's (grpo: group)
-    scale_rewards: Literal["group", "batch", "none"] | bool | None = None
-    # sum_then_normalize: weighted sum of the reward functions, then the group statistics; normalize_then_sum
-    # (advantage grpo): each function normalised within its group, summed, then normalised over the global batch
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = field(
-        default="sum_then_normalize", metadata=RECORDED_WHEN_SET)
-    # TRL's RLOO option: advantages normalised to mean 0, std 1 over the global batch (not with dr_grpo)
-    normalize_advantages: bool = field(default=False, metadata=RECORDED_WHEN_SET)
-    # the surrogate and its normaliser: clipped ratio for grpo (sequence means), bnpo and dapo (tokens),
-    # dr_grpo (sequences × max_completion_length); cispo: capped stop-gradient weight × log-prob (tokens);
-    # sapo: sigmoid-gated soft clip (sequence means)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
-    epsilon: float = in_range(0.2, "(0, 1)")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    # None: epsilon (clip-higher when larger); cispo: the cap on the importance weight itself (required; 5.0 in ScaleRL)
-    epsilon_high: float | None = in_range(None, "(0, inf)")
-    delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
-    # sapo's gate -(4/tau) sigmoid(tau (ratio - 1)) A: tau where the advantage is > 0
-    sapo_temperature_pos: float = in_range(1.0, "(0, inf)", metadata=RECORDED_WHEN_SET)
-    # sapo's tau where the advantage is <= 0 (larger: the gate closes faster off-policy)
-    sapo_temperature_neg: float = in_range(1.05, "(0, inf)", metadata=RECORDED_WHEN_SET)
-    # token; sequence (GSPO: the mean log-ratio); sequence_sum (TRL's RLOO: exp of the summed log-ratios);
-    # unset or null: sequence_sum with advantage rloo (TRL's RLOO), token otherwise
-    importance_sampling_level: Literal["token", "sequence", "sequence_sum"] | None = None
-    num_iterations: int = in_range(1, "[1, inf)")  # μ: optimizer steps per generation batch
-    beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"
-    # kl_in loss, beta > 0: the per-token KL × the importance ratio (TRL's default, true), so its
-    # gradient is the reverse KL's; the ratio carries a gradient, so even on-policy the KL gradient differs
-    use_bias_correction_kl: bool = field(default=True, metadata=RECORDED_WHEN_SET)
-    mask_truncated_completions: bool = False
-    dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
-    max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
-    entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
-
-    def __post_init__(self) -> None:
-        given = self.scale_rewards
-        if isinstance(given, bool):  # TRL's booleans
-            self.scale_rewards = "group" if given else "none"
-        require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", given,
-                "group, batch, none, true, false or null")
-        require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards", given,
-                "none, false or null with advantage dr_grpo")
-        if self.importance_sampling_level is None:
-            self.importance_sampling_level = "sequence_sum" if self.advantage == "rloo" else "token"
-        require(not self.normalize_advantages or self.advantage != "dr_grpo", "normalize_advantages", True,
-                "false with advantage dr_grpo (it divides by no std)")
-        if self.multi_objective_aggregation == "normalize_then_sum":
-            require(self.advantage == "grpo", "multi_objective_aggregation", self.multi_objective_aggregation,
-                    f"sum_then_normalize with advantage {self.advantage} (normalize_then_sum is GRPO's)")
-            require(self.scale_rewards is None, "scale_rewards", given, "null with normalize_then_sum "
-                    "(it scales each reward function within its group and their sum over the global batch)")
-            require(self.kl_in == "loss" or self.beta == 0, "kl_in", self.kl_in,
-                    "loss with normalize_then_sum (a KL in the reward is no reward function to normalise)")
-        require(self.loss_type != "cispo" or self.epsilon_high is not None, "epsilon_high", self.epsilon_high,
-                "a number with loss_type cispo: the cap on the importance weight (e.g. 5.0)")
-        require(self.delta is None or self.loss_type in CLIPPED_LOSS_TYPES, "delta", self.delta,
-                f"null with loss_type {self.loss_type} (delta bounds the clipped ratio of "
-                f"{', '.join(CLIPPED_LOSS_TYPES)})")
-
-
-@dataclass
-class GRPOConfig(StageConfig, stage="grpo", out="runs/grpo",
-                 optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
-                 train=TrainConfig(eval_every=50, ckpt_every=50)):
-    init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
-    data: RLDataConfig = field(default_factory=RLDataConfig)
-    batch: PromptBatchConfig = field(default_factory=PromptBatchConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    rewards: RewardsConfig = field(default_factory=RewardsConfig)
-    grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.run import train_stage
+from sprout.stages.configs import GRPOConfig, GRPOLossConfig
+from sprout.stages.rl_rewards import build_rewards
+from sprout.stages.rl_stage import RLStage, completion_logps, concat_rollouts, open_rl_run
 
 
 class GRPOStage(RLStage):
