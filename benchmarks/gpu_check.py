@@ -15,7 +15,8 @@ demo-size model, to check the script itself where there is no GPU.
             (FSDP save, then FSDP load): its losses must equal the uninterrupted run's;
   base      scripts/pretrain.py, the same model shape with the vocabulary of a 512-piece
             SentencePiece tokenizer trained here, on synthetic text it encodes (val_bpb too):
-            the checkpoint every post-training run starts from, which records that tokenizer;
+            the checkpoint every post-training run of the gpt2-small chain starts from, which
+            records that tokenizer;
   sft       scripts/train_sft.py from base, on packed arithmetic chat rows (the real SFT prep);
   reward    scripts/train_reward.py from sft, on arithmetic preference pairs (the real prep);
   dpo       scripts/train_dpo.py from sft, the same pairs, reference run live;
@@ -23,18 +24,29 @@ demo-size model, to check the script itself where there is no GPU.
   ppo       scripts/train_ppo.py from sft, with the reward model of `reward` (also the value
             head's start) and the correctness/format verifiers, on arithmetic RL prompts;
   grpo      scripts/train_grpo.py from sft, on the same prompts;
-  evaluate  scripts/evaluate.py on the grpo policy: the held-out prompts, sampled and greedy.
+  evaluate  scripts/evaluate.py on the grpo policy: the held-out prompts, sampled and greedy;
+  smollm2_base, smollm2_sft, smollm2_reward, smollm2_dpo, smollm2_ppo, smollm2_grpo
+            the same chain for the smollm2-gpu preset: a base of SmolLM2-135M's shape (30
+            layers, d_model 576, 9 heads with 3 key/value heads, tied embeddings, context
+            2,048) with the same tokenizer, then each trainer from it on the same inputs.
 
-Each post-training stage is its configs/demo/*.yaml with the batch, lengths and steps set
-small here. The script prints one table (tokens/s and MFU of the last logged window of
-each run, generation tokens/s for PPO and GRPO, the last loss, wall time) and writes
-<out>/gpu_check.json, each run's log beside it (<out>/<stage>.log). A stage that fails, logs
-a non-finite loss, or (fsdp) does not shard or resume exactly is reported by name; the
-stages that do not depend on it still run, and the script then exits with status 1 naming
-every failed stage.
+Each post-training run is its preset's config (configs/gpt2-small/*.yaml for the runs without
+a prefix, configs/smollm2-gpu/*.yaml for the smollm2_ ones) for a few steps: on a GPU with the
+preset's own batch and lengths (on this one GPU: the preset's micro-batch, with the gradient
+accumulation of all its processes), with `--tiny` shrunk to a few rows. Every run checkpoints
+only at the end and evaluates only before and after (32 held-out prompts, greedy, for PPO and
+GRPO), without torch.compile of the forward; GRPO keeps truncated completions in the loss (a
+base trained for a few steps rarely ends an answer). PPO and GRPO of the gpt2-small chain keep
+their configs' rollout.compile on a GPU (the compiled decode step of one process); the smollm2_
+runs, whose 30-layer step takes longest to compile, and every `--tiny` run decode eagerly. The
+script prints one table (tokens/s and MFU of the last logged window of each run, generation
+tokens/s for PPO and GRPO, the last loss, wall time) and writes <out>/gpu_check.json, each run's
+log beside it (<out>/<stage>.log). A stage that fails, logs a non-finite loss, or (fsdp) does
+not shard or resume exactly is reported by name; the stages that do not depend on it still run,
+and the script then exits with status 1 naming every failed stage.
 
     python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine (not yet run on one)
-    python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, about 2 minutes
+    python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, a few minutes
 """
 
 from __future__ import annotations
@@ -58,14 +70,34 @@ sys.path.insert(0, str(ROOT / "src"))
 import gpu_check_inputs as inputs  # noqa: E402  (beside this file)
 from sprout.engine.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 
-STAGES = ("eager", "compiled", "fsdp", "base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo", "evaluate")
-NEEDS = {"sft": "base", "reward": "sft", "dpo": "sft", "dpo_precomputed": "sft", "ppo": "reward", "grpo": "sft",
-         "evaluate": "grpo"}  # the run a stage starts from (ppo: sft, and the reward model)
+STAGES = ("eager", "compiled", "fsdp", "base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo", "evaluate",
+          "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo")
+# the run each post-training run starts from (ppo: sft, and the reward model)
+CHAIN_NEEDS = {"sft": "base", "reward": "sft", "dpo": "sft", "dpo_precomputed": "sft", "ppo": "reward", "grpo": "sft",
+               "evaluate": "grpo"}
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The post-training runs of one GPU preset: `<prefix>base`, then `<prefix>sft`, ... from
+    the preset's configs/<preset>/{sft,reward,dpo,ppo,grpo}.yaml."""
+    preset: str
+    prefix: str
+    compile_rollouts: bool  # on a GPU PPO and GRPO keep their configs' rollout.compile (else eager decoding)
+
+
+CHAINS = (Chain("gpt2-small", "", compile_rollouts=True), Chain("smollm2-gpu", "smollm2_", compile_rollouts=False))
+NEEDS = {c.prefix + stage: c.prefix + need for c in CHAINS for stage, need in CHAIN_NEEDS.items()
+         if c.prefix + stage in STAGES}
+SMOLLM2_135M = ("--model.d_model", "576", "--model.n_layers", "30", "--model.n_heads", "9", "--model.n_kv_heads", "3",
+                "--model.d_ff", "1536", "--model.tie_embeddings", "true", "--model.rope_theta", "100000",
+                "--model.max_seq_len", "2048")  # SmolLM2-135M's shape (its vocabulary aside)
 
 
 @dataclass
 class Sizes:
-    """How big each run is: the GPU check's, or the CPU dry run's (`--tiny`)."""
+    """How big each run is: the GPU check's, or the CPU dry run's (`--tiny`). A post-training
+    size of 0 keeps the preset config's own."""
     pretrain_config: str
     vocab: int              # of the random shards
     model_vocab: int        # the pretraining model's (the vocab padded for matmuls)
@@ -73,29 +105,44 @@ class Sizes:
     micro: int              # pretraining tokens per micro-batch (base: per step)
     micro_steps: int        # pretraining micro-batches per step (on each GPU; on the CPU in all)
     steps: int              # pretraining steps
-    trainer_steps: int      # steps of base and of each post-training run
+    trainer_steps: int      # steps of each base and of each post-training run
+    shapes: dict            # preset -> the flags that give its base model's shape (on size.pretrain_config)
     sft_problems: int       # arithmetic problems packed into SFT rows
-    sft_rows: int           # SFT rows per step ...
-    sft_micro_rows: int     # ... and per micro-batch
     pairs: int              # preference pairs (about a tenth held out)
-    global_pairs: int
-    micro_pairs: int
     prompts: int            # RL train prompts (a tenth as many held out)
-    ppo_prompts: int        # prompts per PPO generation batch (2 completions each)
-    grpo_prompts: int       # prompts per GRPO generation batch ...
-    group: int              # ... and completions per prompt
-    completion: int         # max new tokens of a rollout
     eval_prompts: int       # held-out prompts per RL eval (greedy) and for evaluate.py
+    new_tokens: int         # evaluate.py's max new tokens
+    compile_rollouts: bool  # whether any run may compile its decode step (a chain's compile_rollouts)
+    sft_rows: int = 0       # SFT rows per step ...
+    sft_micro_rows: int = 0  # ... and per micro-batch
+    global_pairs: int = 0
+    micro_pairs: int = 0
+    ppo_prompts: int = 0    # prompts per PPO generation batch (2 completions each, one optimizer step)
+    grpo_prompts: int = 0   # prompts per GRPO generation batch ...
+    group: int = 0          # ... and completions per prompt
+    prompt_length: int = 0  # RL data.max_prompt_length ...
+    completion: int = 0     # ... and rollout.max_completion_length
 
 
+# On a GPU every post-training run keeps its preset's batch and lengths; the inputs are sized for
+# a few of its steps (gpt2-small's SFT takes 128 rows of 1,024 tokens a step).
 GPU = Sizes(pretrain_config="configs/gpt2-small/pretrain.yaml", vocab=50257, model_vocab=50304, seq=1024,
-            micro=32768, micro_steps=4, steps=20, trainer_steps=8, sft_problems=2000, sft_rows=16, sft_micro_rows=16,
-            pairs=1000, global_pairs=64, micro_pairs=32, prompts=400, ppo_prompts=32, grpo_prompts=8, group=8,
-            completion=64, eval_prompts=32)
+            micro=32768, micro_steps=4, steps=20, trainer_steps=8,
+            shapes={"gpt2-small": (), "smollm2-gpu": SMOLLM2_135M}, sft_problems=8000, pairs=1000, prompts=400,
+            eval_prompts=32, new_tokens=128, compile_rollouts=True)
+# The demo-size model (d_model 128, 4 layers, context 256); the smollm2-gpu chain's base with
+# SmolLM2's kind of attention and head (grouped-query, tied embeddings).
 TINY = Sizes(pretrain_config="configs/demo/pretrain.yaml", vocab=4096, model_vocab=4096, seq=256,
-             micro=4096, micro_steps=2, steps=6, trainer_steps=3, sft_problems=400, sft_rows=8, sft_micro_rows=4,
-             pairs=120, global_pairs=8, micro_pairs=4, prompts=60, ppo_prompts=4, grpo_prompts=2, group=4,
-             completion=16, eval_prompts=4)
+             micro=4096, micro_steps=2, steps=6, trainer_steps=3,
+             shapes={"gpt2-small": (), "smollm2-gpu": ("--model.n_kv_heads", "2", "--model.tie_embeddings", "true")},
+             sft_problems=400, pairs=120, prompts=60, eval_prompts=4, new_tokens=16, compile_rollouts=False,
+             sft_rows=8, sft_micro_rows=4, global_pairs=8, micro_pairs=4, ppo_prompts=4, grpo_prompts=2, group=4,
+             prompt_length=64, completion=16)
+
+
+def sized(*flags: tuple[str, int]) -> list[str]:
+    """The (option, size) pairs whose size is set (not 0), as command-line flags."""
+    return [arg for option, size in flags if size for arg in (option, str(size))]
 
 
 class StageFailed(Exception):
@@ -195,7 +242,8 @@ def pretraining(check: Check, size: Sizes, steps: int, global_batch: int, n_gpu:
 
 
 def post_training(check: Check, size: Sizes, steps: int, train_flags: list[str]) -> None:
-    """base, then every trainer from it (each its configs/demo/*.yaml, sized here), then evaluate."""
+    """Each chain's base, then every trainer from it with the chain's preset configs (sized
+    here), then evaluate on the first chain's GRPO policy."""
     out = check.out
     tok = inputs.train_tokenizer(out / "tokenizer")
     text = inputs.text_shards(out / "text_data", tok, size.micro * (steps + 2) + size.seq + 1, 8 * size.seq + 1)
@@ -205,51 +253,70 @@ def post_training(check: Check, size: Sizes, steps: int, train_flags: list[str])
     print(f"inputs: {tok.spec} ({tok.vocab_size} pieces), {text}, {sft_data}, {pairs}, {prompts}", flush=True)
     flags = ["--train.max_steps", str(steps), "--train.log_every", str(max(1, steps // 2)), "--train.eval_every", "0",
              "--train.ckpt_every", "0", "--train.compile", "false"] + train_flags
-
-    def trainer(script: str, config: str, init: str, data: Path, extra: list[str]) -> list[str]:
-        return [sys.executable, f"scripts/{script}", "--config", config, "--init", str(out / init),
-                "--data", str(data)] + flags + extra
-
-    base = [sys.executable, "scripts/pretrain.py", "--config", size.pretrain_config, "--data", str(text),
-            "--data.tokenizer", tok.spec, "--model.vocab_size", str(tok.vocab_size), "--data.seq_len", str(size.seq),
-            "--data.seq_warmup_frac", "0", "--data.eval_tokens", str(4 * size.seq),
-            "--batch.global_tokens", str(size.micro), "--batch.micro_tokens", str(size.micro),
-            "--optim.warmup_steps", "1"] + flags
-    sft = trainer("train_sft.py", "configs/demo/sft.yaml", "base", sft_data, [
-        "--batch.global_tokens", str(size.sft_rows * size.seq), "--batch.micro_tokens",
-        str(size.sft_micro_rows * size.seq), "--optim.warmup_steps", "1", "--sample_prompts", '["What is 3 + 4?"]'])
-    pair_flags = ["--batch.global_pairs", str(size.global_pairs), "--batch.micro_pairs", str(size.micro_pairs),
-                  "--optim.warmup_steps", "1"]
-    reward = trainer("train_reward.py", "configs/demo/reward.yaml", "sft", pairs, pair_flags)
-    dpo = trainer("train_dpo.py", "configs/demo/dpo.yaml", "sft", pairs, pair_flags)
-    dpo_precomputed = dpo + ["--dpo.precompute_ref_logps", "true"]
-    rl_flags = ["--data.max_prompt_length", "64", "--data.eval_prompts", str(size.eval_prompts),
-                "--data.eval_batch", str(size.eval_prompts), "--data.eval_num_generations", "0",
-                "--rollout.max_completion_length", str(size.completion)]
-    ppo = trainer("train_ppo.py", "configs/demo/ppo.yaml", "sft", prompts, rl_flags + [
-        "--reward-model", str(out / "reward"), "--batch.global_prompts", str(size.ppo_prompts),
-        "--batch.num_generations", "2", "--batch.micro_completions", str(2 * size.ppo_prompts),
-        "--batch.num_mini_batches", "1", "--ppo.num_ppo_epochs", "1"])
-    grpo = trainer("train_grpo.py", "configs/demo/grpo.yaml", "sft", prompts, rl_flags + [
-        "--batch.global_prompts", str(size.grpo_prompts), "--batch.num_generations", str(size.group),
-        "--batch.micro_completions", str(size.group * size.grpo_prompts), "--grpo.num_iterations", "1",
-        "--grpo.mask_truncated_completions", "false"])  # short rollouts of a fresh model are all truncated
-    for name, cmd in (("base", base), ("sft", sft), ("reward", reward), ("dpo", dpo),
-                      ("dpo_precomputed", dpo_precomputed), ("ppo", ppo), ("grpo", grpo)):
-        check.stage(name, functools.partial(check.train, name, cmd))
+    for chain in CHAINS:
+        chain_runs(check, chain, size, flags, tok, text, sft_data, pairs, prompts)
 
     def evaluate() -> dict:
         report = out / "evaluate.json"
         wall = check.run("evaluate", [
             sys.executable, "scripts/evaluate.py", str(out / "grpo"), "--prompts",
             str(prompts.with_name("prompts_test.jsonl")), "--max-examples", str(size.eval_prompts), "--n", "2",
-            "--k", "1", "--greedy", "--max-new-tokens", str(size.completion), "--batch-size", str(size.eval_prompts),
+            "--k", "1", "--greedy", "--max-new-tokens", str(size.new_tokens), "--batch-size", str(size.eval_prompts),
             "--out", str(report)])
         metrics = json.loads(report.read_text())["metrics"]
         return {"wall_s": wall, "prompts": metrics["prompts"], "pass@1": metrics["pass@1"],
                 "greedy_accuracy": metrics["greedy/accuracy"]}
 
     check.stage("evaluate", evaluate)
+
+
+def chain_runs(check: Check, chain: Chain, size: Sizes, flags: list[str], tok, text: Path, sft_data: Path,
+               pairs: Path, prompts: Path) -> None:
+    """One chain's runs: its base (the preset's model shape), then SFT, the reward model, DPO
+    (the gpt2-small chain also with precomputed reference log-probs), PPO and GRPO, each from
+    configs/<preset>/<trainer>.yaml with `flags`."""
+    out = check.out
+
+    def name(stage: str) -> str:
+        return chain.prefix + stage
+
+    def trainer(script: str, config: str, init: str, data: Path, extra: list[str]) -> list[str]:
+        return [sys.executable, f"scripts/{script}", "--config", f"configs/{chain.preset}/{config}",
+                "--init", str(out / name(init)), "--data", str(data)] + flags + extra
+
+    base = [sys.executable, "scripts/pretrain.py", "--config", size.pretrain_config, *size.shapes[chain.preset],
+            "--data", str(text), "--data.tokenizer", tok.spec, "--model.vocab_size", str(tok.vocab_size),
+            "--data.seq_len", str(size.seq), "--data.seq_warmup_frac", "0", "--data.eval_tokens", str(4 * size.seq),
+            "--batch.global_tokens", str(size.micro), "--batch.micro_tokens", str(size.micro),
+            "--optim.warmup_steps", "1"] + flags
+    sft = trainer("train_sft.py", "sft.yaml", "base", sft_data, [
+        *sized(("--batch.global_tokens", size.sft_rows * size.seq),
+               ("--batch.micro_tokens", size.sft_micro_rows * size.seq)),
+        "--optim.warmup_steps", "1", "--sample_prompts", '["What is 3 + 4?"]'])
+    pair_flags = [*sized(("--batch.global_pairs", size.global_pairs), ("--batch.micro_pairs", size.micro_pairs)),
+                  "--optim.warmup_steps", "1"]
+    reward = trainer("train_reward.py", "reward.yaml", "sft", pairs, pair_flags)
+    dpo = trainer("train_dpo.py", "dpo.yaml", "sft", pairs, pair_flags)
+    compile_rollouts = size.compile_rollouts and chain.compile_rollouts
+    rl_flags = ["--data.eval_prompts", str(size.eval_prompts), "--data.eval_batch", str(size.eval_prompts),
+                "--data.eval_num_generations", "0",
+                *sized(("--data.max_prompt_length", size.prompt_length),
+                       ("--rollout.max_completion_length", size.completion)),
+                *([] if compile_rollouts else ["--rollout.compile", "false"])]
+    ppo_batch = ["--batch.global_prompts", str(size.ppo_prompts), "--batch.num_generations", "2",
+                 "--batch.micro_completions", str(2 * size.ppo_prompts), "--batch.num_mini_batches", "1",
+                 "--ppo.num_ppo_epochs", "1"] if size.ppo_prompts else []  # one optimizer step per generation batch
+    ppo = trainer("train_ppo.py", "ppo.yaml", "sft", prompts,
+                  rl_flags + ["--reward-model", str(out / name("reward"))] + ppo_batch)
+    grpo = trainer("train_grpo.py", "grpo.yaml", "sft", prompts, rl_flags + [
+        *sized(("--batch.global_prompts", size.grpo_prompts), ("--batch.num_generations", size.group),
+               ("--batch.micro_completions", size.group * size.grpo_prompts)),
+        "--grpo.mask_truncated_completions", "false"])  # short rollouts of a fresh model are all truncated
+    runs = [("base", base), ("sft", sft), ("reward", reward), ("dpo", dpo),
+            ("dpo_precomputed", dpo + ["--dpo.precompute_ref_logps", "true"]), ("ppo", ppo), ("grpo", grpo)]
+    for stage, cmd in runs:
+        if name(stage) in STAGES:
+            check.stage(name(stage), functools.partial(check.train, name(stage), cmd))
 
 
 def print_table(results: dict) -> None:

@@ -291,8 +291,9 @@ def grpo(b: Bench) -> Row:
                 f"first step's loss on TRL's tensors: sprout {loss_ours:.6f}, TRL {loss_theirs:.6f} "
                 f"({int((adv != 0).sum())} of {len(adv)} completions with a non-zero advantage); largest |log-prob "
                 f"difference| over its completion tokens {logp_err:.1e}",
-                "sprout recomputes the old log-probs in one extra no-grad forward per generation batch; TRL skips it "
-                "at one optimizer step per generation batch"],
+                "old log-probs: " + ("taken from the loss's own forward at one optimizer step per generation "
+                                     "batch, as TRL does" if stage.old_from_loss else
+                                     "one extra no-grad forward per generation batch")],
                step, {"generation": (stage, "sample"), "rewards": (stage, "score"), "old log-probs": (stage, "logps_of"),
                       "loss forward": (stage, "loss"), "backward": (trainer.accelerator, "backward"),
                       "optimizer step": (trainer.optimizer, "step")})

@@ -19,6 +19,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from sprout.engine.run_args import check_fresh_run
 from sprout.errors import run_main
 
 
@@ -33,8 +34,7 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, help="context of the sprout model (default: the source's "
                                                      "max_position_embeddings)")
     args = p.parse_args()
-    from sprout.engine.run import check_fresh_run  # after parsing: --help never loads torch
-    from sprout.model.hf_import import read_source, summary, write_run
+    from sprout.model.hf_import import read_source, summary, write_run  # after parsing: --help never loads torch
 
     if not args.overwrite:
         check_fresh_run(args.out, resumable=False)  # before the source is read, not only after

@@ -15,8 +15,8 @@ prints the command that resumes. See sprout/stages/pretrain.py for what is check
 """
 
 from sprout.errors import run_main
-from sprout.stages.pretrain import PretrainConfig, run_pretrain
-from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.run_args import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.stages.configs import PretrainConfig
 
 
 def main() -> None:
@@ -26,6 +26,8 @@ def main() -> None:
                     data_metavar="DIR|FILE", data_field="dir",
                     verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, PretrainConfig)
+    from sprout.stages.pretrain import run_pretrain  # after parsing: --help never loads torch
+
     run_pretrain(cfg, resume=args.resume)
 
 

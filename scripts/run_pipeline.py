@@ -6,6 +6,7 @@
     python scripts/run_pipeline.py --preset gpt2-small --out runs/gpt2 --mirror ../shared/data
     python scripts/run_pipeline.py --preset my_chain.yaml --report-only
     python scripts/run_pipeline.py --preset smollm2 --model HuggingFaceTB/SmolLM2-135M-Instruct
+    python scripts/run_pipeline.py --preset smollm2-gpu                # the same chain on 8 GPUs
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
@@ -27,7 +28,8 @@ from sprout.pipeline.runner import StageFailed, load_preset, preset_path, read_s
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, help="demo | gpt2-small (configs/pipelines/<name>.yaml) or PATH.yaml")
+    p.add_argument("--preset", required=True, help="demo | gpt2-small | smollm2 | smollm2-gpu "
+                   "(configs/pipelines/<name>.yaml) or PATH.yaml")
     p.add_argument("--from", dest="start", metavar="STAGE", help="run this stage and every later one again "
                    "(the earlier ones must be done)")
     p.add_argument("--to", dest="end", metavar="STAGE", help="stop after this stage")

@@ -14,8 +14,8 @@ preferences_test.jsonl beside the train file (data.val_path to change it). Any
 """
 
 from sprout.errors import run_main
-from sprout.stages.dpo import DPOConfig, run_dpo
-from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.run_args import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.stages.configs import DPOConfig
 
 
 def main() -> None:
@@ -25,6 +25,8 @@ def main() -> None:
                     data_metavar="DIR|FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, DPOConfig)
+    from sprout.stages.dpo import run_dpo  # after parsing: --help never loads torch
+
     run_dpo(cfg, resume=args.resume)
 
 

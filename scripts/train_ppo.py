@@ -15,8 +15,8 @@ and sprout/stages/rl_stage.py for the rollouts and the buffer.
 """
 
 from sprout.errors import run_main
-from sprout.stages.ppo import PPOConfig, run_ppo
-from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.run_args import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.stages.configs import PPOConfig
 
 
 def main() -> None:
@@ -29,6 +29,8 @@ def main() -> None:
     args, cfg = parse_run_config(p, PPOConfig)
     if args.reward_model:
         cfg.reward_model = args.reward_model
+    from sprout.stages.ppo import run_ppo  # after parsing: --help never loads torch
+
     run_ppo(cfg, resume=args.resume)
 
 

@@ -13,8 +13,8 @@ preferences_test.jsonl beside the train file (data.val_path to change it). Any
 """
 
 from sprout.errors import run_main
-from sprout.stages.reward import RewardConfig, run_reward
-from sprout.engine.run import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.run_args import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.stages.configs import RewardConfig
 
 
 def main() -> None:
@@ -24,6 +24,8 @@ def main() -> None:
                     data_metavar="DIR|FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, RewardConfig)
+    from sprout.stages.reward import run_reward  # after parsing: --help never loads torch
+
     run_reward(cfg, resume=args.resume)
 
 

@@ -15,8 +15,8 @@ See sprout/stages/sft.py for what is checked before training.
 """
 
 from sprout.errors import run_main
-from sprout.engine.run import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
-from sprout.stages.sft import SFTConfig, run_sft
+from sprout.engine.run_args import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.stages.configs import SFTConfig
 
 
 def main() -> None:
@@ -25,6 +25,8 @@ def main() -> None:
                                   "the sft_val.h5 beside it is the val file)", data_metavar="DIR|FILE.h5",
                     init_help="base checkpoint, or its run dir", verify_help=VERIFY_FILES_HELP)
     args, cfg = parse_run_config(p, SFTConfig)
+    from sprout.stages.sft import run_sft  # after parsing: --help never loads torch
+
     run_sft(cfg, resume=args.resume)
 
 

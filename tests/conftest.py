@@ -62,3 +62,14 @@ def smollm2(mirror, tmp_path_factory):
     imported = read_source(str(mirror / SMOLLM2_GGUF), root / "work")
     write_run(imported, root / "run")
     return imported.source.hf_model, root / "run"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A Hugging Face folder of a tiny random Llama shaped like SmolLM2 (tied embeddings, GQA, a
+    2,048-token context) with a ChatML byte-level BPE tokenizer (tests/hf_fixtures.py): what
+    scripts/import_model.py and the smollm2 preset take as --model, in place of the real GGUF."""
+    pytest.importorskip("transformers", reason="transformers (extra sprout[import]) saves the model folder")
+    from hf_fixtures import hf_folder
+
+    return hf_folder(tmp_path_factory.mktemp("tiny_llama") / "hf", "llama tied", max_position_embeddings=2048)

@@ -109,7 +109,7 @@ SECTIONS = {
     "batch": ("global_prompts", "num_generations", "micro_completions"),
     "rollout": ("max_completion_length", "temperature", "top_k", "top_p"),
     "rewards": ("reward_funcs", "reward_weights"),
-    "grpo": ("advantage", "scale_rewards", "loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
+    "grpo": ("advantage", "scale_rewards", "multi_objective_aggregation", "normalize_advantages", "loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
              "num_iterations", "beta", "kl_estimator", "kl_in", "mask_truncated_completions", "dynamic_sampling",
              "max_generation_rounds", "entropy_coef"),
     "optim": ("lr", "warmup_steps", "schedule", "weight_decay"),

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from sprout.rl.advantages import gae, group_advantages, masked_var, masked_whiten, token_rewards
+from sprout.rl.advantages import (batch_normalize, gae, group_advantages, masked_var, masked_whiten,
+                                   normalize_then_sum, token_rewards, uniform_groups)
 from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k2, kl_k3
 
 # two groups of G = 3: the first has mean 2 and (Bessel) std 1, the second all equal
@@ -42,6 +43,94 @@ def test_dr_grpo_is_mean_centred_only():
     torch.testing.assert_close(out.advantages, torch.tensor([-1.0, 0, 1, 0, 0, 0]))
     with pytest.raises(ValueError, match="scale_rewards must be none"):
         group_advantages(REWARDS, 3, "dr_grpo", "group")
+
+
+# ---- multi_objective_aggregation: normalize_then_sum, and the batch normaliser -----------------------------------
+NAN = float("nan")
+# two groups of G = 3, two reward functions (weights 1 and 0.5); in group 2 both abstain on the first completion
+PER_FUNCTION = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 4.0], [NAN, NAN], [5.0, 2.0], [5.0, 4.0]])
+
+
+def test_normalize_then_sum_by_hand():
+    s = normalize_then_sum(PER_FUNCTION, [1.0, 0.5], 3)
+    # group 1: f1 [1, 2, 3] mean 2, std 1 -> z [-1, 0, 1] / (1 + eps)
+    #          f2 [0, 0, 4] mean 4/3, std sqrt((16 + 16 + 64) / 9 / 2) = 4/sqrt(3)
+    #             -> z [-4/3, -4/3, 8/3] / (4/sqrt(3) + eps)
+    z2 = torch.tensor([-4 / 3, -4 / 3, 8 / 3]) / (4 / math.sqrt(3) + EPS)
+    group1 = torch.tensor([-1.0, 0.0, 1.0]) / (1 + EPS) + 0.5 * z2  # ≈ [-1.2887, -0.2887, 1.5773]
+    # group 2: row 3 unscorable (NaN); f1 [5, 5] std 0 -> z 0; f2 [2, 4] mean 3, std sqrt(2) -> z ±1/(sqrt(2) + eps)
+    group2 = torch.tensor([NAN, -0.5, 0.5]) / (math.sqrt(2) + EPS)  # ≈ [nan, -0.3535, 0.3535]
+    torch.testing.assert_close(s, torch.cat([group1, group2]).double(), equal_nan=True)
+    with pytest.raises(ValueError):
+        normalize_then_sum(PER_FUNCTION, [1.0, 0.5], 4)
+
+
+def test_batch_normalize_by_hand_leaves_nan_out():
+    s = normalize_then_sum(PER_FUNCTION, [1.0, 0.5], 3)
+    # each group's s sums to 0, so the batch mean (5 values, the NaN left out) is 0 and the Bessel std is
+    # sqrt((1.2887² + 0.2887² + 1.5773² + 2 × 0.3535²) / 4) ≈ 1.05846
+    std = math.sqrt(sum(v * v for v in s.tolist() if not math.isnan(v)) / 4)
+    assert std == pytest.approx(1.05846, abs=1e-5)
+    want = torch.nan_to_num(s / (std + EPS), nan=0.0)  # the unscorable completion gets advantage 0
+    torch.testing.assert_close(batch_normalize(s, s), want)
+    # RLOO's normalize_advantages: A = [-1.5, 0, 1.5, 0, 0, 0], mean 0, std sqrt(4.5 / 5)
+    a = group_advantages(REWARDS, 3, "rloo").advantages
+    torch.testing.assert_close(batch_normalize(a, a), (a / (math.sqrt(0.9) + EPS)).double())
+
+
+def test_batch_normalize_of_each_rank_equals_the_whole_batch():
+    """Each rank normalises its own rows by the gathered global batch: together the one-process result."""
+    s = normalize_then_sum(PER_FUNCTION, [1.0, 0.5], 3)
+    ranks = torch.cat([batch_normalize(part, s) for part in s.split(3)])
+    assert torch.equal(ranks, batch_normalize(s, s))
+    assert not torch.allclose(torch.cat([batch_normalize(part, part) for part in s.split(3)]), ranks)
+
+
+def trl_nanstd(t, dim=None, keepdim=False):
+    """TRL 1.16's trl.trainer.utils.nanstd, transcribed."""
+    mean = torch.nanmean(t, dim=dim, keepdim=True)
+    variance = torch.nanmean((t - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(t), dim=dim, keepdim=True)
+    correction = count / (count - 1)
+    correction = torch.where(count > 1, correction, torch.full_like(correction, float("nan")))
+    std = torch.sqrt(variance * correction)
+    return std if keepdim else std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def test_normalize_then_sum_and_normalize_advantages_match_trls_formulas():
+    g = torch.Generator().manual_seed(0)
+    G, F = 4, 3
+    per_function = torch.randint(0, 3, (24, F), generator=g).double()
+    per_function[torch.rand(24, F, generator=g) < 0.2] = NAN  # abstentions
+    per_function[5] = NAN  # an unscorable completion
+    per_function[8:12, 1] = 2.0  # a function whose values agree within a group
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    # TRL 1.16 GRPOTrainer._generate_and_score_completions, multi_objective_aggregation == "normalize_then_sum"
+    grouped = per_function.view(-1, G, F)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, F)
+    rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_function).all(dim=1)] = NAN
+    trl = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (trl_nanstd(rewards) + 1e-4), nan=0.0)
+    s = normalize_then_sum(per_function, weights.tolist(), G)
+    # TRL's Bessel factor count / (count - 1) divides int64 tensors, so it is float32: agreement to ~1e-7
+    torch.testing.assert_close(batch_normalize(s, s), trl, rtol=1e-6, atol=1e-7)
+    # TRL 1.16 RLOOTrainer, normalize_advantages=True (on the leave-one-out advantages of summed rewards)
+    totals = torch.randn(24, generator=g, dtype=torch.float64)
+    a = group_advantages(totals, G, "rloo").advantages
+    trl = (a - torch.nanmean(a)) / (trl_nanstd(a) + 1e-4)
+    torch.testing.assert_close(batch_normalize(a, a), trl, rtol=1e-6, atol=1e-7)
+
+
+def test_uniform_groups_by_hand():
+    assert uniform_groups(REWARDS, 3).tolist() == [False, True]
+    # equal totals (1 + 0 = 0 + 1) but functions that differ: uniform as one column, not per function
+    per_fn = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    assert uniform_groups(per_fn.sum(1), 2).tolist() == [True]
+    assert uniform_groups(per_fn, 2).tolist() == [False]
+    one_value = torch.tensor([[NAN, 1.0], [3.0, 1.0]])  # f1 has one value in the group: nothing to normalise
+    assert uniform_groups(one_value, 2).tolist() == [True]
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_generations=4), dict(num_generations=1), dict(num_generations=3, advantage="ppo"),

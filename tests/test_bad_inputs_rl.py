@@ -16,7 +16,7 @@ from grpo_fixtures import addition_prompts
 from preference_train_fixtures import base  # noqa: F401 (a fixture)
 from test_bad_inputs_train import one_error, tree
 
-from sprout.engine.run import RUN_LOCK, hold_run, release_run
+from sprout.engine.run_args import RUN_LOCK, hold_run, release_run
 from sprout.prep.rl_prompts import PromptDataConfig, prepare
 
 ROOT = Path(__file__).resolve().parents[1]

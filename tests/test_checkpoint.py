@@ -11,12 +11,12 @@ from sprout.checkpoint import (
     load_train_state,
     meta_digest,
     read_meta,
-    resolve_checkpoint,
     save_checkpoint,
     save_rotating,
     sha256_file,
 )
 from sprout.errors import SproutError
+from sprout.formats.checkpoint_meta import resolve_checkpoint
 from sprout.model.load import load_model
 from sprout.model.transformer import ModelConfig, Transformer
 

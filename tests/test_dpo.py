@@ -1,7 +1,8 @@
 """The DPO stage: margins grow and held-out implicit accuracy rises on a seeded toy, precomputed
 reference log-probs equal the live reference's (cache reused, and invalidated when the data or
 the reference changes), an empty response gives a finite loss and gradient, reference-free
-losses build no reference, exact resume, refused options, 1 vs 2 processes (slow)."""
+losses build no reference, exact resume, refused options, 1 vs 2 processes for sigmoid,
+sigmoid_norm and aot (slow)."""
 
 import os
 import shutil
@@ -123,7 +124,8 @@ def test_reference_cache_equals_live_is_reused_and_invalidated(sp, base, tmp_pat
 
 
 # ---- edge cases of the loss ------------------------------------------------------------------------------
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "robust", "simpo", "orpo", ["sigmoid", "sft"]])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "sigmoid_norm", "ipo", "robust", "aot", "simpo", "orpo",
+                                       ["sigmoid", "sft"]])
 def test_an_empty_response_gives_a_finite_loss_and_gradient(loss_type, data, sp, base):
     """The format refuses an empty answer (test_reward's bad-input cases), so a response always
     has at least its eot; a row whose response mask is empty (log-prob 0, length 0) must still be
@@ -163,26 +165,30 @@ def test_bad_options_are_refused_before_anything_runs(values, pattern, data, bas
 
 # ---- multi-process --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_gloo_processes_match_one(run_a, data, base, tmp_path):
-    """2 processes with the reference log-probs precomputed (split over the ranks and gathered)
-    against 1 process with a live reference."""
-    out_a, _ = run_a
+@pytest.mark.parametrize("loss_type, port", [("sigmoid", 29543), ("sigmoid_norm", 29561), ("aot", 29562)])
+def test_two_gloo_processes_match_one(loss_type, port, run_a, data, base, tmp_path):
+    """2 processes × 1 micro-batch of 8 pairs with the reference log-probs precomputed (split over
+    the ranks and gathered) against 1 process × 2 micro-batches of 8 with a live reference: the
+    per-pair normaliser (sigmoid, sigmoid_norm), and aot's sort over the same micro-batches."""
+    out_a = run_a[0] if loss_type == "sigmoid" else tmp_path / "one"
+    if loss_type != "sigmoid":
+        run_dpo(tiny_cfg(DPOConfig, data, base, out_a, lr=1e-3, loss_type=loss_type))
     out = tmp_path / "ddp"
     copy = tmp_path / "prefs"  # a fresh folder: the cache is computed by the 2 processes
     copy.mkdir()
     for f in ("preferences.jsonl", "preferences_test.jsonl"):
         shutil.copy(data.with_name(f), copy / f)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29543",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(port),
            str(ROOT / "scripts" / "train_dpo.py"), *cli_flags(copy / "preferences.jsonl", base, out, lr=1e-3),
-           "--dpo.precompute_ref_logps", "true"]
+           "--dpo.precompute_ref_logps", "true", "--dpo.loss_type", loss_type]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) × 1 micro-steps" in proc.stdout and "computed and written to" in proc.stdout
     a, b = train_records(out_a), train_records(out)
     assert sorted(a) == sorted(b)
     diff = max(abs(a[s]["loss"] - b[s]["loss"]) for s in a)
-    print(f"dpo, 1 vs 2 processes: max |loss diff| over {len(a)} steps = {diff:.3g}")
+    print(f"dpo {loss_type}, 1 vs 2 processes: max |loss diff| over {len(a)} steps = {diff:.3g}")
     assert diff < 1e-5
     va = [r["val_rewards/margins"] for r in read_metrics(out_a / "metrics.jsonl") if "val_loss" in r]
     vb = [r["val_rewards/margins"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]

@@ -24,7 +24,7 @@ from sprout.model.hf_import import read_source, write_run
 from sprout.model.load import init_from_lm
 from sprout.tokenizer import HF_FILE, HF_SIDE_FILES
 from test_export import CHATS
-from test_import_model import CHATML, MODELS, hf_model, write_tokenizer
+from hf_fixtures import CHATML, MODELS, hf_model, write_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[export]')")
 

@@ -1,27 +1,35 @@
 """benchmarks/gpu_check.py is the one short check to run when a GPU is at hand: its CPU dry
-run (--tiny) must keep working, so a GPU run never fails on the script itself, and a stage
-that fails or logs a non-finite loss must fail the check by name."""
+run (--tiny) must keep working, so a GPU run never fails on the script itself, its GPU-size
+command lines must be ones the trainers take (read dry, without a GPU), and a stage that
+fails or logs a non-finite loss must fail the check by name."""
 
+import dataclasses
 import json
 import math
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from dry_run import check_batches, dry_run
 from proc import run_group
+from sprout.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
-TRAINERS = ("base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo")
+TRAINERS = ("base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo",
+            "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo")
 
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     proc = run_group([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--steps", "4",
-                      "--out", str(tmp_path)], timeout=420, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                      "--out", str(tmp_path)], timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["failed"] == {}
@@ -29,7 +37,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     for name in ("eager", "compiled", "fsdp") + TRAINERS:
         assert result[name]["tokens_per_s"] > 0 and math.isfinite(result[name]["loss"]), name
     assert result["fsdp"]["sharded"] and result["fsdp"]["resume_max_abs_diff"] == 0.0
-    assert result["ppo"]["generation_tokens_per_s"] > 0 and result["grpo"]["generation_tokens_per_s"] > 0
+    for name in ("ppo", "grpo", "smollm2_ppo", "smollm2_grpo"):
+        assert result[name]["generation_tokens_per_s"] > 0, name
     # the cached reference log-probs are the live reference's: the same DPO losses
     assert result["dpo_precomputed"]["loss"] == pytest.approx(result["dpo"]["loss"], abs=1e-4)
     assert "precomputed" in (tmp_path / "dpo_precomputed.log").read_text()
@@ -37,6 +46,19 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     # every post-training run starts from the tokenizer the base run recorded
     base_meta = json.loads(next((tmp_path / "base" / "checkpoints").glob("step_*/meta.json")).read_text())
     assert base_meta["tokenizer"].startswith("sentencepiece:") and base_meta["model_config"]["vocab_size"] == 512
+    # the smollm2-gpu chain is trained on a model with SmolLM2's grouped-query attention and tied embeddings
+    for name in ("smollm2_base", "smollm2_grpo"):
+        meta = json.loads(next((tmp_path / name / "checkpoints").glob("step_*/meta.json")).read_text())
+        assert meta["model_config"]["n_kv_heads"] == 2 and meta["model_config"]["tie_embeddings"], name
+        assert meta["tokenizer_fingerprint"] == base_meta["tokenizer_fingerprint"]  # the same tokenizer
+    # each post-training run is its preset's config: the loss section and peak lr it has (never set here)
+    for chain in gpu_check.CHAINS:
+        for trainer in ("sft", "reward", "dpo", "ppo", "grpo"):
+            preset = yaml.safe_load((ROOT / "configs" / chain.preset / f"{trainer}.yaml").read_text())
+            run = yaml.safe_load((tmp_path / (chain.prefix + trainer) / "config.yaml").read_text())
+            assert run["optim"]["lr"] == preset["optim"]["lr"], (chain.preset, trainer)
+            assert all(run[trainer][k] == v for k, v in preset.get(trainer, {}).items()
+                       if k not in ("mask_truncated_completions", "num_ppo_epochs")), (chain.preset, trainer)
 
 
 def test_a_failed_command_names_its_stage(tmp_path):
@@ -61,3 +83,49 @@ def test_a_non_finite_loss_fails_its_stage(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
     with pytest.raises(gpu_check.StageFailed, match="dpo: no training record"):
         gpu_check.train_figures("dpo", tmp_path)
+
+
+@pytest.mark.parametrize("size", ["GPU", "TINY"])
+def test_each_command_of_the_check_is_read_by_its_script_and_fits_one_process(size, tmp_path, monkeypatch, capsys):
+    """The post-training commands the check runs (its GPU sizes too, where there is no GPU),
+    built with the inputs stubbed out and read by each script's own parser and config class."""
+    sizes, commands = getattr(gpu_check, size), {}
+    tok = types.SimpleNamespace(spec=f"sentencepiece:{tmp_path}/sp512.model", vocab_size=512)
+    monkeypatch.setattr(gpu_check.inputs, "train_tokenizer", lambda folder: tok)
+    for maker in ("text_shards", "sft_rows", "preference_pairs", "rl_prompts"):
+        monkeypatch.setattr(gpu_check.inputs, maker, lambda path, *_args: Path(path))
+
+    def keep(stage: str, cmd: list[str]) -> dict:
+        commands[stage] = cmd
+        return {"wall_s": 0.0}
+
+    monkeypatch.setattr(gpu_check.Check, "train", lambda _self, stage, cmd: keep(stage, cmd))
+
+    def evaluate(stage: str, cmd: list[str]) -> float:
+        keep(stage, cmd)
+        raise gpu_check.StageFailed("evaluate: not run")
+
+    monkeypatch.setattr(gpu_check.Check, "run", lambda _self, stage, cmd, _log=None: evaluate(stage, cmd))
+    check = gpu_check.Check(tmp_path, {}, {})
+    gpu_check.post_training(check, sizes, sizes.trainer_steps, ["--train.progress", "false"])
+    assert set(commands) == set(gpu_check.STAGES) - {"eager", "compiled", "fsdp"}
+    assert check.failed == {"evaluate": "evaluate: not run"}
+    for chain in gpu_check.CHAINS:
+        runs = [chain.prefix + run for run in ("base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo")
+                if chain.prefix + run in commands]
+        read = {name: dry_run(ROOT / commands[name][1], commands[name][2:] + ["--out", str(tmp_path / name)],
+                              monkeypatch, capsys) for name in runs}
+        base = read[chain.prefix + "base"]
+        context = base.model.max_seq_len
+        for name, cfg in read.items():
+            check_batches(Path(commands[name][1]).name, cfg, 1, context, row_len=sizes.seq)
+        rollouts = [read[chain.prefix + rl].rollout.compile for rl in ("ppo", "grpo")]
+        assert rollouts == [sizes.compile_rollouts and chain.compile_rollouts] * 2
+        if size == "GPU":  # the preset's own batch on one GPU
+            preset = yaml.safe_load((ROOT / "configs" / chain.preset / "grpo.yaml").read_text())
+            assert read[chain.prefix + "grpo"].batch.global_prompts == preset["batch"]["global_prompts"]
+    if size == "GPU":  # the smollm2 chain's base is SmolLM2-135M's shape: its parameter count with its vocabulary
+        base = dry_run(ROOT / "scripts" / "pretrain.py", commands["smollm2_base"][2:], monkeypatch, capsys)
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(base.model, vocab_size=49152))
+        assert sum(p.numel() for p in model.parameters()) == 134_515_008 and base.model.max_seq_len == 2048

@@ -2,6 +2,7 @@
 old log-probs equal a recompute, dynamic sampling refills, beta = 0 builds no reference, exact
 resume at a rollout boundary and inside a buffer, and the mean reward rises under RL."""
 
+import copy
 import json
 import os
 import shutil
@@ -19,10 +20,11 @@ from proc import run_group
 from safetensors.torch import load_file
 
 from sprout.checkpoint import read_meta
+from sprout.config import config_help, from_dict, load_config
 from sprout.errors import SproutError
 from sprout.model.load import load_model
-from sprout.rl.advantages import group_advantages
-from sprout.stages.grpo import GRPOLossConfig, GRPOStage, run_grpo
+from sprout.rl.advantages import batch_normalize, group_advantages, normalize_then_sum
+from sprout.stages.grpo import GRPOConfig, GRPOLossConfig, GRPOStage, run_grpo
 from sprout.engine.loop import Trainer
 from sprout.engine.metrics import read_metrics
 from data_loader.prompts import PromptLoader
@@ -63,30 +65,43 @@ def make_stage(sp, base, data, *, rollout=None, batch=None, rewards=("grpo_fixtu
 
 
 # ---- normalisers ----------------------------------------------------------------------------------------------
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
-# (loss_type, num_iterations): with 1 the loss's own log-probs are the old ones (no old-logprob forward)
-CASES = [(t, 2) for t in LOSS_TYPES] + [("dapo", 1)]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+LOSS_OPTIONS = {"cispo": {"epsilon_high": 1.1}}  # cispo's cap on the weight, low enough to bind at step 2
+TWO_REWARDS = {"reward_funcs": ["grpo_fixtures:digit_share", "grpo_fixtures:single_digit"],
+               "reward_weights": [1.0, 0.5]}
+# batch-wide advantage normalisers (over the gathered global batch): TRL's RLOO (summed sequence ratio,
+# loss per sequence) with normalize_advantages, and normalize_then_sum over two reward functions
+OPTIONS = {"": {}, "rloo_normalized": {"advantage": "rloo", "normalize_advantages": True},
+           "normalize_then_sum": {"multi_objective_aggregation": "normalize_then_sum", **TWO_REWARDS}}
+# (loss_type, num_iterations, options): with 1 the loss's own log-probs are the old ones (no old-logprob
+# forward); beta 0.1 with the default use_bias_correction_kl: the KL × the importance ratio in every case
+CASES = [(t, 2, "") for t in LOSS_TYPES] + [("dapo", 1, ""), ("grpo", 2, "rloo_normalized"),
+                                             ("dapo", 2, "normalize_then_sum")]
+
+
+def case_cfg(data, init, out, loss_type, mu, options, micro_completions):
+    return config_dict(data, init, out, loss_type=loss_type, micro_completions=micro_completions, max_steps=2,
+                       num_iterations=mu, beta=0.1, mask_truncated_completions=True,
+                       **LOSS_OPTIONS.get(loss_type, {}), **OPTIONS[options])
 
 
 @pytest.fixture(scope="module")
 def one_by_one(sft_base, data, tmp_path_factory):
     """Per case: 2 steps of 1 process × 1 micro-batch of 8 completions (per-prompt sampling)."""
     outs = {}
-    for loss_type, mu in CASES:
-        out = tmp_path_factory.mktemp(f"one_{loss_type}_{mu}")
-        run_per_prompt(tiny_cfg(data, sft_base, out, loss_type=loss_type, micro_completions=8, max_steps=2,
-                                num_iterations=mu, beta=0.1, mask_truncated_completions=True))
-        outs[loss_type, mu] = out
+    for case in CASES:
+        out = tmp_path_factory.mktemp("one_" + "_".join(map(str, case)).strip("_"))
+        run_per_prompt(from_dict(GRPOConfig, case_cfg(data, sft_base, out, *case, micro_completions=8)))
+        outs[case] = out
     return outs
 
 
-@pytest.mark.parametrize("loss_type, mu", CASES)
-def test_normaliser_is_exact_under_accumulation(loss_type, mu, one_by_one, sft_base, data, tmp_path):
+@pytest.mark.parametrize("loss_type, mu, options", CASES)
+def test_normaliser_is_exact_under_accumulation(loss_type, mu, options, one_by_one, sft_base, data, tmp_path):
     """1 process × 4 micro-batches of 2 completions == 1 process × 1 of 8: losses and weights."""
     out = tmp_path / "four"
-    run_per_prompt(tiny_cfg(data, sft_base, out, loss_type=loss_type, micro_completions=2, max_steps=2,
-                            num_iterations=mu, beta=0.1, mask_truncated_completions=True))
-    a, b = train_records(one_by_one[loss_type, mu]), train_records(out)
+    run_per_prompt(from_dict(GRPOConfig, case_cfg(data, sft_base, out, loss_type, mu, options, micro_completions=2)))
+    a, b = train_records(one_by_one[loss_type, mu, options]), train_records(out)
     assert a[1]["targets"] == b[1]["targets"]
     for s in (1, 2):
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
@@ -94,7 +109,7 @@ def test_normaliser_is_exact_under_accumulation(loss_type, mu, one_by_one, sft_b
         assert b[s]["sampling/logp_diff_mean"] == pytest.approx(a[s]["sampling/logp_diff_mean"], abs=1e-6)
         assert b[s]["sampling/logp_diff_max"] == pytest.approx(a[s]["sampling/logp_diff_max"], abs=1e-5)
     assert a[2]["kl"] > 0 and a[2]["loss"] != 0  # the second step trains on moved weights
-    wa, wb = final_weights(one_by_one[loss_type, mu]), final_weights(out)
+    wa, wb = final_weights(one_by_one[loss_type, mu, options]), final_weights(out)
     # 1 % of one AdamW step (lr 3e-3): Adam divides by sqrt(v), so the summation order's rounding
     # of a near-zero gradient can move a weight by ~1e-5; a wrong normaliser reweights whole
     # micro-batches and moves weights by a sizeable part of a step
@@ -102,39 +117,39 @@ def test_normaliser_is_exact_under_accumulation(loss_type, mu, one_by_one, sft_b
 
 
 def test_denominators_follow_the_loss_type(sp, sft_base, data):
-    """count_targets: grpo sequences, bnpo/dapo completion tokens (truncated ones left out), dr_grpo
-    sequences × max_completion_length."""
+    """count_targets: grpo/sapo sequences, bnpo/dapo/cispo completion tokens (truncated ones left
+    out), dr_grpo sequences × max_completion_length."""
     counts = {}
     for loss_type in LOSS_TYPES:
-        stage, _ = make_stage(sp, sft_base, data, loss_type=loss_type, mask_truncated_completions=True)
+        stage, _ = make_stage(sp, sft_base, data, loss_type=loss_type, mask_truncated_completions=True,
+                              **LOSS_OPTIONS.get(loss_type, {}))
         batches = stage.next_micro_batches(0)
         counts[loss_type] = sum(int(stage.count_targets(b)) for b in batches)
         kept = sum(int((b["completion_mask"] * ~b["truncated"][:, None]).sum()) for b in batches)
         every = sum(int(b["completion_mask"].sum()) for b in batches)
-    assert counts["grpo"] == 8 and counts["dr_grpo"] == 8 * 12
-    assert 0 < counts["bnpo"] == counts["dapo"] == kept < every  # truncated completions left out
+    assert counts["grpo"] == counts["sapo"] == 8 and counts["dr_grpo"] == 8 * 12
+    assert 0 < counts["bnpo"] == counts["dapo"] == counts["cispo"] == kept < every  # truncated completions left out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type, mu", CASES)
-def test_two_processes_match_one(loss_type, mu, one_by_one, sft_base, data, tmp_path):
+@pytest.mark.parametrize("loss_type, mu, options", CASES)
+def test_two_processes_match_one(loss_type, mu, options, one_by_one, sft_base, data, tmp_path):
     """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8."""
     out = tmp_path / "ddp"
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(config_dict(data, sft_base, out, loss_type=loss_type, micro_completions=2, max_steps=2,
-                                          num_iterations=mu, beta=0.1, mask_truncated_completions=True)))
+    cfg.write_text(json.dumps(case_cfg(data, sft_base, out, loss_type, mu, options, micro_completions=2)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29547",
            str(ROOT / "tests" / "grpo_fixtures.py"), str(cfg)]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) × 2 micro-steps" in proc.stdout
-    a, b = train_records(one_by_one[loss_type, mu]), train_records(out)
+    a, b = train_records(one_by_one[loss_type, mu, options]), train_records(out)
     for s in (1, 2):
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
         assert b[s]["reward"] == pytest.approx(a[s]["reward"], abs=1e-9)
         assert b[s]["sampling/logp_diff_max"] == pytest.approx(a[s]["sampling/logp_diff_max"], abs=1e-5)
-    wa, wb = final_weights(one_by_one[loss_type, mu]), final_weights(out)
+    wa, wb = final_weights(one_by_one[loss_type, mu, options]), final_weights(out)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 3e-5  # as under accumulation above
 
 
@@ -223,6 +238,28 @@ def test_dynamic_sampling_counts_a_short_batch(sp, base, data):
 
 
 # ---- the reference --------------------------------------------------------------------------------------------
+def test_bias_correction_kl_keeps_the_loss_and_changes_the_gradient_on_policy(sp, base, data):
+    """beta > 0, num_iterations 1: the ratio is 1, so the loss and the logged kl are the same with
+    and without use_bias_correction_kl, but the ratio's gradient adds KL × grad log pi."""
+    stage, model = make_stage(sp, base, data, beta=0.5)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # a reference away from the policy: KL > 0
+    stage.ref_model = ref
+    batch = stage.next_micro_batches(0)[0]
+    assert stage.old_from_loss and "ref_logps" in batch
+    runs = []
+    for corrected in (True, False):  # TRL's default first
+        stage.cfg.use_bias_correction_kl = corrected
+        model.zero_grad()
+        loss_sum, _, metrics = stage.loss(model, batch)
+        loss_sum.backward()
+        runs.append((loss_sum.item(), float(metrics["kl"][0]), model.lm_head.weight.grad.clone()))
+    (a, kl_a, ga), (b, kl_b, gb) = runs
+    assert a == pytest.approx(b, rel=1e-6) and kl_a == pytest.approx(kl_b, rel=1e-6) and kl_a > 0
+    assert (ga - gb).abs().max() > 1e-4 * ga.abs().max()
+
 def test_beta_zero_builds_no_reference(base, data, tmp_path, monkeypatch):
     calls = []
     original = Trainer.prepare_frozen
@@ -282,10 +319,59 @@ def test_mean_reward_rises_under_rl(sft_base, data, tmp_path):
     ({"micro_completions": 3}, r"not a multiple of batch.micro_completions 3"),
     ({"max_prompt_length": 60}, r"data.max_prompt_length 60 \+ rollout.max_completion_length 12 exceeds max_seq_len"),
     ({"reward_funcs": ["grpo_fixtures:nothing"]}, r"rewards.reward_funcs: cannot import 'grpo_fixtures:nothing'"),
+    ({"loss_type": "cispo"}, r"grpo.epsilon_high: got None; expected a number with loss_type cispo"),
+    ({"loss_type": "sapo", "delta": 2.0}, r"grpo.delta: got 2.0; expected null with loss_type sapo"),
 ])
 def test_bad_options_are_refused_in_one_line(values, pattern, base, data, tmp_path):
     with pytest.raises(SproutError, match=pattern):
         run_grpo(tiny_cfg(data, base, tmp_path / "out", **values))
+
+
+def test_scale_rewards_takes_trls_booleans(tmp_path):
+    """TRL's scale_rewards true/false are group/none, in the config file and on the command line."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("grpo:\n  scale_rewards: true\n")
+    assert load_config(GRPOConfig, path).grpo.scale_rewards == "group"
+    assert load_config(GRPOConfig, path, ["--grpo.scale_rewards", "false"]).grpo.scale_rewards == "none"
+    assert load_config(GRPOConfig, path, ["--grpo.scale_rewards", "batch"]).grpo.scale_rewards == "batch"
+    with pytest.raises(SproutError, match=r"^command line: --grpo.scale_rewards: got 'global'; expected group, "
+                                          r"batch, none, true or false or null$"):
+        load_config(GRPOConfig, path, ["--grpo.scale_rewards", "global"])
+    with pytest.raises(SproutError, match=r"grpo.yaml: grpo.scale_rewards: got True; expected none, false or null "
+                                          r"with advantage dr_grpo"):
+        load_config(GRPOConfig, path, ["--grpo.advantage", "dr_grpo"])
+
+
+def test_rloo_takes_trls_summed_sequence_ratio_unless_told():
+    assert GRPOLossConfig(advantage="rloo").importance_sampling_level == "sequence_sum"
+    assert GRPOLossConfig().importance_sampling_level == "token"
+    assert GRPOLossConfig(advantage="rloo", importance_sampling_level="token").importance_sampling_level == "token"
+    assert GRPOLossConfig(importance_sampling_level="sequence").importance_sampling_level == "sequence"
+
+
+@pytest.mark.parametrize("values, pattern", [
+    ({"multi_objective_aggregation": "normalize_then_sum", "advantage": "rloo"},
+     r"grpo.multi_objective_aggregation: got 'normalize_then_sum'; expected sum_then_normalize with advantage rloo"),
+    ({"multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "batch"},
+     r"grpo.scale_rewards: got 'batch'; expected null with normalize_then_sum"),
+    ({"multi_objective_aggregation": "normalize_then_sum", "beta": 0.1, "kl_in": "reward"},
+     r"grpo.kl_in: got 'reward'; expected loss with normalize_then_sum"),
+    ({"normalize_advantages": True, "advantage": "dr_grpo"},
+     r"grpo.normalize_advantages: got True; expected false with advantage dr_grpo"),
+])
+def test_advantage_options_that_do_not_combine_are_refused(values, pattern, tmp_path):
+    with pytest.raises(SproutError, match=pattern):
+        from_dict(GRPOConfig, {"grpo": values}, "grpo.yaml")
+
+
+def test_help_lists_the_advantage_options_by_trls_names():
+    text = config_help(GRPOConfig)
+    for line in ("--grpo.multi_objective_aggregation {sum_then_normalize, normalize_then_sum} = sum_then_normalize",
+                 "--grpo.normalize_advantages        bool = false",
+                 "--grpo.scale_rewards               {group, batch, none} | bool | null = null",
+                 "--grpo.importance_sampling_level   {token, sequence, sequence_sum} | null"):
+        assert line in text
+    assert "TRL's true: group, false: none" in text
 
 
 # ---- prompts --------------------------------------------------------------------------------------------------
@@ -324,6 +410,27 @@ def test_buffer_advantages_are_the_group_advantages_of_its_rewards(advantage, sc
     want = group_advantages(totals, 4, advantage, scale).advantages.float()
     assert torch.allclose(stage.buffer["advantages"], want, atol=1e-6)
     assert totals.std() > 0  # not a trivial batch
+
+
+@pytest.mark.parametrize("options", ["normalize_then_sum", "rloo_normalized"])
+def test_buffer_advantages_of_the_batch_normalisers(options, sp, sft_base, data):
+    """normalize_then_sum: each function normalised in its group, summed, normalised over the batch;
+    rloo with normalize_advantages: the leave-one-out advantages normalised over the batch."""
+    grpo = {k: v for k, v in OPTIONS[options].items() if k not in TWO_REWARDS}
+    stage, _ = make_stage(sp, sft_base, data, rewards=TWO_REWARDS["reward_funcs"], **grpo)
+    seen = []
+    score = stage.score
+    stage.score = lambda rollout, idx: seen.append(score(rollout, idx)) or seen[-1]
+    stage.next_micro_batches(0)
+    totals, per_fn = seen[0]
+    if options == "normalize_then_sum":
+        before = normalize_then_sum(per_fn, [1.0, 1.0], 4)
+    else:
+        before = group_advantages(totals, 4, "rloo").advantages
+    want = batch_normalize(before, before).float()
+    got = stage.buffer["advantages"]
+    assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, before.float(), atol=1e-3)
+    assert abs(got.mean().item()) < 1e-6 and got.std().item() == pytest.approx(1.0, abs=1e-3)
 
 
 def test_entropy_bonus_lowers_the_loss_by_its_weighted_entropy(sp, sft_base, data):

@@ -24,6 +24,9 @@ one line that starts with the rule's name.
 - prep and formats never reach torch: no module of `sprout.prep` or `sprout.formats`
   imports torch (nor accelerate or safetensors.torch), directly or through any module it
   imports, at any depth;
+- a trainer's configs and command line never reach torch: the same for the modules a
+  trainer's --help imports (`TORCH_FREE`: the config modules and `sprout.engine.run_args`),
+  so --help and the config checks run without loading it;
 - the engine never imports a stage: nothing `sprout.engine` imports, at any depth, is in
   `sprout.stages`;
 - checkpoint I/O never imports the model: nothing `sprout.checkpoint` imports, at any
@@ -46,6 +49,8 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = ("torch", "accelerate", "safetensors.torch")
+TORCH_FREE = ("sprout.model.config", "sprout.losses.loss_types", "sprout.engine.configs", "sprout.engine.run_args",
+              "sprout.stages.configs")
 LAYERS = (
     ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.ranges", "sprout.option_names", "sprout.config",
               "sprout.mirror", "sprout.answers")),
@@ -63,13 +68,15 @@ LAYERS = (
 )
 LAYERS_RULE = "layers"
 TORCH_RULE = "prep and formats never reach torch"
+CONFIG_RULE = "a trainer's configs and command line never reach torch"
 ENGINE_RULE = "the engine never imports a stage"
 CHECKPOINT_RULE = "checkpoint I/O never imports the model"
 FORMATS_RULE = "formats import nothing above them"
 CYCLE_RULE = "no import cycles (function-level imports counted)"
 PRIVATE_RULE = "no cross-module private names"
 OUTSIDE_RULE = "nothing in sprout or data_loader imports scripts, benchmarks or tests"
-RULES = (LAYERS_RULE, TORCH_RULE, ENGINE_RULE, CHECKPOINT_RULE, FORMATS_RULE, CYCLE_RULE, PRIVATE_RULE, OUTSIDE_RULE)
+RULES = (LAYERS_RULE, TORCH_RULE, CONFIG_RULE, ENGINE_RULE, CHECKPOINT_RULE, FORMATS_RULE, CYCLE_RULE, PRIVATE_RULE,
+         OUTSIDE_RULE)
 
 
 def read_tree(root: Path = ROOT) -> dict[str, str]:
@@ -227,11 +234,13 @@ def violations(sources: dict[str, str], is_package=lambda name: False) -> list[s
             for target in sorted(edges[module]):
                 if layer_of(target) is None or layer_of(target) > level:
                     problems.append(f"{LAYERS_RULE}: {module} ({name_of(module)}) imports {target} ({name_of(target)})")
-        if within(module, "sprout.prep") or within(module, "sprout.formats"):
+        torch_free = TORCH_RULE if within(module, "sprout.prep") or within(module, "sprout.formats") else \
+            CONFIG_RULE if any(within(module, name) for name in TORCH_FREE) else None
+        if torch_free:
             for via, path in sorted(paths_from(module, edges).items()):
                 for lib in sorted(t for t in named[via] if any(within(t, torch) for torch in TORCH)):
                     through = "" if via == module else f" through {' -> '.join(path[1:])}"
-                    problems.append(f"{TORCH_RULE}: {module} imports {lib}{through}")
+                    problems.append(f"{torch_free}: {module} imports {lib}{through}")
         if within(module, "sprout.engine"):
             reaching(module, lambda t: within(t, "sprout.stages"), ENGINE_RULE)
         if within(module, "sprout.checkpoint"):
@@ -286,6 +295,7 @@ CLEAN_TREE = {
     "sprout.engine": "",
     "sprout.engine.loop": "import accelerate\nfrom sprout.checkpoint import read_meta\n\ndef f():\n    from sprout.formats import jsonl\n",
     "sprout.engine.fit": "import tqdm\nfrom sprout.engine.loop import Trainer\n",
+    "sprout.engine.configs": "import dataclasses\nfrom sprout.answers import parse\n",
     "sprout.stages": "",
     "sprout.stages.sft": "from sprout.engine.fit import fit\nfrom sprout.model.load import load_model\n",
     "data_loader": "",
@@ -313,6 +323,7 @@ def test_the_checker_sees_each_kind_of_violation():
         "sprout.rl": "",
         "sprout.rl.kl": "import torch\n",
         "sprout.engine.report": "def f():\n    from sprout.stages import sft\n",  # the engine -> a stage
+        "sprout.engine.configs": "from sprout.engine.fit import fit\n",          # -> accelerate through the loop
         "sprout.unplaced": "",                                                   # in no layer
         "scripts.train": "",
         "data_loader.tokens": "from tests.fixtures import tiny\nimport scripts.train\n",
@@ -326,6 +337,8 @@ def test_the_checker_sees_each_kind_of_violation():
     assert f"{TORCH_RULE}: sprout.prep.a imports torch through sprout.bpb" in found
     assert f"{TORCH_RULE}: sprout.formats.b imports torch.nn" in found
     assert f"{TORCH_RULE}: sprout.formats.c imports torch through sprout.prep.a -> sprout.bpb" in found
+    assert f"{CONFIG_RULE}: sprout.engine.configs imports accelerate through sprout.engine.fit -> sprout.engine.loop" \
+        in found
     assert f"{ENGINE_RULE}: sprout.engine.report imports sprout.stages.sft" in found
     assert f"{CHECKPOINT_RULE}: sprout.checkpoint imports sprout.model.heads" in found
     assert f"{FORMATS_RULE}: sprout.formats.c imports sprout.prep.a" in found

@@ -123,27 +123,7 @@ def reference(tmp_path_factory):
     return preset, folder / "runs"
 
 
-# ---- the preset ---------------------------------------------------------------------------------
-def test_presets_in_the_repository_load_and_chain_their_stages():
-    for name in ("demo", "gpt2-small"):
-        preset = load_preset(ROOT / "configs" / "pipelines" / f"{name}.yaml")
-        names = [s.name for s in preset.stages]
-        assert names.index("pretrain") < names.index("sft") < names.index("dpo") < names.index("ppo") \
-            < names.index("grpo")  # the default chain SFT -> DPO -> PPO -> GRPO
-        assert preset.stage("reward").inputs[0] == "sft" and preset.stage("dpo").inputs[0] == "sft"
-        assert {"dpo", "reward"} <= set(preset.stage("ppo").inputs)
-        assert preset.stage("grpo").inputs[0] == "ppo"  # GRPO loads the PPO policy's LM
-    gpu = load_preset(ROOT / "configs" / "pipelines" / "gpt2-small.yaml")
-    assert gpu.launcher == "accelerate" and gpu.accelerate_config.is_file()
-    smol = load_preset(ROOT / "configs" / "pipelines" / "smollm2.yaml")
-    names = [s.name for s in smol.stages]
-    assert names[:2] == ["import", "eval_import"] and names[-1] == "export"
-    assert names.index("sft") < names.index("dpo") < names.index("ppo") < names.index("grpo")
-    assert all(smol.stage(n).inputs[0] == "import" for n in ("sft_data", "sft"))
-    assert all(s.config is None or s.config.is_file() for s in smol.stages)
-    assert smol.model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
+# ---- the preset (the presets in the repository: tests/test_presets.py) ---------------------------
 def test_model_fills_its_placeholder_and_is_overridden(tmp_path):
     stages = [{"name": "a", "kind": "prep", "script": "x.py", "out": "a", "args": ["{model}", "--out", "{out}"]}]
     path = write_yaml(tmp_path / "p.yaml", {"out": str(tmp_path / "runs"), "model": "org/base", "stages": stages})
@@ -291,6 +271,8 @@ def test_report_card_figures_are_the_stages_own_metrics(reference):
     speeds = [r["tokens_per_s"] for r in read_metrics(out / "sft_model" / "metrics.jsonl") if "tokens_per_s" in r]
     assert rows["sft"]["tokens_per_s"] == pytest.approx(sum(speeds) / len(speeds))
     report = (out / "report.md").read_text()
+    table = report.split("## Wall time")[0]  # no evaluation stage: no column of dashes for its figures
+    assert "| val bpb | SFT val masked loss |" in table and "pass@1" not in table and "greedy" not in table
     assert f"| dpo | 4 | – | – | – | {rows['dpo']['dpo_val_accuracy']:.3f} |" in report
     for run, key, stage in (("reward_model", "val_accuracy", "reward"), ("dpo_model", "val_rewards/margins", "dpo")):
         evals = [r for r in read_metrics(out / run / "metrics.jsonl") if key in r]
@@ -321,8 +303,9 @@ def test_eval_json_figures_fill_the_task_columns(reference, tmp_path):
     state = read_state(ref_out)
     evals = ref_out / "eval" / "sft"
     evals.mkdir(parents=True, exist_ok=True)
-    arith = {"task": "arith", "metrics": {"pass@1": 0.25, "pass@8": 0.5, "completions/mean_length": 31.5}}
-    gsm8k = {"task": "gsm8k", "metrics": {"pass@1": 0.125}}
+    arith = {"task": "arith", "metrics": {"pass@1": 0.25, "pass@8": 0.5, "completions/mean_length": 31.5,
+                                          "greedy/accuracy": 0.375}}
+    gsm8k = {"task": "gsm8k", "metrics": {"pass@1": 0.125, "greedy/accuracy": 0.0625}}
     for name, data in (("arith", arith), ("gsm8k", gsm8k)):
         (evals / f"{name}.json").write_text(json.dumps(data))
     preset.stages.append(load_preset(write_yaml(tmp_path / "e.yaml", {"out": str(ref_out), "stages": [
@@ -332,6 +315,7 @@ def test_eval_json_figures_fill_the_task_columns(reference, tmp_path):
         "eval/sft/arith.json": "-", "eval/sft/gsm8k.json": "-"}}}}
     row = {r["stage"]: r for r in stage_rows(preset, state)}["sft"]
     assert (row["arith_pass@1"], row["arith_pass@8"], row["gsm8k_pass@1"], row["mean_length"]) == (0.25, 0.5, 0.125, 31.5)
+    assert (row["arith_greedy"], row["gsm8k_greedy"]) == (0.375, 0.0625)
     assert {r["stage"]: r for r in stage_rows(preset, state)}["dpo"]["arith_pass@1"] is None
 
 

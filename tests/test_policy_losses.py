@@ -1,5 +1,6 @@
-"""Policy losses by hand (clipping, dual clip, GSPO, value clip, entropy), each loss_type's
-normaliser split over micro-batches and simulated processes, and pass@k by enumeration."""
+"""Policy losses by hand (clipping, dual clip, GSPO, RLOO's summed ratio, CISPO, SAPO, the
+bias-corrected KL, value clip, entropy), each loss_type's normaliser split over micro-batches and
+simulated processes, TRL's formulas on the same tensors, and pass@k by enumeration."""
 
 import itertools
 import math
@@ -7,8 +8,9 @@ import math
 import pytest
 import torch
 
-from sprout.losses.policy import (aggregate, clip_ratio_sums, clipped_surrogate, denominator,
-                                  importance_log_weights, policy_loss, token_entropy, value_loss)
+from sprout.losses.policy import (aggregate, bias_corrected_kl, cispo_clip_ratio_sums, cispo_surrogate,
+                                  clip_ratio_sums, clipped_surrogate, denominator, importance_log_weights,
+                                  policy_loss, sapo_surrogate, token_entropy, value_loss)
 from sprout.rl.evaluation import mean_pass_at_k, pass_at_k
 from sprout.rl.kl import kl_k3
 
@@ -61,6 +63,74 @@ def test_gspo_sequence_ratio_by_hand():
         importance_log_weights(logps, old, mask, "group")
 
 
+def test_rloo_summed_sequence_ratio_by_hand():
+    logps = torch.tensor([[0.1, 0.3, 5.0], [0.2, 0.0, 0.0]], requires_grad=True)
+    old = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    log_w = importance_log_weights(logps, old, mask, "sequence_sum")
+    torch.testing.assert_close(log_w, torch.tensor([[0.4], [0.2]]))  # 0.1 + 0.3 (GSPO's mean: 0.2); 0.2; 5.0 is padding
+    per_token = clipped_surrogate(log_w, torch.tensor([1.0, -1.0]), epsilon=0.5)
+    # A = +1, rho = e^0.4 ≈ 1.49 < 1.5: -rho; A = -1, rho = e^0.2: max(rho, clip(rho)) = rho
+    torch.testing.assert_close(per_token, torch.tensor([[-math.exp(0.4)], [math.exp(0.2)]]))
+    s, d = aggregate(per_token, mask, "grpo")  # loss_type grpo: each sequence once, as TRL's RLOO
+    assert s.item() == pytest.approx(-math.exp(0.4) + math.exp(0.2)) and d.item() == 2
+    per_token[0, 0].backward()  # d/dlogp_t = -A exp(0.4) for every token of the sequence (no 1/L)
+    torch.testing.assert_close(logps.grad, torch.tensor([[-math.exp(0.4)] * 2 + [0.0], [0.0] * 3]))
+def test_cispo_by_hand():
+    logps = torch.tensor([[-1.0, -2.0, -0.5, -1.0]], requires_grad=True)
+    log_w = RATIOS.log().requires_grad_(True)
+    per_token = cispo_surrogate(log_w, logps, torch.tensor([2.0]), epsilon_high=2.0)
+    # weights min(rho, 2) = 0.5, 1.1, 1.5, 2.0 (3.0 capped); loss -w A log pi with A = 2:
+    # -0.5·2·(-1) = 1.0, -1.1·2·(-2) = 4.4, -1.5·2·(-0.5) = 1.5, -2·2·(-1) = 4.0
+    torch.testing.assert_close(per_token, torch.tensor([[1.0, 4.4, 1.5, 4.0]]))
+    per_token.sum().backward()
+    # d/dlog pi = -w A = -1.0, -2.2, -3.0, -4.0; the weight is a constant: no gradient through it
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.0, -2.2, -3.0, -4.0]]))
+    assert log_w.grad is None
+    m = cispo_clip_ratio_sums(RATIOS.log(), torch.tensor([2.0]), torch.ones(1, 4), epsilon_high=2.0)
+    assert [x.item() for x in m["cispo_clip_ratio"]] == [1, 4]  # only rho 3 > 2 (with A > 0)
+    neg = cispo_clip_ratio_sums(RATIOS.log(), torch.tensor([-2.0]), torch.ones(1, 4), epsilon_high=2.0)
+    assert neg["cispo_clip_ratio"][0].item() == 0  # A < 0: never counted, as TRL
+
+
+def test_sapo_by_hand():
+    # A = +1, tau_pos = 1: -4 sigmoid(rho - 1); sigmoid(-0.5) = 0.377541, sigmoid(0.1) = 0.524979,
+    # sigmoid(0.5) = 0.622459, sigmoid(2) = 0.880797 -> -1.51016, -2.09992, -2.48984, -3.52319
+    pos = sapo_surrogate(RATIOS.log(), torch.tensor([1.0]), temperature_pos=1.0, temperature_neg=2.0)
+    torch.testing.assert_close(pos, torch.tensor([[-1.51016, -2.09992, -2.48984, -3.52319]]), atol=1e-5, rtol=0)
+    # A = -1, tau_neg = 2: +(4/2) sigmoid(2 (rho - 1)); sigmoid(-1) = 0.268941, sigmoid(0.2) = 0.549834,
+    # sigmoid(1) = 0.731059, sigmoid(4) = 0.982014 -> 0.53788, 1.09967, 1.46212, 1.96403
+    neg = sapo_surrogate(RATIOS.log(), torch.tensor([-1.0]), temperature_pos=1.0, temperature_neg=2.0)
+    torch.testing.assert_close(neg, torch.tensor([[0.53788, 1.09967, 1.46212, 1.96403]]), atol=1e-5, rtol=0)
+    # gradient in log rho: -4 s (1 - s) A rho. At rho = 1 (s = 1/2) it is -A, the plain
+    # surrogate's; at rho = 3 with tau 1, s = sigmoid(2): -4 · 0.880797 · 0.119203 · 3 = -1.25992 (not -3)
+    log_w = torch.tensor([[0.0, math.log(3.0)]], requires_grad=True)
+    sapo_surrogate(log_w, torch.tensor([1.0])).sum().backward()
+    torch.testing.assert_close(log_w.grad, torch.tensor([[-1.0, -1.25992]]), atol=1e-5, rtol=0)
+    assert sapo_surrogate(torch.zeros(1, 1), torch.tensor([0.0])).item() == 0.0  # A = 0 uses tau_neg: 0 all the same
+
+
+def test_bias_corrected_kl_by_hand():
+    torch.testing.assert_close(bias_corrected_kl(torch.tensor([[0.1, 0.2]]), torch.tensor([[0.5, 2.0]]).log()),
+                               torch.tensor([[0.05, 0.4]]))  # 0.1 × 0.5, 0.2 × 2
+    # On-policy (old = the detached log-probs) the ratio is 1 but carries a gradient. log pi = 0,
+    # log ref = ln 2 (r = 2): k3 = 2 - ln 2 - 1 = 0.306853, the loss value either way (A = 0 leaves
+    # only beta × KL). d k3 / dlog pi = 1 - r = -1; corrected, + k3 × d rho / dlog pi = k3:
+    # -1 + 0.306853 = -0.693147 = -ln 2 (the k1 estimate log pi - log ref).
+    grads, values = [], []
+    for corrected in (False, True):
+        logps = torch.zeros(1, 1, requires_grad=True)
+        ref = torch.full((1, 1), math.log(2.0))
+        out = policy_loss(logps, logps.detach(), torch.zeros(1), torch.ones(1, 1), per_token_kl=kl_k3(logps, ref),
+                          beta=1.0, use_bias_correction_kl=corrected)
+        out.loss_sum.backward()
+        grads.append(logps.grad.item())
+        values.append(out.loss_sum.item())
+        assert out.metrics["kl"][0].item() == pytest.approx(1 - math.log(2.0), rel=1e-6)
+    assert values == pytest.approx([1 - math.log(2.0)] * 2, rel=1e-6)
+    assert grads == pytest.approx([-1.0, -math.log(2.0)], rel=1e-6)
+
+
 def test_value_loss_clip_by_hand():
     v, old, ret = torch.tensor([1.0, 1.0, 0.6]), torch.tensor([0.5, 0.5, 0.5]), torch.tensor([2.0, 0.0, 2.0])
     # clip(V) = 0.7, 0.7, 0.6: max((1-2)^2, 1.3^2) = 1.69; max(1, 0.49) = 1; inside the range: 1.4^2 = 1.96
@@ -70,7 +140,8 @@ def test_value_loss_clip_by_hand():
 def test_normalisers_by_hand():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    want = {"grpo": (2 + 4, 2), "bnpo": (10, 4), "dapo": (10, 4), "dr_grpo": (10, 2 * 3)}
+    want = {"grpo": (2 + 4, 2), "bnpo": (10, 4), "dapo": (10, 4), "dr_grpo": (10, 2 * 3),
+            "sapo": (2 + 4, 2), "cispo": (10, 4)}  # sapo as grpo, cispo as dapo (TRL's)
     for loss_type, (total, denom) in want.items():
         s, d = aggregate(per_token, mask, loss_type, max_completion_length=3)
         assert s.item() == total and d.item() == denom and d.dtype == torch.int64
@@ -109,14 +180,14 @@ def _batch():
     return x, y, mask, adv, w0, noise
 
 
-def _loss(w, rows, loss_type, **kw):
+def _loss(w, rows, loss_type, epsilon_high=0.28, **kw):
     x, y, mask, adv, _, noise = _batch()
     logits = x[rows] @ w.T
     logps = logits.log_softmax(-1).gather(-1, y[rows, :, None]).squeeze(-1)
     old = logps.detach() + noise[rows]  # ratios away from 1, so some tokens clip
     ref = logps.detach() - noise[rows]
     return policy_loss(logps, old, adv[rows], mask[rows], loss_type=loss_type, max_completion_length=L_MAX,
-                       epsilon=0.2, epsilon_high=0.28, per_token_kl=kl_k3(logps, ref), beta=0.04,
+                       epsilon=0.2, epsilon_high=epsilon_high, per_token_kl=kl_k3(logps, ref), beta=0.04,
                        entropy=token_entropy(logits), entropy_coef=0.01, **kw)
 
 
@@ -138,11 +209,22 @@ def _split(loss_type, processes, micro_batches, **kw):
     return loss / total_denom.item(), torch.stack(grads).mean(0)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
-def test_global_normalisation_does_not_depend_on_the_split(loss_type):
-    one_loss, one_grad = _split(loss_type, 1, 1)
+# cispo's cap 1.2 binds on some tokens (ratios exp(±0.3·N(0,1))); sapo at TRL's temperatures;
+# both, and dapo once more, with the KL × the importance ratio (TRL's default)
+SPLIT_CASES = {"grpo": {}, "bnpo": {}, "dapo": {}, "dr_grpo": {},
+               **{f"{t}+sequence_sum": {"importance_sampling": "sequence_sum"}
+                  for t in ("grpo", "bnpo", "dapo", "dr_grpo")},
+               "cispo": {"epsilon_high": 1.2, "use_bias_correction_kl": True},
+               "sapo": {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "use_bias_correction_kl": True},
+               "dapo+bias_correction_kl": {"use_bias_correction_kl": True}}
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_global_normalisation_does_not_depend_on_the_split(case):
+    loss_type, kw = case.split("+")[0], SPLIT_CASES[case]
+    one_loss, one_grad = _split(loss_type, 1, 1, **kw)
     for processes, micro in ((1, 4), (2, 2), (1, 3), (2, 3)):  # (1, 3) and (2, 3): rows 3,3,2 and 2,2,1,1,1,1
-        loss, grad = _split(loss_type, processes, micro)
+        loss, grad = _split(loss_type, processes, micro, **kw)
         assert loss == pytest.approx(one_loss, rel=1e-12)
         torch.testing.assert_close(grad, one_grad, rtol=1e-10, atol=1e-12)
 
@@ -161,6 +243,77 @@ def test_whole_batch_matches_trl_formulas():
         out = _loss(w, torch.arange(B), loss_type)
         assert (out.loss_sum / out.denominator).item() == pytest.approx(want.item(), rel=1e-12)
         assert out.metrics["kl"][1].item() == out.metrics["entropy"][1].item() == mask.sum().item()
+
+
+def test_rloo_loss_matches_trls_rloo_formula():
+    """TRL's RLOOTrainer loss on the same tensors: the per-sequence clipped loss of the summed
+    log-ratio, averaged over sequences == policy_loss(sequence_sum, loss_type grpo); gradients too."""
+    x, y, mask, adv, w0, noise = _batch()
+    m = mask.double()
+
+    def logps_of(w):
+        logps = (x @ w.T).log_softmax(-1).gather(-1, y[..., None]).squeeze(-1)
+        return logps, logps.detach() + 0.5 * noise  # summed ratios well away from 1: some clip
+
+    w_trl = w0.clone().requires_grad_(True)  # TRL 1.16 RLOOTrainer._compute_loss
+    per_token_logps, old_per_token = logps_of(w_trl)
+    coef_1 = torch.exp((per_token_logps * m).sum(1) - (old_per_token * m).sum(1))
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    trl = -torch.min(coef_1 * adv, coef_2 * adv).mean()
+    trl_clipped = (((coef_1 < 0.8) & (adv < 0)) | ((coef_1 > 1.28) & (adv > 0))).sum().item()
+    trl.backward()
+
+    w = w0.clone().requires_grad_(True)
+    out = policy_loss(*logps_of(w), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.28,
+                      importance_sampling="sequence_sum")
+    loss = out.loss_sum / out.denominator
+    loss.backward()
+    assert loss.item() == pytest.approx(trl.item(), rel=1e-12)
+    torch.testing.assert_close(w.grad, w_trl.grad, rtol=1e-10, atol=1e-12)
+    region, count = out.metrics["clip_ratio/region_mean"]  # per sequence, as TRL's
+    assert count.item() == B and region.item() == trl_clipped and 0 < trl_clipped < B
+def test_cispo_sapo_and_the_bias_corrected_kl_match_trl_formulas():
+    """TRL 1.16's GRPOTrainer._compute_loss lines for cispo, sapo and use_bias_correction_kl,
+    transcribed, on _batch's tensors (one process, one step, no entropy bonus): the same loss
+    and the same gradient."""
+    x, y, mask, adv, w0, noise = _batch()
+    m = mask.double()
+    for loss_type, epsilon_high in (("cispo", 1.2), ("sapo", None)):
+        losses, grads = [], []
+        for side in ("trl", "sprout"):
+            w = w0.clone().requires_grad_(True)
+            per_token_logps = (x @ w.T).log_softmax(-1).gather(-1, y[..., None]).squeeze(-1)
+            old_per_token_logps = per_token_logps.detach() + noise
+            ref_per_token_logps = per_token_logps.detach() - noise
+            if side == "sprout":
+                out = policy_loss(per_token_logps, old_per_token_logps, adv, mask, loss_type=loss_type,
+                                  epsilon_high=epsilon_high, per_token_kl=kl_k3(per_token_logps, ref_per_token_logps),
+                                  beta=0.04, use_bias_correction_kl=True)
+                loss = out.loss_sum / out.denominator
+            else:
+                advantages = adv.unsqueeze(1)
+                coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+                per_token_kl = (torch.exp(ref_per_token_logps - per_token_logps)
+                                - (ref_per_token_logps - per_token_logps) - 1)
+                per_token_kl = per_token_kl * coef_1  # use_bias_correction_kl
+                if loss_type == "cispo":
+                    clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+                    per_token_loss = -clamped_ratios * advantages * per_token_logps
+                else:
+                    temperatures = torch.where(advantages > 0, 1.0, 1.05)  # sapo_temperature_pos, _neg defaults
+                    soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+                    per_token_loss = -soft_coef_1 * advantages
+                per_token_loss = per_token_loss + 0.04 * per_token_kl
+                if loss_type == "sapo":
+                    loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+                else:  # num_items_in_batch: the completion tokens of the whole batch
+                    loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(w.grad)
+        assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
+        assert grads[0].abs().max() > 1e-3  # a gradient to compare
 
 
 def test_entropy_by_hand_and_the_bonus_changes_the_gradient():

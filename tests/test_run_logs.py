@@ -17,7 +17,8 @@ from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matm
 from sprout.stages.pretrain import run_pretrain
 from sprout.engine.report import git_commit
 from sprout.engine.schedule import warmup_warning
-from sprout.stages.sft import SAMPLE_PROMPTS, SFTStage
+from sprout.stages.configs import SAMPLE_PROMPTS
+from sprout.stages.sft import SFTStage
 
 
 @pytest.fixture(scope="module")

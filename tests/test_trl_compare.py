@@ -1,4 +1,4 @@
-"""benchmarks/trl_compare.py on a tiny random Llama imported as a run folder (tests/test_import_model.py's
+"""benchmarks/trl_compare.py on a tiny random Llama imported as a run folder (tests/hf_fixtures.py's
 model and ChatML tokenizer): every row runs both sides, and on the same first batch sprout's loss and
 log-probs equal TRL's (GRPO, DPO, SFT) and its logits transformers' (generate). Skipped without trl."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sprout.model.hf_import import read_source, write_run
-from test_import_model import hf_model, write_tokenizer
+from hf_fixtures import hf_model, write_tokenizer
 
 pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[bench]')")
 

@@ -8,7 +8,8 @@ One checkpoint is a directory:
     meta.json           format, architecture, model config, tokenizer, stage, step, tokens seen,
                         loader state, the run's config and its hash, the run's `run_id`, the sha256 of both
                         files above, and `meta_sha256`, the sha256 of everything else in meta.json
-                        (`meta_digest`), so an edited step or config is refused too
+                        (`meta_digest`), so an edited step or config is refused too; read
+                        without torch by `sprout.formats.checkpoint_meta.read_meta`
 
 It is written into a temporary sibling directory and renamed into place, so a crash leaves
 either the old checkpoint or the complete new one (the next save removes the temporary a
@@ -44,7 +45,6 @@ only a `tokenizer` spec (the older form) loads that spec as before.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -60,15 +60,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from safetensors.torch import load_model as _load_safetensors_model
 
-from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, safe_name, sha256_file, write_error
+from sprout.atomic import DISK_ERRNOS, atomic_write, replace_dir, sha256_file, write_error
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
+from sprout.formats.checkpoint_meta import (FORMAT, LATEST, META, META_DIGEST, STATE, WEIGHTS, meta_digest,
+                                            read_meta)
 
-FORMAT = "sprout-checkpoint-v1"
-WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
-LATEST = "latest"
 TOKENIZER_DIR = "tokenizer"
-META_DIGEST = "meta_sha256"  # meta.json's own hash, over every other field (`meta_digest`)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -151,12 +149,6 @@ def save_checkpoint(
     return path
 
 
-def meta_digest(meta: dict) -> str:
-    """The sha256 of a checkpoint's meta without its `meta_sha256` (sorted keys, compact JSON)."""
-    body = {k: v for k, v in meta.items() if k != META_DIGEST}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
-
-
 def _disk_error(exc: BaseException) -> OSError | None:
     """The full-disk / size-limit OSError behind a failed write, if that is what it was:
     the exception itself, one in its chain (torch.save wraps it in a RuntimeError), or the
@@ -200,54 +192,6 @@ def save_rotating(root: str | os.PathLike, step: int, model, *, keep: int = 3, *
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
     return path
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint dir, a folder with a `latest` pointer, or a run dir holding `checkpoints/`."""
-    path = Path(path)
-    for folder in (path, path / "checkpoints"):
-        if (folder / META).is_file():
-            return folder
-        if (folder / LATEST).is_file():
-            name = (folder / LATEST).read_text().strip()
-            safe_name(name, str(folder / LATEST))
-            target = folder / name
-            if target.resolve().parent != folder.resolve():
-                raise SproutError(f"{folder / LATEST}: points at {name}, which leads out of {folder} (to "
-                                  f"{target.resolve()}); latest must name one of this folder's checkpoints")
-            if not (target / META).is_file():
-                raise SproutError(f"{folder / LATEST}: points at {target.name}, which has no {META}")
-            return target
-    if not path.exists():
-        raise SproutError(f"{path}: no such checkpoint")
-    raise SproutError(f"{path}: not a checkpoint (no {META}, no {LATEST} pointer)")
-
-
-def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
-    """meta.json of a checkpoint, checked against its `meta_sha256`; with `verify`, also check each
-    file's sha256 and refuse on mismatch."""
-    path = resolve_checkpoint(path)
-    try:
-        meta = json.loads((path / META).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SproutError(f"{path / META}: corrupted checkpoint meta ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise SproutError(f"{path / META}: not a {FORMAT} meta file")
-    files = meta.get("files")
-    if verify and (not isinstance(files, dict) or not {WEIGHTS, STATE} <= set(files)):
-        raise SproutError(f"{path / META}: no sha256 for {WEIGHTS} and {STATE} (`files` missing or incomplete); "
-                          f"refusing an unverifiable checkpoint")
-    if META_DIGEST in meta and meta_digest(meta) != meta[META_DIGEST]:
-        raise SproutError(f"{path / META}: its contents do not match its {META_DIGEST}; the file was modified")
-    if verify:
-        for name, digest in files.items():
-            f = path / name
-            if not f.is_file():
-                raise SproutError(f"{f}: checkpoint file is missing")
-            if sha256_file(f) != digest:
-                raise SproutError(f"{f}: sha256 does not match {META}; the file is corrupted or was modified")
-    meta["path"] = str(path)
-    return meta
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

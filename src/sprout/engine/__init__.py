@@ -8,11 +8,15 @@
     callbacks.py  what happens around the steps, one job each: training records with
                   throughput and MFU, eval and checkpoint cadence, stop signals, samples,
                   loss.png and report.md
+    configs.py    the config sections every stage shares (optim, train, a token batch) and
+                  StageConfig, the base of a stage's config; no torch
     optim.py      AdamW over parameter groups, the lr schedule applied to each group
     schedule.py   lr (warmup + cosine/WSD), sequence-length warmup, Chinchilla budget
     metrics.py    metrics.jsonl, trackers, MFU, loss-curve PNG
     report.py     report.md at the end of a run
-    run.py        what every stage's script does around the loop (run folder, config,
-                  resume, fit)
+    run_args.py   a training script's command line, its config (fresh or resumed) and its
+                  run folder (checks, lock, --overwrite); no torch, so --help never loads it
+    run.py        what every stage does around the loop once its config is resolved
+                  (accelerator, run length, optimizer, resume, config.yaml, fit)
     fsdp.py       FSDP2 on CPU, optimizer state between layouts
 """

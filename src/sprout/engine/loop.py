@@ -23,7 +23,8 @@ Two layers, so that stages which do not read "a batch from a loader" still share
 outer loop; the checkpoint and the resume are the Trainer's (`save`, `resume`).
 What a stage gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs,
 parameter groups, frozen models) is the protocol in `sprout.engine.stage`; the optimizer and
-its schedule are in `sprout.engine.optim`.
+its schedule are in `sprout.engine.optim`; the loop's options (the `train` section) are
+`sprout.engine.configs.TrainConfig`.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ import json
 import math
 import os
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -53,40 +53,12 @@ from sprout.checkpoint import (
     set_rng_state,
     tied_aliases,
 )
-from sprout.config import RESUME_FREE, resume_free
-from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
+from sprout.engine.configs import TrainConfig
 from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name, shard_on_cpu
 from sprout.engine.metrics import MetricsLogger, check_trackers
 from sprout.engine.schedule import chinchilla_steps
 from sprout.engine.stage import Stage
-
-
-@dataclass
-class TrainConfig:
-    """Run length, precision, seed and cadence of logging, eval and checkpoints. The fields
-    declared `resume_free` may change when a run is resumed."""
-    # null / auto: the stage decides (pretraining: the Chinchilla budget; SFT and preference stages: data.epochs)
-    max_steps: int | Literal["auto"] | None = in_range(None, "[1, inf)", metadata=RESUME_FREE)
-    chinchilla_ratio: float = in_range(20.0, "(0, inf)", metadata=RESUME_FREE)  # tokens per parameter for that budget
-    mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # auto: bf16 on a GPU, fp32 on CPU
-    compile: bool = resume_free(False)  # torch.compile the model's forward
-    # torch threads per process on CPU; 0: torch's default
-    cpu_threads: int = in_range(0, "[0, inf)", metadata=RESUME_FREE)
-    seed: int = in_range(1337, SEED_RANGE)  # initial weights, data order, dropout: every process alike
-    # steps between training records (metrics.jsonl, log line)
-    log_every: int = in_range(10, "[1, inf)", metadata=RESUME_FREE)
-    eval_every: int = in_range(100, "[0, inf)", metadata=RESUME_FREE)  # 0: eval only before and after training
-    ckpt_every: int = in_range(100, "[0, inf)", metadata=RESUME_FREE)  # 0: checkpoint only at the end
-    keep_checkpoints: int = in_range(3, "[1, inf)", metadata=RESUME_FREE)  # newest checkpoints kept in <out>/checkpoints
-    progress: bool = resume_free(True)  # tqdm bar on rank 0
-    trackers: list[Literal["tensorboard", "wandb"]] = resume_free(default_factory=list)  # also log to these
-    # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
-    peak_tflops: float = in_range(0.0, "(-inf, inf)", metadata=RESUME_FREE)
-
-    def __post_init__(self) -> None:
-        if self.max_steps == "auto":
-            self.max_steps = None
 
 
 class NonFiniteLoss(SproutError):

@@ -2,34 +2,19 @@
 
 A stage may give its own parameter groups (`param_groups(model)`, e.g. a value head with its
 own lr); the schedule (`sprout.engine.schedule.lr_at`: warmup, then cosine / WSD / constant)
-has one shape that `Trainer.step` applies to each group's base lr.
+has one shape that `Trainer.step` applies to each group's base lr. Their options are the `optim`
+section, `sprout.engine.configs.OptimConfig`.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
-from sprout.ranges import in_range
+from sprout.engine.configs import OptimConfig
 from sprout.engine.schedule import lr_at
-
-
-@dataclass
-class OptimConfig:
-    """AdamW and its learning-rate schedule (`sprout.engine.schedule`)."""
-    lr: float = in_range(6e-4, "(0, inf)")  # peak lr; a stage's parameter groups may scale it
-    min_lr_ratio: float = in_range(0.1, "[0, 1]")  # the lr decays to lr × min_lr_ratio
-    warmup_steps: int = in_range(100, "[0, inf)")  # steps of linear warmup up to lr
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # shape after warmup (wsd: warmup-stable-decay)
-    wsd_decay_frac: float = in_range(0.2, "[0, 1]")  # wsd: fraction of the steps in the final linear decay
-    weight_decay: float = in_range(0.1, "[0, inf)")  # on matrices (ndim >= 2) only
-    beta1: float = in_range(0.9, "[0, 1)")   # AdamW's first-moment decay
-    beta2: float = in_range(0.95, "[0, 1)")  # AdamW's second-moment decay
-    eps: float = in_range(1e-8, "(0, inf)")  # AdamW's denominator epsilon
-    grad_clip: float = in_range(1.0, "[0, inf)")  # 0 disables clipping (the norm is still logged)
 
 
 def decay_groups(params, weight_decay: float, **options) -> list[dict]:

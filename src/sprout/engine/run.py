@@ -1,25 +1,12 @@
-"""What every stage's script does around the loop: the run folder, config, resume, fit, report.
+"""What every stage does around the loop once its config is resolved: accelerator, run length, fit, report.
 
-One trainer at a time per run folder: `train_stage` holds `<out>/run.lock` (`run_lock`, rank 0;
-`sprout.atomic.hold_lock`) while it trains, and --overwrite takes it before deleting anything,
-so a second trainer on the same --out exits 2 naming the folder and the holder's pid.
-
-A training script parses its arguments with `run_parser` + `parse_run_config`, which
-  - lists every config field in --help (`sprout.config.config_help`),
-  - refuses a fresh run into a folder that already holds a run (its checkpoints, metrics,
-    config.yaml, report, plot, tokenizer copy or tracker logs) unless --overwrite, which
-    deletes those files and only those (`clear_run`), once the stage has checked its inputs
-    (in `train_stage`, before the new run's first write),
-  - on --resume, reads the run's own <out>/config.yaml (so `--out DIR --resume` is enough),
-    keeps the run's length unless --train.max_steps is given on the command line (printing
-    the change), and exits 0 with "nothing to do" when the run is already complete.
-An interrupted run (Ctrl-C or SIGTERM: `sprout.engine.callbacks.StopSignals`) prints the command that resumes it
-(`resume_command`) and exits with 128 + the signal number.
-
-A stage's config is a `StageConfig`: its own sections, then optim, train and out. Its
-`run_*` function checks its own inputs, builds the accelerator (`start_run`), the model and
-its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchilla budget;
-`with_epochs`: data.epochs), then hands over to `train_stage`, which
+A script resolves its stage's config and checks the run folder first (`sprout.engine.run_args`,
+without torch). A stage's config is a `sprout.engine.configs.StageConfig`: its own sections,
+then optim, train and out. Its `run_*` function checks its own inputs, builds the accelerator
+(`start_run`), the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`:
+the Chinchilla budget; `with_epochs`: data.epochs), then hands over to `train_stage`, which
+  - holds the run folder (`sprout.engine.run_args.run_lock`) and, after --overwrite, deletes the
+    old run's files now that the inputs are checked,
   - builds the optimizer over the stage's parameter groups (`param_groups`, optional) and
     lets the stage prepare its frozen models (`setup`, optional),
   - copies the tokenizer file into <out>/tokenizer/ and records it, with its sha256, in each
@@ -35,318 +22,25 @@ its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchill
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import copy
 import dataclasses
-import functools
 import math
-import os
-import shlex
-import shutil
 import signal
-import sys
 from pathlib import Path
-from typing import IO, Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from sprout.atomic import atomic_write, hold_lock
-from sprout.checkpoint import META, bundle_tokenizer, read_meta, resolve_checkpoint
-from sprout.config import (RESUME_FREE, add_config_help, config_to_dict, dump_yaml, load_config, parse_overrides,
-                           read_yaml, resume_config)
-from sprout.errors import SproutError
-from sprout.formats.verify import VERIFY_MODES
+from sprout.atomic import atomic_write
+from sprout.checkpoint import bundle_tokenizer
+from sprout.config import config_to_dict, dump_yaml, resume_config
+from sprout.engine.configs import StageConfig, TrainConfig
 from sprout.engine.fit import fit
 from sprout.engine.fsdp import local_params
-from sprout.engine.loop import TrainConfig, Trainer, make_accelerator, resolve_max_steps
-from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
+from sprout.engine.loop import Trainer, make_accelerator, resolve_max_steps
+from sprout.engine.optim import build_optimizer, lr_schedule
+from sprout.engine.run_args import clear_deferred, latest_step, print_rank0, resume_command, run_lock
 from sprout.engine.schedule import warmup_warning
-
-
-def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
-    """The arguments every training script shares: --config, --out, --resume [PATH|latest], --overwrite.
-
-    A script adds its own (--data, --init, ...); `parse_run_config` then reads the config with
-    the remaining `--section.field VALUE` overrides.
-    """
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help=f"YAML config ({config_example}); on --resume: default <out>/config.yaml")
-    p.add_argument("--out", help="run directory; overrides out")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="PATH|latest",
-                   help="continue from a checkpoint (default: the latest in --out), with the run's own "
-                        "config.yaml and length (--train.max_steps N changes the length)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start again in an --out that holds a run: delete that run's files first")
-    return p
-
-
-VERIFY_FILES_HELP = ("start-up data check: full (sha256 of every file, the default) or sizes (skip the hashes, "
-                     "for data too big to hash at every start); overrides data.verify")
-VERIFY_MANIFEST_HELP = ("start-up data check: full (both files listed in the prep's manifest.json with their "
-                        "sha256, the default) or sizes (listed only, no hashing); overrides data.verify")
-
-
-def add_input_flags(parser: argparse.ArgumentParser, *, data_help: str, data_metavar: str | None = None,
-                    data_field: str = "path", init_help: str | None = None,
-                    verify_help: str | None = None) -> None:
-    """The input flags of a training script: --data (overrides data.<data_field>), --init when
-    `init_help` is given, --data-verify when `verify_help` is given; `parse_run_config` copies
-    them into the config (`apply_input_flags`)."""
-    parser.add_argument("--data", metavar=data_metavar, help=f"{data_help}; overrides data.{data_field}")
-    if init_help is not None:
-        parser.add_argument("--init", metavar="CKPT", help=f"{init_help}; overrides init")
-    if verify_help is not None:
-        parser.add_argument("--data-verify", choices=VERIFY_MODES, help=verify_help)
-    parser.set_defaults(input_data_field=data_field)
-
-
-def apply_input_flags(args: argparse.Namespace, cfg) -> None:
-    """Copy the flags of `add_input_flags` that were given into `cfg` (data.verify, data.<field>, init)."""
-    if getattr(args, "data_verify", None):
-        cfg.data.verify = args.data_verify
-    if getattr(args, "data", None):
-        setattr(cfg.data, args.input_data_field, args.data)
-    if getattr(args, "init", None):
-        cfg.init = args.init
-
-
-# ---- the run folder -----------------------------------------------------------------------------
-RUN_FILES = ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "checkpoints", "tokenizer")
-RUN_LOCK = "run.lock"  # held by the trainer writing the folder; not a file of the run (never deleted)
-TRACKER_DIR = "sprout"  # TensorBoard's event folder: accelerate's project_dir / the project MetricsLogger names
-
-
-def is_rank0() -> bool:
-    """Rank 0 of a launched run (torchrun / accelerate launch set RANK), or a lone process;
-    for what happens before the accelerator exists."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def print_rank0(message: str) -> None:
-    """`message` printed by rank 0 only (`is_rank0`: before the accelerator exists)."""
-    if is_rank0():
-        print(message, flush=True)
-
-
-def run_files(out: str | Path) -> list[Path]:
-    """The files a run wrote in `out`: RUN_FILES that exist, and the TensorBoard folder when the
-    run's config.yaml names the tensorboard tracker. Anything else in `out` is not the run's."""
-    out = Path(out)
-    found = [out / name for name in RUN_FILES if (out / name).exists()]
-    if (out / TRACKER_DIR).is_dir() and (out / "config.yaml").is_file():
-        try:
-            trackers = (read_yaml(out / "config.yaml").get("train") or {}).get("trackers") or []
-        except SproutError:
-            trackers = []
-        if "tensorboard" in trackers:
-            found.append(out / TRACKER_DIR)
-    return found
-
-
-def latest_step(out: str | Path) -> int | None:
-    """Step of the latest checkpoint in `<out>/checkpoints`, or None when there is none."""
-    try:
-        return int(read_meta(Path(out) / "checkpoints", verify=False)["step"])
-    except (SproutError, OSError, ValueError, KeyError, TypeError):
-        steps = [int(p.name[5:]) for p in (Path(out) / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
-        return max(steps) if steps else None
-
-
-_pending_clear: dict[Path, list[Path]] = {}  # run folder -> the old run's files --overwrite deletes in train_stage
-
-
-def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = True, *, defer: bool = False) -> None:
-    """A fresh run may start in `out` when it holds no run; with `overwrite` the old run's files
-    are deleted (rank 0; `clear_run`), at once or, with `defer`, by `train_stage` just before the
-    new run's first write, so a run refused by its own input checks leaves the old one whole.
-    The folder is held (`hold_run`) from here on. Otherwise one line says what to pass (--resume
-    only when the script has it: `resumable`)."""
-    files = run_files(out)
-    if not files:
-        return
-    if overwrite:
-        if is_rank0():
-            hold_run(out)  # another trainer may be writing this run: refused before anything is deleted
-            if defer:
-                _pending_clear[Path(out).resolve()] = files
-            else:
-                clear_run(out, files)
-        return
-    step = latest_step(out)
-    held = f"holds a run at step {step}" if step is not None else \
-        f"holds the files of a run without a checkpoint ({', '.join(f.name for f in files)})"
-    resume = "pass --resume to continue it or " if step is not None and resumable else "pass "
-    raise SproutError(f"{out} {held}; {resume}--overwrite to start again")
-
-
-_held_runs: dict[Path, IO] = {}  # run folder -> its open lock file, while this process holds it
-
-
-def hold_run(out: str | Path) -> bool:
-    """Hold the run folder `out` (`RUN_LOCK`, `sprout.atomic.hold_lock`) until `release_run` or
-    the process ends; True when this call took it, False when this process held it already."""
-    key = Path(out).resolve()
-    if key in _held_runs:
-        return False
-    _held_runs[key] = hold_lock(out, RUN_LOCK, "trainer")
-    return True
-
-
-def release_run(out: str | Path) -> None:
-    f = _held_runs.pop(Path(out).resolve(), None)
-    if f is not None:
-        f.close()
-
-
-@contextlib.contextmanager
-def run_lock(out: str | Path, main: bool = True) -> Iterator[None]:
-    """The run folder held for the block (on the main process: `main`), and released after it,
-    also when --overwrite took it earlier (`check_fresh_run`)."""
-    if main:
-        hold_run(out)
-    try:
-        yield
-    finally:
-        if main:
-            release_run(out)
-
-
-def clear_run(out: str | Path, files: list[Path] | None = None) -> None:
-    """Delete the run's files in `out` (`run_files`), nothing else."""
-    files = run_files(out) if files is None else files
-    for f in files:
-        if f.is_dir() and not f.is_symlink():
-            shutil.rmtree(f)
-        else:
-            f.unlink()
-    print(f"--overwrite: deleted the previous run's {', '.join(f.name for f in files)} in {out}", flush=True)
-
-
-def resume_command(out: str | Path, world_size: int = 1) -> str:
-    """The command line that resumes the run in `out` with this script (its own config.yaml)."""
-    cmd = shlex.join([sys.argv[0], "--out", str(out), "--resume"])
-    if world_size > 1:
-        return f"accelerate launch <the same launch options> {cmd}"
-    return f"python {cmd}"
-
-
-# ---- the config ---------------------------------------------------------------------------------
-RUN_FOLDER_HELP = "run folder: config.yaml, metrics, checkpoints, report"
-
-
-class StageConfig:
-    """What every stage's config ends with: `optim`, `train` and `out` (the run folder, which a
-    resume may change), read by `train_stage`. A stage's config is a dataclass subclass that
-    declares its own fields (init or model, data, batch, its loss section, ...) and gives its
-    defaults for these three as class arguments:
-
-        @dataclass
-        class DPOConfig(StageConfig, stage="dpo", out="runs/dpo", optim=OptimConfig(lr=5e-7),
-                        train=TrainConfig(eval_every=50)):
-
-    They are added after the subclass's own fields (a dataclass base would put them first), so
-    they come last in its YAML, its config.yaml and its --help. `stage` is the stage's name
-    (`stage_name`): a resume refuses another stage's run by it."""
-
-    optim: OptimConfig
-    train: TrainConfig
-    out: str
-    stage_name = ""  # the stage's name, as its checkpoints record it (meta.json's `stage`)
-
-    def __init_subclass__(cls, *, stage: str, out: str, optim: OptimConfig = OptimConfig(),
-                          train: TrainConfig = TrainConfig(), **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.stage_name = stage
-        cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), "optim": OptimConfig,
-                               "train": TrainConfig, "out": str}
-        cls.optim = dataclasses.field(default_factory=functools.partial(copy.deepcopy, optim))
-        cls.train = dataclasses.field(default_factory=functools.partial(copy.deepcopy, train))
-        cls.out = dataclasses.field(default=out, metadata={**RESUME_FREE, "help": RUN_FOLDER_HELP})
-
-
-def parse_run_config(parser: argparse.ArgumentParser, config_cls):
-    """(args, config): the YAML config with the command line's overrides applied, then --out,
-    after the run-folder checks (see the module docstring), then the flags of `add_input_flags`.
-
-    Fresh run: --config (or the defaults) + overrides; refused when --out holds a run, unless
-    --overwrite. --resume: the run's own <out>/config.yaml (else the checkpoint's config), or
-    --config when given (the checkpoint refuses one that differs in a field a resume may not
-    change); train.max_steps stays the run's unless given on the command line.
-    """
-    add_config_help(parser, config_cls)
-    args, rest = parser.parse_known_args()
-    overrides = parse_overrides(rest)
-    if args.resume and args.overwrite:
-        raise SproutError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
-    if not args.resume:
-        cfg = load_config(config_cls, args.config, overrides)
-        if args.out:
-            cfg.out = args.out
-        check_fresh_run(cfg.out, args.overwrite, defer=True)  # deleted after the stage's input checks
-    else:
-        cfg = _resume_config(args, overrides, config_cls)
-    apply_input_flags(args, cfg)
-    return args, cfg
-
-
-def _resume_config(args, overrides: dict, config_cls):
-    if args.out:
-        out = Path(args.out)
-    elif args.resume != "latest":
-        ckpt = resolve_checkpoint(args.resume)
-        out = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
-    elif args.config:
-        out = Path(load_config(config_cls, args.config, overrides).out)
-    else:
-        raise SproutError("--resume needs --out RUN_DIR (the run to continue)")
-    ckpt = resolve_checkpoint(out / "checkpoints" if args.resume == "latest" else args.resume)
-    try:
-        meta = read_meta(ckpt, verify=False)  # its own hash checked: the step below is the one saved
-    except OSError as exc:
-        raise SproutError(f"{ckpt / META}: unreadable checkpoint meta ({exc})") from None
-    check_same_stage(meta, ckpt, config_cls.stage_name)
-    saved_yaml = out / "config.yaml"
-    saved = read_yaml(saved_yaml) if saved_yaml.is_file() else meta.get("config") or {}
-    source = saved_yaml if saved_yaml.is_file() else ckpt / META
-    if args.config:
-        cfg = load_config(config_cls, args.config, overrides)
-    else:
-        cfg = load_config(config_cls, None, overrides, base=saved, where=str(source))
-    cfg.out = str(args.out) if args.out else (cfg.out if args.config else str(out))
-    saved_steps = (saved.get("train") or {}).get("max_steps")
-    if "max_steps" in (overrides.get("train") or {}):
-        if cfg.train.max_steps != saved_steps:
-            print_rank0(f"train.max_steps {saved_steps} -> {cfg.train.max_steps or 'auto'} (from the command line)")
-    elif saved_steps is not None:
-        if args.config and cfg.train.max_steps not in (None, saved_steps):
-            print_rank0(f"{args.config}: train.max_steps {cfg.train.max_steps} ignored: the run keeps its length of "
-                        f"{saved_steps} steps (pass --train.max_steps N to change it)")
-        cfg.train.max_steps = saved_steps
-    step = int(meta.get("step", 0))
-    if cfg.train.max_steps is not None and step >= cfg.train.max_steps:
-        print_rank0(f"nothing to do: {out} is complete at step {step}"
-                    + (f" (train.max_steps {cfg.train.max_steps})" if step > cfg.train.max_steps else "")
-                    + "; pass --train.max_steps N to train longer")
-        raise SystemExit(0)
-    return cfg
-
-
-STAGE_SCRIPTS = {"pretrain": "scripts/pretrain.py", "sft": "scripts/train_sft.py", "reward": "scripts/train_reward.py",
-                 "dpo": "scripts/train_dpo.py", "ppo": "scripts/train_ppo.py", "grpo": "scripts/train_grpo.py"}
-
-
-def check_same_stage(meta: dict, ckpt: Path, stage: str) -> None:
-    """A resume continues a run of its own stage: a checkpoint of another stage is refused,
-    naming the stage it belongs to and the script that resumes it."""
-    saved = meta.get("stage")
-    if not stage or not saved or saved == stage:
-        return
-    script = STAGE_SCRIPTS.get(saved)
-    hint = f"; resume it with {script}" if script else ""
-    raise SproutError(f"{ckpt / META}: a checkpoint of a {saved} run, which the {stage} trainer cannot resume{hint}")
 
 
 def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
@@ -373,13 +67,6 @@ def with_epochs(cfg, batches_per_epoch: int, steps_per_batch: int = 1):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
 
 
-def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
-    """--resume PATH, or `latest` for the newest checkpoint in the run's own folder."""
-    if not resume:
-        return None
-    return resolve_checkpoint(Path(out) / "checkpoints" if resume == "latest" else resume)
-
-
 def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Path | None = None,
                 tokenizer: str | None = None, micro_steps: int | None = None, extra_meta: dict | None = None) -> dict:
     """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report.
@@ -390,9 +77,7 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
     """
     with run_lock(cfg.out, acc.is_main_process):
         train_cfg, out = cfg.train, Path(cfg.out)
-        old_run = _pending_clear.pop(out.resolve(), None)
-        if old_run and acc.is_main_process:  # --overwrite: the inputs are checked, the new run writes next
-            clear_run(out, [f for f in old_run if f.exists()])
+        clear_deferred(out, acc.is_main_process)  # --overwrite: the inputs are checked, the new run writes next
         meta = {"model_config": config_to_dict(model.config), "tokenizer": tokenizer, "config": config_to_dict(cfg),
                 "resume_config": resume_config(cfg), **bundle_tokenizer(tokenizer, out, write=acc.is_main_process),
                 **(extra_meta or {})}

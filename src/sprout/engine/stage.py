@@ -39,26 +39,18 @@ An RL stage keeps a rollout buffer: when it is empty, next_micro_batches generat
 rollouts with the current policy, then serves several optimizer steps' worth of
 micro-batches from them. Stages may also call `step`, `evaluate`, `save` themselves.
 
-Each stage's config has a batch section of its own: `TokenBatchConfig` (tokens per step and
-per micro-batch) for pretraining and SFT; rows, pairs or prompts for the others.
+Each stage's config has a batch section of its own: `sprout.engine.configs.TokenBatchConfig`
+(tokens per step and per micro-batch) for pretraining and SFT; rows, pairs or prompts for the
+others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from sprout.ranges import in_range
 from sprout.errors import SproutError
-
-
-@dataclass
-class TokenBatchConfig:
-    """The batch of the token stages (pretraining, SFT), in tokens (rows × row length)."""
-    global_tokens: int = in_range(524288, "[1, inf)")  # per optimizer step, all processes together
-    micro_tokens: int = in_range(16384, "[1, inf)")    # per forward/backward on one process
 
 
 class Stage(Protocol):

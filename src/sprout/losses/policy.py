@@ -5,12 +5,26 @@ Per token (tensors [B, T]; `mask` is 1 on completion tokens):
 - `importance_log_weights`: log ratio of the policy to the policy that sampled.
   `token`: log pi(y_t) - log pi_old(y_t). `sequence` (GSPO): the sequence's
   length-normalised sum sum_t m_t (log pi - log pi_old) / sum_t m_t, one value [B, 1]
-  used for every token of the sequence.
+  used for every token of the sequence. `sequence_sum` (TRL's RLOO): the plain sum
+  sum_t m_t (log pi - log pi_old) [B, 1], so the ratio is that of the whole completion's
+  probabilities; with loss_type grpo each sequence then counts once (TRL's RLOO loss).
 - `clipped_surrogate`: with ratio rho = exp(log weight) and advantage A,
   -min(rho' A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), where rho' = min(rho, delta)
   when `delta` is set (two-sided clipping, as TRL) and rho otherwise; `epsilon_high`
   defaults to epsilon (clip-higher when larger). PPO's dual clip with c (`dual_clip`,
   c > 1, 3 in Ye et al. 2020) bounds the loss of a negative advantage by -c A.
+- `cispo_surrogate` (loss_type cispo, MiniMax-M1's CISPO): -sg(min(rho, epsilon_high)) A log pi(y_t),
+  sg the stop-gradient. The importance weight itself is capped, at epsilon_high (an absolute
+  cap, e.g. 5.0, not 1 + epsilon_high), and carries no gradient; the gradient flows through
+  log pi only, so no token leaves the gradient, as under clipping.
+- `sapo_surrogate` (loss_type sapo, Soft Adaptive Policy Optimization): -(4 / tau)
+  sigmoid(tau (rho - 1)) A, tau = sapo_temperature_pos where A > 0, else sapo_temperature_neg.
+  A smooth gate instead of the hard clip: at rho = 1 its value is -(2 / tau) A and its
+  gradient that of rho A; away from 1 the gradient fades (faster with a larger tau).
+- `bias_corrected_kl` (use_bias_correction_kl): the per-token KL estimate × rho, whose
+  expectation under the sampling policy is the KL of the current policy, so its gradient is
+  that of the reverse KL however far the policy has moved (DeepSeek-V3.2). rho carries a
+  gradient, so the KL gradient changes even where rho = 1 (on-policy): it gains k × grad log pi.
 - `value_loss`: PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V, V_old - c,
   V_old + c) - R)^2).
 - `token_entropy`: entropy (nats) of softmax(logits); the loss subtracts
@@ -21,9 +35,9 @@ GLOBAL batch (every micro-batch on every process). Each returns (loss_sum, denom
 one micro-batch, with l the per-token loss, m the mask, L_i = sum_t m_it:
 
     loss_type  loss_sum contribution              denominator contribution
-    grpo       sum_i (sum_t l_it m_it) / L_i      rows (each sequence's mean, then the mean over sequences)
+    grpo, sapo sum_i (sum_t l_it m_it) / L_i      rows (each sequence's mean, then the mean over sequences)
     bnpo       sum_i sum_t l_it m_it              tokens sum_i L_i
-    dapo       sum_i sum_t l_it m_it              tokens sum_i L_i
+    dapo, cispo sum_i sum_t l_it m_it             tokens sum_i L_i
     dr_grpo    sum_i sum_t l_it m_it              rows × max_completion_length
 
 (L_i is clamped to 1, so an empty row adds 0 to the sum and 1 row to grpo's count, as
@@ -38,7 +52,10 @@ processes, the factor turns that mean into a sum), and logs (all-reduced sum of 
 Metrics come as (sum, count) pairs so they too reduce exactly: `clip_ratio/low_mean`
 (rho < 1 - epsilon with A < 0), `clip_ratio/high_mean` (rho > 1 + epsilon_high with A > 0),
 `clip_ratio/region_mean` (either), counted over completion tokens (over sequences at the
-sequence level), as TRL; `kl` and `entropy`, per completion token.
+sequence level), as TRL, for the clipped loss types (grpo, bnpo, dapo, dr_grpo); for cispo
+`cispo_clip_ratio` (rho > epsilon_high with A > 0) instead, and none for sapo (nothing is
+clipped), as TRL; `kl` (bias-corrected when it enters the loss so) and `entropy`, per
+completion token.
 """
 
 from __future__ import annotations
@@ -47,8 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING = ("token", "sequence")
+from sprout.losses.loss_types import IMPORTANCE_SAMPLING, POLICY_LOSS_TYPES, SEQUENCE_MEAN_LOSS_TYPES
 
 
 # ---- per-token terms -------------------------------------------------------------------
@@ -62,6 +78,8 @@ def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: t
     if level == "sequence":
         m = mask.to(log_ratio.dtype)
         return ((log_ratio * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).unsqueeze(-1)
+    if level == "sequence_sum":
+        return (log_ratio * mask.to(log_ratio.dtype)).sum(dim=-1, keepdim=True)
     raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_SAMPLING)}, got {level!r}")
 
 
@@ -85,6 +103,35 @@ def clipped_surrogate(log_weights: torch.Tensor, advantages: torch.Tensor, epsil
     return loss
 
 
+def cispo_surrogate(log_weights: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor,
+                    epsilon_high: float) -> torch.Tensor:
+    """CISPO per token: -sg(min(rho, epsilon_high)) × A × log pi(y_t), rho = exp(log_weights)
+    ([B, T], or [B, 1] per sequence), logps [B, T], advantages [B] or [B, T]. The capped
+    weight carries no gradient: d/dlog pi = -min(rho, epsilon_high) A. Normaliser (loss_type
+    cispo): the completion tokens of the global batch, as dapo."""
+    weight = torch.clamp(torch.exp(log_weights), max=epsilon_high).detach()
+    return -weight * _per_token(advantages) * logps
+
+
+def sapo_surrogate(log_weights: torch.Tensor, advantages: torch.Tensor, temperature_pos: float = 1.0,
+                   temperature_neg: float = 1.05) -> torch.Tensor:
+    """SAPO per token: -(4 / tau) sigmoid(tau (rho - 1)) × A, rho = exp(log_weights), tau =
+    temperature_pos where A > 0, else temperature_neg (TRL's sapo_temperature_pos/_neg).
+    d/drho = -4 s (1 - s) A with s the sigmoid: -A at rho = 1, fading away from it.
+    Normaliser (loss_type sapo): each sequence's token mean, then the mean over the global
+    batch's sequences, as grpo."""
+    adv = _per_token(advantages)
+    tau = torch.where(adv > 0, temperature_pos, temperature_neg).to(log_weights.dtype)
+    return -torch.sigmoid(tau * (torch.exp(log_weights) - 1)) * 4 / tau * adv
+
+
+def bias_corrected_kl(per_token_kl: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+    """The per-token KL estimate × rho, rho = exp(log_weights) ([B, T], or [B, 1] broadcast
+    over a sequence), with rho's gradient: an estimate of the current policy's KL from tokens
+    of the sampling policy (module doc). Normalised with the loss it enters."""
+    return per_token_kl * torch.exp(log_weights)
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip_range_value: float) -> torch.Tensor:
     """Per-token clipped value loss 0.5 max((V - R)^2, (clip(V, V_old ± c) - R)^2)."""
@@ -101,8 +148,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 # ---- normalisers -----------------------------------------------------------------------
 
 def _check(loss_type: str, max_completion_length: int | None) -> None:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if loss_type not in POLICY_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(POLICY_LOSS_TYPES)}, got {loss_type!r}")
     if loss_type == "dr_grpo" and not max_completion_length:
         raise ValueError("loss_type dr_grpo needs max_completion_length")
 
@@ -111,7 +158,7 @@ def denominator(mask: torch.Tensor, loss_type: str, max_completion_length: int |
     """This micro-batch's share of the global denominator (int64), from the mask alone."""
     _check(loss_type, max_completion_length)
     rows = torch.tensor(mask.size(0), device=mask.device)
-    if loss_type == "grpo":
+    if loss_type in SEQUENCE_MEAN_LOSS_TYPES:
         return rows
     if loss_type == "dr_grpo":
         return rows * int(max_completion_length)
@@ -119,13 +166,13 @@ def denominator(mask: torch.Tensor, loss_type: str, max_completion_length: int |
 
 
 def sequence_mean_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """grpo: sum over rows of each row's masked token mean."""
+    """grpo, sapo: sum over rows of each row's masked token mean."""
     m = mask.to(per_token.dtype)
     return ((per_token * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)).sum()
 
 
 def token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """bnpo, dapo, dr_grpo: sum over masked tokens."""
+    """bnpo, dapo, cispo, dr_grpo: sum over masked tokens."""
     return (per_token * mask.to(per_token.dtype)).sum()
 
 
@@ -133,11 +180,20 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
               max_completion_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum, denominator) of a per-token loss for `loss_type` (module doc)."""
     _check(loss_type, max_completion_length)
-    total = sequence_mean_sum(per_token, mask) if loss_type == "grpo" else token_sum(per_token, mask)
+    total = sequence_mean_sum(per_token, mask) if loss_type in SEQUENCE_MEAN_LOSS_TYPES \
+        else token_sum(per_token, mask)
     return total, denominator(mask, loss_type, max_completion_length)
 
 
 # ---- the policy loss -------------------------------------------------------------------
+
+def _metric_weights(log_weights: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, count) of a ratio metric: per completion token, or per row when the weights
+    are per sequence ([B, 1])."""
+    if log_weights.size(-1) == 1:  # sequence level: one value per row
+        return torch.ones_like(log_weights), torch.tensor(log_weights.size(0), device=log_weights.device)
+    return mask.to(log_weights.dtype), mask.long().sum()
+
 
 def clip_ratio_sums(log_weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                     epsilon: float = 0.2, epsilon_high: float | None = None) -> dict[str, tuple]:
@@ -148,13 +204,20 @@ def clip_ratio_sums(log_weights: torch.Tensor, advantages: torch.Tensor, mask: t
     ratio = torch.exp(log_weights.detach())
     is_low = (ratio < 1 - epsilon) & (adv < 0)
     is_high = (ratio > 1 + high) & (adv > 0)
-    if log_weights.size(-1) == 1:  # sequence level: one value per row
-        weight, count = torch.ones_like(ratio), torch.tensor(ratio.size(0), device=ratio.device)
-    else:
-        weight, count = mask.to(ratio.dtype), mask.long().sum()
+    weight, count = _metric_weights(ratio, mask)
     return {"clip_ratio/low_mean": ((is_low * weight).sum(), count),
             "clip_ratio/high_mean": ((is_high * weight).sum(), count),
             "clip_ratio/region_mean": (((is_low | is_high) * weight).sum(), count)}
+
+
+def cispo_clip_ratio_sums(log_weights: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                          epsilon_high: float) -> dict[str, tuple]:
+    """TRL's cispo_clip_ratio as (sum, count): the share where rho > epsilon_high with A > 0,
+    per completion token (per sequence at the sequence level)."""
+    ratio = torch.exp(log_weights.detach())
+    capped = (ratio > epsilon_high) & (_per_token(advantages) > 0)
+    weight, count = _metric_weights(ratio, mask)
+    return {"cispo_clip_ratio": ((capped * weight).sum(), count)}
 
 
 @dataclass
@@ -169,21 +232,35 @@ class PolicyLoss:
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 loss_type: str = "dapo", max_completion_length: int | None = None, epsilon: float = 0.2,
                 epsilon_high: float | None = None, delta: float | None = None, importance_sampling: str = "token",
-                dual_clip: float | None = None, per_token_kl: torch.Tensor | None = None, beta: float = 0.0,
+                dual_clip: float | None = None, sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                per_token_kl: torch.Tensor | None = None, beta: float = 0.0, use_bias_correction_kl: bool = False,
                 entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
                 per_token_value_loss: torch.Tensor | None = None, vf_coef: float = 0.0) -> PolicyLoss:
     """The per-token loss surrogate + beta × KL - entropy_coef × entropy
     + vf_coef × value loss, normalised by `loss_type` (module doc).
 
-    logps, old_logps, mask [B, T]; advantages [B] (GRPO) or [B, T] (PPO); per_token_kl
-    (e.g. `sprout.rl.kl.kl_k3`), entropy (`token_entropy`), per_token_value_loss
-    (`value_loss`) [B, T], each optional and carrying its own gradient."""
+    The surrogate: `clipped_surrogate` (grpo, bnpo, dapo, dr_grpo), `cispo_surrogate` with
+    the cap epsilon_high (None: epsilon, as TRL) or `sapo_surrogate`. logps, old_logps, mask
+    [B, T]; advantages [B] (GRPO) or [B, T] (PPO); per_token_kl (e.g. `sprout.rl.kl.kl_k3`),
+    entropy (`token_entropy`), per_token_value_loss (`value_loss`) [B, T], each optional and
+    carrying its own gradient; with use_bias_correction_kl the KL is `bias_corrected_kl`."""
+    _check(loss_type, max_completion_length)
     log_w = importance_log_weights(logps, old_logps, mask, importance_sampling)
-    per_token = clipped_surrogate(log_w, advantages, epsilon, epsilon_high, delta, dual_clip)
-    metrics = clip_ratio_sums(log_w, advantages, mask, epsilon, epsilon_high)
+    high = epsilon if epsilon_high is None else epsilon_high
+    if loss_type == "cispo":
+        per_token = cispo_surrogate(log_w, logps, advantages, high)
+        metrics = cispo_clip_ratio_sums(log_w, advantages, mask, high)
+    elif loss_type == "sapo":
+        per_token = sapo_surrogate(log_w, advantages, sapo_temperature_pos, sapo_temperature_neg)
+        metrics = {}
+    else:
+        per_token = clipped_surrogate(log_w, advantages, epsilon, epsilon_high, delta, dual_clip)
+        metrics = clip_ratio_sums(log_w, advantages, mask, epsilon, epsilon_high)
     tokens = mask.long().sum()
     m = mask.to(per_token.dtype)
     if per_token_kl is not None:
+        if use_bias_correction_kl:
+            per_token_kl = bias_corrected_kl(per_token_kl, log_w)
         metrics["kl"] = ((per_token_kl.detach() * m).sum(), tokens)
         if beta:
             per_token = per_token + beta * per_token_kl

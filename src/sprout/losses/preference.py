@@ -1,23 +1,23 @@
-"""Preference losses: the reward model's pairwise loss and the DPO family, one pure function each.
+"""Preference losses: the reward model's pairwise loss, the reference-free terms (the NLL on
+chosen, SimPO, ORPO), the loss_type combinator over these and the DPO variants of
+`sprout.losses.dpo`, and TRL's logged metrics. One pure function per loss.
 
-Every function here returns PER-PAIR losses, a tensor [B] for a batch of B pairs, never a
-mean. A trainer sums them and divides by the number of pairs in the whole global batch
-(across micro-batches and processes), so the gradient does not depend on how the batch was
-split: the same rule as `sprout.losses.tokens`, with pairs in place of target tokens.
-Any normalisation *inside* a pair (a per-token mean of a sequence's log-prob) is written in
-the function's docstring; "normaliser: none within the pair" means the formula is used as is.
+Every loss returns PER-PAIR losses, a tensor [B] for a batch of B pairs, never a mean. A
+trainer sums them and divides by the number of pairs in the whole global batch (across
+micro-batches and processes), so the gradient does not depend on how the batch was split: the
+same rule as `sprout.losses.tokens`, with pairs in place of target tokens. Any normalisation
+*inside* a pair (a per-token mean of a sequence's log-prob) is written in the function's
+docstring; "normaliser: none within the pair" means the formula is used as is. The AOT
+variants are the exception: they sort over the batch they are given (`BATCH_COUPLED` in
+`sprout.losses.loss_types`, which names every variant; see `sprout.losses.dpo.aot_loss` for
+what that means under accumulation and several processes).
 
 Inputs are per-pair tensors [B]:
 - `chosen_logps`, `rejected_logps`: the policy's log p(response | prompt), summed over the
   response tokens (`sprout.losses.tokens.sequence_logps`);
 - `ref_chosen_logps`, `ref_rejected_logps`: the same under the frozen reference model;
 - `chosen_lengths`, `rejected_lengths`: response token counts, for the length-normalised
-  variants. A length is clamped to at least 1 before dividing, so an empty response (log-prob
-  0, length 0) has per-token log-prob 0 instead of 0/0.
-The DPO variants are written in terms of the log-ratios against the reference,
-    c = chosen_logps − ref_chosen_logps,   r = rejected_logps − ref_rejected_logps,
-and their difference Δ = c − r (TRL's `chosen_logratios`, `rejected_logratios`,
-`delta_score` with the default reverse-KL divergence).
+  variants, clamped to at least 1 before dividing (`sprout.losses.dpo.response_tokens`).
 
 `preference_loss` combines variants by name with weights, as TRL's `DPOConfig.loss_type` list
 and `loss_weights` do (MPO-style mixes such as sigmoid + sft). `preference_metric_sums` gives
@@ -35,11 +35,24 @@ import torch
 import torch.nn.functional as F
 
 from sprout.errors import SproutError
-
-
-def _tokens(lengths: torch.Tensor) -> torch.Tensor:
-    """Token counts as floats clamped to ≥ 1: the divisor of every per-token mean here."""
-    return torch.as_tensor(lengths).float().clamp(min=1.0)
+from sprout.losses.dpo import (
+    aot_loss,
+    aot_unpaired_loss,
+    apo_down_loss,
+    apo_zero_loss,
+    bco_pair_loss,
+    discopop_loss,
+    exo_pair_loss,
+    hinge_loss,
+    ipo_loss,
+    nca_pair_loss,
+    response_tokens,
+    robust_loss,
+    sigmoid_loss,
+    sigmoid_norm_loss,
+    sppo_hard_loss,
+)
+from sprout.losses.loss_types import PREFERENCE_LOSS_TYPES, REFERENCE_FREE
 
 
 # -----------------------------------------------------------------------------------------
@@ -72,141 +85,6 @@ def reward_pair_loss(
 
 
 # -----------------------------------------------------------------------------------------
-# DPO and its variants, as functions of the log-ratios c (chosen) and r (rejected)
-
-
-def sigmoid_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
-    """DPO (Rafailov et al. 2023, arXiv:2305.18290, Eq. 7): −log σ(β Δ), Δ = c − r.
-
-    Normaliser: none within the pair (c and r are sums over response tokens). Returns [B].
-    """
-    return -F.logsigmoid(beta * (chosen_logratios - rejected_logratios))
-
-
-def hinge_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
-    """Hinge loss of RSO/SLiC (Liu et al. 2023, arXiv:2309.06657): max(0, 1 − β Δ).
-
-    Normaliser: none within the pair. Returns [B].
-    """
-    return torch.relu(1 - beta * (chosen_logratios - rejected_logratios))
-
-
-def ipo_loss(
-    chosen_logratios: torch.Tensor,
-    rejected_logratios: torch.Tensor,
-    chosen_lengths: torch.Tensor,
-    rejected_lengths: torch.Tensor,
-    beta: float,
-) -> torch.Tensor:
-    """IPO (Azar et al. 2023, arXiv:2310.12036, Eq. 17): (c/|y_c| − r/|y_r| − 1/(2β))².
-
-    β is the paper's τ. Normaliser: each log-ratio is divided by its response's token count
-    (clamped to ≥ 1), a per-token mean within each sequence, as TRL does (the squared loss
-    would otherwise grow with response length). Returns [B].
-    """
-    delta = chosen_logratios / _tokens(chosen_lengths) - rejected_logratios / _tokens(rejected_lengths)
-    return (delta - 1 / (2 * beta)) ** 2
-
-
-def robust_loss(
-    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, label_smoothing: float
-) -> torch.Tensor:
-    """Robust DPO (Chowdhury et al. 2024, arXiv:2403.00409), for labels flipped with probability ε:
-
-        loss = ((1 − ε)·(−log σ(β Δ)) − ε·(−log σ(−β Δ))) / (1 − 2ε),   0 ≤ ε < 1/2
-
-    an unbiased estimate of the clean-label DPO loss; ε = `label_smoothing`, ε = 0 is DPO.
-    Normaliser: none within the pair. Returns [B].
-    """
-    z = beta * (chosen_logratios - rejected_logratios)
-    eps = label_smoothing
-    return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-
-
-def exo_pair_loss(
-    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, label_smoothing: float
-) -> torch.Tensor:
-    """EXO for pairs (Ji et al. 2024, arXiv:2402.00856, Eq. 16): KL(q ‖ p) over {chosen, rejected},
-
-        q = (σ(β Δ), σ(−β Δ)),   p = (1 − ε, ε)
-        loss = σ(βΔ)(log σ(βΔ) − log(1 − ε)) + σ(−βΔ)(log σ(−βΔ) − log ε),   0 < ε < 1
-
-    ε = `label_smoothing` (the paper uses 1e-3). Normaliser: none within the pair. Returns [B].
-    """
-    z = beta * (chosen_logratios - rejected_logratios)
-    eps = label_smoothing
-    return torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
-        F.logsigmoid(-z) - math.log(eps)
-    )
-
-
-def bco_pair_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
-    """BCO on pairs (Jung et al. 2024, arXiv:2404.04656): −log σ(β c) − log σ(−β r).
-
-    Each response is classified on its own (chosen → reward above 0, rejected → below), as
-    TRL's DPOTrainer does; the paper's running reward shift δ is not applied.
-    Normaliser: none within the pair. Returns [B].
-    """
-    return -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
-
-
-def nca_pair_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
-    """NCA on pairs (Chen et al. 2024, arXiv:2402.05369):
-
-        loss = −log σ(β c) − ½ log σ(−β c) − ½ log σ(−β r)
-
-    which, unlike DPO, keeps the chosen response's likelihood from falling.
-    Normaliser: none within the pair. Returns [B].
-    """
-    zc, zr = beta * chosen_logratios, beta * rejected_logratios
-    return -F.logsigmoid(zc) - 0.5 * F.logsigmoid(-zc) - 0.5 * F.logsigmoid(-zr)
-
-
-def sppo_hard_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
-    """SPPO with hard labels (Wu et al. 2024, arXiv:2405.00675, Eq. 4.7 with P = 1 for the winner
-    and 0 for the loser): (c − 1/(2β))² + (r + 1/(2β))².
-
-    Normaliser: none within the pair. Returns [B].
-    """
-    half = 0.5 / beta
-    return (chosen_logratios - half) ** 2 + (rejected_logratios + half) ** 2
-
-
-def apo_zero_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
-    """APO-zero (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 7): (1 − σ(β c)) + σ(β r).
-
-    Raises the chosen likelihood and lowers the rejected one, each against the reference; for
-    chosen responses better than the model's own. Normaliser: none within the pair. Returns [B].
-    """
-    return (1 - torch.sigmoid(beta * chosen_logratios)) + torch.sigmoid(beta * rejected_logratios)
-
-
-def apo_down_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
-    """APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8): σ(β c) + (1 − σ(β Δ)).
-
-    Lowers both likelihoods, the rejected one more; for chosen responses worse than the
-    model's own. Normaliser: none within the pair. Returns [B].
-    """
-    delta = chosen_logratios - rejected_logratios
-    return torch.sigmoid(beta * chosen_logratios) + (1 - torch.sigmoid(beta * delta))
-
-
-def discopop_loss(
-    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, tau: float = 0.05
-) -> torch.Tensor:
-    """DiscoPOP, the log-ratio modulated loss (Chris Lu et al. 2024, arXiv:2406.08414, Eq. 5):
-
-        z = β Δ,   w = σ(z / τ),   loss = (1 − w)·(−log σ(z)) + w·exp(−z)
-
-    a blend of the logistic (DPO) and exponential losses; τ = `discopop_tau`, 0.05 in the paper.
-    Normaliser: none within the pair. Returns [B].
-    """
-    z = beta * (chosen_logratios - rejected_logratios)
-    w = torch.sigmoid(z / tau)
-    return (1 - w) * -F.logsigmoid(z) + w * torch.exp(-z)
-
-
-# -----------------------------------------------------------------------------------------
 # terms on the policy's own log-probs: the NLL on chosen, SimPO, ORPO
 
 
@@ -218,7 +96,7 @@ def sft_loss(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.
     one token mean over all chosen tokens of the batch; the two agree when lengths are equal.
     Returns [B].
     """
-    return -chosen_logps / _tokens(chosen_lengths)
+    return -chosen_logps / response_tokens(chosen_lengths)
 
 
 def simpo_loss(
@@ -237,8 +115,8 @@ def simpo_loss(
     bracket; the same thing). Normaliser: each log-prob is a per-token mean within its own
     sequence (length clamped to ≥ 1). Returns [B].
     """
-    avg_c = chosen_logps / _tokens(chosen_lengths)
-    avg_r = rejected_logps / _tokens(rejected_lengths)
+    avg_c = chosen_logps / response_tokens(chosen_lengths)
+    avg_r = rejected_logps / response_tokens(rejected_lengths)
     return -F.logsigmoid(beta * (avg_c - avg_r) - gamma)
 
 
@@ -279,8 +157,8 @@ def orpo_loss(
     both the NLL and the odds; computed in at least float32. log(1 − exp(a)) is `log1mexp`, finite (value and gradient)
     when a response is empty or certain (a = 0). Returns [B].
     """
-    avg_c = _at_least_float32(chosen_logps) / _tokens(chosen_lengths)
-    avg_r = _at_least_float32(rejected_logps) / _tokens(rejected_lengths)
+    avg_c = _at_least_float32(chosen_logps) / response_tokens(chosen_lengths)
+    avg_r = _at_least_float32(rejected_logps) / response_tokens(rejected_lengths)
     log_odds = (avg_c - avg_r) - (log1mexp(avg_c) - log1mexp(avg_r))
     return -avg_c - lam * F.logsigmoid(log_odds)
 
@@ -288,12 +166,7 @@ def orpo_loss(
 # -----------------------------------------------------------------------------------------
 # loss_type by name, combined with loss_weights (TRL's DPOConfig semantics)
 
-LOSS_TYPES = (
-    "sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "nca_pair", "sppo_hard",
-    "apo_zero", "apo_down", "discopop", "sft", "simpo", "orpo",
-)
-REFERENCE_FREE = frozenset({"sft", "simpo", "orpo"})  # need no reference log-probs
-_NEEDS_LENGTHS = frozenset({"ipo", "sft", "simpo", "orpo"})
+_NEEDS_LENGTHS = frozenset({"sigmoid_norm", "ipo", "sft", "simpo", "orpo"})
 
 
 def loss_type_list(loss_type: str | Sequence[str]) -> list[str]:
@@ -312,10 +185,10 @@ def check_preference_options(
     """Raise SproutError (one line naming the field) for options no loss can run with."""
     types = loss_type_list(loss_type)
     if not types:
-        raise SproutError("loss_type: empty; give at least one of " + ", ".join(LOSS_TYPES))
-    unknown = [t for t in types if t not in LOSS_TYPES]
+        raise SproutError("loss_type: empty; give at least one of " + ", ".join(PREFERENCE_LOSS_TYPES))
+    unknown = [t for t in types if t not in PREFERENCE_LOSS_TYPES]
     if unknown:
-        raise SproutError(f"loss_type: unknown {unknown[0]!r}; expected one of " + ", ".join(LOSS_TYPES))
+        raise SproutError(f"loss_type: unknown {unknown[0]!r}; expected one of " + ", ".join(PREFERENCE_LOSS_TYPES))
     if loss_weights is not None and len(loss_weights) != len(types):
         raise SproutError(f"loss_weights: {len(loss_weights)} weights for {len(types)} loss types {types}")
     if not beta > 0:
@@ -345,15 +218,20 @@ def preference_loss(
     label_smoothing: float = 0.0,
     discopop_tau: float = 0.05,
     simpo_gamma: float = 0.5,
+    pair_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_k w_k · loss_k per pair, for the named variants `loss_type` and weights `loss_weights`.
 
-    loss_type: one name of LOSS_TYPES or a list of them; loss_weights: one weight per name,
+    loss_type: one name of PREFERENCE_LOSS_TYPES or a list of them; loss_weights: one weight per name,
     default 1.0 each (TRL's DPOConfig). `beta` is each variant's β (ORPO's λ, as in TRL's
-    ORPOConfig); `label_smoothing` is robust's and exo_pair's ε. The reference log-probs may
-    be None when every variant is in REFERENCE_FREE; the lengths are needed by ipo, sft,
-    simpo and orpo. Normaliser: each variant's own (see its function); none across pairs.
-    Returns [B].
+    ORPOConfig); `label_smoothing` is the ε of robust, exo_pair, aot and aot_unpaired. The
+    reference log-probs may be None when every variant is in REFERENCE_FREE; the lengths are
+    needed by sigmoid_norm, ipo, sft, simpo and orpo. pair_mask [B] (bool, optional): pairs
+    where it is False (an eval batch's padding) are left out of the BATCH_COUPLED variants'
+    sort and get 0 from them; the per-pair variants ignore it (the caller drops those pairs).
+    Normaliser: each variant's own (see its function); none across pairs, except the sort of
+    the BATCH_COUPLED variants, which couples the pairs given (entry k: the k-th sorted
+    position). Returns [B].
     """
     check_preference_options(
         loss_type, loss_weights, beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau
@@ -367,8 +245,18 @@ def preference_loss(
     c = r = None
     if ref_chosen_logps is not None and ref_rejected_logps is not None:
         c, r = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    keep = None if pair_mask is None else torch.as_tensor(pair_mask, device=chosen_logps.device).bool()
+
+    def over_real_pairs(loss_fn, *per_pair: torch.Tensor) -> torch.Tensor:
+        """loss_fn(*per_pair, beta, label_smoothing) over the real pairs alone, 0 at the padding ones."""
+        if keep is None:
+            return loss_fn(*per_pair, beta, label_smoothing)
+        out = loss_fn(*(x[keep] for x in per_pair), beta, label_smoothing)
+        return torch.zeros(keep.shape, dtype=out.dtype, device=out.device).index_put((keep,), out)
+
     variants = {
         "sigmoid": lambda: sigmoid_loss(c, r, beta),
+        "sigmoid_norm": lambda: sigmoid_norm_loss(c, r, chosen_lengths, rejected_lengths, beta),
         "hinge": lambda: hinge_loss(c, r, beta),
         "ipo": lambda: ipo_loss(c, r, chosen_lengths, rejected_lengths, beta),
         "robust": lambda: robust_loss(c, r, beta, label_smoothing),
@@ -376,6 +264,8 @@ def preference_loss(
         "bco_pair": lambda: bco_pair_loss(c, r, beta),
         "nca_pair": lambda: nca_pair_loss(c, r, beta),
         "sppo_hard": lambda: sppo_hard_loss(c, r, beta),
+        "aot": lambda: over_real_pairs(aot_loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps),
+        "aot_unpaired": lambda: over_real_pairs(aot_unpaired_loss, c, r),
         "apo_zero": lambda: apo_zero_loss(c, r, beta),
         "apo_down": lambda: apo_down_loss(c, r, beta),
         "discopop": lambda: discopop_loss(c, r, beta, discopop_tau),

@@ -80,8 +80,9 @@ from safetensors.torch import save_file
 from sprout.atomic import check_writable, replace_dir
 from sprout.chat import render, template_for
 from sprout.chat_formats import SPROUT
-from sprout.checkpoint import architecture_of, checkpoint_tokenizer, resolve_checkpoint, run_folder, tied_aliases
+from sprout.checkpoint import architecture_of, checkpoint_tokenizer, run_folder, tied_aliases
 from sprout.errors import SproutError
+from sprout.formats.checkpoint_meta import resolve_checkpoint
 from sprout.model.export_tokenizer import INSTALL_HINT, TOKENIZER_FILES, write_json, write_tokenizer
 from sprout.model.generate import generate
 from sprout.model.load import load_model

@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sprout.model.transformer import KVCache, ModelConfig, Transformer
+from sprout.model.config import ModelConfig
+from sprout.model.transformer import KVCache, Transformer
 
 
 def _scalar_head(config: ModelConfig) -> nn.Linear:

@@ -60,8 +60,9 @@ from sprout.checkpoint import bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
 from sprout.mirror import expand_path
+from sprout.model.config import LLAMA3_ROPE, ModelConfig
 from sprout.model.export import LM_HEAD, sprout_weight_name
-from sprout.model.transformer import LLAMA3_ROPE, ModelConfig, Transformer
+from sprout.model.transformer import Transformer
 from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, hf_special_tokens, load_tokenizer, read_json_object
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")

@@ -11,8 +11,8 @@ import torch
 
 from sprout.checkpoint import META, WEIGHTS, load_weights, read_meta, read_weights
 from sprout.errors import SproutError
+from sprout.model.config import ModelConfig
 from sprout.model.heads import ARCHITECTURES, HEAD_WEIGHTS
-from sprout.model.transformer import ModelConfig
 
 
 def model_class(meta: dict):

@@ -17,7 +17,8 @@ Every figure is read back from a train stage's own metrics.jsonl (its last eval 
 reward model, held-out pairs ranked right / pairs; `val_rewards/accuracies` of DPO) or from
 the JSON scripts/evaluate.py wrote for it (an eval stage whose input it is: `arith.json`
 pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (prompts × n);
-`gsm8k.json` pass@1). The reward-model and DPO stages' held-out accuracy and margin (and the
+`gsm8k.json` pass@1; greedy accuracy of both). The table leaves out a column no stage has a
+figure for. The reward-model and DPO stages' held-out accuracy and margin (and the
 reward model's accuracy per source) are shown first eval -> last eval, each accuracy with
 the Wilson 95 % interval of the last eval, round(accuracy × `val_pairs`) of `val_pairs`
 pairs (`sprout.rl.intervals.wilson_interval`; also `<column>_ci` in the JSON rows).
@@ -44,7 +45,7 @@ from pathlib import Path
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
 from sprout.pipeline.report_intervals import eval_files, evaluated_stages, held_out_section, rate_interval
-from sprout.stages.sft import SAMPLE_PROMPTS
+from sprout.stages.configs import SAMPLE_PROMPTS
 
 REPORT_DIR = "report"
 ANSWER_TOKENS = 64
@@ -56,7 +57,9 @@ EVAL_COLUMNS = {"val_bpb": ("val bpb", None, "val_bpb"),
 # column: (title, eval task, metric in its JSON)
 TASK_COLUMNS = {"arith_pass@1": ("arith pass@1", "arith", "pass@1"),
                 "arith_pass@8": ("arith pass@8", "arith", "pass@8"),
+                "arith_greedy": ("arith greedy accuracy", "arith", "greedy/accuracy"),
                 "gsm8k_pass@1": ("GSM8K pass@1", "gsm8k", "pass@1"),
+                "gsm8k_greedy": ("GSM8K greedy accuracy", "gsm8k", "greedy/accuracy"),
                 "mean_length": ("mean completion length", "arith", "completions/mean_length")}
 RATE_COLUMNS = ("rm_val_accuracy", "dpo_val_accuracy")  # rates over `val_pairs`: a Wilson interval in the JSON
 # role: the held-out figures shown first eval -> last eval (and every `<first>/<source>` logged)
@@ -259,6 +262,7 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
     write_json_atomic(folder / "report_card.json", {"rows": rows, "held_out": held_out_data})
 
     columns = {**{c: t for c, (t, _, _) in EVAL_COLUMNS.items()}, **{c: t for c, (t, _, _) in TASK_COLUMNS.items()}}
+    columns = {c: t for c, t in columns.items() if any(r[c] is not None for r in rows)}  # no column of dashes only
     lines = [f"# Report card: {preset.out}", "",
              f"Preset `{preset.path}`; one row per stage checkpoint (step, weights sha256). Figures are read "
              f"from each stage's metrics.jsonl (last eval) and scripts/evaluate.py's JSON; – where a stage has none.",

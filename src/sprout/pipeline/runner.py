@@ -32,7 +32,7 @@ process it ran, `run_child`) and, once it completes, its output hashes):
     hashes of the stages it reads, so a change anywhere upstream reaches it;
   - done (same inputs, outputs verify) -> skipped with a note. Outputs verify when a prep or
     eval stage's files have the sha256 recorded, and a train stage's latest checkpoint
-    verifies (`sprout.checkpoint.read_meta`) and holds the recorded weights;
+    verifies (`sprout.formats.checkpoint_meta.read_meta`) and holds the recorded weights;
   - interrupted (same inputs, no completion recorded): a train stage with a checkpoint resumes
     from it (`--out DIR --resume`, which says "nothing to do" for a complete run), any other
     stage runs again;
@@ -63,6 +63,7 @@ from pathlib import Path
 from sprout.atomic import locked, sha256_file, write_json_atomic
 from sprout.config import read_yaml
 from sprout.errors import SproutError
+from sprout.formats.checkpoint_meta import WEIGHTS, read_meta
 from sprout.mirror import ENV as MIRROR_ENV
 from sprout.mirror import REPO_ROOT
 
@@ -284,7 +285,6 @@ def hash_outputs(preset: Preset, stage: Stage) -> dict[str, str]:
 
 def checkpoint_weights(run_dir: Path) -> tuple[str, int] | None:
     """(weights sha256, step) of a run folder's latest checkpoint when it verifies, else None."""
-    from sprout.checkpoint import WEIGHTS, read_meta  # torch: only when a train stage is checked
     try:
         meta = read_meta(run_dir / "checkpoints", verify=True)
     except (SproutError, OSError):

@@ -16,7 +16,25 @@ as `torch.std` and TRL), batch std s_b over all rewards, and eps = 1e-4 (TRL's):
 RLOO's advantage equals G / (G - 1) × (r_i - m_g). `frac_reward_zero_std` is the share of
 groups whose rewards are all equal (std 0: such a group gives every completion advantage
 0, so it teaches nothing); it is counted per group whatever the scaling (TRL counts the
-std it divides by, so under `batch` scaling it reports the batch's).
+std it divides by, so under `batch` scaling it reports the batch's). `uniform_groups` says
+which groups those are, over one column (the summed reward) or several (each function's).
+
+The table above is TRL's `multi_objective_aggregation: sum_then_normalize`: the weighted
+sum r_i = sum_k w_k r_ik of the reward functions' values first (an abstaining function adds
+0), then the group statistics of that sum. `normalize_then_sum` (TRL's, from GDPO) swaps
+the order, in two normalisers:
+
+    per group, per function  z_ik = (r_ik - m_gk) / (s_gk + eps)      (`normalize_then_sum`)
+                             s_i  = sum_k w_k z_ik
+    over the global batch    A_i  = (s_i - mean_B s) / (std_B s + eps) (`batch_normalize`)
+
+with m_gk, s_gk the mean and Bessel std of function k's values in the group, over the
+completions it did not abstain on (an abstention, or a group with fewer than two values of
+k, adds 0 to s_i); a completion every function abstained on has no s_i: it is left out of
+the batch's mean and std and gets A_i = 0 (TRL 1.16). `batch_normalize` is also TRL's RLOO
+`normalize_advantages`: A_i -> (A_i - mean_B A) / (std_B A + eps) over the global batch.
+Both batch figures span every process: the caller gathers the global batch (every rank's
+values in rank order) and passes it as `batch`, so N processes compute what one does.
 
 GAE (`gae`) runs over per-token rewards and values [B, T] with a completion mask: with
 m_t the mask, delta_t = r_t + gamma · m_{t+1} · V_{t+1} - V_t and
@@ -38,6 +56,7 @@ import torch
 
 ADVANTAGES = ("grpo", "rloo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATION = ("sum_then_normalize", "normalize_then_sum")
 DEFAULT_SCALE = {"grpo": "group", "rloo": "none", "dr_grpo": "none"}
 STD_EPS = 1e-4
 
@@ -78,6 +97,53 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, advantage: str
         adv = adv / (rewards.double().std() + eps)
     zero = torch.isclose(group_std, torch.zeros_like(group_std))
     return GroupAdvantages(adv.reshape(-1).to(rewards.dtype), zero.double().mean().item(), group_std.mean().item())
+
+
+def nan_mean_std(values: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, Bessel std) over the entries of `values` that are not NaN, along `dim` (kept), or
+    over all of them; the std is NaN where fewer than two values are (TRL's nanstd)."""
+    dims = tuple(range(values.dim())) if dim is None else (dim,)
+    present = ~torch.isnan(values)
+    count = present.sum(dim=dims, keepdim=True).to(values.dtype)
+    mean = torch.where(present, values, 0).sum(dim=dims, keepdim=True) / count
+    square = torch.where(present, (values - mean) ** 2, 0).sum(dim=dims, keepdim=True)
+    std = torch.where(count > 1, square / (count - 1), torch.nan).sqrt()
+    return mean, std
+
+
+def normalize_then_sum(per_function: torch.Tensor, weights, num_generations: int,
+                       eps: float = STD_EPS) -> torch.Tensor:
+    """s_i = sum_k w_k (r_ik - m_gk) / (s_gk + eps) of `per_function` [N, F] (NaN where a
+    function abstained), each function normalised within its group of `num_generations`
+    (module doc); [N] float64, NaN where every function abstained. The batch step is
+    `batch_normalize`."""
+    if per_function.dim() != 2 or per_function.size(0) % num_generations or num_generations < 2:
+        raise ValueError(f"per_function must be [groups × num_generations, functions] with num_generations >= 2, "
+                         f"got shape {tuple(per_function.shape)} and num_generations {num_generations}")
+    values = per_function.double().view(-1, num_generations, per_function.size(1))
+    mean, std = nan_mean_std(values, dim=1)
+    z = ((values - mean) / (std + eps)).view(per_function.shape)
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    summed = torch.nansum(z * w, dim=1)
+    return torch.where(torch.isnan(per_function).all(dim=1), torch.nan, summed)
+
+
+def batch_normalize(values: torch.Tensor, batch: torch.Tensor, eps: float = STD_EPS) -> torch.Tensor:
+    """(x - mean(batch)) / (std(batch) + eps) for each x of `values` (this rank's), with the mean
+    and Bessel std over the non-NaN entries of `batch`, the global batch (every rank's values
+    gathered); a NaN value comes out 0 (module doc)."""
+    mean, std = nan_mean_std(batch.double())
+    return torch.nan_to_num((values.double() - mean.reshape(())) / (std.reshape(()) + eps), nan=0.0)
+
+
+def uniform_groups(values: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[groups] bool: True where, in every column of `values` [N] or [N, F], the group's values
+    that are not NaN are all equal (std 0 or fewer than two of them): a group that teaches
+    nothing, its advantages 0."""
+    v = values.double().reshape(values.size(0), -1)
+    _, std = nan_mean_std(v.view(-1, num_generations, v.size(1)), dim=1)
+    flat = torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))
+    return flat.all(dim=2).view(-1)
 
 
 # ---- PPO ------------------------------------------------------------------------------

@@ -9,7 +9,10 @@ log r = log ref(x) - log pi(x):
     k3 = (r - 1) - log r       unbiased, low variance, >= 0 (TRL's GRPO KL term)
 
 Each is a per-token tensor; trainers sum it over completion tokens and divide by their
-count (`objective/kl` in PPO is the per-sequence sum of k1, averaged over sequences).
+count (`objective/kl` in PPO is the per-sequence sum of k1, averaged over sequences). GRPO's
+loss multiplies the estimate by the importance ratio pi / pi_old (TRL's use_bias_correction_kl,
+`sprout.losses.policy.bias_corrected_kl`), which makes it an estimate of the current policy's
+KL from tokens the older policy sampled.
 
 Controllers hold the KL weight beta. `FixedKLController` keeps it; `AdaptiveKLController`
 (Ziegler et al. 2019, TRL's) moves it towards a target KL: with

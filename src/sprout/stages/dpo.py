@@ -8,7 +8,14 @@ its response tokens (the final assistant content and its end-of-turn token;
 `loss_type` (one name or a list), `loss_weights`, `beta`, `label_smoothing`, `simpo_gamma`,
 `discopop_tau`. Normalisation: the loop divides the summed per-pair losses by the pairs of
 the whole global batch (all micro-batches, all processes); within a pair, each variant's
-own rule (none for sigmoid; per-token means for ipo, sft, simpo and orpo).
+own rule (none for sigmoid; per-token means for sigmoid_norm, ipo, sft, simpo and orpo).
+aot and aot_unpaired sort over each micro-batch (`sprout.losses.dpo.aot_loss`), as TRL sorts
+within its per-device batch: a step's loss is the mean of its micro-batches' losses. For a
+given `batch.micro_pairs` the micro-batches hold the same pairs whatever the number of
+processes (`data_loader.order`), so training is the same on 1 or N processes; another
+`micro_pairs` changes the loss. Held-out pairs are striped over the ranks, so their val_loss
+for these two depends on the number of processes (the other val figures do not); an eval
+batch's padding pairs never enter the sort.
 
 The reference, for every loss_type outside `REFERENCE_FREE` (sft, simpo, orpo need none,
 and then no reference is built at all), is the checkpoint `dpo.ref` (default: init):
@@ -32,51 +39,26 @@ live reference forward (a third of a step's FLOPs more) is extra work that MFU l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from sprout.checkpoint import load_weights, read_meta
-from sprout.config import resume_free
-from sprout.ranges import check_ranges, in_range
+from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.preference import (
-    REFERENCE_FREE,
     check_preference_options,
     loss_type_list,
     mean_logit_sums,
     preference_loss,
     preference_metric_sums,
 )
+from sprout.losses.loss_types import REFERENCE_FREE
 from sprout.losses.tokens import sequence_logps
 from sprout.model.transformer import Transformer
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig
-from sprout.stages.preference_stage import PairBatchConfig, PairDataConfig, PreferenceStage, open_preference_run
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.run import train_stage
+from sprout.stages.configs import DPOConfig, DPOLossConfig
+from sprout.stages.preference_stage import PreferenceStage, open_preference_run
 from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
-from sprout.engine.run import StageConfig, train_stage
-
-
-@dataclass
-class DPOLossConfig:
-    """TRL's DPOConfig names; see sprout.losses.preference for each loss."""
-    loss_type: str | list = "sigmoid"   # a name or a list: sigmoid, ipo, hinge, robust, simpo, orpo, sft, ...
-    loss_weights: list | None = None    # one weight per loss_type; None: 1.0 each
-    beta: float = in_range(0.1, "(0, inf)")  # β of every variant (ORPO's λ)
-    label_smoothing: float = in_range(0.0, "[0, 0.5]")  # ε of robust and exo_pair (TRL's range)
-    simpo_gamma: float = in_range(0.5, "[0, inf)")  # SimPO's target reward margin γ
-    discopop_tau: float = in_range(0.05, "(0, inf)")  # DiscoPOP's temperature τ
-    ref: str = ""                       # reference checkpoint; "": the init checkpoint
-    precompute_ref_logps: bool = False  # reference log-probs computed once and cached beside the data
-
-
-@dataclass
-class DPOConfig(StageConfig, stage="dpo", out="runs/dpo", optim=OptimConfig(lr=5e-7, warmup_steps=10, weight_decay=0.0),
-                train=TrainConfig(eval_every=50, ckpt_every=100)):
-    init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
-    data: PairDataConfig = field(default_factory=PairDataConfig)
-    batch: PairBatchConfig = field(default_factory=PairBatchConfig)
-    dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
 
 
 def needs_reference(loss_cfg: DPOLossConfig) -> bool:
@@ -150,7 +132,7 @@ class DPOStage(PreferenceStage):
         ref_c, ref_r = (None, None) if ref is None else (ref[:b], ref[b:])
         per_pair = preference_loss(c.loss_type, lp_c, lp_r, ref_c, ref_r, len_c, len_r,
                                    loss_weights=c.loss_weights, beta=c.beta, label_smoothing=c.label_smoothing,
-                                   discopop_tau=c.discopop_tau, simpo_gamma=c.simpo_gamma)
+                                   discopop_tau=c.discopop_tau, simpo_gamma=c.simpo_gamma, pair_mask=keep)
         k = keep.bool()
         pick = (lambda x: None if x is None else x[k])  # noqa: E731 (padding pairs of eval count nothing)
         metrics = preference_metric_sums(lp_c[k], lp_r[k], pick(ref_c), pick(ref_r), c.beta,

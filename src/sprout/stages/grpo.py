@@ -1,4 +1,4 @@
-"""GRPO (and its variants: Dr. GRPO, DAPO, GSPO, RLOO) on verifiable rewards, as one stage of the shared loop.
+"""GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO) on verifiable rewards, one stage of the loop.
 
 The rollout buffer, prompts, rewards and held-out eval are `sprout.stages.rl_stage`'s. Per
 generation batch (`GRPOStage.fill_buffer`):
@@ -17,18 +17,30 @@ generation batch (`GRPOStage.fill_buffer`):
   buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
   its reward before the advantages; `loss` (default) adds β × KL per token to the loss;
 - advantages per group (`sprout.rl.advantages.group_advantages`: `grpo.advantage` grpo |
-  rloo | dr_grpo, `grpo.scale_rewards` group | batch | none; batch scaling divides by the
-  std of the rewards of the whole global batch, gathered from every rank).
+  rloo | dr_grpo, `grpo.scale_rewards` group | batch | none, or TRL's true (group) | false
+  (none); batch scaling divides by the std of the rewards of the whole global batch,
+  gathered from every rank). That is `grpo.multi_objective_aggregation: sum_then_normalize`
+  (the weighted sum of the reward functions, then its group statistics); `normalize_then_sum`
+  normalises each function within its group, sums them with their weights, and normalises
+  the sum over the global batch (`normalize_then_sum`, `batch_normalize`; a group then
+  teaches nothing, for dynamic sampling and frac_reward_zero_std, when each function's
+  rewards agree within it). `grpo.normalize_advantages` (TRL's RLOO option) then normalises
+  the advantages to mean 0, std 1 over the global batch. Every batch-wide figure is taken
+  over the gathered global batch, so 2 processes compute what 1 does.
 
 The buffer then serves `grpo.num_iterations` (μ) optimizer steps. Per micro-batch the loss is
 `sprout.losses.policy.policy_loss`: the clipped ratio (`epsilon`, `epsilon_high`, `delta`)
-of token or sequence (GSPO) importance weights (`importance_sampling_level`), + β × KL (k1
-or k3) per token, - entropy_coef × entropy, normalised by `grpo.loss_type` over the whole
-global batch: the stage's `count_targets` is `sprout.losses.policy.denominator` of the
-micro-batch's loss mask, so the loop divides the summed loss by
-  grpo      the sequences of the global batch (each sequence's token mean, then their mean),
-  bnpo/dapo the completion tokens of the global batch,
-  dr_grpo   the sequences × rollout.max_completion_length,
+of token or sequence importance weights (`importance_sampling_level`: token; sequence, GSPO's
+mean log-ratio; sequence_sum, TRL's RLOO: the summed log-ratio, the default with advantage
+rloo), or for `loss_type: cispo` the weight capped at `epsilon_high` (no gradient) × the
+log-prob, or for `sapo` the sigmoid gate (`sapo_temperature_pos`/`_neg`), + β × KL (k1, k2 or
+k3; × the importance ratio with `use_bias_correction_kl`, the default) per token,
+- entropy_coef × entropy, normalised by `grpo.loss_type` over the whole global batch: the
+stage's `count_targets` is `sprout.losses.policy.denominator` of the micro-batch's loss mask,
+so the loop divides the summed loss by
+  grpo/sapo       the sequences of the global batch (each sequence's token mean, then their mean),
+  bnpo/dapo/cispo the completion tokens of the global batch,
+  dr_grpo         the sequences × rollout.max_completion_length,
 whatever the split into micro-batches and processes (a global batch with no completion token
 left in the loss counts 1, as TRL clamps its token count). `mask_truncated_completions`: a
 completion that hit max_completion_length without a stop id leaves the loss mask (its
@@ -38,7 +50,8 @@ and dr_grpo, as TRL). With β = 0 no reference model is built at all.
 Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std
 (over every group generated, set-aside ones included), completions/mean_length|max_length|
 min_length|clipped_ratio, kl, entropy (per completion token), clip_ratio/low_mean|
-high_mean|region_mean, sampling/logp_diff_mean|max, dynamic_sampling/rounds|short_batches;
+high_mean|region_mean (cispo: cispo_clip_ratio; sapo: none), sampling/logp_diff_mean|max,
+dynamic_sampling/rounds|short_batches;
 the loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's (val_pass@1,
 val_accuracy, val_format, val_mean_length, ...).
 """
@@ -47,68 +60,20 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from sprout.config import require, resume_free
-from sprout.ranges import check_ranges, in_range
+from sprout.ranges import check_ranges
 from sprout.losses.policy import denominator, policy_loss
-from sprout.rl.advantages import DEFAULT_SCALE, STD_EPS, group_advantages
+from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group_advantages, normalize_then_sum,
+                                   uniform_groups)
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig
-from sprout.stages.rl_rewards import RewardsConfig, build_rewards
-from sprout.stages.rl_stage import (
-    PromptBatchConfig,
-    RLDataConfig,
-    RLStage,
-    RolloutConfig,
-    completion_logps,
-    concat_rollouts,
-    open_rl_run,
-)
-from sprout.engine.run import StageConfig, train_stage
-
-
-@dataclass
-class GRPOLossConfig:
-    """TRL's GRPOConfig names where it has them; see sprout.losses.policy and sprout.rl.advantages."""
-    advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
-    scale_rewards: str | None = None    # group | batch | none; None: the advantage's default (grpo: group)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    epsilon: float = in_range(0.2, "(0, 1)")  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = in_range(None, "(0, inf)")  # None: epsilon (clip-higher when larger)
-    delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
-    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
-    num_iterations: int = in_range(1, "[1, inf)")  # μ: optimizer steps per generation batch
-    beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"
-    mask_truncated_completions: bool = False
-    dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
-    max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
-    entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
-
-    def __post_init__(self) -> None:
-        require(self.scale_rewards in (None, "group", "batch", "none"), "scale_rewards", self.scale_rewards,
-                "group, batch, none or null")
-        require(self.advantage != "dr_grpo" or self.scale_rewards in (None, "none"), "scale_rewards",
-                self.scale_rewards, "none (or null) with advantage dr_grpo")
-
-
-@dataclass
-class GRPOConfig(StageConfig, stage="grpo", out="runs/grpo",
-                 optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
-                 train=TrainConfig(eval_every=50, ckpt_every=50)):
-    init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
-    data: RLDataConfig = field(default_factory=RLDataConfig)
-    batch: PromptBatchConfig = field(default_factory=PromptBatchConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    rewards: RewardsConfig = field(default_factory=RewardsConfig)
-    grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.run import train_stage
+from sprout.stages.configs import GRPOConfig, GRPOLossConfig
+from sprout.stages.rl_rewards import build_rewards
+from sprout.stages.rl_stage import RLStage, completion_logps, concat_rollouts, open_rl_run
 
 
 class GRPOStage(RLStage):
@@ -141,9 +106,10 @@ class GRPOStage(RLStage):
             if len(kept) < need or self.sharded:  # under FSDP every rank generates (a collective)
                 rollout = self.sample(idx)
                 totals, per_fn = self.score(rollout, idx)
+                flat = uniform_groups(per_fn if c.multi_objective_aggregation == "normalize_then_sum" else totals, G)
                 for j in range(len(idx)):
                     rows = slice(j * G, (j + 1) * G)
-                    zero = bool(torch.isclose(totals[rows].std(), torch.zeros((), dtype=torch.float64)))
+                    zero = bool(flat[j])
                     counts["groups"] += 1
                     counts["zero_std"] += zero
                     group = ({k: v[rows] for k, v in rollout.items()}, totals[rows], per_fn[rows])
@@ -178,12 +144,7 @@ class GRPOStage(RLStage):
         # the global batch, in rank order: [reward for advantages, reward, length, truncated, per function]
         table = self.gather(torch.cat([torch.stack([totals_adv, totals, rollout["lengths"].double(),
                                                     rollout["truncated"].double()], dim=1), per_fn], dim=1))
-        if self.scale == "batch":
-            adv = group_advantages(totals_adv, self.G, c.advantage, "none").advantages
-            adv = adv / (table[:, 0].std() + STD_EPS)
-        else:
-            adv = group_advantages(totals_adv, self.G, c.advantage, self.scale).advantages
-        rollout["advantages"] = adv.float()
+        rollout["advantages"] = self.advantages(totals_adv, per_fn, table[:, 0]).float()
         if self.first_buffer:
             self.first_buffer = False
             self.warn_zero_rewards(table[:, 1])
@@ -196,6 +157,22 @@ class GRPOStage(RLStage):
         rollout["extra_target"] = torch.zeros(rollout["advantages"].shape[0], dtype=torch.long)
         rollout["extra_target"][0] = int(empty and acc.is_main_process)
         return rollout, stats
+
+    def advantages(self, rewards: torch.Tensor, per_fn: torch.Tensor, batch_rewards: torch.Tensor) -> torch.Tensor:
+        """This rank's advantages [n] from its rewards [n], its per-function values [n, F] and the
+        rewards of the global batch (module doc); each batch-wide figure is taken over the global
+        batch, gathered, so N processes compute what one does."""
+        c, G = self.cfg, self.G
+        if c.multi_objective_aggregation == "normalize_then_sum":
+            summed = normalize_then_sum(per_fn, [r.weight for r in self.rewards], G)
+            adv = batch_normalize(summed, self.gather(summed))
+        elif self.scale == "batch":
+            adv = group_advantages(rewards, G, c.advantage, "none").advantages / (batch_rewards.std() + STD_EPS)
+        else:
+            adv = group_advantages(rewards, G, c.advantage, self.scale).advantages
+        if c.normalize_advantages:
+            adv = batch_normalize(adv, self.gather(adv))
+        return adv
 
     def warn_zero_rewards(self, rewards: torch.Tensor) -> None:
         """A warning (rank 0) when every reward of the global batch `rewards` is 0: every
@@ -262,7 +239,9 @@ class GRPOStage(RLStage):
         out = policy_loss(logps, old, batch["advantages"], self.loss_mask(batch),
                           loss_type=c.loss_type, max_completion_length=self.rollout.max_completion_length,
                           epsilon=c.epsilon, epsilon_high=c.epsilon_high, delta=c.delta,
-                          importance_sampling=c.importance_sampling_level, per_token_kl=kl, beta=c.beta,
+                          importance_sampling=c.importance_sampling_level,
+                          sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+                          per_token_kl=kl, beta=c.beta, use_bias_correction_kl=c.use_bias_correction_kl,
                           entropy=entropy, entropy_coef=c.entropy_coef)
         n = out.denominator + batch["extra_target"].sum()
         return out.loss_sum, n, {**out.metrics, **sampling, **self.stat_metrics(batch)}

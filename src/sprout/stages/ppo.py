@@ -66,81 +66,24 @@ figures (`RLStage.evaluate`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from sprout.config import resume_free
-from sprout.ranges import check_ranges, in_range
+from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
 from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, token_rewards
 from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k3
 from sprout.rl.verifiers import reward_metrics
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig, decay_groups
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.optim import decay_groups
+from sprout.engine.run import train_stage
+from sprout.stages.configs import PPOBatchConfig, PPOConfig, PPOLossConfig, RolloutConfig
 from sprout.stages.reward import score_sequences
-from sprout.stages.rl_rewards import RewardsConfig, build_rewards
-from sprout.stages.rl_stage import (
-    PromptBatchConfig,
-    RLDataConfig,
-    RLStage,
-    RolloutConfig,
-    completion_logps,
-    open_rl_run,
-    pad_columns,
-)
-from sprout.engine.run import StageConfig, train_stage
-
-
-# ---- config -------------------------------------------------------------------------------------
-@dataclass
-class PPOBatchConfig(PromptBatchConfig):
-    """The RL batch with PPO's defaults: one completion per prompt, and mini-batches."""
-    num_generations: int = in_range(1, "[1, inf)")  # completions per prompt (PPO needs no groups)
-    num_mini_batches: int = in_range(1, "[1, inf)")  # optimizer steps per pass over a generation batch (TRL's)
-
-
-@dataclass
-class PPOLossConfig:
-    """TRL's PPOConfig names where it has them (module doc)."""
-    reward_model_weight: float = in_range(1.0, "[0, inf)")  # weight of the reward model's score (with a reward_model)
-    missing_eos: Literal["penalty", "zero"] = "penalty"  # a completion without end-of-turn: penalised or scored 0
-    missing_eos_penalty: float = in_range(1.0, "[0, inf)")  # subtracted from its score (missing_eos: penalty)
-    kl_coef: float = in_range(0.05, "[0, inf)")  # KL weight (the adaptive controller's initial value)
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    kl_in: Literal["reward", "loss"] = "reward"
-    adaptive_kl: bool = False           # steer kl_coef towards target_kl (Ziegler et al. 2019)
-    target_kl: float = in_range(6.0, "(0, inf)")  # objective/kl the adaptive controller aims at (nats per sequence)
-    horizon: int = in_range(10000, "[1, inf)")  # the adaptive controller's horizon, in completions
-    gamma: float = in_range(1.0, "[0, 1]")  # GAE discount
-    lam: float = in_range(0.95, "[0, 1]")   # GAE lambda
-    whiten_rewards: bool = False        # whiten the token rewards (mean kept) before GAE
-    cliprange: float = in_range(0.2, "(0, 1)")  # the policy ratio is clipped to [1 - cliprange, 1 + cliprange]
-    # c (3 in Ye et al. 2020): a negative advantage's loss is at most -c A
-    dual_clip: float | None = in_range(None, "(1, inf)")
-    vf_coef: float = in_range(0.1, "[0, inf)")  # weight of the value loss
-    cliprange_value: float = in_range(0.2, "[0, inf)")  # value clip around the old values
-    entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus
-    num_ppo_epochs: int = in_range(4, "[1, inf)")  # passes over each generation batch
-    value_init: Literal["policy", "reward"] = "policy"  # value head: fresh, or the reward model's score head
-    value_lr: float | None = in_range(None, "(0, inf)")  # the value head's peak lr; None: optim.lr × vf_lr_scale
-    vf_lr_scale: float = in_range(1.0, "(0, inf)")  # the value head's lr as a multiple of optim.lr
-
-
-@dataclass
-class PPOConfig(StageConfig, stage="ppo", out="runs/ppo", optim=OptimConfig(lr=1e-6, warmup_steps=0, weight_decay=0.0),
-                train=TrainConfig(eval_every=50, ckpt_every=50)):
-    init: str = resume_free("")         # the policy to start from (an SFT run dir or checkpoint); also the reference
-    reward_model: str = resume_free("")  # a reward model run (scripts/train_reward.py); "" = verifiers only
-    data: RLDataConfig = field(default_factory=RLDataConfig)
-    batch: PPOBatchConfig = field(default_factory=PPOBatchConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    rewards: RewardsConfig = field(default_factory=RewardsConfig)
-    ppo: PPOLossConfig = field(default_factory=PPOLossConfig)
+from sprout.stages.rl_rewards import build_rewards
+from sprout.stages.rl_stage import RLStage, completion_logps, open_rl_run, pad_columns
 
 
 # ---- pure pieces --------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -43,37 +43,15 @@ import torch
 from data_loader.preferences import PreferenceLoader
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, read_meta
-from sprout.config import RESUME_FREE, resume_free
-from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
 from sprout.formats.preferences import read_preferences
 from sprout.formats.verify import verify_jsonl_data
 from sprout.model.load import check_init_architecture
-from sprout.model.transformer import ModelConfig
-from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
+from sprout.model.config import ModelConfig
+from sprout.engine.run import start_run, with_epochs
+from sprout.engine.run_args import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition, micro_steps
-
-
-@dataclass
-class PairBatchConfig:
-    """The batch of the preference stages, in pairs (each pair is two rows: chosen and rejected)."""
-    global_pairs: int = in_range(64, "[1, inf)")  # per optimizer step, all processes together
-    micro_pairs: int = in_range(8, "[1, inf)")    # per forward/backward on one process (2 × micro_pairs rows)
-
-
-@dataclass
-class PairDataConfig:
-    # Paths may change on resume (the loader checks the pair count and global batch), and the
-    # epochs, which only set max_steps.
-    path: str = resume_free("")         # the preference prep's folder, or a file of it (preferences.jsonl)
-    val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (<name>_test.jsonl) beside the train file
-    seq_len: int | None = in_range(None, "[2, inf)")  # longest side in tokens; None: the model's max_seq_len
-    truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
-    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
-    # start-up check against the prep's manifest.json: full (listed, and the sha256 of both
-    # files) | sizes (listed only, no hashing)
-    verify: Literal["full", "sizes"] = resume_free("full")
 
 
 def pair_sources(path: str | Path, loader: PreferenceLoader) -> list[str]:

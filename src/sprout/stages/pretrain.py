@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -31,35 +29,15 @@ from sprout.errors import SproutError
 from sprout.formats.data_paths import token_data_path
 from sprout.formats.verify import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
-from sprout.model.transformer import ModelConfig, Transformer
+from sprout.model.transformer import Transformer
 from sprout.tokenizer import load_tokenizer
-from sprout.config import RESUME_FREE, resume_free
-from sprout.ranges import check_ranges, in_range
+from sprout.ranges import check_ranges
 from sprout.engine.loop import all_reduce_sums
-from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
-from sprout.engine.run import (StageConfig, is_rank0, print_rank0, resolve_resume, start_run, train_stage,
-                               with_max_steps)
+from sprout.engine.stage import TokenStage, micro_steps
+from sprout.engine.run import start_run, train_stage, with_max_steps
+from sprout.engine.run_args import is_rank0, print_rank0, resolve_resume
 from sprout.engine.schedule import seq_len_at, seq_len_stages
-
-
-@dataclass
-class TokenDataConfig:
-    dir: str = resume_free("")     # the prep's folder (*_train_*.bin, *_val_*.bin, manifest.json) or a file of it
-    tokenizer: str | None = None   # tokenizer spec for bits per byte; default: the data manifest's
-    sampler: Literal["sequential", "random"] = "sequential"  # per-rank spans | nanoGPT random windows
-    seq_len: int | None = in_range(None, "[1, inf)")  # None: model.max_seq_len
-    seq_len_start: int = in_range(128, "[1, inf)")  # sequence-length warmup: start here, double up to seq_len ...
-    seq_warmup_frac: float = in_range(0.1, "[0, 1]")  # ... over this fraction of the steps (0 disables)
-    # val tokens scored at each eval (the first ones of the val split)
-    eval_tokens: int = in_range(262144, "[1, inf)", metadata=RESUME_FREE)
-    verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every file) | sizes (skip the hashes)
-
-
-@dataclass
-class PretrainConfig(StageConfig, stage="pretrain", out="runs/pretrain"):
-    model: ModelConfig = field(default_factory=ModelConfig)  # the transformer's shape
-    data: TokenDataConfig = field(default_factory=TokenDataConfig)  # token shards, sampling and eval
-    batch: TokenBatchConfig = field(default_factory=TokenBatchConfig)
+from sprout.stages.configs import PretrainConfig, TokenDataConfig
 
 
 class PretrainStage(TokenStage):

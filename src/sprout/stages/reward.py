@@ -36,44 +36,23 @@ scores left- or right-padded batches alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from sprout.config import resume_free
-from sprout.ranges import check_ranges, in_range
+from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
 from sprout.model.heads import last_index, padding_inputs, score_at
 from sprout.model.load import init_from_lm
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.run import train_stage
+from sprout.stages.configs import RewardConfig, RewardLossConfig
 from sprout.stages.preference_stage import (
-    PairBatchConfig,
-    PairDataConfig,
     PreferenceStage,
     open_preference_run,
     pair_sources,
     source_sums,
     split_sides,
 )
-from sprout.engine.run import StageConfig, train_stage
-
-
-@dataclass
-class RewardLossConfig:
-    center_rewards_coefficient: float = in_range(0.0, "[0, inf)")  # TRL's RewardConfig; 0.01 is its suggested value
-    use_margin: bool = True             # subtract each record's margin (Llama 2); false: ignore margins
-
-
-@dataclass
-class RewardConfig(StageConfig, stage="reward", out="runs/reward",
-                   optim=OptimConfig(lr=1e-5, warmup_steps=10, weight_decay=0.0),
-                   train=TrainConfig(eval_every=50, ckpt_every=100)):
-    init: str = resume_free("")         # the LM checkpoint to start from (an SFT run dir or checkpoint)
-    data: PairDataConfig = field(default_factory=PairDataConfig)
-    batch: PairBatchConfig = field(default_factory=PairBatchConfig)
-    reward: RewardLossConfig = field(default_factory=RewardLossConfig)
 
 
 def population_std(mean: float, mean_sq: float) -> float:

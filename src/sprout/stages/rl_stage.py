@@ -54,7 +54,6 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -63,8 +62,6 @@ from data_loader.prompts import PromptLoader, check_held_out
 
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
-from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, resume_free
-from sprout.ranges import in_range
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PROMPT_FILES, resolve_data
 from sprout.formats.verify import verify_jsonl_data
@@ -72,21 +69,15 @@ from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
 from sprout.model.load import check_init_architecture, init_from_lm
-from sprout.model.transformer import ModelConfig, Transformer
+from sprout.model.config import ModelConfig
+from sprout.model.transformer import Transformer
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import WeightedReward, combine_rewards
 from sprout.engine.loop import all_reduce_sums
-from sprout.engine.run import print_rank0, resolve_resume, start_run, with_epochs
+from sprout.engine.run import start_run, with_epochs
+from sprout.engine.run_args import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition
-
-
-# ---- config sections ----------------------------------------------------------------------------
-@dataclass
-class PromptBatchConfig:
-    """The batch of the RL stages: prompts per optimizer step and completions per prompt."""
-    global_prompts: int = in_range(16, "[1, inf)")  # prompts per generation batch, all processes together
-    num_generations: int = in_range(8, "[2, inf)")  # G completions per prompt (a group; all on the prompt's rank)
-    micro_completions: int = in_range(16, "[1, inf)")  # completions per forward/backward on one process
+from sprout.stages.configs import PromptBatchConfig, RolloutConfig
 
 
 def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: int = 1) -> int:
@@ -99,37 +90,6 @@ def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: i
         raise SproutError(f"batch: {per_rank} prompt(s) per process × num_generations {batch.num_generations} = "
                           f"{local} completions is not a multiple of {split}batch.micro_completions {m}")
     return local // (mini_batches * m)
-
-
-@dataclass
-class RLDataConfig:
-    path: str = resume_free("")         # scripts/prepare_rl_prompts.py's folder, or a file of it (prompts.jsonl)
-    val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside the train file
-    max_prompt_length: int = in_range(512, "[1, inf)")  # longer prompts (rendered, in tokens) are dropped and counted
-    sources: list | None = None         # keep only the prompts of these sources (both files); None: all
-    # held-out prompts per eval (the file's first; 0: all)
-    eval_prompts: int = in_range(256, "[0, inf)", metadata=RESUME_FREE)
-    eval_batch: int = in_range(32, "[1, inf)", metadata=RESUME_FREE)  # prompts per generation call in eval
-    # sampled answers per held-out prompt (pass@1, pass@n); 0: greedy only
-    eval_num_generations: int = in_range(4, "[0, inf)", metadata=RESUME_FREE)
-    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
-    # start-up check against the prep's manifest.json: full (listed, and the sha256 of both
-    # files) | sizes (listed only, no hashing)
-    verify: Literal["full", "sizes"] = resume_free("full")
-
-
-@dataclass
-class RolloutConfig:
-    # new tokens per completion (a row without a stop id is truncated)
-    max_completion_length: int = in_range(256, "[1, inf)")
-    # 1 with no top-k/top-p: the sampler's distribution is the policy's
-    temperature: float = in_range(1.0, "(0, inf)")
-    top_k: int | None = in_range(None, "[1, inf)")  # sample among the k likeliest tokens; None: all
-    top_p: float | None = in_range(None, "(0, 1]")  # sample within this probability mass (nucleus); None: all
-    compile: bool = resume_free(False)  # compile the decode step (single process only; see model/generate.py)
-    # consecutive steps whose every completion is out of the loss (truncated and masked: loss 0, no
-    # gradient) before the run stops; the first such step is warned about
-    max_all_masked_steps: int = in_range(5, "[1, inf)", metadata={**RESUME_FREE, **RECORDED_WHEN_SET})
 
 
 # ---- the forward every RL loss shares -----------------------------------------------------------

@@ -32,9 +32,7 @@ and the base checkpoint it started from, which `scripts/chat.py` and later stage
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -48,39 +46,17 @@ from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
 from sprout.model.load import check_init_architecture
-from sprout.model.transformer import ModelConfig, Transformer
+from sprout.model.config import ModelConfig
+from sprout.model.transformer import Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.sft import SFTFile
 from sprout.formats.verify import verify_sft_pair
-from sprout.config import RESUME_FREE, resume_free
-from sprout.ranges import check_ranges, in_range
-from sprout.engine.loop import TrainConfig, all_reduce_sums
-from sprout.engine.optim import OptimConfig
-from sprout.engine.stage import TokenBatchConfig, TokenStage, micro_steps
-from sprout.engine.run import StageConfig, is_rank0, print_rank0, resolve_resume, start_run, train_stage, with_epochs
-
-
-@dataclass
-class SFTRowsConfig:
-    # Paths may change on resume (the loader checks the row count and global batch), and the
-    # epochs, which only set max_steps.
-    path: str = resume_free("")   # packed rows from scripts/prepare_sft_data.py: its folder, or a file of it (sft.h5)
-    val_path: str | None = resume_free(None)  # None: the `_val` file beside the train file (sft_val.h5)
-    epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
-    verify: Literal["full", "sizes"] = resume_free("full")  # start-up check: full (sha256 of every dataset) | sizes (skip the hashes)
-
-
-SAMPLE_PROMPTS = ("Name three colours.", "What is 12 plus 7?", "Write one sentence about the sea.")
-
-
-@dataclass
-class SFTConfig(StageConfig, stage="sft", out="runs/sft", optim=OptimConfig(lr=3e-5, warmup_steps=10, weight_decay=0.0),
-                train=TrainConfig(eval_every=50, ckpt_every=100)):
-    init: str = resume_free("")   # base checkpoint: a checkpoint dir, its checkpoints/ folder or its run dir
-    data: SFTRowsConfig = field(default_factory=SFTRowsConfig)  # packed SFT rows and epochs
-    batch: TokenBatchConfig = field(default_factory=lambda: TokenBatchConfig(global_tokens=65536, micro_tokens=8192))
-    # Answered greedily at the end of training and shown in report.md ([] for none).
-    sample_prompts: list = resume_free(default_factory=lambda: list(SAMPLE_PROMPTS))
+from sprout.ranges import check_ranges
+from sprout.engine.loop import all_reduce_sums
+from sprout.engine.stage import TokenStage, micro_steps
+from sprout.engine.run import start_run, train_stage, with_epochs
+from sprout.engine.run_args import is_rank0, print_rank0, resolve_resume
+from sprout.stages.configs import SFTConfig
 
 
 def sft_batch_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,0 +1,102 @@
+"""The config sections every stage shares, and the base of a stage's config; no torch, so a
+trainer's --help and its config checks run without loading it.
+
+    OptimConfig       AdamW and its lr schedule (`sprout.engine.optim`)
+    TrainConfig       run length, precision, seed, cadence of logs, eval and checkpoints
+                      (`sprout.engine.loop`)
+    TokenBatchConfig  the batch of the token stages (pretraining, SFT), in tokens
+    StageConfig       what every stage's config ends with: optim, train and out
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+from sprout.config import RESUME_FREE, resume_free
+from sprout.ranges import SEED_RANGE, in_range
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (`sprout.engine.schedule`)."""
+    lr: float = in_range(6e-4, "(0, inf)")  # peak lr; a stage's parameter groups may scale it
+    min_lr_ratio: float = in_range(0.1, "[0, 1]")  # the lr decays to lr × min_lr_ratio
+    warmup_steps: int = in_range(100, "[0, inf)")  # steps of linear warmup up to lr
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # shape after warmup (wsd: warmup-stable-decay)
+    wsd_decay_frac: float = in_range(0.2, "[0, 1]")  # wsd: fraction of the steps in the final linear decay
+    weight_decay: float = in_range(0.1, "[0, inf)")  # on matrices (ndim >= 2) only
+    beta1: float = in_range(0.9, "[0, 1)")   # AdamW's first-moment decay
+    beta2: float = in_range(0.95, "[0, 1)")  # AdamW's second-moment decay
+    eps: float = in_range(1e-8, "(0, inf)")  # AdamW's denominator epsilon
+    grad_clip: float = in_range(1.0, "[0, inf)")  # 0 disables clipping (the norm is still logged)
+
+
+@dataclass
+class TrainConfig:
+    """Run length, precision, seed and cadence of logging, eval and checkpoints. The fields
+    declared `resume_free` may change when a run is resumed."""
+    # null / auto: the stage decides (pretraining: the Chinchilla budget; SFT and preference stages: data.epochs)
+    max_steps: int | Literal["auto"] | None = in_range(None, "[1, inf)", metadata=RESUME_FREE)
+    chinchilla_ratio: float = in_range(20.0, "(0, inf)", metadata=RESUME_FREE)  # tokens per parameter for that budget
+    mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # auto: bf16 on a GPU, fp32 on CPU
+    compile: bool = resume_free(False)  # torch.compile the model's forward
+    # torch threads per process on CPU; 0: torch's default
+    cpu_threads: int = in_range(0, "[0, inf)", metadata=RESUME_FREE)
+    seed: int = in_range(1337, SEED_RANGE)  # initial weights, data order, dropout: every process alike
+    # steps between training records (metrics.jsonl, log line)
+    log_every: int = in_range(10, "[1, inf)", metadata=RESUME_FREE)
+    eval_every: int = in_range(100, "[0, inf)", metadata=RESUME_FREE)  # 0: eval only before and after training
+    ckpt_every: int = in_range(100, "[0, inf)", metadata=RESUME_FREE)  # 0: checkpoint only at the end
+    keep_checkpoints: int = in_range(3, "[1, inf)", metadata=RESUME_FREE)  # newest checkpoints kept in <out>/checkpoints
+    progress: bool = resume_free(True)  # tqdm bar on rank 0
+    trackers: list[Literal["tensorboard", "wandb"]] = resume_free(default_factory=list)  # also log to these
+    # peak per process for MFU; 0: measured at start (~0.5 s); < 0: no MFU
+    peak_tflops: float = in_range(0.0, "(-inf, inf)", metadata=RESUME_FREE)
+
+    def __post_init__(self) -> None:
+        if self.max_steps == "auto":
+            self.max_steps = None
+
+
+@dataclass
+class TokenBatchConfig:
+    """The batch of the token stages (pretraining, SFT), in tokens (rows × row length)."""
+    global_tokens: int = in_range(524288, "[1, inf)")  # per optimizer step, all processes together
+    micro_tokens: int = in_range(16384, "[1, inf)")    # per forward/backward on one process
+
+
+RUN_FOLDER_HELP = "run folder: config.yaml, metrics, checkpoints, report"
+
+
+class StageConfig:
+    """What every stage's config ends with: `optim`, `train` and `out` (the run folder, which a
+    resume may change), read by `sprout.engine.run.train_stage`. A stage's config is a dataclass subclass that
+    declares its own fields (init or model, data, batch, its loss section, ...) and gives its
+    defaults for these three as class arguments:
+
+        @dataclass
+        class DPOConfig(StageConfig, stage="dpo", out="runs/dpo", optim=OptimConfig(lr=5e-7),
+                        train=TrainConfig(eval_every=50)):
+
+    They are added after the subclass's own fields (a dataclass base would put them first), so
+    they come last in its YAML, its config.yaml and its --help. `stage` is the stage's name
+    (`stage_name`): a resume refuses another stage's run by it."""
+
+    optim: OptimConfig
+    train: TrainConfig
+    out: str
+    stage_name = ""  # the stage's name, as its checkpoints record it (meta.json's `stage`)
+
+    def __init_subclass__(cls, *, stage: str, out: str, optim: OptimConfig = OptimConfig(),
+                          train: TrainConfig = TrainConfig(), **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.stage_name = stage
+        cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), "optim": OptimConfig,
+                               "train": TrainConfig, "out": str}
+        cls.optim = dataclasses.field(default_factory=functools.partial(copy.deepcopy, optim))
+        cls.train = dataclasses.field(default_factory=functools.partial(copy.deepcopy, train))
+        cls.out = dataclasses.field(default=out, metadata={**RESUME_FREE, "help": RUN_FOLDER_HELP})

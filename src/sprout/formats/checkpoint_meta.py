@@ -1,0 +1,79 @@
+"""A checkpoint's meta.json and the folder names around it, read without torch (`read_meta`).
+
+A checkpoint is a directory holding `model.safetensors` (WEIGHTS), `train_state.pt` (STATE) and
+`meta.json` (META); a folder of checkpoints has a `latest` pointer (LATEST), one line naming
+the newest. meta.json holds the format (FORMAT), architecture, model config, tokenizer, stage,
+step, tokens seen, loader state, the run's config and its hash, the run's `run_id`, the sha256
+of both files above (`files`), and `meta_sha256` (META_DIGEST), the sha256 of everything else
+in meta.json (`meta_digest`), so an edited step or config is refused too. Writing checkpoints
+and loading their tensors is `sprout.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from sprout.atomic import safe_name, sha256_file
+from sprout.errors import SproutError
+
+FORMAT = "sprout-checkpoint-v1"
+WEIGHTS, STATE, META = "model.safetensors", "train_state.pt", "meta.json"
+LATEST = "latest"
+META_DIGEST = "meta_sha256"  # meta.json's own hash, over every other field (`meta_digest`)
+
+
+def meta_digest(meta: dict) -> str:
+    """The sha256 of a checkpoint's meta without its `meta_sha256` (sorted keys, compact JSON)."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint dir, a folder with a `latest` pointer, or a run dir holding `checkpoints/`."""
+    path = Path(path)
+    for folder in (path, path / "checkpoints"):
+        if (folder / META).is_file():
+            return folder
+        if (folder / LATEST).is_file():
+            name = (folder / LATEST).read_text().strip()
+            safe_name(name, str(folder / LATEST))
+            target = folder / name
+            if target.resolve().parent != folder.resolve():
+                raise SproutError(f"{folder / LATEST}: points at {name}, which leads out of {folder} (to "
+                                  f"{target.resolve()}); latest must name one of this folder's checkpoints")
+            if not (target / META).is_file():
+                raise SproutError(f"{folder / LATEST}: points at {target.name}, which has no {META}")
+            return target
+    if not path.exists():
+        raise SproutError(f"{path}: no such checkpoint")
+    raise SproutError(f"{path}: not a checkpoint (no {META}, no {LATEST} pointer)")
+
+
+def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
+    """meta.json of a checkpoint, checked against its `meta_sha256`; with `verify`, also check each
+    file's sha256 and refuse on mismatch."""
+    path = resolve_checkpoint(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SproutError(f"{path / META}: corrupted checkpoint meta ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise SproutError(f"{path / META}: not a {FORMAT} meta file")
+    files = meta.get("files")
+    if verify and (not isinstance(files, dict) or not {WEIGHTS, STATE} <= set(files)):
+        raise SproutError(f"{path / META}: no sha256 for {WEIGHTS} and {STATE} (`files` missing or incomplete); "
+                          f"refusing an unverifiable checkpoint")
+    if META_DIGEST in meta and meta_digest(meta) != meta[META_DIGEST]:
+        raise SproutError(f"{path / META}: its contents do not match its {META_DIGEST}; the file was modified")
+    if verify:
+        for name, digest in files.items():
+            f = path / name
+            if not f.is_file():
+                raise SproutError(f"{f}: checkpoint file is missing")
+            if sha256_file(f) != digest:
+                raise SproutError(f"{f}: sha256 does not match {META}; the file is corrupted or was modified")
+    meta["path"] = str(path)
+    return meta
