@@ -156,3 +156,17 @@ def test_every_field_of_every_script_config_has_a_meaning():
                 TokenizerTrainConfig):
         missing = [name for name, tp, default, meaning in config_fields(cls) if not meaning]
         assert not missing, f"{cls.__name__}: {missing}"
+
+
+@pytest.mark.parametrize("key, said", [
+    ("learning_rate", "TRL's learning_rate: did you mean optim.lr?; known: "),
+    ("per_device_train_batch_size", "TRL's per_device_train_batch_size: did you mean batch.micro_pairs?; sprout "
+                                    "sizes a forward pass by its micro batch"),
+])
+def test_a_trl_option_name_in_a_config_file_is_named_with_sprouts_field(tmp_path, key, said):
+    from sprout.stages.configs import DPOConfig
+    path = tmp_path / "dpo.yaml"
+    path.write_text(f"{key}: 4\n")
+    with pytest.raises(SproutError) as err:
+        load_config(DPOConfig, path)
+    assert str(err.value).startswith(f"{path}: unknown key(s) {key} ({said}"), str(err.value)

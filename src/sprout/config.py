@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from sprout.errors import SproutError
-from sprout.option_names import option_hint
+from sprout.option_names import TRL_NAMES, option_hint, trl_hint
 from sprout.ranges import Interval, field_range, out_of_range
 
 T = TypeVar("T")
@@ -276,6 +276,8 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(names), n=1, cutoff=0.6)
         hint = f"did you mean {prefix}{close[0]}? " if close else ""
+        if not prefix and unknown[0] in TRL_NAMES:  # a TRL option name written as a top-level key
+            hint = trl_hint(unknown[0], _known_keys(cls), flag="") + "; "
         raise SproutError(f"{where}: unknown key(s) {', '.join(prefix + u for u in unknown)} "
                           f"({hint}known: {', '.join(sorted(names))})")
     kwargs = {}

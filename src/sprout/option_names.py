@@ -3,7 +3,9 @@ or the name TRL (and transformers' TrainingArguments) gives to one of sprout's s
 
 `option_hint(key, fields)` is the parenthesis `sprout.config.check_overrides` adds to its
 "unknown option" line: "(TRL's learning_rate: did you mean --optim.lr?)", else "(did you mean
---train.max_steps?)", else a pointer to --help. `TRL_NAMES` is the one table of TRL's names.
+--train.max_steps?)", else a pointer to --help. `trl_hint` is the TRL part, which
+`sprout.config.from_dict` also gives for a config file's top-level key. `TRL_NAMES` is the one
+table of TRL's names.
 """
 
 from __future__ import annotations
@@ -40,16 +42,23 @@ TRL_NAMES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def option_hint(key: str, fields: list[str]) -> str:
+def option_hint(key: str, fields: list[str], flag: str = "--") -> str:
     """The parenthesis after "unknown option --KEY" for a config whose fields are `fields`
-    (dotted names): TRL's name first (`TRL_NAMES`), else the closest field (`closest_field`)."""
+    (dotted names): TRL's name first (`TRL_NAMES`), else the closest field (`closest_field`).
+    `flag` prefixes a field named in it: "--" on the command line, "" for a key of a YAML file."""
     if key in TRL_NAMES:
-        candidates, note = TRL_NAMES[key]
-        field = next((f for f in candidates if f in fields), None)
-        said = [f"did you mean --{field}?" if field else "", note]
-        return f" (TRL's {key}: {'; '.join(s for s in said if s) or 'no such setting in this stage, see --help'})"
+        return f" ({trl_hint(key, fields, flag)})"
     close = closest_field(key, fields)
-    return f" (did you mean --{close}?)" if close else " (see --help for the fields)"
+    return f" (did you mean {flag}{close}?)" if close else " (see --help for the fields)"
+
+
+def trl_hint(key: str, fields: list[str], flag: str = "--") -> str:
+    """What TRL's option `key` (in `TRL_NAMES`) is called in a config of `fields`, and how
+    sprout sizes it: "TRL's learning_rate: did you mean --optim.lr?"."""
+    candidates, note = TRL_NAMES[key]
+    field = next((f for f in candidates if f in fields), None)
+    said = [f"did you mean {flag}{field}?" if field else "", note]
+    return f"TRL's {key}: {'; '.join(s for s in said if s) or 'no such setting in this stage, see --help'}"
 
 
 def closest_field(key: str, fields: list[str]) -> str | None:
