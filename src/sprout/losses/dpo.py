@@ -30,6 +30,13 @@ def response_tokens(lengths: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(lengths).float().clamp(min=1.0)
 
 
+def per_token_margin(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,
+                     chosen_lengths: torch.Tensor, rejected_lengths: torch.Tensor) -> torch.Tensor:
+    """c/|y_c| − r/|y_r|: each summed log-ratio divided by its response's token count
+    (`response_tokens`, at least 1), the margin of IPO and sigmoid_norm. Returns [B]."""
+    return chosen_logratios / response_tokens(chosen_lengths) - rejected_logratios / response_tokens(rejected_lengths)
+
+
 def sigmoid_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float) -> torch.Tensor:
     """DPO (Rafailov et al. 2023, arXiv:2305.18290, Eq. 7): −log σ(β Δ), Δ = c − r.
 
@@ -56,7 +63,7 @@ def sigmoid_norm_loss(
     scaled (β is not). Per pair, so the global per-pair mean is exact under accumulation and
     processes. Returns [B].
     """
-    delta = chosen_logratios / response_tokens(chosen_lengths) - rejected_logratios / response_tokens(rejected_lengths)
+    delta = per_token_margin(chosen_logratios, rejected_logratios, chosen_lengths, rejected_lengths)
     return -F.logsigmoid(beta * delta)
 
 
@@ -81,7 +88,7 @@ def ipo_loss(
     (clamped to ≥ 1), a per-token mean within each sequence, as TRL does (the squared loss
     would otherwise grow with response length). Returns [B].
     """
-    delta = chosen_logratios / response_tokens(chosen_lengths) - rejected_logratios / response_tokens(rejected_lengths)
+    delta = per_token_margin(chosen_logratios, rejected_logratios, chosen_lengths, rejected_lengths)
     return (delta - 1 / (2 * beta)) ** 2
 
 
