@@ -14,11 +14,14 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# 2 pytest-xdist workers (JOBS=N for another count); tests/conftest.py says how tests are grouped
+JOBS    ?= 2
+
 test: venv
-	$(PYBIN) -m pytest -q
+	$(PYBIN) -m pytest -q -n $(JOBS) --dist loadgroup
 
 test-fast: venv
-	$(PYBIN) -m pytest -q -m "not slow"
+	$(PYBIN) -m pytest -q -n $(JOBS) --dist loadgroup -m "not slow"
 
 demo: venv
 	$(PYBIN) scripts/run_pipeline.py --preset demo --out $(DEMO) --mirror $(MIRROR)

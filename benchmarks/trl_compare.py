@@ -13,7 +13,8 @@ weight decay, clipping at 1; sprout's loop (`sprout.engine.loop.Trainer`) alike.
 Rows (benchmarks/trl_compare_rows.py builds the trainer rows):
 
 - GRPO step: `GRPOStage` against `GRPOTrainer` (no vLLM): same prompts in the same order, G
-  (--generations), --completion-length, --temperature, --loss-type, --epsilon, beta 0, the
+  (--generations), --completion-length, --temperature, --loss-type (with cispo and sapo),
+  --epsilon, --epsilon-high, beta 0, the
   batch (--prompts per step, --micro-completions per micro-batch) and a correctness reward.
   A step generates, scores, computes log-probs and updates, so its time follows the sampled
   completion lengths, printed for both. Sampling makes whole runs incomparable, so the check
@@ -142,9 +143,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
     g.add_argument("--micro-completions", type=int, default=8, help="completions per micro-batch")
     g.add_argument("--completion-length", type=int, default=64, help="max_completion_length")
-    g.add_argument("--loss-type", default="dapo", choices=("grpo", "dr_grpo", "dapo"),
+    g.add_argument("--loss-type", default="dapo", choices=("grpo", "dr_grpo", "dapo", "cispo", "sapo"),
                    help="(not bnpo: TRL normalises it per micro-batch, sprout per global batch)")
     g.add_argument("--epsilon", type=float, default=0.2)
+    g.add_argument("--epsilon-high", type=float, default=None,
+                   help="upper clip (default: --epsilon; cispo: its weight cap, 5.0 when not given)")
     g = p.add_argument_group("DPO and SFT")
     g.add_argument("--pairs", type=int, default=4, help="DPO pairs per micro-batch")
     g.add_argument("--beta", type=float, default=0.1, help="DPO beta")
@@ -154,6 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gen-rows", type=int, default=16)
     g.add_argument("--new-tokens", type=int, default=64)
     args = p.parse_args(argv)
+    if args.epsilon_high is None:
+        args.epsilon_high = 5.0 if args.loss_type == "cispo" else args.epsilon
     unknown = set(args.only.split(",")) - set(ROWS)
     if unknown:
         p.error(f"--only: unknown rows {', '.join(sorted(unknown))} (of: {', '.join(ROWS)})")

@@ -220,7 +220,7 @@ def median(times: list[float]) -> float:
 def grpo(b: Bench) -> Row:
     """GRPOStage under sprout's loop against TRL's GRPOTrainer (transformers generate, no vLLM):
     the same prompts in the same order (no shuffling), G, completion length, temperature,
-    loss_type, epsilon, beta 0 (no reference model), batch (TRL: per_device_train_batch_size =
+    loss_type, epsilon, epsilon_high, beta 0 (no reference model), batch (TRL: per_device_train_batch_size =
     micro_completions, gradient_accumulation_steps = prompts × G / micro_completions) and
     reward. Check: TRL's first optimizer step's micro-batches (prompt and completion ids,
     masks, advantages) and its loss on each are recorded during training; sprout's
@@ -243,7 +243,8 @@ def grpo(b: Bench) -> Row:
     stage = GRPOStage(trainer.accelerator, b.tok, loader, None, PromptBatchConfig(P, G, M),
                       RolloutConfig(max_completion_length=L, temperature=a.temperature),
                       [WeightedReward("correctness", correctness)],
-                      grpo=GRPOLossConfig(loss_type=a.loss_type, epsilon=a.epsilon, beta=0.0), seed=0)
+                      grpo=GRPOLossConfig(loss_type=a.loss_type, epsilon=a.epsilon, epsilon_high=a.epsilon_high,
+                                          beta=0.0), seed=0)
     stage.setup(trainer)
     lengths = []
 
@@ -273,7 +274,8 @@ def grpo(b: Bench) -> Row:
 
     cfg = b.trl_config(GRPOConfig, "grpo", 1e-6, per_device_train_batch_size=M, gradient_accumulation_steps=P * G // M,
                        num_generations=G, max_completion_length=L, temperature=a.temperature, top_p=1.0, top_k=0,
-                       loss_type=a.loss_type, epsilon=a.epsilon, beta=0.0, shuffle_dataset=False)
+                       loss_type=a.loss_type, epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=0.0,
+                       shuffle_dataset=False)
     data = Dataset.from_list([{"prompt": r["prompt"], "gold": r["gold"]} for r in records])
     trl = RecordingGRPO(model=b.hf_model(), reward_funcs=[correctness], args=cfg, train_dataset=data,
                         processing_class=b.hf_tok)

@@ -1,8 +1,40 @@
+"""Shared fixtures, and how the suite splits over pytest-xdist workers (`make test`: `-n 2
+--dist loadgroup`).
+
+Each worker builds its own session- and module-scoped fixtures. So that an expensive one is
+built once, `pytest_collection_modifyitems` puts the tests that share one in one xdist group:
+the tests of the real SmolLM2 model (the `smollm2` fixture) in one, and the tests of a module
+that use a module- or session-scoped fixture of that module's own in one per module. The
+other session fixtures here are cheap and built by each worker. Every other test is handed to
+whichever worker is free.
+"""
+
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARED_GROUPS = {"smollm2": "smollm2"}  # an expensive session fixture -> its group
+
+
+def xdist_group_of(item) -> str | None:
+    """The xdist group of a test (module doc), or None to let any worker take it."""
+    names = set(item.fixturenames)
+    for fixture, group in SHARED_GROUPS.items():
+        if fixture in names:
+            return group
+    defs = item._fixtureinfo.name2fixturedefs
+    if any(d[-1].scope in ("module", "session") and d[-1].func.__module__ != __name__
+           for name in names for d in [defs.get(name)] if d):
+        return item.module.__name__
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = xdist_group_of(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,11 @@
 
 Commands run under `accelerate launch` start worker processes of their own; a timeout that
 killed only the launcher would leave a hung worker holding its port and the output pipe.
-`run_group` kills every descendant of the command on timeout before raising.
+`run_group` kills every descendant of the command on timeout before raising. `free_port` gives
+each 2-process launch a port of its own, so launches on parallel test workers never meet.
 """
 
+import socket
 import subprocess
 
 import psutil  # a dependency of accelerate
@@ -25,3 +27,10 @@ def run_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedP
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for `--main_process_port` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from preference_train_fixtures import base, cli_flags, marked_pairs, tiny_cfg, write_lm, write_pairs  # noqa: F401 (base: a fixture)
-from proc import run_group
+from proc import free_port, run_group
 
 from data_loader.preferences import PreferenceLoader
 from sprout.checkpoint import read_meta
@@ -165,8 +165,8 @@ def test_bad_options_are_refused_before_anything_runs(values, pattern, data, bas
 
 # ---- multi-process --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type, port", [("sigmoid", 29543), ("sigmoid_norm", 29561), ("aot", 29562)])
-def test_two_gloo_processes_match_one(loss_type, port, run_a, data, base, tmp_path):
+@pytest.mark.parametrize("loss_type", ["sigmoid", "sigmoid_norm", "aot"])
+def test_two_gloo_processes_match_one(loss_type, run_a, data, base, tmp_path):
     """2 processes × 1 micro-batch of 8 pairs with the reference log-probs precomputed (split over
     the ranks and gathered) against 1 process × 2 micro-batches of 8 with a live reference: the
     per-pair normaliser (sigmoid, sigmoid_norm), and aot's sort over the same micro-batches."""
@@ -179,7 +179,7 @@ def test_two_gloo_processes_match_one(loss_type, port, run_a, data, base, tmp_pa
     for f in ("preferences.jsonl", "preferences_test.jsonl"):
         shutil.copy(data.with_name(f), copy / f)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(port),
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "scripts" / "train_dpo.py"), *cli_flags(copy / "preferences.jsonl", base, out, lr=1e-3),
            "--dpo.precompute_ref_logps", "true", "--dpo.loss_type", loss_type]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})

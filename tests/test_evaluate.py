@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from proc import run_group
+from proc import free_port, run_group
 from test_sft_train import base  # noqa: F401 (fixture: a tiny base checkpoint with the sp tokenizer)
 
 import sprout.rl.evaluation as evaluation
@@ -286,7 +286,7 @@ def test_two_processes_give_the_figures_of_one(base, tmp_path):
     r = evaluate_script(base, *ARGS, "--out", one)
     assert r.returncode == 0, r.stderr[-2000:]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29547",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "scripts" / "evaluate.py"), str(base), *ARGS, "--out", str(two)]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -303,7 +303,7 @@ def test_evaluation_of_an_fsdp_model_equals_one_process(sp, tmp_path):
     from fsdp_eval_worker import PROMPTS, SETTINGS, model
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", "29553",
+           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "tests" / "fsdp_eval_worker.py"), sp.spec, str(tmp_path)]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from proc import run_group
+from proc import free_port, run_group
 from test_sft_train import ROW, base, sft_file, train_losses  # noqa: F401, F811 (fixtures)
 from test_sft_train import tiny_cfg as sft_cfg
 from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (data: a fixture)
@@ -69,7 +69,7 @@ def ref(data, tmp_path_factory):
 def fsdp(data, tmp_path_factory):
     """The same run on 2 FSDP2 processes × 2 micro-steps; returns (run dir, stdout)."""
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    proc = launch(data, out, 29541)
+    proc = launch(data, out, free_port())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -119,7 +119,7 @@ def test_fsdp_resume_matches_an_uninterrupted_run_bit_for_bit(fsdp, data, tmp_pa
     out_b = tmp_path / "resumed"  # a run stopped at step 8: its state is exactly A's step-8 checkpoint
     shutil.copytree(checkpoint(out_a, 8), checkpoint(out_b, 8))
     (out_b / "checkpoints" / "latest").write_text("step_00000008\n")
-    proc = launch(data, out_b, 29542, "--resume", "latest")
+    proc = launch(data, out_b, free_port(), "--resume", "latest")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert SHARDED.search(proc.stdout) and "resumed from" in proc.stdout
     a, b = losses(out_a), losses(out_b)
@@ -131,7 +131,7 @@ def test_fsdp_resume_matches_an_uninterrupted_run_bit_for_bit(fsdp, data, tmp_pa
 def test_fsdp_eval_with_rows_that_do_not_split_evenly(data, tmp_path):
     """33 val rows over 2 ranks (16 + 17): every forward under FSDP is a collective, so the
     rank with fewer rows must still run as many forwards (it hung before) and count none twice."""
-    one, fsdp = short_fsdp_and_one(data, tmp_path, 29547, 2, eval_tokens=2112, timeout=120)
+    one, fsdp = short_fsdp_and_one(data, tmp_path, free_port(), 2, eval_tokens=2112, timeout=120)
     va, vb = ([r["val_loss"] for r in read_metrics(o / "metrics.jsonl") if "val_loss" in r] for o in (one, fsdp))
     assert len(va) == len(vb) == 2 and va == pytest.approx(vb, abs=1e-5)
 
@@ -172,7 +172,7 @@ def test_fsdp_tied_embeddings(data, tmp_path):
     """The shared matrix is stored once, loads tied, and resumes under FSDP."""
     short = ("--model.tie_embeddings", "true", "--train.max_steps", "4", "--train.ckpt_every", "2",
              "--train.eval_every", "2")
-    proc = launch(data, tmp_path / "a", 29543, *short)
+    proc = launch(data, tmp_path / "a", free_port(), *short)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = load_file(checkpoint(tmp_path / "a", 4) / "model.safetensors")
     assert "embed_tokens.weight" in saved and "lm_head.weight" not in saved
@@ -185,14 +185,14 @@ def test_fsdp_tied_embeddings(data, tmp_path):
     assert max(abs(a[s] - r[s]) for s in r) < 1e-5
     b = tmp_path / "b"
     shutil.copytree(checkpoint(tmp_path / "a", 2), checkpoint(b, 2))
-    proc = launch(data, b, 29544, *short, "--resume", str(checkpoint(b, 2)))
+    proc = launch(data, b, free_port(), *short, "--resume", str(checkpoint(b, 2)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [losses(b)[s] for s in (3, 4)] == [a[s] for s in (3, 4)]
 
 
 @pytest.mark.slow
 def test_fsdp1_on_cpu_is_refused(data, tmp_path):
-    proc = launch(data, tmp_path / "x", 29545, "--train.max_steps", "1", launch_args=("--fsdp_version", "1"))
+    proc = launch(data, tmp_path / "x", free_port(), "--train.max_steps", "1", launch_args=("--fsdp_version", "1"))
     assert proc.returncode != 0
     assert "error: accelerate config: FSDP on CPU needs fsdp_config.fsdp_version 2, not 1" in proc.stderr
 
@@ -202,7 +202,7 @@ def test_fsdp_sft_from_a_base_checkpoint_matches_one_process(sft_file, base, tmp
     """SFT's --init loads the base weights before the model is sharded; masked loss and metrics agree."""
     run_sft(sft_cfg(sft_file, base, tmp_path / "one"))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", "29546",
+           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "scripts" / "train_sft.py"), "--init", str(base), "--data", str(sft_file),
            "--out", str(tmp_path / "fsdp"), "--batch.global_tokens", str(8 * ROW),
            "--batch.micro_tokens", str(4 * ROW), "--train.max_steps", "16", "--optim.warmup_steps", "2",
@@ -219,7 +219,7 @@ def test_fsdp_sft_from_a_base_checkpoint_matches_one_process(sft_file, base, tmp
 @pytest.mark.slow
 def test_fsdp_with_torch_compile_matches_eager_one_process(data, tmp_path):
     """The gpt2-small preset's path (FSDP2 + torch.compile), on CPU: same losses as eager, 1 process."""
-    a, b = (losses(d) for d in short_fsdp_and_one(data, tmp_path, 29548, 4, "--train.compile", "true"))
+    a, b = (losses(d) for d in short_fsdp_and_one(data, tmp_path, free_port(), 4, "--train.compile", "true"))
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert max(abs(a[s] - b[s]) for s in a) < 1e-5
 
@@ -227,7 +227,7 @@ def test_fsdp_with_torch_compile_matches_eager_one_process(data, tmp_path):
 @pytest.mark.slow
 def test_fsdp_with_bf16_mixed_precision(data, tmp_path):
     """fsdp.yaml's GPU setting (FSDP2 + bf16) on CPU: bf16 compute, fp32 master weights and checkpoint."""
-    one, fsdp = short_fsdp_and_one(data, tmp_path, 29549, 3, "--train.mixed_precision", "bf16",
+    one, fsdp = short_fsdp_and_one(data, tmp_path, free_port(), 3, "--train.mixed_precision", "bf16",
                                    launch_args=("--mixed_precision", "bf16"))
     a, b = losses(one), losses(fsdp)
     assert sorted(b) == [1, 2, 3]

@@ -178,11 +178,11 @@ def test_generation_under_fsdp_keeps_every_rank_stepping(tmp_path):
     run ends, both ranks run the same number of forwards, and each rank's tokens are those of
     one process given its prompts."""
     from fsdp_generate_worker import PLAN, model, run
-    from proc import run_group
+    from proc import free_port, run_group
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(root / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", "29551",
+           str(root / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", str(free_port()),
            str(root / "tests" / "fsdp_generate_worker.py"), str(tmp_path)]
     proc = run_group(cmd, timeout=180, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

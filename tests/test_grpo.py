@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from grpo_fixtures import config_dict, data, run_per_prompt, tiny_cfg, write_sft_lm  # noqa: F401
 from preference_train_fixtures import base  # noqa: F401 (base, data: fixtures)
-from proc import run_group
+from proc import free_port, run_group
 from safetensors.torch import load_file
 
 from sprout.checkpoint import read_meta
@@ -139,7 +139,7 @@ def test_two_processes_match_one(loss_type, mu, options, one_by_one, sft_base, d
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(case_cfg(data, sft_base, out, loss_type, mu, options, micro_completions=2)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29547",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "tests" / "grpo_fixtures.py"), str(cfg)]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

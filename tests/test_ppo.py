@@ -21,7 +21,7 @@ from grpo_fixtures import data  # noqa: F401 (data, base: fixtures)
 from grpo_fixtures import tiny_cfg as grpo_cfg
 from ppo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_digit_reward_model
 from preference_train_fixtures import base  # noqa: F401
-from proc import run_group
+from proc import free_port, run_group
 from safetensors.torch import load_file
 
 from sprout.checkpoint import read_meta
@@ -256,7 +256,7 @@ def test_two_processes_match_one(base, data, rm_path, tmp_path):
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(config_dict(data, base, out, rm_path, micro_completions=2, **values)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29549",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "tests" / "ppo_fixtures.py"), str(cfg)]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

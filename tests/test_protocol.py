@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from proc import run_group
+from proc import free_port, run_group
 from protocol_worker import BETA, MODEL, ROWS, KLToReference, global_rows
 from safetensors.torch import load_file
 
@@ -231,9 +231,9 @@ def test_resume_free_fields_are_declared_on_the_fields():
 
 
 # ---- 2 processes: DDP and FSDP2 against 1 ----------------------------------------------------------------
-def run_worker(out: Path, accelerate_config: str | None = None, port: int = 0):
+def run_worker(out: Path, accelerate_config: str | None = None):
     launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs" / "accelerate" / accelerate_config), "--main_process_port", str(port)]
+               str(ROOT / "configs" / "accelerate" / accelerate_config), "--main_process_port", str(free_port())]
               if accelerate_config else [sys.executable])
     proc = run_group([*launch, str(ROOT / "tests" / "protocol_worker.py"), str(out)], timeout=300, cwd=ROOT,
                      env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -252,11 +252,11 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, port, sharded", [("cpu_ddp.yaml", 29574, False), ("cpu_fsdp.yaml", 29575, True)])
-def test_frozen_reference_and_metric_counts_match_one_process(one_process, tmp_path, config, port, sharded):
+@pytest.mark.parametrize("config, sharded", [("cpu_ddp.yaml", False), ("cpu_fsdp.yaml", True)])
+def test_frozen_reference_and_metric_counts_match_one_process(one_process, tmp_path, config, sharded):
     """Rank 0 holds 4 rows, rank 1 holds 2: the loss, the per-token KL and the per-row metrics
     equal the 1-process run's; the frozen reference is never trained, never saved."""
-    checks, records, stdout = run_worker(tmp_path / "run", config, port)
+    checks, records, stdout = run_worker(tmp_path / "run", config)
     one_checks, one_records, _ = one_process
     assert ("FSDP: parameters sharded" in stdout) == sharded
     assert sorted(c["rank"] for c in checks) == [0, 1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from preference_train_fixtures import MARK, base, cli_flags, marked_pairs, tiny_cfg, write_pairs  # noqa: F401 (base: a fixture)
-from proc import run_group
+from proc import free_port, run_group
 
 from data_loader.preferences import PreferenceLoader
 from sprout.checkpoint import read_meta
@@ -256,7 +256,7 @@ def test_two_gloo_processes_match_one(run_a, data, base, tmp_path):
     out_a, _ = run_a  # 1 process × 2 micro-batches of 8 pairs
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29541",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "scripts" / "train_reward.py"), *cli_flags(data, base, out)]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from proc import run_group
+from proc import free_port, run_group
 from test_train import sections
 
 from data_loader.sft import SFTLoader
@@ -262,7 +262,7 @@ def test_two_gloo_processes_match_one(run_a, sft_file, base, tmp_path):
     out_a, _ = run_a  # 1 process × 2 micro-batches of 4 rows
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", "29537",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "scripts" / "train_sft.py"), "--init", str(base), "--data", str(sft_file), "--out", str(out),
            "--batch.global_tokens", str(8 * ROW), "--batch.micro_tokens", str(4 * ROW),
            "--train.max_steps", "16", "--optim.warmup_steps", "2", "--optim.lr", "3e-3", "--optim.weight_decay", "0",

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from proc import run_group
+from proc import free_port, run_group
 
 from sprout.errors import SproutError
 from sprout.model.transformer import ModelConfig
@@ -439,7 +439,7 @@ def test_bf16_autocast_on_cpu_keeps_fp32_state_and_learns(data, fresh_accelerato
 def test_two_gloo_processes_match_one(run_a, data, tmp_path):
     out_a, _ = run_a  # 1 process × 2 micro-steps of 1024 tokens
     out = tmp_path / "ddp"
-    proc = launch_tiny("cpu_ddp.yaml", data, out, 29531)
+    proc = launch_tiny("cpu_ddp.yaml", data, out, free_port())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) × 1 micro-steps" in proc.stdout
     a, b = losses(out_a), losses(out)
@@ -460,7 +460,7 @@ def test_two_gloo_processes_match_one(run_a, data, tmp_path):
 def test_trackers_in_a_two_process_run(data, tmp_path):
     """Closing the trackers must leave the process group to the run's own teardown."""
     out = tmp_path / "ddp_tb"
-    proc = launch_tiny("cpu_ddp.yaml", data, out, 29532, "--train.max_steps", "2", "--train.eval_every", "0",
+    proc = launch_tiny("cpu_ddp.yaml", data, out, free_port(), "--train.max_steps", "2", "--train.eval_every", "0",
                        "--train.trackers", "[tensorboard]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [s for s, _ in scalars(out / "sprout")["loss"]] == [1, 2]
@@ -470,7 +470,7 @@ def test_trackers_in_a_two_process_run(data, tmp_path):
 def test_a_rank_running_out_of_data_stops_every_rank(tmp_path):
     """Rank 1's stage returns None at step 3 while rank 0 has data: both stop at step 3, then
     evaluate and checkpoint together (a rank left in a collective alone would hang)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "uneven_stop_worker.py"), str(tmp_path)]
     proc = run_group(cmd, timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

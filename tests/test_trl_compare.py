@@ -2,6 +2,7 @@
 model and ChatML tokenizer): every row runs both sides, and on the same first batch sprout's loss and
 log-probs equal TRL's (GRPO, DPO, SFT) and its logits transformers' (generate). Skipped without trl."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -33,3 +34,28 @@ def test_every_row_runs_and_the_first_batch_agrees(tmp_path):
     dpo, sft = rows[1], rows[2]
     assert "TRL's = sprout's + '\\n'" in dpo.notes[-1]  # chatml's newline after <|im_end|>: TRL trains it
     assert "trained only by TRL: '\\n'" in sft.notes[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+def test_grpo_row_agrees_for_cispo_and_sapo(tmp_path, monkeypatch, loss_type):
+    """The GRPO row with TRL 1.16's newer loss types: the same loss on TRL's first batch. A
+    random model never answers right, so both sides are scored by the completion text's length
+    parity instead, which gives the check non-zero advantages to weigh."""
+    import trl_compare_rows
+
+    def parity(completions, **_):
+        return [float(len(c if isinstance(c, str) else c[-1]["content"]) % 2) for c in completions]
+
+    monkeypatch.setattr(trl_compare_rows, "correctness", parity)
+    hf_model("llama tied").save_pretrained(tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    write_run(read_source(str(tmp_path / "hf"), tmp_path / "work"), tmp_path / "run")
+    rows = trl_compare.main(["--run", str(tmp_path / "run"), "--only", "grpo", "--steps", "1", "--warmup", "1",
+                             "--threads", "1", "--prompts", "2", "--generations", "4", "--micro-completions", "4",
+                             "--completion-length", "4", "--loss-type", loss_type])
+    (row,) = rows
+    assert f"loss_type {loss_type}" in row.notes[0]
+    nonzero = re.search(r"\((\d+) of \d+ completions with a non-zero advantage\)", row.notes[2])
+    assert nonzero and int(nonzero.group(1)) > 0, row.notes[2]
+    assert max(row.check.values()) < 1e-4, row.check
