@@ -6,15 +6,20 @@ built once, `pytest_collection_modifyitems` puts the tests that share one in one
 the tests of the real SmolLM2 model (the `smollm2` fixture) in one, and the tests of a module
 that use a module- or session-scoped fixture of that module's own in one per module. The
 other session fixtures here are cheap and built by each worker. Every other test is handed to
-whichever worker is free.
+whichever worker is free. On a worker, the scripts a test starts get one torch thread
+(OMP_NUM_THREADS=1, unless set): the workers already keep every core busy, and two threads per
+process on top of them only contend.
 """
 
+import os
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_GROUPS = {"smollm2": "smollm2"}  # an expensive session fixture -> its group
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def xdist_group_of(item) -> str | None:
@@ -30,6 +35,7 @@ def xdist_group_of(item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = xdist_group_of(item)
