@@ -2,7 +2,7 @@
 --dist loadgroup`).
 
 Each worker builds its own session- and module-scoped fixtures. So that an expensive one is
-built once, `pytest_collection_modifyitems` puts the tests that share one in one xdist group:
+built once, `pytest_itemcollected` puts the tests that share one in one xdist group:
 the tests of the real SmolLM2 model (the `smollm2` fixture) in one, and the tests of a module
 that use a module- or session-scoped fixture of that module's own in one per module. The
 other session fixtures here are cheap and built by each worker. Every other test is handed to
@@ -35,12 +35,12 @@ def xdist_group_of(item) -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = xdist_group_of(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_itemcollected(item):
+    """Marks the test's group as it is collected: xdist's worker reads the marks into the test
+    ids in its `pytest_collection_modifyitems`, which runs before a conftest's."""
+    group = xdist_group_of(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
