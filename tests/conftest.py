@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_GROUPS = {"smollm2": "smollm2"}  # an expensive session fixture -> its group
+SHARED_FIXTURES = ("smollm2",)  # expensive session fixtures: the tests using one form a group of its name
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -25,9 +25,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def xdist_group_of(item) -> str | None:
     """The xdist group of a test (module doc), or None to let any worker take it."""
     names = set(item.fixturenames)
-    for fixture, group in SHARED_GROUPS.items():
+    for fixture in SHARED_FIXTURES:
         if fixture in names:
-            return group
+            return fixture
     defs = item._fixtureinfo.name2fixturedefs
     if any(d[-1].scope in ("module", "session") and d[-1].func.__module__ != __name__
            for name in names for d in [defs.get(name)] if d):

@@ -42,19 +42,19 @@ TRL_NAMES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def option_hint(key: str, fields: list[str], flag: str = "--") -> str:
+def option_hint(key: str, fields: list[str]) -> str:
     """The parenthesis after "unknown option --KEY" for a config whose fields are `fields`
-    (dotted names): TRL's name first (`TRL_NAMES`), else the closest field (`closest_field`).
-    `flag` prefixes a field named in it: "--" on the command line, "" for a key of a YAML file."""
+    (dotted names): TRL's name first (`TRL_NAMES`), else the closest field (`closest_field`)."""
     if key in TRL_NAMES:
-        return f" ({trl_hint(key, fields, flag)})"
+        return f" ({trl_hint(key, fields)})"
     close = closest_field(key, fields)
-    return f" (did you mean {flag}{close}?)" if close else " (see --help for the fields)"
+    return f" (did you mean --{close}?)" if close else " (see --help for the fields)"
 
 
 def trl_hint(key: str, fields: list[str], flag: str = "--") -> str:
     """What TRL's option `key` (in `TRL_NAMES`) is called in a config of `fields`, and how
-    sprout sizes it: "TRL's learning_rate: did you mean --optim.lr?"."""
+    sprout sizes it: "TRL's learning_rate: did you mean --optim.lr?". `flag` prefixes the
+    field: "--" on the command line, "" for a key of a config file."""
     candidates, note = TRL_NAMES[key]
     field = next((f for f in candidates if f in fields), None)
     said = [f"did you mean {flag}{field}?" if field else "", note]
