@@ -3,7 +3,8 @@ from typing import Literal
 
 import pytest
 
-from sprout.config import FieldError, config_help, load_config, parse_overrides, require
+from sprout.config import (FieldError, added_later, config_help, config_to_dict, fill_added_later, load_config,
+                           parse_overrides, require)
 from sprout.errors import SproutError
 
 
@@ -170,3 +171,29 @@ def test_a_trl_option_name_in_a_config_file_is_named_with_sprouts_field(tmp_path
     with pytest.raises(SproutError) as err:
         load_config(DPOConfig, path)
     assert str(err.value).startswith(f"{path}: unknown key(s) {key} ({said}"), str(err.value)
+
+
+@dataclass
+class Later:
+    x: int = 1
+    corrected: bool = field(default=True, metadata=added_later(False))
+
+
+@dataclass
+class WithLater:
+    loss: Later = field(default_factory=Later)
+
+
+def test_an_option_added_later_is_recorded_unless_it_is_what_runs_did_before_it():
+    """A saved config without an `added_later` field is one from before the field: a resume
+    fills in what such runs did, not today's default, and that value is left out of the dict,
+    so its resume hash is the one the old run recorded."""
+    assert config_to_dict(WithLater()) == {"loss": {"x": 1, "corrected": True}}
+    assert config_to_dict(WithLater(Later(corrected=False))) == {"loss": {"x": 1}}
+    old = {"loss": {"x": 2}}
+    filled, keys = fill_added_later(WithLater, old)
+    assert filled == {"loss": {"x": 2, "corrected": False}} and keys == ["loss.corrected"]
+    assert old == {"loss": {"x": 2}}  # the saved dict itself is left as read
+    assert fill_added_later(WithLater, {"loss": {"x": 2, "corrected": True}}) == (
+        {"loss": {"x": 2, "corrected": True}}, [])
+    assert fill_added_later(WithLater, {}) == ({}, [])  # a missing section is the default section

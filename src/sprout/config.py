@@ -24,7 +24,9 @@ Which fields a resumed run may change is declared on the field itself:
 is the config without those fields, the part a checkpoint records and a resume must match.
 A field added to a config after runs were made with it is declared with `RECORDED_WHEN_SET`
 metadata: `config_to_dict` writes it only when it differs from its default, so those runs'
-configs, checkpoint meta and resume hashes stay what they were.
+configs, checkpoint meta and resume hashes stay what they were. One whose default is not what
+those runs did is declared `added_later(before)` instead: written unless it holds `before`, and
+a resume of a run whose config lacks it continues as `before` (`fill_added_later`).
 """
 
 from __future__ import annotations
@@ -435,13 +437,39 @@ RESUME_FREE = {"resume": "free"}  # field metadata: this field may change when a
 RECORDED_WHEN_SET = {"record": "when set"}  # field metadata: left out of `config_to_dict` at its default
 
 
+def added_later(before: Any) -> dict:
+    """Field metadata of an option added after runs were made, whose default is not what those
+    runs did (`before`): `config_to_dict` leaves it out while it holds `before`, so their saved
+    configs and resume hashes stay what they were, and a resume of such a run fills it in as
+    `before` (`fill_added_later`), not as today's default."""
+    return {**RECORDED_WHEN_SET, "before": before}
+
+
+def fill_added_later(cls: type, data: dict, prefix: str = "") -> tuple[dict, list[str]]:
+    """A saved config with every `added_later` field it does not hold set to what runs did
+    before the field existed; and those dotted fields."""
+    hints = typing.get_type_hints(cls)
+    data, filled = dict(data), []
+    for f in dataclasses.fields(cls):
+        tp = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp) and isinstance(data.get(f.name), dict):
+            data[f.name], inner = fill_added_later(tp, data[f.name], f"{prefix}{f.name}.")
+            filled += inner
+        elif "before" in f.metadata and f.name not in data:
+            data[f.name] = copy.deepcopy(f.metadata["before"])
+            filled.append(prefix + f.name)
+    return data, filled
+
+
 def config_to_dict(cfg: Any) -> Any:
     """`dataclasses.asdict(cfg)`, leaving out the fields declared `RECORDED_WHEN_SET` while they hold
-    their default: fields added after configs were written, which those configs (their YAML,
-    checkpoint meta and resume hash) therefore keep reading exactly as before."""
+    their default (`added_later` ones: while they hold what runs did before them): fields added
+    after configs were written, which those configs (their YAML, checkpoint meta and resume
+    hash) therefore keep reading exactly as before."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-                if not (f.metadata.get("record") == "when set" and getattr(cfg, f.name) == _default(f))}
+                if not (f.metadata.get("record") == "when set"
+                        and getattr(cfg, f.name) == f.metadata.get("before", _default(f)))}
     if isinstance(cfg, (list, tuple)):
         return type(cfg)(config_to_dict(v) for v in cfg)
     if isinstance(cfg, dict):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -32,10 +33,10 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from sprout.atomic import hold_lock
-from sprout.config import add_config_help, load_config, parse_overrides, read_yaml
+from sprout.config import add_config_help, fill_added_later, load_config, parse_overrides, read_yaml
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import META, read_meta, resolve_checkpoint
-from sprout.formats.verify import VERIFY_MODES
+from sprout.formats.verify_data import VERIFY_MODES
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
@@ -262,7 +263,12 @@ def _resume_config(args, overrides: dict, config_cls):
     if args.config:
         cfg = load_config(config_cls, args.config, overrides)
     else:
+        saved, filled = fill_added_later(config_cls, saved)
         cfg = load_config(config_cls, None, overrides, base=saved, where=str(source))
+        if filled:
+            print_rank0(f"note: {source} does not record {', '.join(filled)} (saved before sprout had "
+                        f"{'them' if len(filled) > 1 else 'it'}): the run continues as it started, "
+                        + ", ".join(f"{k}={_yaml_scalar(_get(cfg, k))}" for k in filled))
     cfg.out = str(args.out) if args.out else (cfg.out if args.config else str(out))
     saved_steps = (saved.get("train") or {}).get("max_steps")
     if "max_steps" in (overrides.get("train") or {}):
@@ -280,6 +286,16 @@ def _resume_config(args, overrides: dict, config_cls):
                     + "; pass --train.max_steps N to train longer")
         raise SystemExit(0)
     return cfg
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _yaml_scalar(value) -> str:
+    return json.dumps(value)  # true, false, null, numbers and strings as YAML reads them
 
 
 def resolve_resume(resume: str | None, out: str | Path) -> Path | None:

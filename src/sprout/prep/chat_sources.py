@@ -56,7 +56,8 @@ from sprout.mirror import ENV as MIRROR_VARIABLE
 from sprout.mirror import expand_path, mirror_dir
 from sprout.prep.arithmetic import check_levels
 from sprout.prep.arithmetic import generate as generate_arithmetic
-from sprout.prep.sources import (Warnings, encodable, numbered_lines, open_binary, parse_source_arg, print_warning,
+from sprout.prep.compressed import open_binary
+from sprout.prep.sources import (Warnings, encodable, numbered_lines, parse_source_arg, print_warning,
                                  source_name, surrogate_message)
 
 FORMATS = ("alpaca", "dolly", "gsm8k", "chat", "arithmetic")

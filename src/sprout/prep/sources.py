@@ -24,29 +24,25 @@ takes it) is skipped, counted as `invalid_unicode` and warned about the same way
 from __future__ import annotations
 
 import codecs
-import gzip
-import io
 import json
 import os
 import re
 import sys
-import zlib
 from dataclasses import dataclass, field
 from glob import glob
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from sprout.errors import SproutError
+from sprout.prep.compressed import CHUNK, open_binary
 from sprout.ranges import in_range
 from sprout.tokenizer import EOT
 
-CHUNK = 1 << 20
 DETECT_CHARS = 1 << 20  # .txt: no <|endoftext|> in this many characters -> blank-line documents
 MAX_WARNINGS_PER_FILE = 5
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 @dataclass
@@ -194,91 +190,6 @@ def _iter_files(files, fld, spec, strict, stats, warn) -> Iterator[str]:
             skipped = stats.invalid_json + stats.invalid_unicode + stats.unterminated - before
             detail = f" ({skipped} invalid or unterminated record(s) skipped)" if skipped else ""
             raise SproutError(f"{path}: empty input, no documents found{detail}")
-
-
-# ---------------------------------------------------------------- compressed streams
-
-
-class _ZstdRaw(io.RawIOBase):
-    """Decompress a (multi-frame) zstd file, raising on a frame the file cuts short."""
-
-    def __init__(self, f: IO[bytes], path: Path) -> None:
-        import zstandard
-
-        self._f, self._path, self._zstd = f, path, zstandard
-        self._dobj = zstandard.ZstdDecompressor().decompressobj()
-        self._buf = b""
-        self._frame_open = False
-        self._done = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        while not self._buf and not self._done:
-            chunk = self._f.read(CHUNK)
-            if not chunk:
-                if self._frame_open:
-                    raise SproutError(f"{self._path}: truncated zstd stream (compressed data ends at byte {self._f.tell():,})")
-                self._done = True
-                break
-            self._feed(chunk)
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-    def _feed(self, chunk: bytes) -> None:
-        while chunk:
-            try:
-                self._buf += self._dobj.decompress(chunk)
-            except self._zstd.ZstdError as exc:
-                raise SproutError(f"{self._path}: corrupted zstd data near byte {self._f.tell():,} ({exc})") from None
-            self._frame_open = not self._dobj.eof
-            chunk = self._dobj.unused_data if self._dobj.eof else b""
-            if self._dobj.eof:
-                self._dobj = self._zstd.ZstdDecompressor().decompressobj()
-
-
-GZIP_MAGIC = b"\x1f\x8b"
-
-
-class _GzipChecked(io.RawIOBase):
-    """gzip.GzipFile whose errors become SproutError naming the file and offset."""
-
-    def __init__(self, f: IO[bytes], path: Path) -> None:
-        self._raw, self._path = f, path
-        if f.read(2) != GZIP_MAGIC:
-            f.close()
-            raise SproutError(f"{path}: not gzip-compressed (bad magic bytes) despite the .gz suffix")
-        f.seek(0)
-        self._gz = gzip.GzipFile(fileobj=f, mode="rb")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        try:  # one decompression step at a time: what precedes a truncation is still read
-            return self._gz.readinto1(b)
-        except EOFError:
-            raise SproutError(f"{self._path}: truncated gzip stream (compressed data ends at byte {self._raw.tell():,})") from None
-        except (gzip.BadGzipFile, zlib.error, OSError) as exc:
-            raise SproutError(f"{self._path}: corrupted gzip data near byte {self._raw.tell():,} ({exc})") from None
-
-
-def open_binary(path: Path) -> IO[bytes]:
-    """Open a file for buffered binary reading, decompressing .gz/.zst transparently."""
-    f = open(path, "rb")
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return io.BufferedReader(_GzipChecked(f, path), CHUNK)
-    if name.endswith(".zst"):
-        if f.read(4) != ZSTD_MAGIC:
-            f.close()
-            raise SproutError(f"{path}: not zstd-compressed (bad magic bytes) despite the .zst suffix")
-        f.seek(0)
-        return io.BufferedReader(_ZstdRaw(f, path), CHUNK)
-    return f
 
 
 # ---------------------------------------------------------------- text files

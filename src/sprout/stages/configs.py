@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, require, resume_free
+from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, added_later, require, resume_free
 from sprout.ranges import in_range
 from sprout.losses.loss_types import CLIPPED_LOSS_TYPES, PREFERENCE_LOSS_TYPES
 from sprout.model.config import ModelConfig
@@ -251,8 +251,9 @@ class GRPOLossConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
     # kl_in loss, beta > 0: the per-token KL × the importance ratio (TRL's default, true), so its
-    # gradient is the reverse KL's; the ratio carries a gradient, so even on-policy the KL gradient differs
-    use_bias_correction_kl: bool = field(default=True, metadata=RECORDED_WHEN_SET)
+    # gradient is the reverse KL's; the ratio carries a gradient, so even on-policy the KL gradient differs.
+    # Runs saved before this option resume as they ran: false
+    use_bias_correction_kl: bool = field(default=True, metadata=added_later(False))
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
     max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
