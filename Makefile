@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 JOBS    ?= 2
 
 test: venv
-	$(PYBIN) -m pytest -q -n $(JOBS) --dist loadgroup --durations=15
+	$(PYBIN) -m pytest -q -n $(JOBS) --dist loadgroup --durations=30
 
 test-fast: venv
 	$(PYBIN) -m pytest -q -n $(JOBS) --dist loadgroup -m "not slow"

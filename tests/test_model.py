@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from sprout.errors import SproutError
-from sprout.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables
+from sprout.model.heads import PolicyWithValue, RewardModel
+from sprout.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables, uninitialised
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
 
@@ -191,6 +192,24 @@ def test_init_statistics():
         x = torch.randint(0, 4096, (2, 64))
         loss = F.cross_entropy(m(x)[:, :-1].reshape(-1, 4096), x[:, 1:].reshape(-1))
     assert abs(loss.item() - (math.log(4096) + 0.5 * 0.02**2 * 256)) < 0.02
+
+
+@pytest.mark.parametrize("cls", [Transformer, RewardModel, PolicyWithValue])
+@pytest.mark.parametrize("tie", [False, True])
+def test_an_uninitialised_model_loads_into_the_same_function(cls, tie):
+    config = ModelConfig(**{**TINY, "tie_embeddings": tie, "rope_theta": 500.0})
+    torch.manual_seed(0)
+    built, empty = cls(config).eval(), uninitialised(cls, config).eval()
+    assert [(n, p.shape) for n, p in empty.named_parameters()] == [(n, p.shape) for n, p in built.named_parameters()]
+    assert all(p.device.type == "cpu" for p in empty.parameters())
+    assert set(empty.state_dict()) == set(built.state_dict())  # the rotary tables stay out of it
+    torch.testing.assert_close(empty.rope_cos, built.rope_cos, rtol=0, atol=0)
+    torch.testing.assert_close(empty.rope_sin, built.rope_sin, rtol=0, atol=0)
+    if tie and cls is not RewardModel:
+        assert empty.lm_head.weight is empty.embed_tokens.weight  # tied again, as __init__ ties them
+    empty.load_state_dict(built.state_dict())
+    x = torch.randint(0, 64, (2, 12))
+    torch.testing.assert_close(empty(x), built(x), rtol=0, atol=0)
 
 
 def test_overfits_one_batch():

@@ -13,6 +13,7 @@ from sprout.checkpoint import META, WEIGHTS, load_weights, read_meta, read_weigh
 from sprout.errors import SproutError
 from sprout.model.config import ModelConfig
 from sprout.model.heads import ARCHITECTURES, HEAD_WEIGHTS
+from sprout.model.transformer import uninitialised
 
 
 def model_class(meta: dict):
@@ -47,7 +48,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     (its value head included) or a RewardModel.
     """
     meta = read_meta(path)
-    model = model_class(meta)(ModelConfig(**meta["model_config"])).to(device)
+    model = uninitialised(model_class(meta), ModelConfig(**meta["model_config"]), device)
     load_weights(model, meta["path"], meta)
     return model.eval(), meta
 
@@ -62,9 +63,13 @@ def init_from_lm(path: str | os.PathLike, architecture: str, *, seed: int = 0, d
     if architecture not in ARCHITECTURES:
         raise SproutError(f"unknown architecture {architecture!r} (known: {', '.join(ARCHITECTURES)})")
     meta = read_meta(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = ARCHITECTURES[architecture](ModelConfig(**meta["model_config"]))
+    config = ModelConfig(**meta["model_config"])
+    if architecture not in HEAD_WEIGHTS:  # every weight comes from the checkpoint
+        model = uninitialised(ARCHITECTURES[architecture], config)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = ARCHITECTURES[architecture](config)
     f = Path(meta["path"]) / WEIGHTS
     state = read_weights(f, model)
     own = model.state_dict()

@@ -53,7 +53,7 @@ from sprout.losses.preference import (
 )
 from sprout.losses.loss_types import REFERENCE_FREE
 from sprout.losses.tokens import sequence_logps
-from sprout.model.transformer import Transformer
+from sprout.model.transformer import Transformer, uninitialised
 from sprout.engine.loop import all_reduce_sums
 from sprout.engine.run import train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
@@ -174,7 +174,7 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     check_dpo_options(cfg.dpo)
     run = open_preference_run(cfg, "dpo", resume)
     cfg, acc = run.cfg, run.accelerator
-    policy = Transformer(run.model_config)
+    policy = uninitialised(Transformer, run.model_config)  # the init checkpoint's weights, or the resumed run's
     if run.resume is None:
         load_weights(policy, run.base["path"], run.base)
     ref_model, ref_path = None, None
@@ -182,7 +182,7 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
         ref_meta = read_meta(cfg.dpo.ref) if cfg.dpo.ref else run.base
         if ref_meta["model_config"] != run.base["model_config"] or ref_meta.get("architecture", "lm") != "lm":
             raise SproutError(f"{ref_meta['path']}: dpo.ref must be an LM with the init checkpoint's model config")
-        ref_model, ref_path = Transformer(run.model_config), ref_meta["path"]
+        ref_model, ref_path = uninitialised(Transformer, run.model_config), ref_meta["path"]
         load_weights(ref_model, ref_path, ref_meta)
         acc.print(f"dpo: reference {ref_path}" + (" (log-probs precomputed)" if cfg.dpo.precompute_ref_logps
                                                  else " (frozen copy)"))

@@ -70,7 +70,7 @@ from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
 from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.config import ModelConfig
-from sprout.model.transformer import Transformer
+from sprout.model.transformer import Transformer, uninitialised
 from sprout.rl.evaluation import evaluate_prompts
 from sprout.rl.verifiers import WeightedReward, combine_rewards
 from sprout.engine.loop import all_reduce_sums
@@ -363,7 +363,7 @@ class RLRun:
     def init_lm(self, load: bool = True) -> Transformer:
         """A plain LM of the init checkpoint's shape, with its weights when `load`: an LM's as
         they are, a PPO policy's (architecture lm+value) without its value head."""
-        model = Transformer(self.model_config)
+        model = uninitialised(Transformer, self.model_config)  # loaded here, or by the resume
         if not load:
             return model
         if self.base.get("architecture", "lm") == "lm":

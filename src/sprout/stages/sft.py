@@ -47,7 +47,7 @@ from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_n
 from sprout.model.chat_session import ChatSession
 from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
-from sprout.model.transformer import Transformer
+from sprout.model.transformer import Transformer, uninitialised
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.sft import SFTFile
 from sprout.formats.verify_data import verify_sft_pair
@@ -241,7 +241,7 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     val_loader = SFTLoader(val, rows, rank=rank, world_size=world, shuffle=False)
     if val_loader.num_rows < world:
         raise SproutError(f"{val}: {val_loader.num_rows} val rows for {world} processes")
-    model = Transformer(model_cfg)
+    model = uninitialised(Transformer, model_cfg)  # the base's weights, or the resumed run's
     if resume_path is None:
         load_weights(model, base["path"], base)
     cfg = with_epochs(cfg, loader.steps_per_epoch)
