@@ -9,6 +9,11 @@ other session fixtures here are cheap and built by each worker. Every other test
 whichever worker is free. On a worker, the scripts a test starts get one torch thread
 (OMP_NUM_THREADS=1, unless set): the workers already keep every core busy, and two threads per
 process on top of them only contend.
+
+Every file the suite writes is thrown away, so its writes skip the fsync (SPROUT_FSYNC=0,
+`sprout.atomic`; unless set): they stay atomic for readers and killed processes, and the
+suite does not wait for the disk (a 135M model's checkpoint is 1.6 GB). tests/test_atomic.py
+checks that outside the suite every atomic write is fsynced.
 """
 
 import os
@@ -18,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_FIXTURES = ("smollm2",)  # expensive session fixtures: the tests using one form a group of its name
+os.environ.setdefault("SPROUT_FSYNC", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -6,7 +6,10 @@ and renames into place (`os.replace` is atomic on POSIX). A reader therefore see
 either the old file, the complete new file, or nothing; never a half-written one.
 Temporary files are named `.tmp-<final name>.<random>` and are removed on failure; a
 process killed mid-write leaves one behind, which `remove_stale_temps` deletes when the
-same output is written again.
+same output is written again. `SPROUT_FSYNC=0` in the environment skips the fsyncs, for
+outputs that may be lost with the machine (the test suite sets it, `tests/conftest.py`): the
+rename still makes each write atomic for readers and for a process killed mid-write; only a
+power loss or a kernel crash could then leave a renamed file whose bytes never reached the disk.
 
 A folder that cannot be created or written, a full disk (ENOSPC), a quota (EDQUOT) or a
 file size limit (EFBIG) raise `SproutError` naming the output path, never a traceback.
@@ -102,11 +105,17 @@ def _temp_beside(path: Path) -> tuple[int, str]:
     return fd, tmp
 
 
+def _sync(f: IO) -> None:
+    """fsync the open file `f`, unless `SPROUT_FSYNC=0` (see the module doc)."""
+    if os.environ.get("SPROUT_FSYNC") != "0":
+        os.fsync(f.fileno())
+
+
 def _finish(tmp: str, path: Path) -> None:
     """fsync `tmp` and rename it over `path`."""
     try:
         with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+            _sync(f)
         os.replace(tmp, path)
     except OSError as exc:
         raise write_error(path, exc) from None
@@ -271,7 +280,7 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike, files) -> None:
     tmp, path = Path(tmp), Path(path)
     for name in files:
         with open(tmp / name, "rb+") as f:
-            os.fsync(f.fileno())
+            _sync(f)
     old = None
     if path.exists():
         old = path.with_name(f".tmp-old-{path.name}")

@@ -1,0 +1,37 @@
+"""sprout.atomic's writes are fsynced before they are renamed into place, unless SPROUT_FSYNC=0
+(which the suite sets for itself, tests/conftest.py): then the same files land in place, unsynced."""
+
+import os
+
+import pytest
+
+import sprout.atomic as atomic
+
+
+def write_three(folder) -> None:
+    """A file by atomic_write, one by atomic_path, a folder of two by replace_dir."""
+    with atomic.atomic_write(folder / "a.txt", "w") as f:
+        f.write("a\n")
+    with atomic.atomic_path(folder / "b.bin") as tmp:
+        tmp.write_bytes(b"b")
+    staged = folder / ".tmp-c"
+    staged.mkdir()
+    (staged / "x").write_text("x")
+    (staged / "y").write_text("y")
+    atomic.replace_dir(staged, folder / "c", ["x", "y"])
+
+
+@pytest.mark.parametrize("setting, synced", [(None, 4), ("1", 4), ("0", 0)])
+def test_every_atomic_write_is_fsynced_unless_the_environment_says_0(tmp_path, monkeypatch, setting, synced):
+    if setting is None:
+        monkeypatch.delenv("SPROUT_FSYNC", raising=False)
+    else:
+        monkeypatch.setenv("SPROUT_FSYNC", setting)
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    write_three(tmp_path)
+    assert len(calls) == synced
+    assert (tmp_path / "a.txt").read_text() == "a\n" and (tmp_path / "b.bin").read_bytes() == b"b"
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["x", "y"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.bin", "c"]  # no temporary left
