@@ -432,14 +432,14 @@ def test_killed_at_ten_random_moments_ends_as_an_uninterrupted_run(reference, tm
     for moment in sorted(rng.uniform(0.5, 25.0) for _ in range(10)):
         proc = subprocess.Popen(runner(preset, out=out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:  # where in the pipeline the kill lands; the assertions hold at any moment
-            proc.wait(timeout=moment)
-            continue  # the pipeline ended before this moment: nothing left to kill
+            assert proc.wait(timeout=moment) == 0  # the pipeline ended before this moment: nothing to kill
+            continue
         except subprocess.TimeoutExpired:
             pass
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children()]
         proc.kill()
         proc.wait()
-        psutil.wait_procs(family, timeout=60)  # children die with it
+        assert psutil.wait_procs(family, timeout=60)[1] == []  # children die with it
     final = run(preset, out=out)
     assert final.returncode == 0, final.stderr[-2000:]
     assert weights(out) == weights(ref_out)
