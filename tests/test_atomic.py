@@ -27,9 +27,13 @@ def test_every_atomic_write_is_fsynced_unless_the_environment_says_0(tmp_path, m
         monkeypatch.delenv("SPROUT_FSYNC", raising=False)
     else:
         monkeypatch.setenv("SPROUT_FSYNC", setting)
-    calls = []
-    real = os.fsync
-    monkeypatch.setattr(atomic.os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    calls, real_fsync = [], os.fsync
+
+    def counted_fsync(fd):
+        calls.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", counted_fsync)
     write_three(tmp_path)
     assert len(calls) == synced
     assert (tmp_path / "a.txt").read_text() == "a\n" and (tmp_path / "b.bin").read_bytes() == b"b"

@@ -147,6 +147,11 @@ def rope_tables(head_dim: int, max_len: int, theta: float,
     return torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
 
 
+def model_rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables` of a model's config: its head size, context, base and scaling."""
+    return rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + swap_halves(x) * sin, adding the swapped halves in place: no swapped copy of x."""
     h = x.shape[-1] // 2
@@ -378,7 +383,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
+        cos, sin = model_rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -463,6 +468,6 @@ def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | tor
     model.to_empty(device=device)
     if config.tie_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.embed_tokens.weight
-    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
+    cos, sin = model_rope_tables(config)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
