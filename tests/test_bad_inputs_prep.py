@@ -194,6 +194,15 @@ def test_a_tokenizer_output_prefix_naming_a_folder_is_refused(tok, tmp_path):
     assert tree(tmp_path) == before
 
 
+def test_an_sft_train_file_not_named_h5_is_refused(tok, tmp_path):
+    """`--out runs/x/sft` (a folder, as the other preps take) would write HDF5 files named `sft`
+    and `sft_val` that no trainer finds: refused before anything is written."""
+    chat = write_jsonl(tmp_path / "chat.jsonl", sft_rows(5))
+    before = tree(tmp_path)
+    one_error(sft(tok, tmp_path / "sft", chat), "must end in .h5", str(tmp_path / "sft" / "sft.h5"))
+    assert tree(tmp_path) == before
+
+
 # ---------------------------------------------------------------- c. lone surrogates
 
 

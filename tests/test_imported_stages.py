@@ -4,7 +4,7 @@ ChatML format.
 
 Each trainer (SFT, reward model, DPO, PPO, GRPO) runs 2 steps of tiny batches through its
 script with the imported run folder as --init and no other flag about the model (PPO's reward
-model is the reward case's run); the loss is finite, the run resumed from its step-1
+model is the reward case's run; SFT answers one sample prompt, in its report); the loss is finite, the run resumed from its step-1
 checkpoint repeats step 2 exactly, and the result exports to a transformers folder that
 `verify_export` checks (logits or scores within 1e-4,
 tokenizer and chat-template ids, greedy chat answers). Data prepared with another tokenizer
@@ -41,7 +41,8 @@ ROLLOUTS = ["--data.eval_prompts", "2", "--data.eval_batch", "2", "--batch.globa
             "8", "--optim.lr", "1e-6"]
 STAGES = {  # script, demo config, flags (DATA, REWARD: filled in by `chain`)
     "sft": ("train_sft.py", "sft.yaml", ["--data.path", "SFT", "--batch.global_tokens", "256",
-                                         "--batch.micro_tokens", "128", "--optim.lr", "1e-5"]),
+                                         "--batch.micro_tokens", "128", "--optim.lr", "1e-5",
+                                         "--sample_prompts", '["What is 12 plus 7?"]']),
     "reward": ("train_reward.py", "reward.yaml", ["--data", "PAIRS", *PAIRS]),
     "dpo": ("train_dpo.py", "dpo.yaml", ["--data", "PAIRS", *PAIRS]),
     "ppo": ("train_ppo.py", "ppo.yaml", ["--data.path", "PROMPTS", "--reward_model", "REWARD", *ROLLOUTS,
@@ -105,6 +106,10 @@ def test_stage_runs_from_the_imported_model_resumes_exactly_and_exports(stage, s
     meta = read_meta(out / "checkpoints" / "step_00000002")
     assert meta["template_version"] == read_meta(smollm2[1])["template_version"]
     assert checkpoint_tokenizer(meta).spec.startswith("hf:")
+    if stage == "sft":  # the answer to its sample prompt, generated in the import's chat format
+        samples = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "samples"]
+        assert [s["prompt"] for s in samples[-1]["samples"]] == ["What is 12 plus 7?"]
+        assert samples[-1]["samples"][0]["answer"].strip()
 
     again = tmp_path / "again"  # the run as it was at step 1 (the checkpoint hard-linked: no copy on disk)
     (again / "checkpoints").mkdir(parents=True)
@@ -112,7 +117,8 @@ def test_stage_runs_from_the_imported_model_resumes_exactly_and_exports(stage, s
                     copy_function=os.link)
     (again / "checkpoints" / "latest").write_text("step_00000001\n")
     shutil.copy(out / "config.yaml", again / "config.yaml")
-    got = script(STAGES[stage][0], "--out", again, "--resume")
+    quiet = ["--sample_prompts", "[]"] if stage == "sft" else []  # the answers: the run's report has them
+    got = script(STAGES[stage][0], "--out", again, "--resume", *quiet)
     assert got.returncode == 0, got.stderr[-3000:]
     assert losses(again) == {2: first[2]}  # exact: the resumed step repeats the uninterrupted one
     shutil.rmtree(again)

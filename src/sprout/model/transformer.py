@@ -45,7 +45,9 @@ such terms to the residual and this keeps its variance independent of depth; RMS
 weights = 1. A model whose every weight is loaded next (a checkpoint, a resume) is built
 by `uninitialised(cls, config)` instead: allocated on the meta device, then given memory
 without values, so no time goes into random numbers that the load overwrites (at 135M
-parameters the init takes about as long as reading the weights).
+parameters the init takes about as long as reading the weights). No normal_ runs on the meta
+device either: a meta tensor's normal_ is torch's Python reference, whose first call imports
+torch._dynamo (about 1.6 s of CPU per process, more than a small model's whole load).
 
 FLOPs per token (training, forward + backward) follow Kaplan et al. 2020 (sec. 2.1) and
 PaLM (Chowdhery et al. 2022, appendix B): 6 * N_matmul + 12 * n_layers * d_model * seq_len,
@@ -65,6 +67,8 @@ their forward maths as plain functions, without the Functions' per-call overhead
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -383,7 +387,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = model_rope_tables(config)
+        if self.embed_tokens.weight.is_meta:  # `uninitialised` computes them once the model has memory
+            cos = sin = torch.empty(0)
+        else:
+            cos, sin = model_rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -391,6 +398,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, init_std); o_proj/down_proj scaled by 1/sqrt(2 n_layers); norms 1; biases 0."""
+        if self.embed_tokens.weight.is_meta:  # `uninitialised`: no values to set
+            return
         std = self.config.init_std
         resid_std = std / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
@@ -463,11 +472,20 @@ def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | tor
     """A `cls(config)` (the Transformer or a head model) whose parameters hold no values yet,
     for weights that are loaded next: built on the meta device, then allocated on `device`.
     The tied lm_head is tied again and the rotary tables are computed, as `__init__` does."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_normal_init():
         model = cls(config)
-    model.to_empty(device=device)
+    # to_empty's empty_like would run torch's Python reference for meta tensors (a 0.4 s first import)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if config.tie_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.embed_tokens.weight
     cos, sin = model_rope_tables(config)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
+
+
+@contextmanager
+def _no_normal_init():
+    """`nn.init.normal_` as a no-op (nn.Embedding's own init, a head's): for a model built on the
+    meta device, where it would only import torch._dynamo (module doc)."""
+    with mock.patch.object(nn.init, "normal_", lambda tensor, *args, **kwargs: tensor):
+        yield

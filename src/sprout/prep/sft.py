@@ -36,6 +36,7 @@ import numpy as np
 from sprout.atomic import check_writable, remove_stale_temps, safe_name
 from sprout.chat import ChatError, render, template_for, validate
 from sprout.errors import SproutError
+from sprout.formats.data_paths import SFT_FILES
 from sprout.formats.sft import val_path, write_sft_files
 from sprout.formats.shards import dtype_for_vocab
 from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
@@ -67,6 +68,9 @@ def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
     if not cfg.sources:
         raise SproutError("no sources configured (--source PATH[:WEIGHT] with --source-format, or a `sources:` list in the config)")
     safe_name(Path(cfg.out).name, f"out {cfg.out}")
+    if Path(cfg.out).suffix != SFT_FILES.suffix:  # the trainers find packed rows by it
+        raise SproutError(f"out {cfg.out}: the train file's name must end in {SFT_FILES.suffix} "
+                          f"(e.g. {Path(cfg.out) / SFT_FILES.train}); the val file goes beside it")
     check_writable(cfg.out)
     specs = [from_dict_source(s, i) for i, s in enumerate(cfg.sources)]
     names = [s.name for s in specs]
