@@ -1,4 +1,6 @@
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -211,6 +213,26 @@ def test_an_uninitialised_model_loads_into_the_same_function(cls, tie):
     empty.load_state_dict(built.state_dict())
     x = torch.randint(0, 64, (2, 12))
     torch.testing.assert_close(empty(x), built(x), rtol=0, atol=0)
+
+
+def test_an_uninitialised_model_runs_no_init_on_the_meta_device():
+    """A meta tensor's normal_ (nn.Embedding's init, a head's, reset_parameters') and empty_like
+    import torch._dynamo and torch's Python refs, seconds of CPU per process: building an
+    uninitialised model of each class imports neither, and leaves nn.init as it was."""
+    code = """
+import sys, torch
+from torch import nn
+normal = nn.init.normal_
+from sprout.model.heads import PolicyWithValue, RewardModel
+from sprout.model.transformer import ModelConfig, Transformer, uninitialised
+for cls in (Transformer, RewardModel, PolicyWithValue):
+    uninitialised(cls, ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
+assert nn.init.normal_ is normal
+print("torch._dynamo" in sys.modules)
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "False"
 
 
 def test_overfits_one_batch():
