@@ -29,7 +29,8 @@ TRAINERS = ("base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo",
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     proc = run_group([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tiny", "--steps", "2",
-                      "--trainer-steps", "2", "--out", str(tmp_path)], timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                      "--trainer-steps", "2", "--out", str(tmp_path)],
+                     timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["failed"] == {}
