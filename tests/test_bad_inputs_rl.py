@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
 from grpo_fixtures import addition_prompts
 from preference_train_fixtures import base  # noqa: F401 (a fixture)
+from proc import run_group, run_here
 from test_bad_inputs_train import one_error, tree
 
 from sprout.engine.run_args import RUN_LOCK, hold_run, release_run
@@ -40,13 +41,16 @@ def prepared(tmp_path_factory):
     return root / "prompts"
 
 
-def train(script: str, data: Path, init: Path, out: Path, *extra):
+def train(script: str, data: Path, init: Path, out: Path, *extra, here: bool = True):
+    """The trainer's run on tiny sizes: in this process (`proc.run_here`), or with `here=False` in
+    a process of its own."""
     flags = [f"--{section}.{k}={v}" for section, fields in TINY.items() for k, v in fields.items()]
     if script == "train_ppo.py":
         flags.append("--ppo.num_ppo_epochs=1")
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--data", str(data), "--init", str(init),
-                           "--out", str(out), *flags, *extra], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "SPROUT_MIRROR": ""})
+    cmd = [sys.executable, str(ROOT / "scripts" / script), "--data", str(data), "--init", str(init), "--out", str(out),
+           *flags, *extra]
+    env = {**os.environ, "SPROUT_MIRROR": ""}
+    return run_here(cmd, cwd=ROOT, env=env) if here else run_group(cmd, timeout=300, cwd=ROOT, env=env)
 
 
 def lines(path: Path) -> list[dict]:
@@ -93,14 +97,14 @@ def test_held_out_prompts_in_the_train_file_are_refused(script, how, copy, base,
 def test_a_run_folder_another_trainer_holds_is_refused(prepared, base, tmp_path):
     out = tmp_path / "out"
     assert hold_run(out)  # this test's process stands for a trainer that is writing `out`
-    try:
+    try:  # the trainers that find it held: processes of their own
         before = tree(tmp_path)
-        one_error(train("train_grpo.py", prepared / "prompts.jsonl", base, out), str(out),
+        one_error(train("train_grpo.py", prepared / "prompts.jsonl", base, out, here=False), str(out),
                   f"pid {os.getpid()}", "another trainer")
         assert tree(tmp_path) == before
         (out / "metrics.jsonl").write_text('{"step": 1}\n')  # the holder's run so far
         before = tree(tmp_path)
-        one_error(train("train_grpo.py", prepared / "prompts.jsonl", base, out, "--overwrite"), str(out),
+        one_error(train("train_grpo.py", prepared / "prompts.jsonl", base, out, "--overwrite", here=False), str(out),
                   f"pid {os.getpid()}")  # --overwrite deletes nothing of a held run
         assert tree(tmp_path) == before
     finally:

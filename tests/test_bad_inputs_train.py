@@ -1,9 +1,9 @@
 """Every tampered or bad input to a trainer ends in one line naming the file, field or path, and
 a trainer is safe under a killed save and a full disk.
 
-Each case runs the real script in a subprocess and checks: the exit code, exactly one
-`error: ...` line on stderr naming what is wrong, no traceback, and, for refusals, the output
-folder byte for byte as it was. A full disk is a file size limit (RLIMIT_FSIZE, with SIGXFSZ
+Each case runs the real script (in the test's process, `proc.run_here`; in a subprocess under a
+file size limit) and checks: the exit code, exactly one `error: ...` line on stderr naming what
+is wrong, no traceback, and, for refusals, the output folder byte for byte as it was. A full disk is a file size limit (RLIMIT_FSIZE, with SIGXFSZ
 ignored so the write fails with EFBIG), so no real disk is filled. Checkpoint rotation and the
 removal of a killed save's temporaries are checked on `save_rotating` itself.
 """
@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from data_fixtures import make_docs, train_tiny_sp
+from proc import run_here
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.checkpoint import read_meta, save_checkpoint, save_rotating
 from sprout.errors import SproutError
@@ -44,15 +45,16 @@ TINY = ["--model.vocab_size", "448", "--model.d_model", "32", "--model.n_layers"
 
 
 def run(script: str, *args, limit: int | None = None, timeout: float = 180):
-    """Run scripts/<script> with `args`; `limit` caps the size of any file it writes."""
+    """Run scripts/<script> with `args`; `limit` caps the size of any file it writes (a subprocess)."""
 
     def cap():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    return subprocess.run([sys.executable, str(SCRIPTS / script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=cap if limit else None, cwd=ROOT,
-                          env={**os.environ, "SPROUT_MIRROR": ""})
+    cmd, env = [sys.executable, str(SCRIPTS / script), *map(str, args)], {**os.environ, "SPROUT_MIRROR": ""}
+    if limit is None:
+        return run_here(cmd, cwd=ROOT, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap, cwd=ROOT, env=env)
 
 
 def one_error(proc, *needles: str) -> str:

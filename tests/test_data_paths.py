@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from proc import run_here
 from sprout.errors import SproutError
 from sprout.formats.data_paths import (PREFERENCE_FILES, PROMPT_FILES, SFT_FILES, resolve_data,
                                        token_data_path)
@@ -91,8 +92,8 @@ TRAINERS = {  # script: (the prep's files, the flags besides --data, --init and 
 
 
 def run(script: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "SPROUT_MIRROR": ""})
+    return run_here([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], cwd=ROOT,
+                    env={**os.environ, "SPROUT_MIRROR": ""})
 
 
 def one_error(proc) -> str:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from proc import free_port, run_group
+from proc import free_port, run_group, run_here
 from test_sft_train import base  # noqa: F401 (fixture: a tiny base checkpoint with the sp tokenizer)
 
 import sprout.rl.evaluation as evaluation
@@ -239,8 +239,7 @@ ARGS = ["--task", "arith", "--max-examples", "6", "--n", "2", "--k", "1,2", "--g
 
 
 def evaluate_script(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, **kwargs)
+    return run_here([sys.executable, str(ROOT / "scripts" / "evaluate.py"), *map(str, args)], cwd=ROOT, **kwargs)
 
 
 def test_script_writes_the_json_and_a_table(base, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from proc import run_group
+from proc import run_here
 from sprout.chat import render
 from sprout.checkpoint import bundle_tokenizer, save_checkpoint
 from sprout.errors import SproutError
@@ -252,7 +252,7 @@ def test_script_refuses_an_output_in_or_around_the_run_it_exports(sp, tmp_path):
     script = str(ROOT / "scripts" / "export_hf.py")
     for source, out, where in [(run, run, "is"), (run / "checkpoints", run / "hf", "lies inside"),
                                (run, tmp_path / "runs", "holds")]:
-        done = run_group([sys.executable, script, str(source), str(out), "--overwrite", "--no-check"], timeout=300)
+        done = run_here([sys.executable, script, str(source), str(out), "--overwrite", "--no-check"])
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
         assert f"{out}: {where} the run folder {run}" in errors[0]
@@ -268,11 +268,11 @@ def test_script_exports_and_checks_a_checkpoint(sp, tmp_path):
                           **bundle_tokenizer(sp.spec, run)})
     (tmp_path / "run" / "checkpoints" / "latest").write_text("step_00000001\n")
     cmd = [sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(tmp_path / "run"), str(tmp_path / "hf")]
-    done = run_group(cmd, timeout=300)
+    done = run_here(cmd)
     assert done.returncode == 0, done.stderr
     assert "LlamaForCausalLM" in done.stdout and "checked with transformers" in done.stdout
-    again = run_group(cmd, timeout=300)
+    again = run_here(cmd)
     assert again.returncode == 2 and again.stderr.strip().count("\n") == 0
     assert again.stderr.startswith("error: ") and "--overwrite" in again.stderr
-    missing = run_group([*cmd[:2], str(tmp_path / "nothing"), str(tmp_path / "hf2"), "--no-check"], timeout=300)
+    missing = run_here([*cmd[:2], str(tmp_path / "nothing"), str(tmp_path / "hf2"), "--no-check"])
     assert missing.returncode == 2 and "no such checkpoint" in missing.stderr

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_fixtures import CHATML, LLAMA3_ROPE, MODELS, SHAPE, hf_model, write_tokenizer
-from proc import run_group
+from proc import run_group, run_here
 from sprout.chat import render
 from sprout.chat_formats import SMOLLM2_SYSTEM, format_for
 from sprout.checkpoint import checkpoint_tokenizer, read_meta
@@ -121,7 +121,9 @@ def run_script(*args, env=None, timeout=300):
     import os
 
     cmd = [sys.executable, str(ROOT / "scripts" / "import_model.py"), *map(str, args)]
-    return run_group(cmd, timeout=timeout, env={**os.environ, **(env or {})})
+    if env is None:  # else a subprocess: PYTHONPATH and the hub's variables are read at startup and import
+        return run_here(cmd)
+    return run_group(cmd, timeout=timeout, env={**os.environ, **env})
 
 
 def test_script_writes_a_run_and_refuses_to_overwrite_it(imported, tmp_path):

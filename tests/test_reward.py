@@ -7,14 +7,13 @@ import math
 import re
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from preference_train_fixtures import MARK, base, cli_flags, marked_pairs, tiny_cfg, write_pairs  # noqa: F401 (base: a fixture)
-from proc import free_port, run_group
+from proc import free_port, run_group, run_here
 
 from data_loader.preferences import PreferenceLoader
 from sprout.checkpoint import read_meta
@@ -191,7 +190,7 @@ def test_bad_preference_file_is_one_line(case, base, data, tmp_path):
     bad.write_text("\n".join(lines) + "\n")
     shutil.copy(data.with_name("preferences_test.jsonl"), tmp_path / "preferences_test.jsonl")
     cmd = [sys.executable, str(ROOT / "scripts" / "train_reward.py"), *cli_flags(bad, base, tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = run_here(cmd, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith(f"error: {bad}") and proc.stderr.count("\n") == 1, proc.stderr
     assert re.search(pattern, proc.stderr), proc.stderr
@@ -217,9 +216,8 @@ def test_a_file_edited_after_prep_is_refused_unless_data_verify_sizes(base, tmp_
     assert check.report("preference files").startswith("data: verified 2 preference files")
 
     data.write_text(data.read_text().replace(MARK, "zebra", 1))  # still a valid file
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_reward.py"),
-                           *cli_flags(data, base, tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    proc = run_here([sys.executable, str(ROOT / "scripts" / "train_reward.py"),
+                     *cli_flags(data, base, tmp_path / "out")], cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr == f"error: {data}: sha256 does not match {out / 'manifest.json'} " \
                           f"(edited, or from another prep run)\n"
@@ -235,17 +233,15 @@ def test_pairs_over_the_context_are_counted_or_refused(base, data, tmp_path):
     mixed.write_text("".join(json.dumps(r) + "\n" for r in [good(0), long, good(1)]))
     shutil.copy(data.with_name("preferences_test.jsonl"), tmp_path / "preferences_test.jsonl")
     flags = cli_flags(mixed, base, tmp_path / "out", global_pairs=2, micro_pairs=1, max_steps=1, eval_every=0)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_reward.py"), *flags],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = run_here([sys.executable, str(ROOT / "scripts" / "train_reward.py"), *flags], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{mixed}: 2 of 3 pairs fit 64 tokens (1 dropped as too long" in proc.stdout
     only_long = tmp_path / "long" / "preferences.jsonl"
     only_long.parent.mkdir()
     only_long.write_text(json.dumps(long) + "\n")
     shutil.copy(data.with_name("preferences_test.jsonl"), only_long.with_name("preferences_test.jsonl"))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_reward.py"),
-                           *cli_flags(only_long, base, tmp_path / "out2")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = run_here([sys.executable, str(ROOT / "scripts" / "train_reward.py"),
+                     *cli_flags(only_long, base, tmp_path / "out2")], cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"error: {only_long}: no pair fits seq_len 64 (1 read, 1 too long)")
 

@@ -4,12 +4,12 @@ file that was changed is refused with one line."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from proc import run_here
 from test_sft_train import base, run_a, sft_file, tiny_cfg, train_losses  # noqa: F401 (fixtures)
 
 from sprout.chat import TEMPLATE_VERSION
@@ -71,7 +71,7 @@ def test_changed_tokenizer_file_is_refused_with_one_line(run_a, tmp_path):
                                           r".*step_00000016/meta.json; not the tokenizer"):
         load_chat_model(moved)
     cmd = [sys.executable, str(ROOT / "scripts" / "chat.py"), str(moved), "--prompt", "hi", "--temperature", "0"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = run_here(cmd, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: {f}: sha256 does not match") and proc.stderr.count("\n") == 1
     f.unlink()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from proc import run_here
 from test_train import V, losses, tiny_cfg, write_data
 
 from sprout.config import dump_yaml
@@ -36,8 +37,7 @@ def flags(**changes) -> list[str]:
 
 def pretrain(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_here(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def tree_hash(folder: Path) -> str:

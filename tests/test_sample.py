@@ -5,14 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from proc import run_here
 from test_sft_train import base  # noqa: F401 (fixture: a tiny base checkpoint with the sp tokenizer)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def script(name: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    return run_here([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], cwd=ROOT)
 
 
 def test_sample_prints_the_prompt_and_its_continuation(base, sp):

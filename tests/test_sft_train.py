@@ -5,13 +5,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from proc import free_port, run_group
+from proc import free_port, run_group, run_here
 from test_train import sections
 
 from data_loader.sft import SFTLoader
@@ -191,7 +190,7 @@ def test_cli_refuses_with_one_line(sp, sft_file, tmp_path):
     bad = write_base(tmp_path / "bad", sp, tokenizer_fingerprint="f" * 64)
     cmd = [sys.executable, str(ROOT / "scripts" / "train_sft.py"), "--init", str(bad), "--data", str(sft_file),
            "--out", str(tmp_path / "out"), "--train.max_steps", "1"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = run_here(cmd, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: {sft_file}: SFT data was tokenized") and proc.stderr.count("\n") == 1
 
@@ -251,7 +250,7 @@ def test_chat_history_drops_oldest_exchanges_to_fit(taught):
 def test_chat_cli_prompt(taught):
     cmd = [sys.executable, str(ROOT / "scripts" / "chat.py"), str(taught), "--prompt", "hello there",
            "--temperature", "0"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = run_here(cmd, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == "general kenobi\n"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from proc import free_port, run_group
+from proc import free_port, run_group, run_here
 
 from sprout.errors import SproutError
 from sprout.model.transformer import ModelConfig
@@ -304,7 +304,7 @@ def test_corrupted_checkpoint_is_refused_by_the_cli(run_a, data, tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--data", str(data), "--out", str(tmp_path / "o"),
            "--resume", str(ck), "--model.vocab_size", str(V), "--model.d_model", "64", "--model.n_layers", "2",
            "--model.n_heads", "4", "--model.max_seq_len", "64"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = run_here(cmd, cwd=ROOT)
     assert proc.returncode == 2
     assert f"error: {ck / 'model.safetensors'}: sha256 does not match" in proc.stderr
     assert "Traceback" not in proc.stderr
