@@ -6,7 +6,9 @@ built once, `pytest_itemcollected` puts the tests that share one in one xdist gr
 the tests of the real SmolLM2 model (the `smollm2` fixture) in one, and the tests of a module
 that use a module- or session-scoped fixture of that module's own in one per module. The
 other session fixtures here are cheap and built by each worker. Every other test is handed to
-whichever worker is free. On a worker, the scripts a test starts get one torch thread
+whichever worker is free. The tests of the real model also carry the `real_model` mark, so a
+checkout without the mirror's model, or a quick run, can leave them out (`-m "not real_model"`).
+On a worker, the scripts a test starts get one torch thread
 (OMP_NUM_THREADS=1, unless set): the workers already keep every core busy, and two threads per
 process on top of them only contend.
 
@@ -47,6 +49,8 @@ def pytest_itemcollected(item):
     group = xdist_group_of(item)
     if group is not None:
         item.add_marker(pytest.mark.xdist_group(group))
+    if "smollm2" in item.fixturenames:
+        item.add_marker(pytest.mark.real_model)
 
 
 @pytest.fixture(scope="session")

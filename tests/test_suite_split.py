@@ -19,5 +19,6 @@ def test_tests_sharing_an_expensive_fixture_share_a_group(request):
     assert len(plain) == 1 and xdist_group_of(plain[0]) is None  # conftest's cheap session fixtures group nothing
     for item in smollm2 + dpo:
         assert [m.args for m in item.iter_markers("xdist_group")] == [(xdist_group_of(item),)]
+        assert (item.get_closest_marker("real_model") is not None) == (item in smollm2)  # -m "not real_model"
         if request.config.getoption("loadgroup", False):  # on an xdist worker under --dist loadgroup
             assert item.nodeid.endswith(f"@{xdist_group_of(item)}"), item.nodeid
