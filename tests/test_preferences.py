@@ -45,14 +45,14 @@ def _run(tmp_path, sources, **cfg):
 # ---- the contract ------------------------------------------------------------------------
 
 def test_contract_round_trip(tmp_path):
-    rows = [_pair(0), _pair(1, margin=2.5),
+    rows = [_pair(0), _pair(1, margin=2.5), {**_pair(3), "rejected_kind": "near_miss"},
             {**_pair(2), "prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hi"},
                                     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]}]
-    assert write_preferences(tmp_path / "p.jsonl", rows) == 3
+    assert write_preferences(tmp_path / "p.jsonl", rows) == 4
     assert list(read_preferences(tmp_path / "p.jsonl")) == rows
     report = verify_preferences(tmp_path / "p.jsonl")
-    assert report["errors"] == [] and report["valid"] == 3 and report["with_margin"] == 1
-    assert report["sources"] == {"t": 3}
+    assert report["errors"] == [] and report["valid"] == 4 and report["with_margin"] == 1
+    assert report["sources"] == {"t": 4}
 
 
 BAD_RECORDS = [
@@ -68,6 +68,8 @@ BAD_RECORDS = [
     ({**_pair(), "rejected": [{"role": "assistant", "content": "good "}]}, "same text"),
     ({**_pair(), "chosen": [{"role": "assistant", "content": 5}]}, "must be a string"),
     ({**_pair(), "margin": "big"}, "margin"),
+    ({**_pair(), "rejected_kind": "Near miss"}, "'rejected_kind' must be a lowercase identifier"),
+    ({**_pair(), "rejected_kind": 3}, "'rejected_kind' must be a lowercase identifier"),
     ({**_pair(), "prompt": [{"role": "user", "content": "a <|user|> b"}]}, "reserved marker"),
     ("[1, 2]", "JSON object"),
     ("{not json", "invalid JSON"),
@@ -188,7 +190,7 @@ def test_local_jsonl_trl_forms_and_contract(tmp_path):
          "rejected": [{"role": "assistant", "content": "Go away."}]},  # TRL conversational
         {"chosen": [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}],
          "rejected": [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Green."}]},  # implicit prompt
-        {**_pair(7), "margin": 1.5},  # the contract itself
+        {**_pair(7), "margin": 1.5, "rejected_kind": "off_topic"},  # the contract itself
     ]
     path = _jsonl(tmp_path / "mine.jsonl", rows)
     _, train, test = _run(tmp_path, [{"name": "mine", "format": "jsonl", "path": str(path)}])
@@ -197,6 +199,7 @@ def test_local_jsonl_trl_forms_and_contract(tmp_path):
     assert got["What is 2+2?"]["chosen"] == [{"role": "assistant", "content": "4"}]
     assert got["Sky?"]["prompt"] == [{"role": "user", "content": "Sky?"}]
     assert got["question 7"]["margin"] == 1.5 and got["question 7"]["source"] == "mine"
+    assert got["question 7"]["rejected_kind"] == "off_topic" and "rejected_kind" not in got["Hi"]
 
 
 @pytest.mark.parametrize("row,message", [
@@ -208,6 +211,7 @@ def test_local_jsonl_trl_forms_and_contract(tmp_path):
     ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "one assistant message"),
     ({"chosen": "a", "rejected": "b"}, "plain strings"),
     ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "x"}, "'margin' must be a finite number"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b", "rejected_kind": "near miss"}, "'rejected_kind' must be"),
     ("not json", "invalid JSON"),
     ("[1]", "expected a JSON object"),
 ])
@@ -235,6 +239,10 @@ def test_arithmetic_pairs(tmp_path):
         gold = str(eval(question[len("What is "):-1], {"__builtins__": {}}))
         assert parse_answer(r["chosen"][0]["content"], strict=True) == gold
         assert parse_answer(r["rejected"][0]["content"]) != gold
+        # each pair says how its wrong answer was made: a near miss parses (strictly) to a wrong number
+        near = parse_answer(r["rejected"][0]["content"], strict=True) is not None
+        assert r["rejected_kind"] == ("near_miss" if near else "broken_format")
+    assert sum(r["rejected_kind"] == "near_miss" for r in pairs) == counts["rejected_near_miss"]
 
 
 def test_split_by_prompt_and_dedup(tmp_path):

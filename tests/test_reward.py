@@ -21,6 +21,7 @@ from sprout.model.heads import RewardModel
 from sprout.model.load import load_model
 from sprout.engine.metrics import read_metrics
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.stages.preference_stage import pair_groups
 from sprout.stages.reward import (
     RewardConfig,
     RewardLossConfig,
@@ -114,6 +115,29 @@ def test_reward_std_is_over_the_global_batch_by_hand(data, sp):
     assert m["targets"] == 4 and m["rewards/chosen"] == pytest.approx(2.0)
     assert m["rewards/chosen_std"] == pytest.approx(math.sqrt(2.5), rel=1e-6)
     assert m["rewards/rejected_std"] == pytest.approx(math.sqrt(2.0), rel=1e-6)
+
+def test_held_out_accuracy_per_source_and_per_rejected_kind_by_hand(data, sp, tmp_path):
+    """Four held-out pairs, scores set by hand: near misses ranked right once in two, the broken
+    format once in one, a pair without a kind right; each group's accuracy over its own pairs."""
+    rows = [json.loads(line) for line in data.with_name("preferences_test.jsonl").read_text().splitlines()[:4]]
+    kinds = ["near_miss", "near_miss", "broken_format", None]
+    path = tmp_path / "preferences_test.jsonl"
+    path.write_text("".join(json.dumps({**r, "source": "arith" if k else "chat", **({"rejected_kind": k} if k else {})})
+                            + "\n" for r, k in zip(rows, kinds)))
+    loader = PreferenceLoader(path, sp, batch_size=4, seq_len=64, shuffle=False)
+    batch = loader.collate([0, 1, 2, 3])
+    chosen, rejected = [1.0, 0.0, 2.0, 1.0], [0.0, 1.0, -1.0, 0.0]  # right, wrong, right, right
+    table = {tuple(row.tolist()): v for row, v in zip(batch["input_ids"], chosen + rejected)}
+    stage = RewardStage(make_accelerator(TrainConfig(progress=False)), loader, loader, 1, RewardLossConfig(),
+                        pair_groups(path, loader))
+    got = stage.evaluate(TableScores(table))
+    assert got["val_accuracy"] == 0.75 and got["val_pairs"] == 4
+    assert got["val_accuracy/arith"] == pytest.approx(2 / 3) and got["val_pairs/arith"] == 3
+    assert got["val_accuracy/chat"] == 1.0 and got["val_pairs/chat"] == 1
+    assert got["val_accuracy/rejected_near_miss"] == 0.5 and got["val_pairs/rejected_near_miss"] == 2
+    assert got["val_accuracy/rejected_broken_format"] == 1.0 and got["val_pairs/rejected_broken_format"] == 1
+    assert not [k for k in got if k.startswith("val_accuracy/rejected_") and "miss" not in k and "format" not in k]
+
 
 # ---- the stage end to end (in-process, tiny) -------------------------------------------------------------
 def test_reward_model_learns_the_preference(run_a, base):

@@ -10,8 +10,12 @@ TRL's conversational preference format, one JSON object per line, UTF-8:
                                       ending with a user turn
      "chosen":   [{"role": "assistant", "content": str}],   exactly one message
      "rejected": [{"role": "assistant", "content": str}],   exactly one message
-     "margin": float}                 optional: how much better chosen is (e.g. a score
+     "margin": float,                 optional: how much better chosen is (e.g. a score
                                       difference); finite
+     "rejected_kind": str}            optional: how the rejected answer was made (e.g.
+                                      `near_miss`), a lowercase identifier [a-z][a-z0-9_]*;
+                                      a reward model's held-out evaluation reports its
+                                      accuracy per kind
 
 Every content is a non-empty string without the chat template's reserved markers, so
 `prompt + chosen` and `prompt + rejected` are conversations `sprout.chat.render` accepts.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Iterable, Iterator
 
 from sprout.chat import ChatError, validate
@@ -43,7 +48,8 @@ FORMAT_VERSION = 1
 TRAIN_FILE = "preferences.jsonl"
 TEST_FILE = "preferences_test.jsonl"
 KEYS = ("id", "source", "prompt", "chosen", "rejected")
-OPTIONAL_KEYS = ("margin",)
+OPTIONAL_KEYS = ("margin", "rejected_kind")
+KIND = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def _answer(value, name: str) -> str:
@@ -73,7 +79,16 @@ def check_pair(record) -> dict:
         m = record["margin"]
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
             raise SproutError(f"'margin' must be a finite number, got {m!r}")
+    if "rejected_kind" in record:
+        check_rejected_kind(record["rejected_kind"])
     return record
+
+
+def check_rejected_kind(kind) -> str:
+    """`kind` when it is a valid `rejected_kind`; `SproutError` (without the location) otherwise."""
+    if not isinstance(kind, str) or not KIND.fullmatch(kind):
+        raise SproutError(f"'rejected_kind' must be a lowercase identifier ([a-z][a-z0-9_]*), got {kind!r}")
+    return kind
 
 
 def read_preferences(path: str | os.PathLike) -> Iterator[dict]:

@@ -33,10 +33,11 @@ there is no path, from the hub id through `datasets`:
 - `jsonl`         local JSONL: the contract itself, or TRL's forms — plain strings
                   (prompt/chosen/rejected), conversational with an explicit prompt, or
                   conversational with the prompt implicit in chosen/rejected (their shared
-                  leading turns). A `margin` in the row is kept.
+                  leading turns). A `margin` and a `rejected_kind` in the row are kept.
 - `arithmetic`    `count` verifiable pairs from `sprout.prep.arithmetic` (`levels`, `seed`,
                   its train `split` by default): chosen the worked answer, rejected a near
-                  miss or, with probability `broken_format_fraction`, a broken format.
+                  miss or, with probability `broken_format_fraction`, a broken format (its
+                  `rejected_kind`: `near_miss` or `broken_format`).
 
 A record that is not what its format says (a missing field, a wrong type or role, a prompt
 not ending with a user turn, invalid JSON) stops the run with one line naming the file
@@ -57,7 +58,8 @@ from sprout.chat import ChatError, validate
 from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 from sprout.ranges import SEED_RANGE, in_range
-from sprout.formats.preferences import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_preferences
+from sprout.formats.preferences import (FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, check_rejected_kind,
+                                        write_preferences)
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, string_field
 from sprout.prep.keys import SplitRule, conversation_key, is_val
@@ -93,7 +95,7 @@ class PreferenceDataConfig:
     sources: list = field(default_factory=list)  # PreferenceSourceConfig fields, one mapping each
 
 
-# ---- one record -> (prompt, chosen, rejected, margin) ----------------------------------
+# ---- one record -> (prompt, chosen, rejected, optional fields) -------------------------
 
 def _msg(role: str, content: str) -> dict:
     return {"role": role, "content": content.strip()}
@@ -123,7 +125,7 @@ def hh_pair(row, where: str, spec: PreferenceSourceConfig):
     chosen, rejected = parse_hh(chosen_text), parse_hh(rejected_text)
     if chosen[:-1] != rejected[:-1]:
         raise Drop("mismatched_turns", "chosen and rejected differ before their last turn")
-    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"], None
+    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"], {}
 
 
 def _messages(value, name: str, where: str, role: str) -> list:
@@ -194,12 +196,17 @@ def conversational_pair(row, where: str, spec: PreferenceSourceConfig):
             rejected = rejected[len(prompt):]
     if prompt[-1]["role"] != "user":
         raise SproutError(f"{where}: the prompt must end with a user turn, ends with {prompt[-1]['role']}")
-    margin = None
+    optional = {}
     if "margin" in row:
-        margin = finite_margin(row["margin"], where)
+        optional["margin"] = finite_margin(row["margin"], where)
     elif spec.margin:
-        margin = _scores(row, where)
-    return prompt, _answer(chosen, "chosen", where), _answer(rejected, "rejected", where), margin
+        optional["margin"] = _scores(row, where)
+    if "rejected_kind" in row:
+        try:
+            optional["rejected_kind"] = check_rejected_kind(row["rejected_kind"])
+        except SproutError as exc:
+            raise SproutError(f"{where}: {exc}") from None
+    return prompt, _answer(chosen, "chosen", where), _answer(rejected, "rejected", where), optional
 
 
 CONVERTERS = {"hh_rlhf": hh_pair, "ultrafeedback": conversational_pair, "jsonl": conversational_pair}
@@ -208,17 +215,18 @@ CONVERTERS = {"hh_rlhf": hh_pair, "ultrafeedback": conversational_pair, "jsonl":
 # ---- sources ---------------------------------------------------------------------------
 
 def arithmetic_pairs(spec: PreferenceSourceConfig, seed: int, counts: Counter):
-    """`(where, (prompt, chosen, rejected, margin))` for `spec.count` generated problems."""
+    """`(where, (prompt, chosen, rejected, {"rejected_kind": kind}))` for `spec.count` generated problems."""
     seed = seed if spec.seed is None else spec.seed
     rng = random.Random(f"{seed}-wrong")
     for i, p in enumerate(arithmetic.generate(spec.count, spec.levels, seed, spec.split)):
         rejected, kind = arithmetic.wrong_answer(p, rng, spec.broken_format_fraction)
         counts[f"rejected_{kind}"] += 1
-        yield f"{spec.name}[{i}] (level {p.level})", ([_msg("user", p.question)], p.worked, rejected, None)
+        yield f"{spec.name}[{i}] (level {p.level})", ([_msg("user", p.question)], p.worked, rejected,
+                                                       {"rejected_kind": kind})
 
 
 def read_pairs(spec: PreferenceSourceConfig, mirror, seed: int, max_examples: int | None, counts: Counter):
-    """`(where, (prompt, chosen, rejected, margin))`, or `(where, Drop)` for a record that
+    """`(where, (prompt, chosen, rejected, optional fields))`, or `(where, Drop)` for a record that
     is dropped while it is converted, for each record read."""
     if spec.format == "arithmetic":
         yield from arithmetic_pairs(spec, seed, counts)
@@ -274,8 +282,8 @@ def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
     for spec in specs:
         c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
         pairs = read_pairs(spec, cfg.mirror, cfg.seed, cfg.max_examples, c)
-        for prompt, chosen, rejected, margin in kept_records(pairs, c, first_drop, spec.name,
-                                                             lambda pair: check_content(*pair[:3])):
+        for prompt, chosen, rejected, optional in kept_records(pairs, c, first_drop, spec.name,
+                                                               lambda pair: check_content(*pair[:3])):
             key = pair_key(prompt, chosen, rejected)
             if cfg.dedup and key in seen:
                 c["duplicates"] += 1
@@ -284,9 +292,7 @@ def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
             split = "test" if is_val(prompt_key(prompt), cfg.test_fraction) else "train"
             c[split] += 1
             record = {"id": record_id(ids, f"{spec.name}-{key.hex()[:16]}"), "source": spec.name, "prompt": prompt,
-                      "chosen": [_msg("assistant", chosen)], "rejected": [_msg("assistant", rejected)]}
-            if margin is not None:
-                record["margin"] = margin
+                      "chosen": [_msg("assistant", chosen)], "rejected": [_msg("assistant", rejected)], **optional}
             splits[split].append(record)
     log_first_drops(first_drop, log)
 

@@ -27,8 +27,9 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
   data.epochs when it is null.
 
 Every rank walks the held-out pairs in the same number of micro-batches (the loader pads
-ranks with pairs that count nothing), so evaluation works under FSDP, and per-source
-results are reduced over ranks with the same keys everywhere.
+ranks with pairs that count nothing), so evaluation works under FSDP, and per-group results
+(by source, and by the kind of rejected answer: `pair_groups`) are reduced over ranks with the
+same keys everywhere.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ from sprout.engine.run_args import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition, micro_steps
 
 
-def pair_sources(path: str | Path, loader: PreferenceLoader) -> list[str]:
-    """The `source` of each kept pair of `loader` (a pair is one line of `path`)."""
-    by_line = [record["source"] for record in read_preferences(path)]
-    return [by_line[pair.line - 1] for pair in loader.pairs]
+def pair_groups(path: str | Path, loader: PreferenceLoader) -> list[list[str | None]]:
+    """The held-out groups of each kept pair of `loader` (a pair is one line of `path`), one list
+    per grouping: the pair's `source`, and `rejected_<kind>` for a record with a
+    `rejected_kind` (None for one without)."""
+    records = list(read_preferences(path))
+    kept = [records[pair.line - 1] for pair in loader.pairs]
+    return [[r["source"] for r in kept],
+            [f"rejected_{r['rejected_kind']}" if "rejected_kind" in r else None for r in kept]]
 
 
 class PreferenceStage(LoaderPosition):
@@ -102,10 +107,11 @@ def split_sides(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:b], x[b:]
 
 
-def source_sums(prefix: str, sources: list[str], pair_index: torch.Tensor, pair_mask: torch.Tensor,
+def source_sums(prefix: str, sources: list[str | None], pair_index: torch.Tensor, pair_mask: torch.Tensor,
                 correct: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     """{f"{prefix}{name}": correct pairs, f"count:{name}": pairs} of one micro-batch, for every
-    source name (the same keys on every rank, zeros for sources absent here)."""
+    group name (`sources`: each pair's group, `pair_groups`; the same keys on every rank, zeros
+    for groups absent here)."""
     src = np.array(sources, dtype=object)[pair_index.cpu().numpy()]
     keep, hit = pair_mask.cpu().numpy(), correct.detach().cpu().numpy()
     out = {}

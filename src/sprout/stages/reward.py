@@ -25,9 +25,12 @@ sqrt(mean(r²) − mean(r)²), not an average of per-micro-batch stds. Each eval
 same over every held-out pair (`val_rewards/chosen_std`).
 
 Eval over every held-out pair: `val_loss` (the loss above per pair), `val_accuracy`,
-`val_margin`, `val_rewards/{chosen,rejected}` and their `_std`, and `val_accuracy/<source>`
-for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, ...), each
-with its denominator: `val_pairs` and `val_pairs/<source>`, the held-out pairs that fit.
+`val_margin`, `val_rewards/{chosen,rejected}` and their `_std`, `val_accuracy/<source>`
+for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, ...) and
+`val_accuracy/rejected_<kind>` for each `rejected_kind` among them (the arithmetic pairs'
+`near_miss` and `broken_format`: which wrong answers the score ranks below the right one),
+each with its denominator: `val_pairs`, `val_pairs/<source>` and `val_pairs/rejected_<kind>`,
+the held-out pairs that fit.
 
 The checkpoints hold a RewardModel (meta.json `architecture: reward`), so
 `sprout.model.load.load_model` returns a scorer: `score_sequences(model, ids, mask)`
@@ -49,7 +52,7 @@ from sprout.stages.configs import RewardConfig, RewardLossConfig
 from sprout.stages.preference_stage import (
     PreferenceStage,
     open_preference_run,
-    pair_sources,
+    pair_groups,
     source_sums,
     split_sides,
 )
@@ -84,9 +87,9 @@ class RewardStage(PreferenceStage):
     name = "reward"
 
     def __init__(self, accelerator, loader, val, accum_steps: int, loss_cfg: RewardLossConfig,
-                 val_sources: list[str] | None = None):
+                 val_groups: list[list[str | None]] | None = None):
         super().__init__(accelerator, loader, val, accum_steps)
-        self.loss_cfg, self.val_sources = loss_cfg, val_sources
+        self.loss_cfg, self.val_groups = loss_cfg, val_groups or []
 
     def _pair_loss(self, model, batch: dict):
         c = self.loss_cfg
@@ -112,7 +115,7 @@ class RewardStage(PreferenceStage):
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
-        names = sorted(set(self.val_sources)) if self.val_sources else []
+        names = [sorted(set(groups) - {None}) for groups in self.val_groups]
         sums: dict[str, torch.Tensor | float] = dict.fromkeys(
             ("loss", "n", "correct", "margin", "rc", "rc2", "rr", "rr2"), 0.0)
         model.eval()
@@ -120,9 +123,9 @@ class RewardStage(PreferenceStage):
             with self.acc.autocast():
                 per_pair, rc, rr = self._pair_loss(model, batch)
             keep = batch["pair_mask"]
-            if names:
-                for k, v in source_sums("correct:", self.val_sources, batch["pair_index"], keep, rc > rr,
-                                        names).items():
+            for groups, group_names in zip(self.val_groups, names):
+                for k, v in source_sums("correct:", groups, batch["pair_index"], keep, rc > rr,
+                                        group_names).items():
                     sums[k] = sums.get(k, 0.0) + v
             rc, rr = rc[keep].double(), rr[keep].double()
             for k, v in (("loss", per_pair[keep].sum()), ("n", keep.sum()), ("correct", (rc > rr).sum()),
@@ -139,7 +142,7 @@ class RewardStage(PreferenceStage):
                "val_rewards/chosen": mean_c, "val_rewards/chosen_std": population_std(mean_c, tot["rc2"] / n),
                "val_rewards/rejected": mean_r, "val_rewards/rejected_std": population_std(mean_r, tot["rr2"] / n),
                "val_pairs": n}
-        for name in names:
+        for name in (name for group_names in names for name in group_names):
             if tot[f"count:{name}"] > 0:
                 out[f"val_accuracy/{name}"] = tot[f"correct:{name}"] / tot[f"count:{name}"]
                 out[f"val_pairs/{name}"] = tot[f"count:{name}"]
@@ -152,6 +155,6 @@ def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     run = open_preference_run(cfg, "reward", resume)
     cfg, acc = run.cfg, run.accelerator
     model, _ = init_from_lm(run.base["path"], "reward", seed=cfg.train.seed)
-    stage = RewardStage(acc, run.loader, run.val, run.accum_steps, cfg.reward, pair_sources(run.val_path, run.val))
+    stage = RewardStage(acc, run.loader, run.val, run.accum_steps, cfg.reward, pair_groups(run.val_path, run.val))
     return train_stage(acc, model, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=run.accum_steps, extra_meta=run.provenance())
