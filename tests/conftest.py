@@ -6,11 +6,12 @@ built once, `pytest_itemcollected` puts the tests that share one in one xdist gr
 the tests of the real SmolLM2 model (the `smollm2` fixture) in one, and the tests of a module
 that use a module- or session-scoped fixture of that module's own in one per module. The
 other session fixtures here are cheap and built by each worker. Every other test is handed to
-whichever worker is free. The tests of the real model also carry the `real_model` mark, so a
+whichever worker is free. The tests of the real model carry the `real_model` mark (those of
+the `smollm2` fixture here, and one that reads the model's file itself marked by hand), so a
 checkout without the mirror's model, or a quick run, can leave them out (`-m "not real_model"`).
-On a worker, the scripts a test starts get one torch thread
-(OMP_NUM_THREADS=1, unless set): the workers already keep every core busy, and two threads per
-process on top of them only contend.
+On a worker, the scripts a test starts get one torch thread (OMP_NUM_THREADS=1, unless set):
+the workers already keep every core busy, and two threads per process on top of them only
+contend.
 
 Every file the suite writes is thrown away, so its writes skip the fsync (SPROUT_FSYNC=0,
 `sprout.atomic`; unless set): they stay atomic for readers and killed processes, and the
@@ -24,7 +25,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_FIXTURES = ("smollm2",)  # expensive session fixtures: the tests using one form a group of its name
+REAL_MODEL = "smollm2"  # the session fixture of the mirror's real model (tests using it: mark real_model)
+SHARED_FIXTURES = (REAL_MODEL,)  # expensive session fixtures: the tests using one form a group of its name
 os.environ.setdefault("SPROUT_FSYNC", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -49,7 +51,7 @@ def pytest_itemcollected(item):
     group = xdist_group_of(item)
     if group is not None:
         item.add_marker(pytest.mark.xdist_group(group))
-    if "smollm2" in item.fixturenames:
+    if REAL_MODEL in item.fixturenames:
         item.add_marker(pytest.mark.real_model)
 
 

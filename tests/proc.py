@@ -12,18 +12,22 @@ stderr captured, its exit status the `SystemExit` it ends with (1 and the traceb
 any other exception, as the interpreter prints it), its warnings printed as a new interpreter
 prints them (tests/test_proc.py compares the two). A new interpreter costs about 2 s of CPU
 before the script's first line (importing torch), most of a refusal's time; run here, a refusal
-costs what the script itself does. Two things a new interpreter does are not redone: a warning a
-module gives once, when first imported, and anything read from the environment at startup or
-import (PYTHONPATH, OMP_NUM_THREADS, a library's settings). Use it for one-process runs whose
+costs what the script itself does. What a new interpreter reads from the environment at startup
+or import (PYTHONPATH, OMP_NUM_THREADS, a library's settings) is not read again, and a warning a
+module gives once, when first imported, is not given again. Use it for one-process runs whose
 outcome is their output and files: not for launches, signals, kills, resource limits, locks the
 test's own process holds, or what is read at startup, which need a real process. What such a run
-may change in the process is put back: environment, working directory, argv, sys.path, warning
-filters, signal handlers, torch's thread count, the Python, NumPy and torch random states,
-accelerate's state.
+may change in the process is put back, and what a new interpreter starts without it starts
+without: environment, working directory, argv, sys.path, warning filters, logging handlers'
+streams, signal handlers, torch's thread count, the Python, NumPy and torch random states,
+accelerate's state, the run folders it held and the old runs --overwrite was to delete
+(`sprout.engine.run_args`), and the warnings `sprout.model.generate` gives once.
 """
 
 import contextlib
+import faulthandler
 import io
+import logging
 import os
 import random
 import runpy
@@ -76,48 +80,107 @@ def interpreter_warnings() -> None:
         warnings.formatwarning(message, category, filename, lineno, line))
 
 
-def run_here(cmd: list[str], cwd=None, env: dict | None = None, **_ignored) -> subprocess.CompletedProcess:
-    """`cmd` ([sys.executable, script, *args]) run in this process (module doc), as
-    subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env) would return it."""
-    python, script, *args = map(str, cmd)
-    assert python == sys.executable and script.endswith(".py"), cmd
-    assert int((env or os.environ).get("WORLD_SIZE", "1")) == 1, "a launched worker needs a real process"
+def _stream_handlers() -> list[logging.StreamHandler]:
+    """Every logging handler that writes to a stream (a library's own handler included)."""
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    return [h for lg in loggers for h in lg.handlers  # a _StderrHandler follows sys.stderr by itself
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging._StderrHandler)]
+
+
+@contextlib.contextmanager
+def _logging_to(out: io.StringIO, err: io.StringIO):
+    """Logging handlers on this process's stdout / stderr write to `out` / `err` for the block; a
+    handler made in the block on `out` or `err` (a library first imported there) is moved to the
+    real stream after it. Entered before stdout and stderr are redirected to `out` and `err`."""
+    real_out, real_err = sys.stdout, sys.stderr
+    moved = [(h, h.stream) for h in _stream_handlers() if h.stream in (real_out, real_err)]
+    for h, stream in moved:
+        h.setStream(err if stream is real_err else out)
+    try:
+        yield
+    finally:
+        for h, stream in moved:
+            h.setStream(stream)
+        for h in _stream_handlers():
+            if h.stream in (out, err):
+                h.setStream(real_err if h.stream is err else real_out)
+
+
+@contextlib.contextmanager
+def _fresh_process_state():
+    """The state a script may change, or that a new interpreter starts without, as a new
+    interpreter has it for the block and as it was after it (module doc)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from sprout.engine import run_args
+    from sprout.model import generate
+
+    shared = [(cls, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState, GradientState)]
+    held, pending, warned = set(run_args._held_runs), dict(run_args._pending_clear), set(generate._warned)
     saved = (dict(os.environ), os.getcwd(), sys.argv, list(sys.path), torch.get_num_threads(),
              {s: signal.getsignal(s) for s in SIGNALS}, random.getstate(), np.random.get_state(),
              torch.get_rng_state())
-    out, err, code = io.StringIO(), io.StringIO(), 0
+    for cls, _ in shared:
+        cls._shared_state.clear()
+    run_args._pending_clear.clear()
+    generate._warned.clear()
     try:
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
-        if cwd is not None:
-            os.chdir(cwd)
-        sys.argv = [script, *args]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            interpreter_warnings()
-            try:
-                runpy.run_path(script, run_name="__main__")
-            except SystemExit as exc:
-                if exc.code is None or isinstance(exc.code, int):
-                    code = exc.code or 0
-                else:  # sys.exit("message"): printed, status 1
-                    print(exc.code, file=sys.stderr)
-                    code = 1
-            except BaseException:  # what the interpreter does with an uncaught exception
-                traceback.print_exc()
-                code = 1
+        yield
     finally:
-        environ, cwd_, sys.argv, sys.path[:], threads, handlers, py_rng, np_rng, torch_rng = saved
+        environ, cwd, sys.argv, sys.path[:], threads, handlers, py_rng, np_rng, torch_rng = saved
         os.environ.clear()
         os.environ.update(environ)
-        os.chdir(cwd_)
+        os.chdir(cwd)
         torch.set_num_threads(threads)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         random.setstate(py_rng)
         np.random.set_state(np_rng)
         torch.set_rng_state(torch_rng)
-        from accelerate.state import AcceleratorState
+        for cls, state in shared:
+            cls._shared_state.clear()
+            cls._shared_state.update(state)
+        for key in set(run_args._held_runs) - held:  # what the run held ends with it, as with its process
+            run_args.release_run(key)
+        run_args._pending_clear.clear()
+        run_args._pending_clear.update(pending)
+        generate._warned.clear()
+        generate._warned.update(warned)
 
-        AcceleratorState._reset_state(reset_partial_state=True)
+
+def run_here(cmd: list[str], cwd=None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`cmd` ([sys.executable, script, *args]) run in this process (module doc), as
+    subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env) would return it. A run
+    still going after `timeout` seconds ends the test process, its stacks printed (faulthandler):
+    a hung script stops the suite's worker instead of holding it for ever."""
+    python, script, *args = map(str, cmd)
+    assert python == sys.executable and script.endswith(".py"), cmd
+    assert int((env or os.environ).get("WORLD_SIZE", "1")) == 1, "a launched worker needs a real process"
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with _fresh_process_state():
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        sys.argv = [script, *args]
+        faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
+        try:
+            with (_logging_to(out, err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
+                  warnings.catch_warnings()):
+                interpreter_warnings()
+                try:
+                    runpy.run_path(script, run_name="__main__")
+                except SystemExit as exc:
+                    if exc.code is None or isinstance(exc.code, int):
+                        code = exc.code or 0
+                    else:  # sys.exit("message"): printed, status 1
+                        print(exc.code, file=sys.stderr)
+                        code = 1
+                except Exception:  # what the interpreter does with an uncaught exception
+                    traceback.print_exc()
+                    code = 1
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())

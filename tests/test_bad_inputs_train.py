@@ -3,8 +3,9 @@ a trainer is safe under a killed save and a full disk.
 
 Each case runs the real script (in the test's process, `proc.run_here`; in a subprocess under a
 file size limit) and checks: the exit code, exactly one `error: ...` line on stderr naming what
-is wrong, no traceback, and, for refusals, the output folder byte for byte as it was. A full disk is a file size limit (RLIMIT_FSIZE, with SIGXFSZ
-ignored so the write fails with EFBIG), so no real disk is filled. Checkpoint rotation and the
+is wrong, no traceback, and, for refusals, the output folder byte for byte as it was. A full
+disk is a file size limit (RLIMIT_FSIZE, with SIGXFSZ ignored so the write fails with EFBIG),
+so no real disk is filled. Checkpoint rotation and the
 removal of a killed save's temporaries are checked on `save_rotating` itself.
 """
 

@@ -238,8 +238,8 @@ ARGS = ["--task", "arith", "--max-examples", "6", "--n", "2", "--k", "1,2", "--g
         "--batch-size", "2", "--samples", "3"]
 
 
-def evaluate_script(*args, **kwargs) -> subprocess.CompletedProcess:
-    return run_here([sys.executable, str(ROOT / "scripts" / "evaluate.py"), *map(str, args)], cwd=ROOT, **kwargs)
+def evaluate_script(*args) -> subprocess.CompletedProcess:
+    return run_here([sys.executable, str(ROOT / "scripts" / "evaluate.py"), *map(str, args)], cwd=ROOT)
 
 
 def test_script_writes_the_json_and_a_table(base, tmp_path):

@@ -1,6 +1,7 @@
 """`proc.run_here` gives what a new interpreter gives (exit status, stdout, stderr) for the ways a
 script ends, and leaves the test's process as it found it."""
 
+import logging
 import os
 import random
 import signal
@@ -54,3 +55,33 @@ def test_what_a_script_changes_in_the_process_is_put_back(tmp_path):
     assert (dict(os.environ), os.getcwd(), list(sys.path), torch.get_num_threads(),
             signal.getsignal(signal.SIGTERM)) == before
     assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == py_rng
+
+
+def test_a_run_starts_as_a_new_process_and_leaves_no_accelerator_log_stream_or_held_run(tmp_path):
+    """The run finds no accelerate state and leaves the test's as it was; a logging handler made
+    in the run writes there, then to the real stderr; a run folder it held is released."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from sprout.engine import run_args
+
+    Accelerator(cpu=True)
+    state = dict(AcceleratorState._shared_state)
+    script = tmp_path / "holds.py"
+    script.write_text(f"""import logging, sys
+from accelerate.state import AcceleratorState
+from sprout.engine.run_args import hold_run
+print(len(AcceleratorState._shared_state))
+hold_run({str(tmp_path / "run")!r})
+log = logging.getLogger("a_library")
+log.addHandler(logging.StreamHandler())
+log.warning("in the run")
+""")
+    done = run_here([sys.executable, str(script)])
+    assert (done.returncode, done.stdout, done.stderr) == (0, "0\n", "in the run\n")
+    assert AcceleratorState._shared_state == state and Accelerator(cpu=True).state.initialized
+    handler = logging.getLogger("a_library").handlers.pop()
+    assert handler.stream is sys.stderr
+    assert (tmp_path / "run").resolve() not in run_args._held_runs
+    assert run_args.hold_run(tmp_path / "run")  # free again: this process takes it
+    run_args.release_run(tmp_path / "run")

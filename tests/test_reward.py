@@ -20,6 +20,7 @@ from sprout.checkpoint import read_meta
 from sprout.model.heads import RewardModel
 from sprout.model.load import load_model
 from sprout.engine.metrics import read_metrics
+from sprout.errors import SproutError
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
 from sprout.stages.preference_stage import pair_groups
 from sprout.stages.reward import (
@@ -116,6 +117,7 @@ def test_reward_std_is_over_the_global_batch_by_hand(data, sp):
     assert m["rewards/chosen_std"] == pytest.approx(math.sqrt(2.5), rel=1e-6)
     assert m["rewards/rejected_std"] == pytest.approx(math.sqrt(2.0), rel=1e-6)
 
+
 def test_held_out_accuracy_per_source_and_per_rejected_kind_by_hand(data, sp, tmp_path):
     """Four held-out pairs, scores set by hand: near misses ranked right once in two, the broken
     format once in one, a pair without a kind right; each group's accuracy over its own pairs."""
@@ -137,6 +139,11 @@ def test_held_out_accuracy_per_source_and_per_rejected_kind_by_hand(data, sp, tm
     assert got["val_accuracy/rejected_near_miss"] == 0.5 and got["val_pairs/rejected_near_miss"] == 2
     assert got["val_accuracy/rejected_broken_format"] == 1.0 and got["val_pairs/rejected_broken_format"] == 1
     assert not [k for k in got if k.startswith("val_accuracy/rejected_") and "miss" not in k and "format" not in k]
+    clash = tmp_path / "clash" / "preferences_test.jsonl"  # a source named like a kind's group
+    clash.parent.mkdir()
+    clash.write_text(path.read_text().replace('"source": "chat"', '"source": "rejected_near_miss"'))
+    with pytest.raises(SproutError, match=rf"^{clash}: source 'rejected_near_miss' has the name of a rejected_kind"):
+        pair_groups(clash, PreferenceLoader(clash, sp, batch_size=4, seq_len=64, shuffle=False))
 
 
 # ---- the stage end to end (in-process, tiny) -------------------------------------------------------------

@@ -16,7 +16,6 @@ import pytest
 import yaml
 from grpo_fixtures import config_dict, data  # noqa: F401 (data: a fixture)
 from preference_train_fixtures import base  # noqa: F401 (base: a fixture)
-from proc import run_here
 
 from sprout.errors import SproutError
 from sprout.rl.verifiers import WeightedReward, check_reward_function, combine_rewards, format_reward
@@ -82,8 +81,8 @@ def train_grpo(data, base, out: Path, *args: str, **values) -> subprocess.Comple
     config.write_text(yaml.safe_dump(config_dict(data, base, out, **values)))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    return run_here([sys.executable, str(ROOT / "scripts" / "train_grpo.py"), "--config", str(config), *args],
-                    cwd=ROOT, env=env)
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_grpo.py"), "--config", str(config), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
 
 
 def test_an_import_spec_that_is_no_reward_function_is_refused_before_anything_is_written(data, base, tmp_path):

@@ -37,7 +37,7 @@ def flags(**changes) -> list[str]:
 
 def pretrain(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), *args]
-    return run_here(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_here(cmd, cwd=ROOT)  # one torch thread: the suite's (tests/conftest.py)
 
 
 def tree_hash(folder: Path) -> str:

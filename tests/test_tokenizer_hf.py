@@ -268,6 +268,7 @@ def test_prep_with_an_hf_tokenizer_one_and_two_workers(hf, hf_dir, tmp_path, mon
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_tokenizer_from_the_mirror_gguf(mirror, tmp_path):
     """SmolLM2-135M-Instruct's tokenizer (byte-level BPE, 49,152 ids, ChatML specials), rebuilt by
     transformers from the mirror's GGUF and saved as a tokenizer.json folder."""

@@ -84,6 +84,12 @@ def check_pair(record) -> dict:
     return record
 
 
+def kind_group(kind: str) -> str:
+    """The name a `rejected_kind` is counted under (a prep manifest's counts, a reward model's
+    held-out accuracy): `rejected_<kind>`."""
+    return f"rejected_{kind}"
+
+
 def check_rejected_kind(kind) -> str:
     """`kind` when it is a valid `rejected_kind`; `SproutError` (without the location) otherwise."""
     if not isinstance(kind, str) or not KIND.fullmatch(kind):

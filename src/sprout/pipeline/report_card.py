@@ -19,7 +19,7 @@ the JSON scripts/evaluate.py wrote for it (an eval stage whose input it is: `ari
 pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (prompts × n);
 `gsm8k.json` pass@1; greedy accuracy of both). The table leaves out a column no stage has a
 figure for. The reward-model and DPO stages' held-out accuracy and margin (and the
-reward model's accuracy per source) are shown first eval -> last eval, each accuracy with
+reward model's accuracy per source and per kind of rejected answer) are shown first eval -> last eval, each accuracy with
 the Wilson 95 % interval of the last eval, round(accuracy × `val_pairs`) of `val_pairs`
 pairs (`sprout.rl.intervals.wilson_interval`; also `<column>_ci` in the JSON rows).
 Tokens/s is the mean of the training records' `tokens_per_s`; wall time
@@ -62,7 +62,7 @@ TASK_COLUMNS = {"arith_pass@1": ("arith pass@1", "arith", "pass@1"),
                 "gsm8k_greedy": ("GSM8K greedy accuracy", "gsm8k", "greedy/accuracy"),
                 "mean_length": ("mean completion length", "arith", "completions/mean_length")}
 RATE_COLUMNS = ("rm_val_accuracy", "dpo_val_accuracy")  # rates over `val_pairs`: a Wilson interval in the JSON
-# role: the held-out figures shown first eval -> last eval (and every `<first>/<source>` logged)
+# role: the held-out figures shown first eval -> last eval (and every `<first>/<group>` logged)
 PREFERENCE_FIGURES = {"reward": ("val_accuracy", "val_margin"),
                       "dpo": ("val_rewards/accuracies", "val_rewards/margins")}
 PLOTS = {"reward": ("reward_model.png", ["accuracy", "val_accuracy", "margin"]),
@@ -101,7 +101,7 @@ def stage_rows(preset, state: dict) -> list[dict]:
 def preference_lines(preset, rows: list[dict]) -> list[str]:
     """The reward-model and DPO stages' held-out figures, first eval -> last eval: accuracy (pairs
     ranked right / pairs, with the last eval's Wilson interval), margin (mean over pairs) and, for
-    a reward model, accuracy per source."""
+    a reward model, accuracy per source and per kind of rejected answer (`rejected_<kind>`)."""
     lines = []
     for row in rows:
         keys = PREFERENCE_FIGURES.get(row["role"])
@@ -113,12 +113,14 @@ def preference_lines(preset, rows: list[dict]) -> list[str]:
             continue
         first, last = evals[0], evals[-1]
         lines.append(f"{row['stage']} (held-out pairs, step {first['step']} -> {last['step']}):")
-        for k in list(keys) + sorted(k for k in last if k.startswith(keys[0] + "/")):
+        figures = list(keys) + sorted(k for k in last if k.startswith(keys[0] + "/"))
+        width = max(28, *map(len, figures))
+        for k in figures:
             den = last.get("val_pairs" + k[len(keys[0]):]) if k.startswith(keys[0]) else None
             of = f"   (of {den:,.0f} pairs)" if den is not None else ""
             if den:  # an accuracy: its Wilson interval
                 of += "   95 % [{:.3f}, {:.3f}]".format(*rate_interval(last[k], den))
-            lines.append(f"  {k:28s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}{of}")
+            lines.append(f"  {k:{width}s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}{of}")
     return lines
 
 

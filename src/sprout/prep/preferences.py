@@ -59,7 +59,7 @@ from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.preferences import (FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, check_rejected_kind,
-                                        write_preferences)
+                                        kind_group, write_preferences)
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, string_field
 from sprout.prep.keys import SplitRule, conversation_key, is_val
@@ -220,7 +220,7 @@ def arithmetic_pairs(spec: PreferenceSourceConfig, seed: int, counts: Counter):
     rng = random.Random(f"{seed}-wrong")
     for i, p in enumerate(arithmetic.generate(spec.count, spec.levels, seed, spec.split)):
         rejected, kind = arithmetic.wrong_answer(p, rng, spec.broken_format_fraction)
-        counts[f"rejected_{kind}"] += 1
+        counts[kind_group(kind)] += 1
         yield f"{spec.name}[{i}] (level {p.level})", ([_msg("user", p.question)], p.worked, rejected,
                                                        {"rejected_kind": kind})
 

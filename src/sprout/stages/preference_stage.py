@@ -46,7 +46,7 @@ from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, read_meta
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
-from sprout.formats.preferences import read_preferences
+from sprout.formats.preferences import kind_group, read_preferences
 from sprout.formats.verify_data import verify_jsonl_data
 from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
@@ -57,12 +57,16 @@ from sprout.engine.stage import LoaderPosition, micro_steps
 
 def pair_groups(path: str | Path, loader: PreferenceLoader) -> list[list[str | None]]:
     """The held-out groups of each kept pair of `loader` (a pair is one line of `path`), one list
-    per grouping: the pair's `source`, and `rejected_<kind>` for a record with a
-    `rejected_kind` (None for one without)."""
+    per grouping: the pair's `source`, and `rejected_<kind>` (`kind_group`) for a record with a
+    `rejected_kind` (None for one without). A source named like a kind's group is refused: the
+    two would be counted as one."""
     records = list(read_preferences(path))
     kept = [records[pair.line - 1] for pair in loader.pairs]
-    return [[r["source"] for r in kept],
-            [f"rejected_{r['rejected_kind']}" if "rejected_kind" in r else None for r in kept]]
+    sources = [r["source"] for r in kept]
+    kinds = [kind_group(r["rejected_kind"]) if "rejected_kind" in r else None for r in kept]
+    if clash := sorted(set(sources) & set(kinds)):
+        raise SproutError(f"{path}: source {clash[0]!r} has the name of a rejected_kind's group; rename the source")
+    return [sources, kinds]
 
 
 class PreferenceStage(LoaderPosition):
@@ -107,12 +111,12 @@ def split_sides(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:b], x[b:]
 
 
-def source_sums(prefix: str, sources: list[str | None], pair_index: torch.Tensor, pair_mask: torch.Tensor,
-                correct: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+def group_sums(prefix: str, groups: list[str | None], pair_index: torch.Tensor, pair_mask: torch.Tensor,
+               correct: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     """{f"{prefix}{name}": correct pairs, f"count:{name}": pairs} of one micro-batch, for every
-    group name (`sources`: each pair's group, `pair_groups`; the same keys on every rank, zeros
+    group name (`groups`: each pair's group, `pair_groups`; the same keys on every rank, zeros
     for groups absent here)."""
-    src = np.array(sources, dtype=object)[pair_index.cpu().numpy()]
+    src = np.array(groups, dtype=object)[pair_index.cpu().numpy()]
     keep, hit = pair_mask.cpu().numpy(), correct.detach().cpu().numpy()
     out = {}
     for name in names:

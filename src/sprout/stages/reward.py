@@ -53,7 +53,7 @@ from sprout.stages.preference_stage import (
     PreferenceStage,
     open_preference_run,
     pair_groups,
-    source_sums,
+    group_sums,
     split_sides,
 )
 
@@ -115,7 +115,7 @@ class RewardStage(PreferenceStage):
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
-        names = [sorted(set(groups) - {None}) for groups in self.val_groups]
+        group_names = [sorted(set(groups) - {None}) for groups in self.val_groups]
         sums: dict[str, torch.Tensor | float] = dict.fromkeys(
             ("loss", "n", "correct", "margin", "rc", "rc2", "rr", "rr2"), 0.0)
         model.eval()
@@ -123,9 +123,8 @@ class RewardStage(PreferenceStage):
             with self.acc.autocast():
                 per_pair, rc, rr = self._pair_loss(model, batch)
             keep = batch["pair_mask"]
-            for groups, group_names in zip(self.val_groups, names):
-                for k, v in source_sums("correct:", groups, batch["pair_index"], keep, rc > rr,
-                                        group_names).items():
+            for groups, names in zip(self.val_groups, group_names):
+                for k, v in group_sums("correct:", groups, batch["pair_index"], keep, rc > rr, names).items():
                     sums[k] = sums.get(k, 0.0) + v
             rc, rr = rc[keep].double(), rr[keep].double()
             for k, v in (("loss", per_pair[keep].sum()), ("n", keep.sum()), ("correct", (rc > rr).sum()),
@@ -142,7 +141,7 @@ class RewardStage(PreferenceStage):
                "val_rewards/chosen": mean_c, "val_rewards/chosen_std": population_std(mean_c, tot["rc2"] / n),
                "val_rewards/rejected": mean_r, "val_rewards/rejected_std": population_std(mean_r, tot["rr2"] / n),
                "val_pairs": n}
-        for name in (name for group_names in names for name in group_names):
+        for name in (name for names in group_names for name in names):
             if tot[f"count:{name}"] > 0:
                 out[f"val_accuracy/{name}"] = tot[f"correct:{name}"] / tot[f"count:{name}"]
                 out[f"val_pairs/{name}"] = tot[f"count:{name}"]
