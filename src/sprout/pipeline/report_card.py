@@ -19,9 +19,10 @@ the JSON scripts/evaluate.py wrote for it (an eval stage whose input it is: `ari
 pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (prompts × n);
 `gsm8k.json` pass@1; greedy accuracy of both). The table leaves out a column no stage has a
 figure for. The reward-model and DPO stages' held-out accuracy and margin (and the
-reward model's accuracy per source and per kind of rejected answer) are shown first eval -> last eval, each accuracy with
-the Wilson 95 % interval of the last eval, round(accuracy × `val_pairs`) of `val_pairs`
-pairs (`sprout.rl.intervals.wilson_interval`; also `<column>_ci` in the JSON rows).
+reward model's accuracy per source and per kind of rejected answer) are shown first eval ->
+last eval, each accuracy with the Wilson 95 % interval of the last eval, round(accuracy ×
+`val_pairs`) of `val_pairs` pairs (`sprout.rl.intervals.wilson_interval`; also `<column>_ci`
+in the JSON rows).
 Tokens/s is the mean of the training records' `tokens_per_s`; wall time
 is the runner's, summed over a stage's interrupted segments. A stage without a figure shows
 a dash. Role of a stage (what it is read for): the preset's `role`, by default its script's
@@ -113,14 +114,12 @@ def preference_lines(preset, rows: list[dict]) -> list[str]:
             continue
         first, last = evals[0], evals[-1]
         lines.append(f"{row['stage']} (held-out pairs, step {first['step']} -> {last['step']}):")
-        figures = list(keys) + sorted(k for k in last if k.startswith(keys[0] + "/"))
-        width = max(28, *map(len, figures))
-        for k in figures:
+        for k in list(keys) + sorted(k for k in last if k.startswith(keys[0] + "/")):
             den = last.get("val_pairs" + k[len(keys[0]):]) if k.startswith(keys[0]) else None
             of = f"   (of {den:,.0f} pairs)" if den is not None else ""
             if den:  # an accuracy: its Wilson interval
                 of += "   95 % [{:.3f}, {:.3f}]".format(*rate_interval(last[k], den))
-            lines.append(f"  {k:{width}s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}{of}")
+            lines.append(f"  {k:28s} {first.get(k, float('nan')):8.3f} -> {last[k]:8.3f}{of}")
     return lines
 
 
