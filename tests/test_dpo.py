@@ -4,6 +4,7 @@ the reference changes), an empty response gives a finite loss and gradient, refe
 losses build no reference, exact resume, refused options, 1 vs 2 processes for sigmoid,
 sigmoid_norm and aot (slow)."""
 
+import json
 import os
 import shutil
 import sys
@@ -21,7 +22,10 @@ from sprout.errors import SproutError
 from sprout.formats.preferences import write_preferences
 from sprout.losses.tokens import sequence_logps
 from sprout.model.load import load_model
+import sprout.stages.dpo as dpo_stage
+from sprout.engine.loop import TrainConfig, make_accelerator
 from sprout.stages.dpo import DPOConfig, DPOLossConfig, DPOStage, run_dpo
+from sprout.stages.preference_stage import pair_groups
 from sprout.engine.metrics import read_metrics
 from sprout.stages.reference_logps import reference_logps
 
@@ -121,6 +125,36 @@ def test_reference_cache_equals_live_is_reused_and_invalidated(sp, base, tmp_pat
     moved = reference_logps(acc, ref2, str(other), sp.fingerprint(), loaders(), micro_pairs=3)
     assert moved.reused == (False, False) and moved.paths[1] != first.paths[1]
     assert not torch.allclose(moved.val[0], first.val[0])
+
+
+def test_held_out_accuracy_per_group_by_hand(data, sp, tmp_path, monkeypatch):
+    """Four held-out pairs, summed log-probs set by hand (a reference-free loss: implicit reward
+    β·logp): near misses ranked right once in two, the broken format once in one, a pair without a
+    kind right; each group's accuracy over its own pairs, beside the overall one."""
+    rows = [json.loads(line) for line in data.with_name("preferences_test.jsonl").read_text().splitlines()[:4]]
+    kinds = ["near_miss", "near_miss", "broken_format", None]
+    path = tmp_path / "preferences_test.jsonl"
+    path.write_text("".join(json.dumps({**r, "source": "arith" if k else "chat", **({"rejected_kind": k} if k else {})})
+                            + "\n" for r, k in zip(rows, kinds)))
+    loader = PreferenceLoader(path, sp, batch_size=4, seq_len=64, shuffle=False)
+    batch = loader.collate([0, 1, 2, 3])
+    chosen, rejected = [-1.0, -3.0, -1.0, -2.0], [-2.0, -1.0, -4.0, -5.0]  # right, wrong, right, right
+    table = {tuple(row.tolist()): v for row, v in zip(batch["input_ids"], chosen + rejected)}
+
+    def logps_by_hand(model, b):
+        lp = torch.tensor([table[tuple(row.tolist())] for row in b["input_ids"]])
+        return lp, torch.ones_like(lp), torch.zeros_like(lp)
+
+    monkeypatch.setattr(dpo_stage, "side_logps", logps_by_hand)
+    stage = DPOStage(make_accelerator(TrainConfig(progress=False)), loader, loader, 1,
+                     DPOLossConfig(loss_type="simpo"), val_groups=pair_groups(path, loader))
+    got = stage.evaluate(torch.nn.Linear(1, 1))
+    assert got["val_rewards/accuracies"] == 0.75 and got["val_pairs"] == 4
+    assert got["val_rewards/accuracies/arith"] == pytest.approx(2 / 3) and got["val_pairs/arith"] == 3
+    assert got["val_rewards/accuracies/chat"] == 1.0 and got["val_pairs/chat"] == 1
+    assert got["val_rewards/accuracies/rejected_near_miss"] == 0.5 and got["val_pairs/rejected_near_miss"] == 2
+    assert got["val_rewards/accuracies/rejected_broken_format"] == 1.0
+    assert got["val_pairs/rejected_broken_format"] == 1
 
 
 # ---- edge cases of the loss ------------------------------------------------------------------------------

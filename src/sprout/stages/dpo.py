@@ -31,7 +31,10 @@ rewards/accuracies (chosen strictly above rejected), logps/chosen, logps/rejecte
 per response token, logits/chosen and logits/rejected (the mean logit over the vocabulary).
 Eval over every held-out pair: val_loss (per pair), val_rewards/accuracies,
 val_rewards/margins, val_rewards/chosen, val_rewards/rejected, val_logps/chosen,
-val_logps/rejected, and their denominator val_pairs (the held-out pairs).
+val_logps/rejected, and their denominator val_pairs (the held-out pairs); and
+val_rewards/accuracies/<source> and val_rewards/accuracies/rejected_<kind> per group of held-out
+pairs (`sprout.stages.preference_stage.pair_groups`), each with its denominator
+val_pairs/<group>.
 
 FLOPs and MFU count the policy's forward and backward only (`PreferenceStage.flops`): the
 live reference forward (a third of a step's FLOPs more) is extra work that MFU leaves out.
@@ -46,6 +49,7 @@ from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.preference import (
     check_preference_options,
+    implicit_rewards,
     loss_type_list,
     mean_logit_sums,
     preference_loss,
@@ -57,7 +61,7 @@ from sprout.model.transformer import Transformer, uninitialised
 from sprout.engine.loop import all_reduce_sums
 from sprout.engine.run import train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
-from sprout.stages.preference_stage import PreferenceStage, open_preference_run
+from sprout.stages.preference_stage import PreferenceStage, open_preference_run, pair_groups
 from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
 
 
@@ -88,8 +92,8 @@ class DPOStage(PreferenceStage):
 
     def __init__(self, accelerator, loader, val, accum_steps: int, loss_cfg: DPOLossConfig,
                  ref_model: torch.nn.Module | None = None, ref_path: str | None = None,
-                 tokenizer_fingerprint: str = ""):
-        super().__init__(accelerator, loader, val, accum_steps)
+                 tokenizer_fingerprint: str = "", val_groups: list[list[str | None]] | None = None):
+        super().__init__(accelerator, loader, val, accum_steps, val_groups)
         self.loss_cfg, self.ref_path, self.fingerprint = loss_cfg, ref_path, tokenizer_fingerprint
         self.ref_model = ref_model          # live reference (unprepared until setup)
         self.cached: ReferenceLogps | None = None  # precomputed reference log-probs (train, val)
@@ -123,7 +127,8 @@ class DPOStage(PreferenceStage):
             return response_logps(self.ref_model, batch)
 
     def pair_terms(self, model, batch: dict):
-        """(per-pair losses [B], metric sums over the batch's real pairs) of one micro-batch."""
+        """(per-pair losses [B], metric sums over the batch's real pairs, each pair ranked right:
+        implicit reward of chosen > rejected [B]) of one micro-batch."""
         c, keep = self.loss_cfg, batch["pair_mask"]
         logps, lengths, logit_sums = side_logps(model, batch)
         ref = self._ref_logps(batch)
@@ -138,10 +143,12 @@ class DPOStage(PreferenceStage):
         metrics = preference_metric_sums(lp_c[k], lp_r[k], pick(ref_c), pick(ref_r), c.beta,
                                          chosen_logit_sums=logit_sums[:b][k], rejected_logit_sums=logit_sums[b:][k],
                                          chosen_lengths=len_c[k], rejected_lengths=len_r[k])
-        return per_pair, metrics
+        with torch.no_grad():
+            rc, rr = implicit_rewards(lp_c, lp_r, ref_c, ref_r, c.beta)
+        return per_pair, metrics, rc > rr
 
     def loss(self, model, batch: dict):
-        per_pair, metrics = self.pair_terms(model, batch)
+        per_pair, metrics, _ = self.pair_terms(model, batch)
         keep = batch["pair_mask"]
         return torch.where(keep, per_pair, torch.zeros((), device=per_pair.device)).sum(), keep.sum(), metrics
 
@@ -153,8 +160,9 @@ class DPOStage(PreferenceStage):
         model.eval()
         for batch in self.eval_batches():
             with self.acc.autocast():
-                per_pair, metrics = self.pair_terms(model, batch)
+                per_pair, metrics, correct = self.pair_terms(model, batch)
             keep = batch["pair_mask"]
+            self.add_group_sums(sums, batch, correct)
             sums["loss"] = sums["loss"] + per_pair[keep].double().sum().cpu()
             sums["n"] = sums["n"] + keep.sum().cpu()
             for name in names:
@@ -164,7 +172,7 @@ class DPOStage(PreferenceStage):
         if tot["n"] == 0:
             raise SproutError(f"{self.val.path}: no held-out pairs to evaluate")
         return {"val_loss": tot["loss"] / tot["n"], **{f"val_{k}": tot[k] / tot["n"] for k in names},
-                "val_pairs": tot["n"]}
+                "val_pairs": tot["n"], **self.group_figures(tot, "val_rewards/accuracies")}
 
 
 def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
@@ -187,7 +195,7 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
         acc.print(f"dpo: reference {ref_path}" + (" (log-probs precomputed)" if cfg.dpo.precompute_ref_logps
                                                  else " (frozen copy)"))
     stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
-                     run.tokenizer.fingerprint())
+                     run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val))
     meta = {**run.provenance(), "reference": ref_path}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=run.accum_steps, extra_meta=meta)

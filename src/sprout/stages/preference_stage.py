@@ -76,9 +76,30 @@ class PreferenceStage(LoaderPosition):
 
     generated_tokens = 0
 
-    def __init__(self, accelerator, loader: PreferenceLoader, val: PreferenceLoader, accum_steps: int):
+    def __init__(self, accelerator, loader: PreferenceLoader, val: PreferenceLoader, accum_steps: int,
+                 val_groups: list[list[str | None]] | None = None):
         self.acc, self.loader, self.val, self.accum_steps = accelerator, loader, val, accum_steps
         self.micro_pairs = loader.batch_size // accum_steps
+        self.val_groups = val_groups or []  # `pair_groups` of the held-out file: accuracy per group
+        self.group_names = [sorted(set(groups) - {None}) for groups in self.val_groups]
+
+    def add_group_sums(self, sums: dict, batch: dict, correct: torch.Tensor) -> None:
+        """Add one held-out micro-batch's pairs ranked right (`correct` [B]) and pairs per group
+        to `sums` (`group_sums`' keys; all-reduced with the rest)."""
+        for groups, names in zip(self.val_groups, self.group_names):
+            for k, v in group_sums("correct:", groups, batch["pair_index"], batch["pair_mask"], correct,
+                                   names).items():
+                sums[k] = sums.get(k, 0.0) + v
+
+    def group_figures(self, tot: dict, key: str) -> dict:
+        """`{key}/<group>` (pairs ranked right / pairs) and `val_pairs/<group>` (its denominator) of
+        every group with held-out pairs, from the reduced sums of `add_group_sums`."""
+        out = {}
+        for name in (name for names in self.group_names for name in names):
+            if tot[f"count:{name}"] > 0:
+                out[f"{key}/{name}"] = tot[f"correct:{name}"] / tot[f"count:{name}"]
+                out[f"val_pairs/{name}"] = tot[f"count:{name}"]
+        return out
 
     def extend(self, batch: dict, held_out: bool = False) -> dict:
         return batch

@@ -53,7 +53,6 @@ from sprout.stages.preference_stage import (
     PreferenceStage,
     open_preference_run,
     pair_groups,
-    group_sums,
     split_sides,
 )
 
@@ -88,8 +87,8 @@ class RewardStage(PreferenceStage):
 
     def __init__(self, accelerator, loader, val, accum_steps: int, loss_cfg: RewardLossConfig,
                  val_groups: list[list[str | None]] | None = None):
-        super().__init__(accelerator, loader, val, accum_steps)
-        self.loss_cfg, self.val_groups = loss_cfg, val_groups or []
+        super().__init__(accelerator, loader, val, accum_steps, val_groups)
+        self.loss_cfg = loss_cfg
 
     def _pair_loss(self, model, batch: dict):
         c = self.loss_cfg
@@ -115,7 +114,6 @@ class RewardStage(PreferenceStage):
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
-        group_names = [sorted(set(groups) - {None}) for groups in self.val_groups]
         sums: dict[str, torch.Tensor | float] = dict.fromkeys(
             ("loss", "n", "correct", "margin", "rc", "rc2", "rr", "rr2"), 0.0)
         model.eval()
@@ -123,9 +121,7 @@ class RewardStage(PreferenceStage):
             with self.acc.autocast():
                 per_pair, rc, rr = self._pair_loss(model, batch)
             keep = batch["pair_mask"]
-            for groups, names in zip(self.val_groups, group_names):
-                for k, v in group_sums("correct:", groups, batch["pair_index"], keep, rc > rr, names).items():
-                    sums[k] = sums.get(k, 0.0) + v
+            self.add_group_sums(sums, batch, rc > rr)
             rc, rr = rc[keep].double(), rr[keep].double()
             for k, v in (("loss", per_pair[keep].sum()), ("n", keep.sum()), ("correct", (rc > rr).sum()),
                          ("margin", (rc - rr).sum()), ("rc", rc.sum()), ("rc2", (rc * rc).sum()),
@@ -141,11 +137,7 @@ class RewardStage(PreferenceStage):
                "val_rewards/chosen": mean_c, "val_rewards/chosen_std": population_std(mean_c, tot["rc2"] / n),
                "val_rewards/rejected": mean_r, "val_rewards/rejected_std": population_std(mean_r, tot["rr2"] / n),
                "val_pairs": n}
-        for name in (name for names in group_names for name in names):
-            if tot[f"count:{name}"] > 0:
-                out[f"val_accuracy/{name}"] = tot[f"correct:{name}"] / tot[f"count:{name}"]
-                out[f"val_pairs/{name}"] = tot[f"count:{name}"]
-        return out
+        return {**out, **self.group_figures(tot, "val_accuracy")}
 
 
 def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
