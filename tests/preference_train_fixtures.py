@@ -13,7 +13,7 @@ import torch
 from sprout.chat import TEMPLATE_VERSION
 from sprout.checkpoint import save_checkpoint
 from sprout.config import from_dict
-from sprout.formats.preferences import write_preferences
+from sprout.formats.preferences import read_preferences, write_preferences
 from sprout.model.transformer import ModelConfig, Transformer
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "music", "bread", "light", "horse", "paper", "ocean"]
@@ -62,6 +62,19 @@ def write_pairs(folder: Path, n_train: int = 96, n_test: int = 32, seed: int = 0
     write_preferences(folder / "preferences.jsonl", marked_pairs(n_train, seed, **kw))
     write_preferences(folder / "preferences_test.jsonl", marked_pairs(n_test, seed + 1000, **kw))
     return folder / "preferences.jsonl"
+
+
+def grouped_held_out_pairs(data: Path, out: Path) -> Path:
+    """out/preferences_test.jsonl: the first four held-out pairs beside `data`, the first three of
+    source "arith" with rejected_kind near_miss, near_miss, broken_format, the fourth of source
+    "chat" without one (a held-out file for the per-group accuracy of an eval)."""
+    kinds = ["near_miss", "near_miss", "broken_format", None]
+    rows = list(read_preferences(data.with_name("preferences_test.jsonl")))[:4]
+    out.mkdir(parents=True, exist_ok=True)
+    write_preferences(out / "preferences_test.jsonl",
+                      [{**r, "source": "arith" if k else "chat", **({"rejected_kind": k} if k else {})}
+                       for r, k in zip(rows, kinds)])
+    return out / "preferences_test.jsonl"
 
 
 def sections(cls, values: dict) -> dict:

@@ -4,7 +4,6 @@ the reference changes), an empty response gives a finite loss and gradient, refe
 losses build no reference, exact resume, refused options, 1 vs 2 processes for sigmoid,
 sigmoid_norm and aot (slow)."""
 
-import json
 import os
 import shutil
 import sys
@@ -13,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from preference_train_fixtures import base, cli_flags, marked_pairs, tiny_cfg, write_lm, write_pairs  # noqa: F401 (base: a fixture)
+from preference_train_fixtures import (base, cli_flags, grouped_held_out_pairs, marked_pairs, tiny_cfg,  # noqa: F401 (base: a fixture)
+                                       write_lm, write_pairs)
 from proc import free_port, run_group
 
 from data_loader.preferences import PreferenceLoader
@@ -131,11 +131,7 @@ def test_held_out_accuracy_per_group_by_hand(data, sp, tmp_path, monkeypatch):
     """Four held-out pairs, summed log-probs set by hand (a reference-free loss: implicit reward
     β·logp): near misses ranked right once in two, the broken format once in one, a pair without a
     kind right; each group's accuracy over its own pairs, beside the overall one."""
-    rows = [json.loads(line) for line in data.with_name("preferences_test.jsonl").read_text().splitlines()[:4]]
-    kinds = ["near_miss", "near_miss", "broken_format", None]
-    path = tmp_path / "preferences_test.jsonl"
-    path.write_text("".join(json.dumps({**r, "source": "arith" if k else "chat", **({"rejected_kind": k} if k else {})})
-                            + "\n" for r, k in zip(rows, kinds)))
+    path = grouped_held_out_pairs(data, tmp_path)
     loader = PreferenceLoader(path, sp, batch_size=4, seq_len=64, shuffle=False)
     batch = loader.collate([0, 1, 2, 3])
     chosen, rejected = [-1.0, -3.0, -1.0, -2.0], [-2.0, -1.0, -4.0, -5.0]  # right, wrong, right, right

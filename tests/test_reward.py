@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from preference_train_fixtures import MARK, base, cli_flags, marked_pairs, tiny_cfg, write_pairs  # noqa: F401 (base: a fixture)
+from preference_train_fixtures import (MARK, base, cli_flags, grouped_held_out_pairs, marked_pairs,  # noqa: F401 (base)
+                                       tiny_cfg, write_pairs)
 from proc import free_port, run_group, run_here
 
 from data_loader.preferences import PreferenceLoader
@@ -121,11 +122,7 @@ def test_reward_std_is_over_the_global_batch_by_hand(data, sp):
 def test_held_out_accuracy_per_source_and_per_rejected_kind_by_hand(data, sp, tmp_path):
     """Four held-out pairs, scores set by hand: near misses ranked right once in two, the broken
     format once in one, a pair without a kind right; each group's accuracy over its own pairs."""
-    rows = [json.loads(line) for line in data.with_name("preferences_test.jsonl").read_text().splitlines()[:4]]
-    kinds = ["near_miss", "near_miss", "broken_format", None]
-    path = tmp_path / "preferences_test.jsonl"
-    path.write_text("".join(json.dumps({**r, "source": "arith" if k else "chat", **({"rejected_kind": k} if k else {})})
-                            + "\n" for r, k in zip(rows, kinds)))
+    path = grouped_held_out_pairs(data, tmp_path)
     loader = PreferenceLoader(path, sp, batch_size=4, seq_len=64, shuffle=False)
     batch = loader.collate([0, 1, 2, 3])
     chosen, rejected = [1.0, 0.0, 2.0, 1.0], [0.0, 1.0, -1.0, 0.0]  # right, wrong, right, right
