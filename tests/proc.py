@@ -108,45 +108,51 @@ def _logging_to(out: io.StringIO, err: io.StringIO):
 
 
 @contextlib.contextmanager
-def _fresh_process_state():
+def _swapped(container, items=()):
+    """`container` (a dict or set, os.environ too) holding only `items` for the block, and its
+    own items again after it."""
+    own = container.copy()
+    container.clear()
+    container.update(items)
+    try:
+        yield
+    finally:
+        container.clear()
+        container.update(own)
+
+
+@contextlib.contextmanager
+def _fresh_process_state(env: dict | None):
     """The state a script may change, or that a new interpreter starts without, as a new
-    interpreter has it for the block and as it was after it (module doc)."""
+    interpreter has it for the block (`env`: its environment, None for this process's), and as
+    it was after it (module doc)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from sprout.engine import run_args
     from sprout.model import generate
 
-    shared = [(cls, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState, GradientState)]
-    held, pending, warned = set(run_args._held_runs), dict(run_args._pending_clear), set(generate._warned)
-    saved = (dict(os.environ), os.getcwd(), sys.argv, list(sys.path), torch.get_num_threads(),
+    held = set(run_args._held_runs)
+    saved = (os.getcwd(), sys.argv, list(sys.path), torch.get_num_threads(),
              {s: signal.getsignal(s) for s in SIGNALS}, random.getstate(), np.random.get_state(),
              torch.get_rng_state())
-    for cls, _ in shared:
-        cls._shared_state.clear()
-    run_args._pending_clear.clear()
-    generate._warned.clear()
-    try:
-        yield
-    finally:
-        environ, cwd, sys.argv, sys.path[:], threads, handlers, py_rng, np_rng, torch_rng = saved
-        os.environ.clear()
-        os.environ.update(environ)
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        random.setstate(py_rng)
-        np.random.set_state(np_rng)
-        torch.set_rng_state(torch_rng)
-        for cls, state in shared:
-            cls._shared_state.clear()
-            cls._shared_state.update(state)
-        for key in set(run_args._held_runs) - held:  # what the run held ends with it, as with its process
-            run_args.release_run(key)
-        run_args._pending_clear.clear()
-        run_args._pending_clear.update(pending)
-        generate._warned.clear()
-        generate._warned.update(warned)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_swapped(os.environ, os.environ.copy() if env is None else env))
+        for fresh in (PartialState._shared_state, AcceleratorState._shared_state, GradientState._shared_state,
+                      run_args._pending_clear, generate._warned):
+            stack.enter_context(_swapped(fresh))
+        try:
+            yield
+        finally:
+            cwd, sys.argv, sys.path[:], threads, handlers, py_rng, np_rng, torch_rng = saved
+            os.chdir(cwd)
+            torch.set_num_threads(threads)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            random.setstate(py_rng)
+            np.random.set_state(np_rng)
+            torch.set_rng_state(torch_rng)
+            for key in set(run_args._held_runs) - held:  # what the run held ends with it, as with its process
+                run_args.release_run(key)
 
 
 def run_here(cmd: list[str], cwd=None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -158,10 +164,7 @@ def run_here(cmd: list[str], cwd=None, env: dict | None = None, timeout: float =
     assert python == sys.executable and script.endswith(".py"), cmd
     assert int((env or os.environ).get("WORLD_SIZE", "1")) == 1, "a launched worker needs a real process"
     out, err, code = io.StringIO(), io.StringIO(), 0
-    with _fresh_process_state():
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
+    with _fresh_process_state(env):
         if cwd is not None:
             os.chdir(cwd)
         sys.argv = [script, *args]

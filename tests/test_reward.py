@@ -136,6 +136,8 @@ def test_held_out_accuracy_per_source_and_per_rejected_kind_by_hand(data, sp, tm
     assert got["val_accuracy/rejected_near_miss"] == 0.5 and got["val_pairs/rejected_near_miss"] == 2
     assert got["val_accuracy/rejected_broken_format"] == 1.0 and got["val_pairs/rejected_broken_format"] == 1
     assert not [k for k in got if k.startswith("val_accuracy/rejected_") and "miss" not in k and "format" not in k]
+    assert {k for k in got if k.startswith("val_accuracy/")} == {  # no group for the pair without a kind
+        "val_accuracy/arith", "val_accuracy/chat", "val_accuracy/rejected_near_miss", "val_accuracy/rejected_broken_format"}
     clash = tmp_path / "clash" / "preferences_test.jsonl"  # a source named like a kind's group
     clash.parent.mkdir()
     clash.write_text(path.read_text().replace('"source": "chat"', '"source": "rejected_near_miss"'))

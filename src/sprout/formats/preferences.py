@@ -49,7 +49,7 @@ TRAIN_FILE = "preferences.jsonl"
 TEST_FILE = "preferences_test.jsonl"
 KEYS = ("id", "source", "prompt", "chosen", "rejected")
 OPTIONAL_KEYS = ("margin", "rejected_kind")
-KIND = re.compile(r"[a-z][a-z0-9_]*")
+KIND_PATTERN = re.compile(r"[a-z][a-z0-9_]*")  # a rejected_kind
 
 
 def _answer(value, name: str) -> str:
@@ -92,7 +92,7 @@ def kind_group(kind: str) -> str:
 
 def check_rejected_kind(kind) -> str:
     """`kind` when it is a valid `rejected_kind`; `SproutError` (without the location) otherwise."""
-    if not isinstance(kind, str) or not KIND.fullmatch(kind):
+    if not isinstance(kind, str) or not KIND_PATTERN.fullmatch(kind):
         raise SproutError(f"'rejected_kind' must be a lowercase identifier ([a-z][a-z0-9_]*), got {kind!r}")
     return kind
 
