@@ -3,7 +3,8 @@ them per test module, used by the PPO tests too), small configs, test reward fun
 and a sampler that draws each prompt's completions from a generator of that prompt alone, so
 that 1 process and 2 processes generate the same rollouts (the normaliser tests).
 
-    python tests/grpo_fixtures.py CONFIG.json      # run_grpo with per-prompt sampling (a launched worker)
+    python tests/grpo_fixtures.py CONFIG.json ...  # run_grpo with per-prompt sampling, one run per
+                                                   # config in turn (launched workers: one launch, many runs)
 """
 
 from __future__ import annotations
@@ -163,4 +164,15 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     from sprout.errors import run_main
 
-    run_main(lambda: run_per_prompt(from_dict(GRPOConfig, json.loads(Path(sys.argv[1]).read_text()))) and None)
+    def main() -> None:
+        import sprout.engine.run as engine_run
+
+        end_processes = engine_run.end_processes
+        for i, path in enumerate(sys.argv[1:], 1):
+            # a run ends its process group (end_processes); one that is not the last keeps it for the
+            # next run (a barrier only): gloo cannot start a second group on the launch's store
+            last = i == len(sys.argv) - 1
+            engine_run.end_processes = end_processes if last else (lambda acc: acc.wait_for_everyone())
+            run_per_prompt(from_dict(GRPOConfig, json.loads(Path(path).read_text())))
+
+    run_main(main)

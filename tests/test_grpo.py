@@ -131,19 +131,34 @@ def test_denominators_follow_the_loss_type(sp, sft_base, data):
     assert 0 < counts["bnpo"] == counts["dapo"] == counts["cispo"] == kept < every  # truncated completions left out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("loss_type, mu, options", CASES)
-def test_two_processes_match_one(loss_type, mu, options, one_by_one, sft_base, data, tmp_path):
-    """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8."""
-    out = tmp_path / "ddp"
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(case_cfg(data, sft_base, out, loss_type, mu, options, micro_completions=2)))
+@pytest.fixture(scope="module")
+def two_by_two(sft_base, data, tmp_path_factory):
+    """Per case: 2 steps of 2 gloo processes × 2 micro-batches of 2 completions, every case a run
+    of its own, in turn, in one `accelerate launch` (the launch and imports paid once); returns
+    ({case: run folder}, the launch's stdout)."""
+    root = tmp_path_factory.mktemp("two_by_two")
+    outs, cfgs = {}, []
+    for case in CASES:
+        name = "_".join(map(str, case)).strip("_")
+        outs[case] = root / name
+        cfgs.append(root / f"{name}.json")
+        cfgs[-1].write_text(json.dumps(case_cfg(data, sft_base, outs[case], *case, micro_completions=2)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
-           str(ROOT / "tests" / "grpo_fixtures.py"), str(cfg)]
-    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+           str(ROOT / "tests" / "grpo_fixtures.py"), *map(str, cfgs)]
+    proc = run_group(cmd, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es) × 2 micro-steps" in proc.stdout
+    return outs, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type, mu, options", CASES)
+def test_two_processes_match_one(loss_type, mu, options, one_by_one, two_by_two):
+    """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8."""
+    outs, stdout = two_by_two
+    out = outs[loss_type, mu, options]
+    assert stdout.count("2 process(es) × 2 micro-steps") == len(CASES)
+    assert "- 2 process(es);" in (out / "report.md").read_text()  # this run's own report
     a, b = train_records(one_by_one[loss_type, mu, options]), train_records(out)
     for s in (1, 2):
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], abs=1e-5)
