@@ -22,7 +22,7 @@ import pytest
 
 from grpo_fixtures import write_prompt_files
 from preference_train_fixtures import write_pairs
-from proc import run_group
+from proc import run_here
 from sft_fixtures import write_sources
 from sprout.checkpoint import checkpoint_tokenizer, read_meta
 from sprout.engine.metrics import read_metrics
@@ -53,7 +53,9 @@ STAGES = {  # script, demo config, flags (DATA, REWARD: filled in by `chain`)
 
 
 def script(name: str, *args, timeout: float = 900):
-    return run_group([sys.executable, str(SCRIPTS / name), *map(str, args)], timeout=timeout, cwd=ROOT)
+    """The script run in this process (tests/proc.py `run_here`): each run here would otherwise
+    spend seconds importing torch and the tokenizer again."""
+    return run_here([sys.executable, str(SCRIPTS / name), *map(str, args)], cwd=ROOT, timeout=timeout)
 
 
 def losses(out: Path) -> dict[int, float]:
