@@ -26,6 +26,7 @@ accelerate's state, the run folders it held and the old runs --overwrite was to 
 
 import contextlib
 import faulthandler
+import gc
 import io
 import logging
 import os
@@ -186,4 +187,5 @@ def run_here(cmd: list[str], cwd=None, env: dict | None = None, timeout: float =
                     code = 1
         finally:
             faulthandler.cancel_dump_traceback_later()
+    gc.collect()  # what the run built (a 135M model, its optimizer) goes now, not at a later collection
     return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())

@@ -45,24 +45,60 @@ def test_every_atomic_write_is_fsynced_unless_the_environment_says_0(tmp_path, m
 
 
 def test_sha256_file_remembers_only_settled_files_and_never_older_bytes(tmp_path, monkeypatch):
+    """`remember`: only the digest of a file settled before it was read (monkeypatched SETTLED_NS:
+    a day, then 0), never one of older bytes. Changes are made 50 ms apart, later ticks of the
+    kernel's timestamps (the suite's temporary folder keeps sub-second times)."""
+    old, new = b"a" * 3000, b"b" + b"a" * 2999  # the same size
+    old_digest = hashlib.sha256(old).hexdigest()
     f = tmp_path / "w.bin"
-    f.write_bytes(b"a" * 3000)
-    fresh = atomic.sha256_file(f)
-    assert fresh == hashlib.sha256(b"a" * 3000).hexdigest()
-    assert fresh not in atomic._DIGESTS.values()  # written just now: hashed again on every read
-    time.sleep(atomic.SETTLED_NS / 1e9 + 0.1)
-    assert atomic.sha256_file(f) == fresh and fresh in atomic._DIGESTS.values()  # settled: remembered
+    f.write_bytes(old)
+    monkeypatch.setattr(atomic, "SETTLED_NS", 86_400 * 10**9)
+    assert atomic.sha256_file(f, remember=True) == hashlib.sha256(old).hexdigest()
+    assert atomic._DIGESTS == {} or hashlib.sha256(old).hexdigest() not in atomic._DIGESTS.values()
+    monkeypatch.setattr(atomic, "_DIGESTS", {})
+    monkeypatch.setattr(atomic, "SETTLED_NS", 0)
+    assert atomic.sha256_file(f) == hashlib.sha256(old).hexdigest() and atomic._DIGESTS == {}  # not asked to
+    assert atomic.sha256_file(f, remember=True) == hashlib.sha256(old).hexdigest()
+    assert list(atomic._DIGESTS.values()) == [hashlib.sha256(old).hexdigest()]
 
-    class Unread:  # a remembered digest does not read the file
+    class NoHashing:  # a remembered digest is returned without reading the file
         def __init__(self):
             raise AssertionError("hashed again")
 
     with monkeypatch.context() as m:
-        m.setattr(atomic.hashlib, "sha256", Unread)
-        assert atomic.sha256_file(f) == fresh
-    with open(f, "r+b") as g:  # the same size, other bytes, in place: its ctime moves on
-        g.write(b"b")
-    assert atomic.sha256_file(f) == hashlib.sha256(b"b" + b"a" * 2999).hexdigest()
+        m.setattr(atomic.hashlib, "sha256", NoHashing)
+        assert atomic.sha256_file(f, remember=True) == old_digest
+    before = os.stat(f)
+    time.sleep(0.05)
+    with open(f, "r+b") as g:  # other bytes in place, the old mtime put back (as cp -p would): ctime moves on
+        g.write(new[:1])
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert atomic.sha256_file(f, remember=True) == hashlib.sha256(new).hexdigest()
+    time.sleep(0.05)
     f.unlink()
-    f.write_bytes(b"a" * 3000)  # a new file of the old bytes at the old path: a new inode or ctime
-    assert atomic.sha256_file(f) == fresh
+    f.write_bytes(old)  # a new file at the old path
+    assert atomic.sha256_file(f, remember=True) == hashlib.sha256(old).hexdigest()
+
+    g = tmp_path / "changing.bin"  # written while it is read: its digest is kept under its state before
+    g.write_bytes(old)
+    real = hashlib.sha256
+
+    class WrittenMeanwhile:
+        def __init__(self):
+            self.h, self.first = real(), True
+
+        def update(self, data):
+            if self.first:
+                time.sleep(0.05)
+                with open(g, "r+b") as w:
+                    w.write(new[:1])
+                self.first = False
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    with monkeypatch.context() as m:
+        m.setattr(atomic.hashlib, "sha256", WrittenMeanwhile)
+        atomic.sha256_file(g, remember=True)
+    assert atomic.sha256_file(g, remember=True) == hashlib.sha256(new).hexdigest()

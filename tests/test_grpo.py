@@ -135,7 +135,8 @@ def test_denominators_follow_the_loss_type(sp, sft_base, data):
 def two_by_two(sft_base, data, tmp_path_factory):
     """Per case: 2 steps of 2 gloo processes × 2 micro-batches of 2 completions, every case a run
     of its own, in turn, in one `accelerate launch` (the launch and imports paid once); returns
-    ({case: run folder}, the launch's stdout)."""
+    ({case: run folder}, the launch's stdout). A case that fails stops the ones after it, and every
+    case's test then shows this fixture's error."""
     root = tmp_path_factory.mktemp("two_by_two")
     outs, cfgs = {}, []
     for case in CASES:

@@ -18,14 +18,17 @@ the process (SIGSEGV) when it closes a file after a failed write, so the file ob
 records the first failed write, drops the writes after it, and the error is raised once
 h5py has closed the file.
 
-`sha256_file` remembers, for the life of the process, the digest of a file that had not changed
-for `SETTLED_NS` before it was read, keyed by its device, inode, size, mtime and ctime: any
-later write to the file, or a new file in its place, changes that key (the kernel sets ctime
-on every write), so a remembered digest is never that of older bytes. A file changed just
-before it was read is hashed again each time: timestamps are coarse, and a write in the same
-tick could leave the key as it was (git's index treats such "racily clean" files alike). A run
-verifies its init checkpoint on opening it and again when loading it; the second read of a
-135M model's 1.6 GB is then free.
+`sha256_file(path, remember=True)` (checkpoint verification, `read_meta`) remembers, for the
+life of the process, the digest of a file that had not changed for `SETTLED_NS` before it was
+read, keyed by its device, inode, size, mtime and ctime. On a local filesystem whose timestamps
+come from this host's clock, any later write to the file, or a new file in its place, changes
+that key (the kernel sets ctime on every write, and no call can set it back), so a remembered
+digest is never that of older bytes (one read while the file was written is kept under
+the state before, which the file never has again). A file changed just before it was read is hashed again
+each time: timestamps are coarse, and a write in the same tick could leave the key as it was
+(git's index treats such "racily clean" files alike). A run verifies its init checkpoint on
+opening it and again when loading it; the second read of a 135M model's 1.6 GB is then free.
+Every other caller (prep manifests, data verification, benchmarks) hashes the bytes each time.
 
 A folder one process at a time may write (a run folder, a pipeline's output root) is held
 with `hold_lock` / `locked`: an exclusive `flock` on a lock file in it, which records the
@@ -54,7 +57,7 @@ from sprout.errors import SproutError
 # errno values that mean "this output cannot be written here", whichever call raised them
 DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
 HASH_BLOCK = 1 << 20
-SETTLED_NS = 1_000_000_000  # a file unchanged this long before it is hashed has its digest remembered
+SETTLED_NS = 3_000_000_000  # a file unchanged this long before it is hashed may have its digest remembered
 _DIGESTS: dict[tuple[int, ...], str] = {}  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) -> sha256
 
 
@@ -364,12 +367,13 @@ def _file_key(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks into one reused buffer; remembered
-    for a file that had settled before it was read (module doc)."""
+def sha256_file(path: str | os.PathLike, remember: bool = False) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks into one reused buffer. With
+    `remember`, a digest remembered for this file is returned, and one of a file that had settled
+    before it was read is remembered (module doc)."""
     with open(path, "rb", buffering=0) as f:
         key = _file_key(os.fstat(f.fileno()))
-        if (digest := _DIGESTS.get(key)) is not None:
+        if remember and (digest := _DIGESTS.get(key)) is not None:
             return digest
         started = time.time_ns()
         h = hashlib.sha256()
@@ -378,6 +382,6 @@ def sha256_file(path: str | os.PathLike) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
         digest = h.hexdigest()
-        if started - max(key[3], key[4]) >= SETTLED_NS and _file_key(os.fstat(f.fileno())) == key:
+        if remember and started - max(key[3], key[4]) >= SETTLED_NS:  # keyed by the state before the read
             _DIGESTS[key] = digest
     return digest

@@ -73,7 +73,7 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
             f = path / name
             if not f.is_file():
                 raise SproutError(f"{f}: checkpoint file is missing")
-            if sha256_file(f) != digest:
+            if sha256_file(f, remember=True) != digest:  # settled files: hashed once per process
                 raise SproutError(f"{f}: sha256 does not match {META}; the file is corrupted or was modified")
     meta["path"] = str(path)
     return meta
