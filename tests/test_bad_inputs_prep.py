@@ -119,6 +119,26 @@ def is_pool_worker(pid: int) -> bool:
         return False
 
 
+def worst_moment(workers: list[int], wait: float = 15.0) -> int:
+    """With the prep's main process stopped, wait until every worker sleeps (its task done,
+    nothing more to do until the main process reads), then pick the one blocked writing into
+    a pipe if any: a worker killed there leaves half a result message in the pool's result
+    pipe, which is the kill a pool is least likely to survive."""
+    def state(pid: int) -> tuple[str, str]:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            return stat[stat.rindex(")") + 2], Path(f"/proc/{pid}/wchan").read_text()
+        except (OSError, ValueError):
+            return "?", ""
+    deadline, calm = time.monotonic() + wait, 0
+    while time.monotonic() < deadline and calm < 5:
+        states = [state(pid) for pid in workers]
+        calm = calm + 1 if all(s == "S" for s, _ in states) else 0
+        time.sleep(0.05)
+    writers = [pid for pid in workers if "pipe_write" in state(pid)[1]]
+    return (writers or workers)[0]
+
+
 def output_files(out: Path) -> dict:
     """The data files of a prep folder by name with their sha256, and the manifest without the
     fields that name the folder and the command line."""
@@ -148,8 +168,11 @@ def test_kill_9_of_a_worker_stops_the_prep_and_a_rerun_gives_the_same_bytes(tok,
         assert len(workers) == 2, "the prep never started two workers"
         time.sleep(1.0)  # let them tokenize a while
         assert proc.poll() is None, "the fixture is too small: the prep finished before the kill"
+        os.kill(proc.pid, signal.SIGSTOP)
+        victim = worst_moment(workers)
         killed = time.monotonic()
-        os.kill(workers[0], signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
         _, stderr = proc.communicate(timeout=30)
         assert time.monotonic() - killed < 30
     finally:

@@ -43,7 +43,7 @@ from typing import Callable, Iterator, Literal
 import numpy as np
 
 from sprout.formats import manifest as mf
-from sprout.atomic import check_writable, make_dir, safe_name, sha256_file
+from sprout.atomic import check_writable, make_dir, safe_name, sha256_file, write_error
 from sprout.config import from_dict
 from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
@@ -87,10 +87,11 @@ class PrepConfig:
 _STATE: dict = {}
 
 
-def _init_worker(spec: str, mirror: str | None, clean: dict, dtype: str) -> None:
+def _init_worker(spec: str, mirror: str | None, clean: dict, dtype: str, spool: str) -> None:
     _STATE["tok"] = load_tokenizer(spec, mirror)
     _STATE["cleaner"] = Cleaner(CleanConfig(**clean))
     _STATE["dtype"] = np.dtype(dtype)
+    _STATE["spool"] = spool
 
 
 def _process_chunk(texts: list[str]):
@@ -101,6 +102,33 @@ def _process_chunk(texts: list[str]):
     keys = np.frombuffer(b"".join(text_key(t) for t in kept), dtype=np.uint8).reshape(-1, 16)
     tokens, lengths = tok.encode_docs(kept)
     return tokens.astype(_STATE["dtype"], copy=False), lengths, keys, cleaner.counts
+
+
+def _spool_chunk(job: tuple[int, list[str]]) -> tuple[str, Counter]:
+    """The pool's task: _process_chunk, with the arrays written to a file in the spool folder;
+    returns (that file, counts). So each result message is a few hundred bytes, which the
+    pool's result pipe takes in one atomic write (at most PIPE_BUF bytes). A result of
+    megabytes goes in several writes: a worker killed between them leaves half a message in
+    the pipe, and CPython's ProcessPoolExecutor then waits for the rest for ever without
+    noticing that the worker died (its reader is inside recv, not watching the workers)."""
+    seq, texts = job
+    tokens, lengths, keys, counts = _process_chunk(texts)
+    path = os.path.join(_STATE["spool"], f"chunk-{seq:010d}.npy")
+    try:
+        with open(path, "wb") as f:
+            for array in (tokens, lengths, keys):
+                np.save(f, array, allow_pickle=False)
+    except OSError as exc:  # disk full: one line, raised again in the main process
+        raise write_error(path, exc) from None
+    return path, counts
+
+
+def _unspool_chunk(path: str, counts: Counter):
+    """Read back what _spool_chunk wrote, and remove its file: (tokens, lengths, keys, counts)."""
+    with open(path, "rb") as f:
+        tokens, lengths, keys = (np.load(f, allow_pickle=False) for _ in range(3))
+    os.unlink(path)
+    return tokens, lengths, keys, counts
 
 
 def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -118,20 +146,21 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
 def _ordered_map(pool, chunks: Iterator[list[str]], in_flight: int):
     """pool.map with back-pressure: at most `in_flight` chunks queued, results in order.
     A worker that dies raises BrokenProcessPool here (a ProcessPoolExecutor notices a dead
-    worker; multiprocessing.Pool would wait for its result for ever)."""
+    worker, as long as its result messages stay small: see _spool_chunk; multiprocessing.Pool
+    would wait for its result for ever)."""
     if pool is None:
         for chunk in chunks:
             yield len(chunk), _process_chunk(chunk)
         return
     pending: collections.deque = collections.deque()
-    for chunk in chunks:
-        pending.append((len(chunk), pool.submit(_process_chunk, chunk)))
+    for seq, chunk in enumerate(chunks):
+        pending.append((len(chunk), pool.submit(_spool_chunk, (seq, chunk))))
         if len(pending) >= in_flight:
             n, res = pending.popleft()
-            yield n, res.result()
+            yield n, _unspool_chunk(*res.result())
     while pending:
         n, res = pending.popleft()
-        yield n, res.result()
+        yield n, _unspool_chunk(*res.result())
 
 
 # ---------------------------------------------------------------- main side
@@ -249,8 +278,9 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
     spec_str = f"{tok.spec.partition(':')[0]}:{Path(path).resolve()}" if path else tok.spec
     pool = None
     if workers > 1:
+        spool = make_dir(tmpdir / "spool")
         pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                   initargs=(spec_str, mirror, clean, dtype.str))
+                                   initargs=(spec_str, mirror, clean, dtype.str, str(spool)))
     else:  # one worker: this process, with the tokenizer already loaded
         _STATE.update(tok=tok, cleaner=Cleaner(cfg.clean), dtype=dtype)
     stores, stats = [], []
