@@ -364,8 +364,8 @@ def main() -> None:
         fsdp_config = ROOT / "configs/accelerate/cpu_fsdp.yaml"
         device = f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, fp32"
     print(f"{device}: measured matmul peak {peak / 1e12:.2f} TFLOP/s", flush=True)
-    # every run: bf16 autocast on the GPU, fp32 on the CPU ("no" quoted: YAML reads a bare no as false)
-    train_flags = ["--train.mixed_precision", "bf16" if gpu else '"no"', "--train.progress", "false",
+    # every run: bf16 autocast on the GPU, fp32 on the CPU
+    train_flags = ["--train.mixed_precision", "bf16" if gpu else "no", "--train.progress", "false",
                    "--train.peak_tflops", f"{peak / 1e12:.4f}"]
     check = Check(out, env, {"device": device, "peak_tflops": peak / 1e12})
     results = check.results

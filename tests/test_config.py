@@ -31,6 +31,29 @@ def test_dotted_overrides_parse_yaml_scalars():
         parse_overrides(["name", "x"])
 
 
+@dataclass
+class Switches:
+    precision: Literal["auto", "bf16", "no"] = "auto"
+    compile: bool = False
+    name: str = "run"
+
+
+def test_on_the_command_line_only_true_and_false_are_booleans(tmp_path):
+    """A shell removes the quotes of `--train.mixed_precision "no"`: the word must stay a word.
+    In a file YAML 1.1 reads a bare no as false, and the error says to quote it."""
+    assert parse_overrides(["--a", "no", "--b", "yes", "--c", "off", "--d", "true", "--e", "False", "--f", '"no"']) == {
+        "a": "no", "b": "yes", "c": "off", "d": True, "e": False, "f": "no"}
+    cfg = load_config(Switches, None, ["--precision", "no", "--compile", "true", "--name", "on"])
+    assert cfg == Switches(precision="no", compile=True, name="on")
+    with pytest.raises(SproutError, match=r"command line: --compile: got 'yes'; expected true or false$"):
+        load_config(Switches, None, ["--compile", "yes"])
+    path = tmp_path / "c.yaml"
+    path.write_text("precision: no\n")
+    with pytest.raises(SproutError, match=r"c\.yaml: precision: got False; expected one of auto, bf16, no "
+                                          r"\(YAML reads a bare yes, no, on or off as a boolean: quote the word\)"):
+        load_config(Switches, path)
+
+
 def test_yaml_then_overrides_into_dataclasses(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 1\n  steps: 10\nname: demo\n")

@@ -4,6 +4,8 @@ ETA), saved checkpoints and the report's path printed, the matmul peak recorded 
 the warmup warning."""
 
 import re
+import shlex
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from sprout.checkpoint import read_meta
 from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matmul_flops, plot_loss_curve,
                                   read_metrics, truncate_metrics)
 from sprout.stages.pretrain import run_pretrain
-from sprout.engine.report import git_commit
+from sprout.engine.report import git_commit, start_record
 from sprout.engine.schedule import warmup_warning
 from sprout.stages.configs import SAMPLE_PROMPTS
 from sprout.stages.sft import SFTStage
@@ -125,6 +127,16 @@ def test_report_states_command_commit_hardware_and_resumes(logged_run):
     assert f"- hardware: {start['hardware']['cpu']} ({start['hardware']['cpu_count']} cores); no GPU" in report
     assert "- world size 1; precision no" in report and "wall-clock time 0:00:" in report
     assert "over 2 segments" in report and "| 2 (resume) | 4 |" in report
+
+
+def test_the_recorded_command_pastes_back_into_a_shell(monkeypatch):
+    """The report's command is shell-quoted: split as a shell would, it is the argv the run had."""
+    argv = ["scripts/train_sft.py", "--sample_prompts", '["What is 3 + 4?"]', "--train.mixed_precision", "no",
+            "--out", "runs/a b"]
+    monkeypatch.setattr(sys, "argv", argv)
+    record = start_record(0, peak_flops=1e12, peak_source="config", device=torch.device("cpu"), world_size=1,
+                          precision="no")
+    assert shlex.split(record["command"])[1:] == argv
 
 
 def test_configured_peak_is_recorded_as_config(toy_data, tmp_path):

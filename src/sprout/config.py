@@ -5,7 +5,8 @@
 Each script declares a dataclass tree; `load_config` reads the YAML, applies
 `--section.field VALUE` overrides (top-level fields as `--field VALUE`; `-` and `_` are the
 same in a name; values parsed as YAML scalars, so `50`, `3e-4`, `true`, `null` and `[1, 2]`
-work), and builds the dataclasses. Every value is checked against its field's type at load
+work; only true and false are booleans there, so `--train.mixed_precision no` is the word
+"no"), and builds the dataclasses. Every value is checked against its field's type at load
 (`int`, `float`, `str`, `bool`, `list`, `X | None`, a nested dataclass, and `Literal[...]` for
 a field with a fixed set of values): an unknown key, a value of the wrong type, a choice
 outside the allowed ones or a NaN/inf float is refused in one line naming where it came from
@@ -38,6 +39,7 @@ import inspect
 import io
 import math
 import os
+import re
 import tokenize
 import types
 import typing
@@ -73,6 +75,30 @@ def option_key(arg: str) -> str:
     return arg[2:].replace("-", "_")
 
 
+class _CommandLineLoader(yaml.SafeLoader):
+    """YAML for one command-line value: as yaml.safe_load, except that only true and false are
+    booleans (YAML 1.2), so `--train.mixed_precision no` is the string "no" (the shell has
+    already removed any quotes a user typed around it)."""
+
+
+_CommandLineLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_CommandLineLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                         list("tTfF"))
+
+
+def parse_value(raw: str):
+    """One command-line value: a YAML scalar or flow collection (`50`, `3e-4`, `true`, `null`,
+    `[1, 2]`), only true and false as booleans; text that is not YAML is the string itself."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.load(raw, Loader=_CommandLineLoader)
+    except yaml.YAMLError:
+        return raw  # the field's type check decides
+
+
 def parse_overrides(argv: list[str]) -> dict:
     """Turn `['--train.max_steps', '50', '--model.d_model=128', '--val-frac', '0.1']` into a nested dict."""
     out: dict = {}
@@ -90,10 +116,7 @@ def parse_overrides(argv: list[str]) -> dict:
                 raise SproutError(f"command line: {arg} has no value")
             name, raw = arg, argv[i + 1]
             i += 2
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw  # not a YAML scalar: the string itself (the field's type check decides)
+        value = parse_value(raw)
         node = out
         parts = option_key(name).split(".")
         for part in parts[:-1]:
@@ -173,6 +196,14 @@ def _expected(tp: Any, interval: Interval | None = None) -> str:
         return "a mapping (a section)"
     return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
             dict: "a mapping", type(None): "null"}.get(tp, type_name(tp))
+
+
+def _takes_text(tp: Any) -> bool:
+    """Whether a field of type `tp` takes a string (str, or a Literal with a string choice)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_text(a) for a in args)
+    return tp is str or (origin is Literal and any(isinstance(a, str) for a in args))
 
 
 def _check_value(value: Any, tp: Any) -> Any:
@@ -295,7 +326,10 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
             if out_of_range(kwargs[name], interval):
                 raise ValueError
         except ValueError:
-            raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp, interval)}") from None
+            hint = ""
+            if isinstance(value, bool) and _takes_text(tp):
+                hint = " (YAML reads a bare yes, no, on or off as a boolean: quote the word)"
+            raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp, interval)}{hint}") from None
     try:
         return cls(**kwargs)
     except FieldError as exc:  # a dataclass's own check of one field

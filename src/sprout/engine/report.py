@@ -6,9 +6,10 @@ the report can be rebuilt from a run folder at any time (`write_report`).
 
 Besides training and eval records, metrics.jsonl holds one run-start record per segment
 of the run (the first start and every resume; `start_record`): its step, the UTC time, the
-command line, the git commit of the code, the hardware, world size and precision, and the
-matmul peak its MFU is measured against with where that figure came from ("measured" at the
-start of that segment, or "config": `train.peak_tflops`). A segment's wall-clock time is the
+command line (shell-quoted: it pastes back into a shell), the git commit of the code, the
+hardware, world size and precision, and the matmul peak its MFU is measured against with where
+that figure came from ("measured" at the start of that segment, or "config":
+`train.peak_tflops`). A segment's wall-clock time is the
 last `elapsed_s` it logged. Chat stages log a `samples` record: prompts and the answers the
 model generated at the end of training.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -78,7 +80,7 @@ def start_record(step: int, *, peak_flops: float, peak_source: str, device, worl
     """The run-start record of a segment (see the module docstring); `peak_flops` per process."""
     return {"event": "start", "step": step, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "peak_tflops": peak_flops / 1e12, "peak_source": peak_source, "world_size": world_size,
-            "precision": precision, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "precision": precision, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
             "git_commit": git_commit(), "hardware": hardware(device)}
 
 
