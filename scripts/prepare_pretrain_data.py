@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sprout.config import add_config_help, dump_yaml, load_config, merge, parse_overrides
+from sprout.config import dump_yaml, load_config, merge, parse_overrides
+from sprout.config_help import add_config_help
 from sprout.errors import run_main
 from sprout.prep.pretrain import PrepConfig, prepare
 

@@ -120,23 +120,29 @@ def is_pool_worker(pid: int) -> bool:
 
 
 def worst_moment(workers: list[int], wait: float = 15.0) -> int:
-    """With the prep's main process stopped, wait until every worker sleeps (its task done,
-    nothing more to do until the main process reads), then pick the one blocked writing into
-    a pipe if any: a worker killed there leaves half a result message in the pool's result
-    pipe, which is the kill a pool is least likely to survive."""
-    def state(pid: int) -> tuple[str, str]:
+    """With the prep's main process stopped, wait until every worker sleeps (its task done and
+    its result sent, or blocked sending it), then pick one blocked writing into a pipe if any:
+    a worker killed there leaves half a result message in the pool's result pipe, the kill a
+    pool is least likely to survive. Results that fit one atomic pipe write never block there,
+    and then the first worker, asleep, is the one killed."""
+    def sleeping(pid: int) -> bool:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            return stat[stat.rindex(")") + 2], Path(f"/proc/{pid}/wchan").read_text()
-        except (OSError, ValueError):
-            return "?", ""
+        except OSError:
+            return True  # gone
+        return stat[stat.rindex(")") + 2] == "S"
+
+    def writing_a_pipe(pid: int) -> bool:
+        try:
+            return "pipe_write" in Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            return False
+
     deadline, calm = time.monotonic() + wait, 0
     while time.monotonic() < deadline and calm < 5:
-        states = [state(pid) for pid in workers]
-        calm = calm + 1 if all(s == "S" for s, _ in states) else 0
+        calm = calm + 1 if all(map(sleeping, workers)) else 0
         time.sleep(0.05)
-    writers = [pid for pid in workers if "pipe_write" in state(pid)[1]]
-    return (writers or workers)[0]
+    return ([pid for pid in workers if writing_a_pipe(pid)] or workers)[0]
 
 
 def output_files(out: Path) -> dict:
@@ -294,6 +300,18 @@ def test_a_full_disk_stops_pretraining_prep_naming_the_file(tok, tmp_path, fmt, 
     assert line.split(": cannot write")[0].endswith(suffix or (".bin", ".h5")), line
     assert not (out / "manifest.json").exists()
     assert not [n for n in tree(out) if ".tmp-" in n or n.endswith(".h5")], tree(out)
+
+
+def test_a_full_disk_in_a_worker_stops_the_prep_naming_its_file(tok, tmp_path):
+    """With 2 workers each chunk's tokens go through a file the worker writes: a write refused
+    there is one line naming that file, raised again in the main process."""
+    srcs = write_sources(tmp_path)
+    out = tmp_path / "out"
+    proc = run("prepare_pretrain_data.py", "--source", srcs[0], "--tokenizer", tok.spec, "--out", out, "--name", "t",
+               "--workers", "2", "--no-progress", limit=4096)  # room for the lock file, not a chunk's tokens
+    line = one_error(proc, str(out), "File too large")
+    assert "/spool/source0-chunk" in line, line
+    assert not [n for n in tree(out) if ".tmp-" in n or n.endswith((".bin", ".json"))], tree(out)
 
 
 def test_a_full_disk_stops_sft_prep_and_leaves_the_old_pair(tok, tmp_path):

@@ -3,8 +3,9 @@ from typing import Literal
 
 import pytest
 
-from sprout.config import (FieldError, added_later, config_help, config_to_dict, fill_added_later, load_config,
-                           parse_overrides, require)
+from sprout.config import (FieldError, added_later, config_to_dict, fill_added_later, load_config, parse_overrides,
+                           require)
+from sprout.config_help import config_help
 from sprout.errors import SproutError
 
 
@@ -47,10 +48,15 @@ def test_on_the_command_line_only_true_and_false_are_booleans(tmp_path):
     assert cfg == Switches(precision="no", compile=True, name="on")
     with pytest.raises(SproutError, match=r"command line: --compile: got 'yes'; expected true or false$"):
         load_config(Switches, None, ["--compile", "yes"])
+    with pytest.raises(SproutError, match=r"command line: --name: got True; expected a string "
+                                          r"\(for the word, quote it inside the shell's quotes: '\"true\"'\)$"):
+        load_config(Switches, None, ["--name", "true"])
+    assert load_config(Switches, None, ["--name", '"true"']).name == "true"
     path = tmp_path / "c.yaml"
     path.write_text("precision: no\n")
     with pytest.raises(SproutError, match=r"c\.yaml: precision: got False; expected one of auto, bf16, no "
-                                          r"\(YAML reads a bare yes, no, on or off as a boolean: quote the word\)"):
+                                          r"\(YAML reads a bare yes, no, on, off, true or false as a boolean: "
+                                          r"quote the word\)$"):
         load_config(Switches, path)
 
 
@@ -167,7 +173,7 @@ def test_config_help_lists_types_defaults_choices_and_meanings():
 
 
 def test_every_field_of_every_script_config_has_a_meaning():
-    from sprout.config import config_fields
+    from sprout.config_help import config_fields
     from sprout.prep.preferences import PreferenceDataConfig
     from sprout.prep.pretrain import PrepConfig
     from sprout.prep.rl_prompts import PromptDataConfig

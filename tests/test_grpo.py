@@ -20,7 +20,8 @@ from proc import free_port, run_group
 from safetensors.torch import load_file
 
 from sprout.checkpoint import read_meta
-from sprout.config import config_help, from_dict, load_config
+from sprout.config import from_dict, load_config
+from sprout.config_help import config_help
 from sprout.errors import SproutError
 from sprout.model.load import load_model
 from sprout.rl.advantages import batch_normalize, group_advantages, normalize_then_sum

@@ -8,7 +8,8 @@ one line that starts with the rule's name.
   own layer or of a lower one (a module that is in no layer is a violation too):
 
       base        sprout (the package itself), sprout.errors, sprout.atomic, sprout.ranges,
-                  sprout.option_names, sprout.config, sprout.mirror, sprout.answers
+                  sprout.option_names, sprout.config, sprout.config_help, sprout.mirror,
+                  sprout.answers
       text        sprout.tokenizer, sprout.chat, sprout.bpb
       formats     sprout.formats
       prep        sprout.prep
@@ -53,7 +54,7 @@ TORCH_FREE = ("sprout.model.config", "sprout.losses.loss_types", "sprout.engine.
               "sprout.stages.configs")
 LAYERS = (
     ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.ranges", "sprout.option_names", "sprout.config",
-              "sprout.mirror", "sprout.answers")),
+              "sprout.config_help", "sprout.mirror", "sprout.answers")),
     ("text", ("sprout.tokenizer", "sprout.chat_formats", "sprout.chat", "sprout.chat_detect", "sprout.bpb")),
     ("formats", ("sprout.formats",)),
     ("prep", ("sprout.prep",)),

@@ -13,7 +13,8 @@ from typing import Literal
 
 import pytest
 
-from sprout.config import config_help, load_config
+from sprout.config import load_config
+from sprout.config_help import config_help
 from sprout.errors import SproutError
 from sprout.ranges import Interval, field_range, in_range
 

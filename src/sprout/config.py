@@ -16,9 +16,7 @@ same way, before the dataclass is built. A dataclass's own checks (`__post_init_
 involves several fields) raise `FieldError` to be named the same way. `config_to_dict` gives
 the resolved config back for printing and saving beside a run's outputs.
 
-`config_help(cls)` lists every field of a config for a script's --help: its dotted name, its
-type (its choices, its valid range), its default and one line of meaning, taken from the
-field's `metadata["help"]` or else the comment after the field in its source.
+A config's --help text is `sprout.config_help`.
 
 Which fields a resumed run may change is declared on the field itself:
 `resume_free(default)` (run length, logging, paths) instead of `default`; `resume_config(cfg)`
@@ -35,12 +33,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import inspect
-import io
 import math
 import os
 import re
-import tokenize
 import types
 import typing
 from pathlib import Path
@@ -77,8 +72,9 @@ def option_key(arg: str) -> str:
 
 class _CommandLineLoader(yaml.SafeLoader):
     """YAML for one command-line value: as yaml.safe_load, except that only true and false are
-    booleans (YAML 1.2), so `--train.mixed_precision no` is the string "no" (the shell has
-    already removed any quotes a user typed around it)."""
+    booleans (YAML 1.2's rule for them; numbers, null and dates as yaml.safe_load reads them),
+    so `--train.mixed_precision no` is the string "no" (the shell has already removed any quotes
+    a user typed around it)."""
 
 
 _CommandLineLoader.yaml_implicit_resolvers = {
@@ -138,7 +134,7 @@ def merge(base: dict, override: dict) -> dict:
     return result
 
 
-def _unwrap_optional(tp: Any) -> Any:
+def unwrap_optional(tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -265,7 +261,7 @@ def _known_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
         keys.append(prefix + f.name)
-        tp = _unwrap_optional(hints[f.name])
+        tp = unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp):
             keys += _known_keys(tp, f"{prefix}{f.name}.")
     return keys
@@ -316,7 +312,7 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
-        inner = _unwrap_optional(tp)
+        inner = unwrap_optional(tp)
         if dataclasses.is_dataclass(inner) and isinstance(value, dict):
             kwargs[name] = from_dict(inner, value, where, cli=cli, prefix=f"{prefix}{name}.")
             continue
@@ -327,8 +323,10 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
                 raise ValueError
         except ValueError:
             hint = ""
-            if isinstance(value, bool) and _takes_text(tp):
-                hint = " (YAML reads a bare yes, no, on or off as a boolean: quote the word)"
+            if isinstance(value, bool) and _takes_text(tp):  # the word was meant
+                hint = (f" (for the word, quote it inside the shell's quotes: '\"{str(value).lower()}\"')"
+                        if prefix + name in cli else
+                        " (YAML reads a bare yes, no, on, off, true or false as a boolean: quote the word)")
             raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp, interval)}{hint}") from None
     try:
         return cls(**kwargs)
@@ -352,119 +350,13 @@ def load_config(cls: type[T], path: str | os.PathLike | None, overrides: list[st
     return from_dict(cls, data, str(path) if path else (where or "config"), cli=cli)
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """{field: the comment after it in `cls`'s source (with the comment lines that continue it
-    right below), else the comment lines right above it}; {} when the source is unavailable."""
-    try:
-        lines, _ = inspect.getsourcelines(cls)
-    except (OSError, TypeError):
-        return {}
-    names = {f.name for f in dataclasses.fields(cls)}
-    comments: dict[int, str] = {}  # line index -> comment text
-    columns: dict[int, int] = {}   # line index -> the comment's column
-    code_lines: set[int] = set()
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
-            if tok.type == tokenize.COMMENT:
-                comments[tok.start[0] - 1] = tok.string.lstrip("#").strip()
-                columns[tok.start[0] - 1] = tok.start[1]
-            elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-                                  tokenize.ENDMARKER):
-                code_lines.add(tok.start[0] - 1)
-    except (tokenize.TokenError, IndentationError):
-        return {}
-    out: dict[str, str] = {}
-    for i, line in enumerate(lines):
-        name = line.strip().split(":", 1)[0].strip()
-        if name not in names or name in out or ":" not in line:
-            continue
-        if i in comments and i in code_lines:  # trailing comment, maybe continued below (same column)
-            text, j = [comments[i]], i + 1
-            while j in comments and j not in code_lines and columns[j] == columns[i]:
-                text.append(comments[j])
-                j += 1
-            out[name] = " ".join(text)
-        else:  # comment lines right above
-            text, j = [], i - 1
-            while j in comments and j not in code_lines and columns[j] <= len(line) - len(line.lstrip()):
-                text.insert(0, comments[j])
-                j -= 1
-            if text:
-                out[name] = " ".join(text)
-    return out
-
-
-def _default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default (its default factory called), or dataclasses.MISSING."""
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return dataclasses.MISSING
-
-
-def config_fields(cls: type, prefix: str = "", default: Any = None) -> list[tuple[str, str, Any, str]]:
-    """(dotted name, type, default, meaning) of every field of `cls`; a section's fields follow
-    a row for the section itself (type "section", its docstring's first line as meaning).
-    `default`: an instance whose values are the defaults (a section's own default factory)."""
-    hints, comments = typing.get_type_hints(cls), field_comments(cls)
-    rows = []
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        value = getattr(default, f.name) if default is not None else _default(f)
-        meaning = f.metadata.get("help") or comments.get(f.name, "")
-        inner = _unwrap_optional(tp)
-        if dataclasses.is_dataclass(inner):
-            doc = (inspect.getdoc(inner) or "").split("\n\n")[0].replace("\n", " ")
-            if doc.startswith(inner.__name__ + "("):  # dataclass's generated signature: no docstring
-                doc = ""
-            rows.append((prefix + f.name, "section", None, meaning or doc))
-            rows += config_fields(inner, f"{prefix}{f.name}.", value if dataclasses.is_dataclass(value) else None)
-        else:
-            rows.append((prefix + f.name, _type_text(tp, field_range(f)), value, meaning))
-    return rows
-
-
-def _type_text(tp: Any, interval: Interval | None) -> str:
-    """`type_name(tp)` with the field's interval after its number type: "float | null" ->
-    "float in (0, 1] | null"."""
-    if interval is None:
-        return type_name(tp)
-    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    return " | ".join(f"{type_name(a)} in {interval}" if a in (int, float) else type_name(a) for a in members)
-
-
-def config_help(cls: type) -> str:
-    """Every field of config `cls` for a script's --help (an argparse epilog): the option that
-    sets it, its type or choices, its default and its meaning."""
-    rows = config_fields(cls)
-    width = min(34, max(len(n) for n, *_ in rows) + 3)
-    lines = [f"config fields ({cls.__name__}): set each in the YAML (section: {{field: value}}) or as",
-             "--section.field VALUE / --field VALUE on the command line (- and _ alike; VALUE read as YAML)"]
-    for name, tp, default, meaning in rows:
-        if tp == "section":
-            lines.append(f"\n  {name}:" + (f" {meaning}" if meaning else ""))
-            continue
-        shown = shown_default(default)
-        opt = f"--{name}"
-        head = f"    {opt:<{width}} {tp} = {shown}"
-        lines.append(head + (f"\n    {'':<{width}}   {meaning}" if meaning else ""))
-    return "\n".join(lines)
-
-
-def shown_default(default: Any) -> str:
-    """A field's default as --help shows it: YAML (null, false, [1, 2]), or "(required)"."""
-    if default is dataclasses.MISSING:
-        return "(required)"
-    return yaml.safe_dump(default, default_flow_style=True, width=10_000).strip().removesuffix("\n...") \
-        .removesuffix(" ...").strip()
-
-
-def add_config_help(parser, cls: type) -> None:
-    """Put `config_help(cls)` at the end of `parser`'s --help, keeping its line breaks."""
-    import argparse
-
-    parser.epilog = ((parser.epilog + "\n\n") if parser.epilog else "") + config_help(cls)
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 RESUME_FREE = {"resume": "free"}  # field metadata: this field may change when a run is resumed
@@ -485,7 +377,7 @@ def fill_added_later(cls: type, data: dict, prefix: str = "") -> tuple[dict, lis
     hints = typing.get_type_hints(cls)
     data, filled = dict(data), []
     for f in dataclasses.fields(cls):
-        tp = _unwrap_optional(hints[f.name])
+        tp = unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp) and isinstance(data.get(f.name), dict):
             data[f.name], inner = fill_added_later(tp, data[f.name], f"{prefix}{f.name}.")
             filled += inner
@@ -503,7 +395,7 @@ def config_to_dict(cfg: Any) -> Any:
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                 if not (f.metadata.get("record") == "when set"
-                        and getattr(cfg, f.name) == f.metadata.get("before", _default(f)))}
+                        and getattr(cfg, f.name) == f.metadata.get("before", field_default(f)))}
     if isinstance(cfg, (list, tuple)):
         return type(cfg)(config_to_dict(v) for v in cfg)
     if isinstance(cfg, dict):
@@ -521,7 +413,7 @@ def resume_free_paths(cls: type) -> set[str]:
     hints = typing.get_type_hints(cls)
     paths = set()
     for f in dataclasses.fields(cls):
-        tp = _unwrap_optional(hints[f.name])
+        tp = unwrap_optional(hints[f.name])
         if f.metadata.get("resume") == "free":
             paths.add(f.name)
         elif dataclasses.is_dataclass(tp):

@@ -1,7 +1,7 @@
 """A training script's command line and its run folder, before the stage loads torch.
 
 A training script parses its arguments with `run_parser` + `parse_run_config`, which
-  - lists every config field in --help (`sprout.config.config_help`),
+  - lists every config field in --help (`sprout.config_help.config_help`),
   - refuses a fresh run into a folder that already holds a run (its checkpoints, metrics,
     config.yaml, report, plot, tokenizer copy or tracker logs) unless --overwrite, which
     deletes those files and only those (`clear_run`), once the stage has checked its inputs
@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from sprout.atomic import hold_lock
-from sprout.config import add_config_help, fill_added_later, load_config, parse_overrides, read_yaml
+from sprout.config import fill_added_later, load_config, parse_overrides, read_yaml
+from sprout.config_help import add_config_help
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import META, read_meta, resolve_checkpoint
 from sprout.formats.verify_data import VERIFY_MODES

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from sprout.config import add_config_help, config_fields, dump_yaml, load_config, merge, parse_overrides, shown_default
+from sprout.config import dump_yaml, load_config, merge, parse_overrides
+from sprout.config_help import add_config_help, config_fields, shown_default
 
 
 def prep_parser(doc: str, config_cls: type, config_example: str, flags: dict[str, type], *,

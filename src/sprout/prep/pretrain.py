@@ -104,30 +104,45 @@ def _process_chunk(texts: list[str]):
     return tokens.astype(_STATE["dtype"], copy=False), lengths, keys, cleaner.counts
 
 
-def _spool_chunk(job: tuple[int, list[str]]) -> tuple[str, Counter]:
-    """The pool's task: _process_chunk, with the arrays written to a file in the spool folder;
-    returns (that file, counts). So each result message is a few hundred bytes, which the
-    pool's result pipe takes in one atomic write (at most PIPE_BUF bytes). A result of
-    megabytes goes in several writes: a worker killed between them leaves half a message in
-    the pipe, and CPython's ProcessPoolExecutor then waits for the rest for ever without
-    noticing that the worker died (its reader is inside recv, not watching the workers)."""
-    seq, texts = job
+def _spool_chunk(job: tuple[str, list[str]]) -> Counter:
+    """The pool's task: _process_chunk, with the arrays written to the file `name` in the spool
+    folder; returns only the counts. So each result message is a couple of hundred bytes,
+    which the pool's result pipe takes in one atomic write (at most PIPE_BUF bytes: 4,096 on
+    Linux, 512 anywhere POSIX). A result of megabytes goes in several writes: a worker killed
+    between them leaves half a message in the pipe, and CPython's ProcessPoolExecutor then
+    waits for the rest for ever without noticing that the worker died (its reader is inside
+    recv, not watching the workers)."""
+    name, texts = job
     tokens, lengths, keys, counts = _process_chunk(texts)
-    path = os.path.join(_STATE["spool"], f"chunk-{seq:010d}.npy")
+    path = os.path.join(_STATE["spool"], name)
     try:
         with open(path, "wb") as f:
+            sink = _Sink(f)
             for array in (tokens, lengths, keys):
-                np.save(f, array, allow_pickle=False)
+                np.save(sink, array, allow_pickle=False)
     except OSError as exc:  # disk full: one line, raised again in the main process
         raise write_error(path, exc) from None
-    return path, counts
+    return counts
 
 
-def _unspool_chunk(path: str, counts: Counter):
-    """Read back what _spool_chunk wrote, and remove its file: (tokens, lengths, keys, counts)."""
-    with open(path, "rb") as f:
-        tokens, lengths, keys = (np.load(f, allow_pickle=False) for _ in range(3))
-    os.unlink(path)
+class _Sink:
+    """A file's write() alone: np.save then writes through it, and a refused write raises the
+    OSError of the file, with its errno (given a file object numpy writes with fwrite, whose
+    short write it reports without one)."""
+
+    def __init__(self, f) -> None:
+        self.write = f.write
+
+
+def _unspool_chunk(path: Path, counts: Counter):
+    """Read back what _spool_chunk wrote to `path`, and remove the file: (tokens, lengths, keys,
+    counts)."""
+    try:
+        with open(path, "rb") as f:
+            tokens, lengths, keys = (np.load(f, allow_pickle=False) for _ in range(3))
+        path.unlink()
+    except (OSError, ValueError) as exc:
+        raise SproutError(f"{path}: cannot read back a prep worker's tokens: {exc}") from None
     return tokens, lengths, keys, counts
 
 
@@ -143,24 +158,26 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _ordered_map(pool, chunks: Iterator[list[str]], in_flight: int):
-    """pool.map with back-pressure: at most `in_flight` chunks queued, results in order.
+def _ordered_map(pool, chunks: Iterator[list[str]], in_flight: int, spool: Path | None, source: int):
+    """pool.map with back-pressure: at most `in_flight` chunks queued, results in order; the
+    workers' arrays come through files in `spool` (see _spool_chunk), named by source and chunk.
     A worker that dies raises BrokenProcessPool here (a ProcessPoolExecutor notices a dead
-    worker, as long as its result messages stay small: see _spool_chunk; multiprocessing.Pool
-    would wait for its result for ever)."""
+    worker, as long as its result messages stay small; multiprocessing.Pool would wait for its
+    result for ever)."""
     if pool is None:
         for chunk in chunks:
             yield len(chunk), _process_chunk(chunk)
         return
     pending: collections.deque = collections.deque()
     for seq, chunk in enumerate(chunks):
-        pending.append((len(chunk), pool.submit(_spool_chunk, (seq, chunk))))
+        name = f"source{source}-chunk{seq:010d}.npy"
+        pending.append((len(chunk), spool / name, pool.submit(_spool_chunk, (name, chunk))))
         if len(pending) >= in_flight:
-            n, res = pending.popleft()
-            yield n, _unspool_chunk(*res.result())
+            n, path, res = pending.popleft()
+            yield n, _unspool_chunk(path, res.result())
     while pending:
-        n, res = pending.popleft()
-        yield n, _unspool_chunk(*res.result())
+        n, path, res = pending.popleft()
+        yield n, _unspool_chunk(path, res.result())
 
 
 # ---------------------------------------------------------------- main side
@@ -276,7 +293,7 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
     clean = asdict(cfg.clean)
     path = getattr(tok, "path", None)  # workers load a tokenizer file by absolute path
     spec_str = f"{tok.spec.partition(':')[0]}:{Path(path).resolve()}" if path else tok.spec
-    pool = None
+    pool = spool = None
     if workers > 1:
         spool = make_dir(tmpdir / "spool")
         pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
@@ -290,7 +307,7 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
             docs = iter_documents(spec, cfg.text_field, strict=cfg.strict, stats=st)
             with tqdm(desc=f"{spec.name:>12}", unit="doc", disable=not progress, dynamic_ncols=True) as bar:
                 try:
-                    for n, res in _ordered_map(pool, _chunks(docs), 2 * workers + 2):
+                    for n, res in _ordered_map(pool, _chunks(docs), 2 * workers + 2, spool, i):
                         store.append(*res)
                         bar.update(n)
                 except BrokenProcessPool:
