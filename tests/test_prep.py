@@ -99,21 +99,22 @@ def test_a_pool_workers_result_message_fits_one_atomic_pipe_write(tok, tmp_path)
     """The pool's task hands back the counts only, its arrays in a file: a message of at most
     512 bytes (the least PIPE_BUF POSIX allows) goes into the pool's result pipe in one write,
     so a worker killed while sending cannot leave half a message for the pool to wait on for
-    ever (the kill-9 test in test_bad_inputs_prep.py kills a worker at that moment). Read back,
+    ever (the kill-9 test in test_bad_inputs_prep.py looks for a worker blocked at that moment). Read back,
     the file gives exactly the arrays of the in-process path, and is removed."""
     from sprout.prep import pretrain
     from sprout.prep.clean import CleanConfig
 
     texts = make_docs(pretrain.CHUNK_DOCS, seed=5)  # a full chunk
-    pretrain._init_worker(tok.spec, None, asdict(CleanConfig()), "uint16", str(tmp_path))
+    spooled = tmp_path / "source0-chunk0000000003.npy"
+    pretrain._init_worker(tok.spec, None, asdict(CleanConfig()), "uint16")
     try:
-        message = pretrain._spool_chunk(("source0-chunk0000000003.npy", texts))
+        message = pretrain._spool_chunk((str(spooled), texts))
         tokens, lengths, keys, counts = pretrain._process_chunk(texts)
     finally:
         pretrain._STATE.clear()
     assert len(tokens) > 512  # the arrays themselves would not fit
     assert len(pickle.dumps(message)) <= 256  # room for the pool's own envelope
-    back = pretrain._unspool_chunk(tmp_path / "source0-chunk0000000003.npy", message)
+    back = pretrain._unspool_chunk(spooled, message)
     for got, want in zip(back[:3], (tokens, lengths, keys)):
         assert got.dtype == want.dtype and np.array_equal(got, want)
     assert back[3] == counts and not list(tmp_path.iterdir())

@@ -135,6 +135,7 @@ def merge(base: dict, override: dict) -> dict:
 
 
 def unwrap_optional(tp: Any) -> Any:
+    """`X` for a field typed `X | None` (or `Optional[X]`); any other type as it is."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -200,6 +201,16 @@ def _takes_text(tp: Any) -> bool:
     if origin in (typing.Union, types.UnionType):
         return any(_takes_text(a) for a in args)
     return tp is str or (origin is Literal and any(isinstance(a, str) for a in args))
+
+
+def _word_hint(value: Any, tp: Any, from_cli: bool) -> str:
+    """For a boolean given to a field that takes text (YAML read the word as true or false):
+    how to pass the word; "" otherwise."""
+    if not (isinstance(value, bool) and _takes_text(tp)):
+        return ""
+    if from_cli:
+        return f" (for the word, quote it inside the shell's quotes: '\"{str(value).lower()}\"')"
+    return " (YAML reads a bare yes, no, on, off, true or false as a boolean: quote the word)"
 
 
 def _check_value(value: Any, tp: Any) -> Any:
@@ -322,12 +333,8 @@ def from_dict(cls: type[T], data: dict, where: str = "config", *, cli: set[str] 
             if out_of_range(kwargs[name], interval):
                 raise ValueError
         except ValueError:
-            hint = ""
-            if isinstance(value, bool) and _takes_text(tp):  # the word was meant
-                hint = (f" (for the word, quote it inside the shell's quotes: '\"{str(value).lower()}\"')"
-                        if prefix + name in cli else
-                        " (YAML reads a bare yes, no, on, off, true or false as a boolean: quote the word)")
-            raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp, interval)}{hint}") from None
+            raise SproutError(f"{origin(prefix + name)}: got {value!r}; expected {_expected(tp, interval)}"
+                              f"{_word_hint(value, tp, prefix + name in cli)}") from None
     try:
         return cls(**kwargs)
     except FieldError as exc:  # a dataclass's own check of one field

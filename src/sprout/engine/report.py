@@ -9,9 +9,9 @@ of the run (the first start and every resume; `start_record`): its step, the UTC
 command line (shell-quoted: it pastes back into a shell), the git commit of the code, the
 hardware, world size and precision, and the matmul peak its MFU is measured against with where
 that figure came from ("measured" at the start of that segment, or "config":
-`train.peak_tflops`). A segment's wall-clock time is the
-last `elapsed_s` it logged. Chat stages log a `samples` record: prompts and the answers the
-model generated at the end of training.
+`train.peak_tflops`). A segment's wall-clock time is the last `elapsed_s` it logged. Chat
+stages log a `samples` record: prompts and the answers the model generated at the end of
+training.
 """
 
 from __future__ import annotations

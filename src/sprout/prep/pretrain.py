@@ -87,11 +87,10 @@ class PrepConfig:
 _STATE: dict = {}
 
 
-def _init_worker(spec: str, mirror: str | None, clean: dict, dtype: str, spool: str) -> None:
+def _init_worker(spec: str, mirror: str | None, clean: dict, dtype: str) -> None:
     _STATE["tok"] = load_tokenizer(spec, mirror)
     _STATE["cleaner"] = Cleaner(CleanConfig(**clean))
     _STATE["dtype"] = np.dtype(dtype)
-    _STATE["spool"] = spool
 
 
 def _process_chunk(texts: list[str]):
@@ -105,16 +104,15 @@ def _process_chunk(texts: list[str]):
 
 
 def _spool_chunk(job: tuple[str, list[str]]) -> Counter:
-    """The pool's task: _process_chunk, with the arrays written to the file `name` in the spool
-    folder; returns only the counts. So each result message is a couple of hundred bytes,
+    """The pool's task: _process_chunk of (path, texts), with the arrays written to `path`;
+    returns only the counts. So each result message is a couple of hundred bytes,
     which the pool's result pipe takes in one atomic write (at most PIPE_BUF bytes: 4,096 on
     Linux, 512 anywhere POSIX). A result of megabytes goes in several writes: a worker killed
     between them leaves half a message in the pipe, and CPython's ProcessPoolExecutor then
     waits for the rest for ever without noticing that the worker died (its reader is inside
     recv, not watching the workers)."""
-    name, texts = job
+    path, texts = job
     tokens, lengths, keys, counts = _process_chunk(texts)
-    path = os.path.join(_STATE["spool"], name)
     try:
         with open(path, "wb") as f:
             sink = _Sink(f)
@@ -170,8 +168,8 @@ def _ordered_map(pool, chunks: Iterator[list[str]], in_flight: int, spool: Path 
         return
     pending: collections.deque = collections.deque()
     for seq, chunk in enumerate(chunks):
-        name = f"source{source}-chunk{seq:010d}.npy"
-        pending.append((len(chunk), spool / name, pool.submit(_spool_chunk, (name, chunk))))
+        path = spool / f"source{source}-chunk{seq:010d}.npy"
+        pending.append((len(chunk), path, pool.submit(_spool_chunk, (str(path), chunk))))
         if len(pending) >= in_flight:
             n, path, res = pending.popleft()
             yield n, _unspool_chunk(path, res.result())
@@ -297,7 +295,7 @@ def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
     if workers > 1:
         spool = make_dir(tmpdir / "spool")
         pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                   initargs=(spec_str, mirror, clean, dtype.str, str(spool)))
+                                   initargs=(spec_str, mirror, clean, dtype.str))
     else:  # one worker: this process, with the tokenizer already loaded
         _STATE.update(tok=tok, cleaner=Cleaner(cfg.clean), dtype=dtype)
     stores, stats = [], []
