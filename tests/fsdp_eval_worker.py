@@ -18,6 +18,7 @@ from sprout.tokenizer import load_tokenizer
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
 from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 from sprout.engine.run import end_processes
+from sprout.errors import run_main
 
 CONFIG = dict(vocab_size=512, d_model=32, n_layers=2, n_heads=4, max_seq_len=48)
 PROMPTS = [{"id": str(i), "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "gold": str(2 * i),
@@ -44,4 +45,4 @@ def main(tokenizer: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_main(lambda: main(sys.argv[1], sys.argv[2]))  # ends as the scripts do: no teardown of torch's threads

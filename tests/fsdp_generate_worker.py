@@ -18,6 +18,7 @@ from sprout.model.transformer import ModelConfig, Transformer
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
 from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 from sprout.engine.run import end_processes
+from sprout.errors import run_main
 
 CONFIG = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=48)
 STOPS = (3, 17, 29, 41, 52, 60)
@@ -54,4 +55,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_main(lambda: main(sys.argv[1]))  # ends as the scripts do: no teardown of torch's threads

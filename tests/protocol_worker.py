@@ -26,6 +26,7 @@ from sprout.engine.loop import TrainConfig, all_reduce_sums, make_accelerator
 from sprout.engine.optim import OptimConfig, decay_groups
 from sprout.engine.stage import TokenStage
 from sprout.engine.run import train_stage
+from sprout.errors import run_main
 
 V, T, ROWS, BETA = 32, 8, 6, 0.5
 MODEL = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, max_seq_len=T)
@@ -143,4 +144,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_main(lambda: main(sys.argv[1]))  # ends as the scripts do: no teardown of torch's threads

@@ -16,6 +16,7 @@ from sprout.engine.loop import TrainConfig, Trainer, all_reduce_sums, make_accel
 from sprout.engine.optim import OptimConfig, build_optimizer
 from sprout.engine.run import end_processes
 from sprout.engine.stage import TokenStage
+from sprout.errors import run_main
 
 V, T = 64, 16
 
@@ -64,4 +65,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_main(lambda: main(sys.argv[1]))  # ends as the scripts do: no teardown of torch's threads
