@@ -177,13 +177,17 @@ class Check:
         log = self.out / f"{log_name or stage}.log"
         print(f"\n== {stage}: {shlex.join(cmd)}", flush=True)
         t0 = time.perf_counter()
-        with open(log, "w") as f:
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        status = self.execute(cmd, log)
         text = log.read_text()
-        print(text[-3000:] if proc.returncode else text[-600:], flush=True)
-        if proc.returncode:
-            raise StageFailed(f"{stage}: exit status {proc.returncode} (log: {log})")
+        print(text[-3000:] if status else text[-600:], flush=True)
+        if status:
+            raise StageFailed(f"{stage}: exit status {status} (log: {log})")
         return time.perf_counter() - t0
+
+    def execute(self, cmd: list[str], log: Path) -> int:
+        """Run `cmd` in its own process from the repository root, its stdout and stderr in `log`; its exit status."""
+        with open(log, "w") as f:
+            return subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT, text=True).returncode
 
     def train(self, stage: str, cmd: list[str]) -> dict:
         """Run a training command whose --out is <out>/<stage>; its figures and wall time."""
