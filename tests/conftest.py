@@ -13,6 +13,11 @@ On a worker, the scripts a test starts get one torch thread (OMP_NUM_THREADS=1, 
 the workers already keep every core busy, and two threads per process on top of them only
 contend.
 
+The suite starts hundreds of Python processes (scripts, launches, workers), each importing
+sprout: so that each does not compile sprout's sources again (about 0.3 s of CPU a process),
+the suite writes bytecode (git-ignored `__pycache__` folders) even where PYTHONDONTWRITEBYTECODE
+is set; the variable is dropped for the processes it starts too.
+
 Every file the suite writes is thrown away, so its writes skip the fsync (SPROUT_FSYNC=0,
 `sprout.atomic`; unless set): they stay atomic for readers and killed processes, and the
 suite does not wait for the disk (a 135M model's checkpoint is 1.6 GB). tests/test_atomic.py
@@ -20,6 +25,7 @@ checks that outside the suite every atomic write is fsynced.
 """
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL = "smollm2"  # the session fixture of the mirror's real model (tests using it: mark real_model)
 SHARED_FIXTURES = (REAL_MODEL,)  # expensive session fixtures: the tests using one form a group of its name
 os.environ.setdefault("SPROUT_FSYNC", "0")
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
