@@ -17,7 +17,7 @@ from sprout.checkpoint import read_meta
 from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matmul_flops, plot_loss_curve,
                                   read_metrics, truncate_metrics)
 from sprout.stages.pretrain import run_pretrain
-from sprout.engine.report import git_commit, start_record
+from sprout.engine.report import code, git_commit, run_section, start_record
 from sprout.engine.schedule import warmup_warning
 from sprout.stages.configs import SAMPLE_PROMPTS
 from sprout.stages.sft import SFTStage
@@ -137,6 +137,21 @@ def test_the_recorded_command_pastes_back_into_a_shell(monkeypatch):
     record = start_record(0, peak_flops=1e12, peak_source="config", device=torch.device("cpu"), world_size=1,
                           precision="no")
     assert shlex.split(record["command"])[1:] == argv
+
+
+def test_a_command_with_a_pipe_or_a_backtick_stays_one_code_span_and_one_table_cell():
+    """The run section's markdown: a `|` in a command (a prompt, a shell pipe) does not split its
+    table row, and a backtick does not end its code span."""
+    command = shlex.join(["python", "scripts/train_sft.py", "--sample_prompts", '["Is 3 | 4 `odd`?"]'])
+    seg = {"step": 0, "time": "2026-12-04T00:00:00", "command": command, "git_commit": "abc", "peak_tflops": -1,
+           "records": [{"step": 1, "elapsed_s": 2.0}]}
+    lines = run_section([seg])
+    assert f"- command: ``{command}``" in lines
+    header, row = next(l for l in lines if l.startswith("| segment")), next(l for l in lines if l.startswith("| 1 "))
+    cells = re.split(r"(?<!\\)\|", row)[1:-1]  # GitHub's tables split a row at each unescaped |
+    assert len(cells) == header.count("|") - 1 == 6
+    assert cells[-1] == " ``" + command.replace("|", "\\|") + "`` "
+    assert code("`a`") == "`` `a` ``" and code("a|b") == "`a|b`" and code("a|b", cell=True) == "`a\\|b`"
 
 
 def test_configured_peak_is_recorded_as_config(toy_data, tmp_path):

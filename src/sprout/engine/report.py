@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -28,6 +29,16 @@ from pathlib import Path
 
 from sprout.atomic import atomic_write, sha256_file
 from sprout.engine.metrics import METRICS, duration, read_metrics
+
+
+def code(text, cell: bool = False) -> str:
+    """`text` as a markdown code span: between more backticks than its longest run of them (a space
+    inside each end where it starts or ends with one), so a command or a path holding backticks
+    stays one span; in a table `cell`, its `|` escaped, so the row keeps its columns."""
+    text = str(text).replace("|", "\\|") if cell else str(text)
+    fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _fmt(v) -> str:
@@ -128,7 +139,7 @@ def run_section(segs: list[dict]) -> list[str]:
     first = segs[0]
     walls = [w for w in map(_wall_s, segs) if w is not None]
     lines = ["## Run", "",
-             f"- command: `{first.get('command', 'unknown')}`",
+             f"- command: {code(first.get('command', 'unknown'))}",
              f"- git commit: `{first.get('git_commit', 'unknown')}`",
              f"- hardware: {_hardware_line(first.get('hardware', {}))}",
              f"- world size {first.get('world_size')}; precision {first.get('precision')}",
@@ -140,7 +151,7 @@ def run_section(segs: list[dict]) -> list[str]:
         wall = _wall_s(seg)
         what = "start" if i == 0 and seg["step"] == 0 else "resume"
         lines.append(f"| {i + 1} ({what}) | {seg['step']:,} | {seg.get('time')} | "
-                     f"{duration(wall) if wall is not None else '—'} | {_peak(seg)} | `{seg.get('command', '')}` |")
+                     f"{duration(wall) if wall is not None else '—'} | {_peak(seg)} | {code(seg.get('command', ''), cell=True)} |")
     for i, seg in enumerate(segs[1:], 2):
         if seg.get("git_commit") != first.get("git_commit") or seg.get("hardware") != first.get("hardware"):
             lines.append(f"\nSegment {i} ran on commit `{seg.get('git_commit')}`, "
@@ -184,10 +195,10 @@ def provenance_section(meta: dict) -> list[str]:
         return []
     sha = _init_sha256(init)
     lines = ["## Inputs", "",
-             f"- init checkpoint: `{init.get('path')}` ({init.get('stage')} step {init.get('step')}); "
+             f"- init checkpoint: {code(init.get('path'))} ({init.get('stage')} step {init.get('step')}); "
              f"weights sha256 `{sha or 'unknown'}`"]
     for role, path, digest, when in _data_files(meta):
-        lines.append(f"- {role} data: `{path}`; sha256 `{digest or 'unknown'}` ({when})")
+        lines.append(f"- {role} data: {code(path)}; sha256 `{digest or 'unknown'}` ({when})")
     return lines + [""]
 
 
@@ -222,7 +233,7 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
               f"- model: {num_params:,} parameters; " + ", ".join(f"{k} {model[k]}" for k in
                                                                  ("d_model", "n_layers", "n_heads", "vocab_size",
                                                                   "max_seq_len") if k in model),
-              f"- tokenizer: `{meta.get('tokenizer')}`",
+              f"- tokenizer: {code(meta.get('tokenizer'))}",
               f"- {world_size} process(es); batch: {batch or 'n/a'}; "
               f"lr {ocfg.get('lr')} ({ocfg.get('schedule')}); mixed precision {precision}; "
               f"compile {tcfg.get('compile')}",
@@ -256,7 +267,7 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
     if (out_dir / "loss.png").is_file():
         lines += ["## Loss", "", "![loss curve](loss.png)", ""]
     if checkpoint is not None:
-        lines += ["## Checkpoint", "", f"`{checkpoint}` (safetensors weights, meta.json, training state)", ""]
+        lines += ["## Checkpoint", "", f"{code(checkpoint)} (safetensors weights, meta.json, training state)", ""]
     path = out_dir / "report.md"
     with atomic_write(path, "w") as f:
         f.write("\n".join(lines))
