@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -27,14 +28,17 @@ TRAINERS = ("base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo",
             "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo")
 
 
-def in_this_process(check: gpu_check.Check, cmd: list[str], log: Path) -> int:
+def in_this_process(check: gpu_check.Check, cmd: list[str], log: Path, deadline: float) -> int:
     """`Check.execute` for the dry run here: a one-process run in the test's own process
     (tests/proc.py `run_here`: no interpreter to start and no torch to import for each of the
-    check's runs), an `accelerate launch` in processes of its own, as the check runs it."""
+    check's runs), an `accelerate launch` in processes of its own, as the check runs it; each
+    until `deadline` (time.monotonic()) at the latest. The log holds the run's stdout, then its
+    stderr."""
+    timeout = max(30.0, deadline - time.monotonic())
     if "accelerate.commands.launch" in cmd:
-        got = run_group(cmd, timeout=600, cwd=ROOT, env=check.env)
+        got = run_group(cmd, timeout=timeout, cwd=ROOT, env=check.env)
     else:
-        got = run_here(cmd, cwd=ROOT, env=check.env, timeout=600)
+        got = run_here(cmd, cwd=ROOT, env=check.env, timeout=timeout)
     log.write_text(got.stdout + got.stderr)
     return got.returncode
 
@@ -43,13 +47,16 @@ def in_this_process(check: gpu_check.Check, cmd: list[str], log: Path) -> int:
 def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch, capsys):
     """The whole check with --tiny, as `python benchmarks/gpu_check.py --tiny` runs it, but for
     where its one-process runs run (`in_this_process`)."""
-    monkeypatch.setattr(gpu_check.Check, "execute", in_this_process)
+    deadline = time.monotonic() + 900  # the whole check, as one process of it was given
+    monkeypatch.setattr(gpu_check.Check, "execute", lambda check, cmd, log: in_this_process(check, cmd, log, deadline))
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--tiny", "--steps", "2", "--trainer-steps", "2",
                                       "--out", str(tmp_path)])
     try:
         gpu_check.main()
     except SystemExit as exc:
         pytest.fail(f"{exc}\n{capsys.readouterr().out[-6000:]}")
+    finally:
+        torch._dynamo.reset()  # the compiled stage's graphs: a new interpreter would start without them
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["failed"] == {}
     assert set(gpu_check.STAGES) <= set(result)

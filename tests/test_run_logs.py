@@ -141,7 +141,7 @@ def test_the_recorded_command_pastes_back_into_a_shell(monkeypatch):
 
 def test_a_command_with_a_pipe_or_a_backtick_stays_one_code_span_and_one_table_cell():
     """The run section's markdown: a `|` in a command (a prompt, a shell pipe) does not split its
-    table row, and a backtick does not end its code span."""
+    table row, a backtick does not end its code span, a line break does not end its line."""
     command = shlex.join(["python", "scripts/train_sft.py", "--sample_prompts", '["Is 3 | 4 `odd`?"]'])
     seg = {"step": 0, "time": "2026-12-04T00:00:00", "command": command, "git_commit": "abc", "peak_tflops": -1,
            "records": [{"step": 1, "elapsed_s": 2.0}]}
@@ -152,6 +152,7 @@ def test_a_command_with_a_pipe_or_a_backtick_stays_one_code_span_and_one_table_c
     assert len(cells) == header.count("|") - 1 == 6
     assert cells[-1] == " ``" + command.replace("|", "\\|") + "`` "
     assert code("`a`") == "`` `a` ``" and code("a|b") == "`a|b`" and code("a|b", cell=True) == "`a\\|b`"
+    assert code("'a\nb'") == code("'a\r\nb'") == "`'a\\nb'`"  # a prompt's line break keeps the line whole
 
 
 def test_configured_peak_is_recorded_as_config(toy_data, tmp_path):

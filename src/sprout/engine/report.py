@@ -34,8 +34,11 @@ from sprout.engine.metrics import METRICS, duration, read_metrics
 def code(text, cell: bool = False) -> str:
     """`text` as a markdown code span: between more backticks than its longest run of them (a space
     inside each end where it starts or ends with one), so a command or a path holding backticks
-    stays one span; in a table `cell`, its `|` escaped, so the row keeps its columns."""
-    text = str(text).replace("|", "\\|") if cell else str(text)
+    stays one span; a line break shown as `\\n` (the exact command is the start record's, in
+    metrics.jsonl), so it stays on its line; in a table `cell`, its `|` escaped, so the row keeps
+    its columns."""
+    text = str(text).replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\\n")
+    text = text.replace("|", "\\|") if cell else text
     fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
     pad = " " if text.startswith("`") or text.endswith("`") else ""
     return f"{fence}{pad}{text}{pad}{fence}"
