@@ -13,7 +13,7 @@ On a worker, the scripts a test starts get one torch thread (OMP_NUM_THREADS=1, 
 the workers already keep every core busy, and two threads per process on top of them only
 contend.
 
-The suite starts hundreds of Python processes (scripts, launches, workers), each importing
+The suite starts hundreds of Python processes (scripts, launches, workers), most importing
 sprout: so that each does not compile sprout's sources again (about 0.3 s of CPU a process),
 the suite writes bytecode (git-ignored `__pycache__` folders) even where PYTHONDONTWRITEBYTECODE
 is set; the variable is dropped for the processes it starts too.

@@ -385,6 +385,7 @@ def test_report_card_intervals_and_real_changes_on_made_up_evals(tmp_path):
     report = write_report_card(preset, state, answers=False).read_text()
     arith, gsm8k = report.split("### arith (20 / 40 problems)")[1].split("### gsm8k (16 problems)")
 
+    assert f"Preset `{preset.path}`; one row per stage checkpoint" in report  # the file it was read from
     # every figure in percent with its interval; the import is evaluated, the prompt prep is not
     assert "| stage | pass@1 | greedy accuracy |" in report
     assert "| import_smol | 0.0 [0.0, 8.8] | 0.0 [0.0, 8.8] |" in report  # Wilson 0/40: hi = z² / (40 + z²)

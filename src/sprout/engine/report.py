@@ -37,7 +37,7 @@ def code(text, cell: bool = False) -> str:
     stays one span; a line break shown as `\\n` (the exact command is the start record's, in
     metrics.jsonl), so it stays on its line; in a table `cell`, its `|` escaped, so the row keeps
     its columns."""
-    text = str(text).replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\\n")
+    text = re.sub(r"\r\n?|\n", r"\\n", str(text))
     text = text.replace("|", "\\|") if cell else text
     fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
     pad = " " if text.startswith("`") or text.endswith("`") else ""

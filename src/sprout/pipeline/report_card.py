@@ -45,6 +45,7 @@ from pathlib import Path
 
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
+from sprout.engine.report import code
 from sprout.pipeline.report_intervals import eval_files, evaluated_stages, held_out_section, rate_interval
 from sprout.stages.configs import SAMPLE_PROMPTS
 
@@ -265,7 +266,7 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
     columns = {**{c: t for c, (t, _, _) in EVAL_COLUMNS.items()}, **{c: t for c, (t, _, _) in TASK_COLUMNS.items()}}
     columns = {c: t for c, t in columns.items() if any(r[c] is not None for r in rows)}  # no column of dashes only
     lines = [f"# Report card: {preset.out}", "",
-             f"Preset `{preset.path}`; one row per stage checkpoint (step, weights sha256). Figures are read "
+             f"Preset {code(preset.path)}; one row per stage checkpoint (step, weights sha256). Figures are read "
              f"from each stage's metrics.jsonl (last eval) and scripts/evaluate.py's JSON; – where a stage has none.",
              "", "| stage | step | " + " | ".join(columns.values()) + " |",
              "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |"]
