@@ -40,8 +40,9 @@ base trained for a few steps rarely ends an answer). PPO and GRPO of the gpt2-sm
 their configs' rollout.compile on a GPU (the compiled decode step of one process); the smollm2_
 runs, whose 30-layer step takes longest to compile, and every `--tiny` run decode eagerly. The
 script prints one table (tokens/s and MFU of the last logged window of each run, generation
-tokens/s for PPO and GRPO, the last loss, wall time) and writes <out>/gpu_check.json, each run's
-log beside it (<out>/<stage>.log). A stage that fails, logs a non-finite loss, or (fsdp) does
+tokens/s for PPO and GRPO, the last loss, wall time) and writes <out>/gpu_check.json, rewritten
+after every stage so that a check cut short keeps what it measured, each run's log beside it
+(<out>/<stage>.log). A stage that fails, logs a non-finite loss, or (fsdp) does
 not shard or resume exactly is reported by name; the stages that do not depend on it still run,
 and the script then exits with status 1 naming every failed stage.
 
@@ -69,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 import gpu_check_inputs as inputs  # noqa: E402  (beside this file)
 from sprout.engine.metrics import measure_matmul_flops, read_metrics  # noqa: E402
+from sprout.atomic import atomic_write  # noqa: E402
 
 STAGES = ("eager", "compiled", "fsdp", "base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo", "evaluate",
           "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo")
@@ -207,6 +209,13 @@ class Check:
         except StageFailed as exc:
             self.failed[name] = str(exc)
             print(f"\n== FAILED {exc}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        """Write the figures so far to <out>/gpu_check.json (atomically): a check stopped part-way
+        (a time limit) keeps those of the stages it finished."""
+        with atomic_write(self.out / "gpu_check.json", "w") as f:
+            f.write(json.dumps(self.results, indent=2) + "\n")
 
 
 def pretraining(check: Check, size: Sizes, steps: int, global_batch: int, n_gpu: int, fsdp_config: Path,
@@ -376,7 +385,7 @@ def main() -> None:
     pretraining(check, size, args.steps or size.steps, global_batch, n_gpu, fsdp_config, train_flags)
     post_training(check, size, args.trainer_steps or size.trainer_steps, train_flags)
     print_table(results)
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
+    check.save()
     if results["failed"]:
         raise SystemExit(f"gpu_check failed: {'; '.join(results['failed'].values())}")
 

@@ -97,6 +97,10 @@ def test_a_failed_command_names_its_stage(tmp_path):
     assert check.failed["base"].startswith("base: exit status 3")
     check.stage("sft", lambda: {"wall_s": 0.0})  # starts from base: not run
     assert check.failed["sft"] == "sft: not run (base failed)" and "sft" not in check.results
+    # the figures so far are on disk after each stage, failures too: a check cut short keeps them
+    check.stage("eager", lambda: {"wall_s": 1.5})
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == {
+        "failed": {"base": check.failed["base"], "sft": "sft: not run (base failed)"}, "eager": {"wall_s": 1.5}}
 
 
 def test_a_non_finite_loss_fails_its_stage(tmp_path):
