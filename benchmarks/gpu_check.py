@@ -91,6 +91,23 @@ class Chain:
 CHAINS = (Chain("gpt2-small", "", compile_rollouts=True), Chain("smollm2-gpu", "smollm2_", compile_rollouts=False))
 NEEDS = {c.prefix + stage: c.prefix + need for c in CHAINS for stage, need in CHAIN_NEEDS.items()
          if c.prefix + stage in STAGES}
+PRETRAINING = ("eager", "compiled", "fsdp")  # on random token shards; the other stages need the made-up inputs
+
+
+def with_needs(stages) -> list[str]:
+    """`stages` and every run they start from (NEEDS, transitively), in STAGES order:
+    `--stages smollm2_ppo` runs smollm2_base, smollm2_sft, smollm2_reward and smollm2_ppo."""
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
+    wanted = set(stages)
+    for stage in stages:
+        while stage in NEEDS:
+            stage = NEEDS[stage]
+            wanted.add(stage)
+    return [s for s in STAGES if s in wanted]
+
+
 SMOLLM2_135M = ("--model.d_model", "576", "--model.n_layers", "30", "--model.n_heads", "9", "--model.n_kv_heads", "3",
                 "--model.d_ff", "1536", "--model.tie_embeddings", "true", "--model.rope_theta", "100000",
                 "--model.max_seq_len", "2048")  # SmolLM2-135M's shape (its vocabulary aside)
@@ -152,8 +169,9 @@ class StageFailed(Exception):
 
 
 def train_figures(stage: str, run_dir: Path) -> dict:
-    """The figures of a run's last training record; StageFailed if it has none, or if any
-    record holds a non-finite loss (training or eval)."""
+    """The figures of a run's last training record (generation tokens/s: of the last record
+    that has them, since a PPO generation batch can serve several optimizer steps); StageFailed
+    if it has none, or if any record holds a non-finite loss (training or eval)."""
     records = read_metrics(run_dir / "metrics.jsonl")
     for r in records:
         for k, v in r.items():
@@ -163,15 +181,16 @@ def train_figures(stage: str, run_dir: Path) -> dict:
     if not train:
         raise StageFailed(f"{stage}: no training record in {run_dir / 'metrics.jsonl'}")
     last = train[-1]
+    generation = [r["generation/tokens_per_s"] for r in train if "generation/tokens_per_s" in r]
     return {"tokens_per_s": last["tokens_per_s"], "mfu": last.get("mfu"), "loss": last["loss"],
-            "generation_tokens_per_s": last.get("generation/tokens_per_s")}
+            "generation_tokens_per_s": generation[-1] if generation else None}
 
 
 class Check:
     """The runs of one check: where they go, how they are launched, what each gave."""
 
-    def __init__(self, out: Path, env: dict, results: dict):
-        self.out, self.env, self.results = out, env, results
+    def __init__(self, out: Path, env: dict, results: dict, stages=STAGES):
+        self.out, self.env, self.results, self.stages = out, env, results, tuple(stages)
         self.failed: dict[str, str] = results.setdefault("failed", {})
 
     def run(self, stage: str, cmd: list[str], log_name: str | None = None) -> float:
@@ -198,7 +217,9 @@ class Check:
 
     def stage(self, name: str, body) -> None:
         """Record `body()` (the stage's figures) as stage `name`, or its failure; not run when
-        the stage it starts from failed."""
+        the stage it starts from failed, nor when it is not among this check's stages."""
+        if name not in self.stages:
+            return
         need = NEEDS.get(name)
         if need and need not in self.results:
             self.failed[name] = f"{name}: not run ({need} failed)"
@@ -221,6 +242,8 @@ class Check:
 def pretraining(check: Check, size: Sizes, steps: int, global_batch: int, n_gpu: int, fsdp_config: Path,
                 train_flags: list[str]) -> None:
     """eager, compiled and fsdp: the pretraining model at its real shape on random token shards."""
+    if not set(PRETRAINING) & set(check.stages):
+        return
     out = check.out
     data = inputs.random_shards(out / "data", size.vocab, global_batch * (steps + 2) + size.seq + 1, 8 * size.seq + 1)
     common = [sys.executable, "scripts/pretrain.py", "--config", size.pretrain_config, "--data", str(data),
@@ -257,6 +280,8 @@ def pretraining(check: Check, size: Sizes, steps: int, global_batch: int, n_gpu:
 def post_training(check: Check, size: Sizes, steps: int, train_flags: list[str]) -> None:
     """Each chain's base, then every trainer from it with the chain's preset configs (sized
     here), then evaluate on the first chain's GRPO policy."""
+    if set(check.stages) <= set(PRETRAINING):
+        return
     out = check.out
     tok = inputs.train_tokenizer(out / "tokenizer")
     text = inputs.text_shards(out / "text_data", tok, size.micro * (steps + 2) + size.seq + 1, 8 * size.seq + 1)
@@ -332,11 +357,11 @@ def chain_runs(check: Check, chain: Chain, size: Sizes, flags: list[str], tok, t
             check.stage(name(stage), functools.partial(check.train, name(stage), cmd))
 
 
-def print_table(results: dict) -> None:
+def print_table(results: dict, stages=STAGES) -> None:
     print(f"\n{results['device']}; peak {results['peak_tflops']:.1f} TFLOP/s measured here")
     print(f"{'run':16s} {'tokens/s':>12s} {'MFU':>7s} {'gen tok/s':>10s} {'loss':>8s} {'wall s':>8s}")
     failed = results["failed"]
-    for name in STAGES:
+    for name in stages:
         r = results.get(name)
         if r is None:
             print(f"{name:16s} FAILED: {failed[name]}")
@@ -356,7 +381,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="pretraining steps (default 20 on GPU, 6 tiny)")
     p.add_argument("--trainer-steps", type=int, default=0, help="steps of base and each post-training run "
                    "(default 8 on GPU, 3 tiny)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help="comma-separated stages to run, with the runs they start from (default: all): "
+                   + ", ".join(STAGES))
     args = p.parse_args()
+    try:
+        stages = with_needs(args.stages.split(","))
+    except ValueError as exc:
+        p.error(str(exc))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.is_available() and not args.tiny
@@ -380,11 +412,11 @@ def main() -> None:
     # every run: bf16 autocast on the GPU, fp32 on the CPU
     train_flags = ["--train.mixed_precision", "bf16" if gpu else "no", "--train.progress", "false",
                    "--train.peak_tflops", f"{peak / 1e12:.4f}"]
-    check = Check(out, env, {"device": device, "peak_tflops": peak / 1e12})
+    check = Check(out, env, {"device": device, "peak_tflops": peak / 1e12}, stages)
     results = check.results
     pretraining(check, size, args.steps or size.steps, global_batch, n_gpu, fsdp_config, train_flags)
     post_training(check, size, args.trainer_steps or size.trainer_steps, train_flags)
-    print_table(results)
+    print_table(results, stages)
     check.save()
     if results["failed"]:
         raise SystemExit(f"gpu_check failed: {'; '.join(results['failed'].values())}")

@@ -116,6 +116,22 @@ def test_a_non_finite_loss_fails_its_stage(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
     with pytest.raises(gpu_check.StageFailed, match="dpo: no training record"):
         gpu_check.train_figures("dpo", tmp_path)
+    # PPO: a generation batch serves several optimizer steps; generation tokens/s is the last one measured
+    ppo = [{"step": 1, "loss": 0.1, "tokens_per_s": 5.0, "generation/tokens_per_s": 700.0},
+           {"step": 2, "loss": 0.2, "tokens_per_s": 6.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ppo))
+    assert gpu_check.train_figures("ppo", tmp_path)["generation_tokens_per_s"] == 700.0
+
+
+def test_stages_bring_the_runs_they_start_from(tmp_path):
+    assert gpu_check.with_needs(["smollm2_ppo"]) == ["smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_ppo"]
+    assert gpu_check.with_needs(["evaluate", "compiled"]) == ["compiled", "base", "sft", "grpo", "evaluate"]
+    with pytest.raises(ValueError, match="unknown stage.* gpro"):
+        gpu_check.with_needs(["gpro"])
+    check = gpu_check.Check(tmp_path, dict(os.environ), {}, ["eager"])
+    check.stage("compiled", lambda: pytest.fail("not a stage of this check"))
+    check.stage("eager", lambda: {"wall_s": 1.0})
+    assert check.results == {"failed": {}, "eager": {"wall_s": 1.0}}
 
 
 @pytest.mark.parametrize("size", ["GPU", "TINY"])

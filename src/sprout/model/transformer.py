@@ -80,9 +80,11 @@ from sprout.model.onednn import linear, matmul_weight
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`RMSNorm`'s output, 1/rms [..., 1])."""
-    rstd = torch.rsqrt(torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
-    return torch.mul(x, rstd).mul_(weight), rstd
+    """(`RMSNorm`'s output, 1/rms [..., 1]). Out of place: under torch.compile, torch 2.11 gave
+    wrong gradients (zero below the norm) when `_RMSNormFunction.forward` multiplied its output
+    in place; tests/test_fsdp.py's compiled run against the eager one would show it."""
+    rstd = torch.rsqrt(torch.linalg.vecdot(x, x) / x.shape[-1] + eps).unsqueeze(-1)
+    return x * rstd * weight, rstd
 
 
 class _RMSNormFunction(torch.autograd.Function):
