@@ -46,7 +46,7 @@ after every stage so that a check cut short keeps what it measured, each run's l
 not shard or resume exactly is reported by name; the stages that do not depend on it still run,
 and the script then exits with status 1 naming every failed stage.
 
-    python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine (not yet run on one)
+    python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, a few minutes
 """
 
