@@ -36,7 +36,8 @@ preset's own batch and lengths (on this one GPU: the preset's micro-batch, with 
 accumulation of all its processes), with `--tiny` shrunk to a few rows. Every run checkpoints
 only at the end and evaluates only before and after (32 held-out prompts, greedy, for PPO and
 GRPO), without torch.compile of the forward; GRPO keeps truncated completions in the loss (a
-base trained for a few steps rarely ends an answer). PPO and GRPO of the gpt2-small chain keep
+base trained for a few steps rarely ends an answer) and draws at most 2 generation rounds a
+step (dynamic sampling). PPO and GRPO of the gpt2-small chain keep
 their configs' rollout.compile on a GPU (the compiled decode step of one process); the smollm2_
 runs, whose 30-layer step takes longest to compile, and every `--tiny` run decode eagerly. The
 script prints one table (tokens/s and MFU of the last logged window of each run, generation
@@ -48,6 +49,11 @@ and the script then exits with status 1 naming every failed stage.
 
     python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, a few minutes
+
+On one H200 the first 15 stages took 540 s (4 trainer steps; the compiled run 90 s of it, most
+of it compiling), so under a 10-minute limit per command run it as two, each with its own --out:
+`--stages eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate` (the gpt2-small chain) and
+`--stages smollm2_dpo,smollm2_ppo,smollm2_grpo`.
 """
 
 from __future__ import annotations
@@ -146,7 +152,7 @@ class Sizes:
 # On a GPU every post-training run keeps its preset's batch and lengths; the inputs are sized for
 # a few of its steps (gpt2-small's SFT takes 128 rows of 1,024 tokens a step).
 GPU = Sizes(pretrain_config="configs/gpt2-small/pretrain.yaml", vocab=50257, model_vocab=50304, seq=1024,
-            micro=32768, micro_steps=4, steps=20, trainer_steps=8,
+            micro=32768, micro_steps=4, steps=20, trainer_steps=4,
             shapes={"gpt2-small": (), "smollm2-gpu": SMOLLM2_135M}, sft_problems=8000, pairs=1000, prompts=400,
             eval_prompts=32, new_tokens=128, compile_rollouts=True)
 # The demo-size model (d_model 128, 4 layers, context 256); the smollm2-gpu chain's base with
@@ -349,7 +355,11 @@ def chain_runs(check: Check, chain: Chain, size: Sizes, flags: list[str], tok, t
     grpo = trainer("train_grpo.py", "grpo.yaml", "sft", prompts, rl_flags + [
         *sized(("--batch.global_prompts", size.grpo_prompts), ("--batch.num_generations", size.group),
                ("--batch.micro_completions", size.group * size.grpo_prompts)),
-        "--grpo.mask_truncated_completions", "false"])  # short rollouts of a fresh model are all truncated
+        "--grpo.mask_truncated_completions", "false",  # short rollouts of a fresh model are all truncated
+        # dynamic sampling (smollm2-gpu) redraws while every group scores alike, as every group of a
+        # base a few steps old does: at most 2 rounds a step (the 30-layer model's 4 took 13 s a step
+        # on an H200)
+        "--grpo.max_generation_rounds", "2"])
     runs = [("base", base), ("sft", sft), ("reward", reward), ("dpo", dpo),
             ("dpo_precomputed", dpo + ["--dpo.precompute_ref_logps", "true"]), ("ppo", ppo), ("grpo", grpo)]
     for stage, cmd in runs:
@@ -380,7 +390,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="demo-size model on the CPU (checks this script)")
     p.add_argument("--steps", type=int, default=0, help="pretraining steps (default 20 on GPU, 6 tiny)")
     p.add_argument("--trainer-steps", type=int, default=0, help="steps of base and each post-training run "
-                   "(default 8 on GPU, 3 tiny)")
+                   "(default 4 on GPU, 3 tiny)")
     p.add_argument("--stages", default=",".join(STAGES),
                    help="comma-separated stages to run, with the runs they start from (default: all): "
                    + ", ".join(STAGES))

@@ -86,8 +86,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch, capsys):
             preset = yaml.safe_load((ROOT / "configs" / chain.preset / f"{trainer}.yaml").read_text())
             run = yaml.safe_load((tmp_path / (chain.prefix + trainer) / "config.yaml").read_text())
             assert run["optim"]["lr"] == preset["optim"]["lr"], (chain.preset, trainer)
+            set_here = ("mask_truncated_completions", "num_ppo_epochs", "max_generation_rounds")
             assert all(run[trainer][k] == v for k, v in preset.get(trainer, {}).items()
-                       if k not in ("mask_truncated_completions", "num_ppo_epochs")), (chain.preset, trainer)
+                       if k not in set_here), (chain.preset, trainer)
 
 
 def test_a_failed_command_names_its_stage(tmp_path):
