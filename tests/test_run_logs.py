@@ -17,7 +17,7 @@ from sprout.checkpoint import read_meta
 from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matmul_flops, plot_loss_curve,
                                   read_metrics, truncate_metrics)
 from sprout.stages.pretrain import run_pretrain
-from sprout.engine.report import code, git_commit, run_section, start_record
+from sprout.engine.report import code, git_commit, run_section, samples_section, start_record, text
 from sprout.engine.schedule import warmup_warning
 from sprout.stages.configs import SAMPLE_PROMPTS
 from sprout.stages.sft import SFTStage
@@ -155,6 +155,20 @@ def test_a_command_with_a_pipe_or_a_backtick_stays_one_code_span_and_one_table_c
     assert code("'a\nb'") == code("'a\r\nb'") == "`'a\\nb'`"  # a prompt's line break keeps the line whole
 
 
+def test_a_prompt_or_an_answer_shows_its_characters_as_they_are():
+    """A samples section: a `*`, `_`, `<b>` or `[x](y)` in a prompt or an answer, a leading `#`,
+    `-` or `12.` on an answer's line, are backslash-escaped (CommonMark drops a backslash before
+    ASCII punctuation), so the rendered text is the text itself, not emphasis, html or a list."""
+    prompt, answer = "Is 2*3 = 4*5? <b>no</b>", "# 6\n- not 20\n12. right_ [x](y)"
+    md = "\n".join(samples_section([{"event": "samples", "step": 3,
+                                     "samples": [{"prompt": prompt, "answer": answer}]}]))
+    assert "**Is 2\\*3 = 4\\*5? \\<b\\>no\\</b\\>**" in md
+    assert "> \\# 6\n> \\- not 20\n> 12\\. right\\_ \\[x\\](y)" in md
+    for t in (prompt, answer, "a \\ b ` c | d ~~e~~"):
+        assert re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", text(t)) == t  # each escape drops back to the character
+    assert text("What is 3 + 4?") == "What is 3 + 4?"
+
+
 def test_configured_peak_is_recorded_as_config(toy_data, tmp_path):
     run_pretrain(tiny_cfg(toy_data, tmp_path, max_steps=1, eval_every=0, peak_tflops=2e-3))
     start = read_metrics(tmp_path / "metrics.jsonl")[0]
@@ -180,7 +194,7 @@ def test_sft_samples_are_generated_and_reported(run_a):
     report = (out / "report.md").read_text()
     assert "## Samples" in report
     for s in rec["samples"]:
-        assert f"**{s['prompt']}**" in report and isinstance(s["answer"], str)
+        assert f"**{text(s['prompt'])}**" in report and isinstance(s["answer"], str)
 
 
 def test_plot_has_a_second_panel_with_lr_and_grad_norm(run_a):

@@ -44,6 +44,18 @@ def code(text, cell: bool = False) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+_INLINE = re.compile(r"([\\`*_\[\]<>~|])")  # what starts emphasis, code, links, html, strike, cells
+_LINE_START = re.compile(r"^(\s*\d*)([#>+=.)-])", re.MULTILINE)  # a heading, quote, list, rule
+
+
+def text(value) -> str:
+    """`value` as markdown that shows its characters as they are (a prompt, a model's answer):
+    the marks of emphasis, code, links, html, strikethrough and table cells backslash-escaped,
+    and a line's leading heading, quote or list mark too, so `2*3 and 4*5` stays two products
+    rather than turning italic."""
+    return _LINE_START.sub(lambda m: m[1] + "\\" + m[2], _INLINE.sub(r"\\\1", str(value)))
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4f}" if abs(v) < 1000 else f"{v:,.0f}"
@@ -212,8 +224,8 @@ def samples_section(records: list[dict]) -> list[str]:
         return []
     lines = ["## Samples", "", f"Generated at step {rec['step']:,} ({rec.get('decoding', 'greedy')}).", ""]
     for s in rec["samples"]:
-        answer = s["answer"].strip().replace("\n", "\n> ") or "(empty answer)"
-        lines += [f"**{s['prompt']}**", "", f"> {answer}", ""]
+        answer = text(s["answer"].strip()).replace("\n", "\n> ") or "(empty answer)"
+        lines += [f"**{text(s['prompt'])}**", "", f"> {answer}", ""]
     return lines
 
 

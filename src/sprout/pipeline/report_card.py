@@ -45,7 +45,7 @@ from pathlib import Path
 
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
-from sprout.engine.report import code
+from sprout.engine.report import code, text
 from sprout.pipeline.report_intervals import eval_files, evaluated_stages, held_out_section, rate_interval
 from sprout.stages.configs import SAMPLE_PROMPTS
 
@@ -295,8 +295,9 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
     if said:
         answered = ["", f"## The same prompts, answered greedily (at most {ANSWER_TOKENS} tokens)"]
         for i, prompt in enumerate(SAMPLE_PROMPTS):
-            answered += ["", f"> {prompt}", ""]
-            answered += [f"- **{stage}**: {' '.join(a['answers'][i].split()) or '(empty)'}" for stage, a in said.items()]
+            answered += ["", f"> {text(prompt)}", ""]
+            answered += [f"- **{stage}**: {text(' '.join(a['answers'][i].split())) or '(empty)'}"
+                         for stage, a in said.items()]
         lines += answered
     if log is not None:
         log("\n".join(shown + ([""] + held_out if held_out else []) + [""] + prefs + answered))
