@@ -50,8 +50,9 @@ and the script then exits with status 1 naming every failed stage.
     python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, a few minutes
 
-On one H200 the first 15 stages took 540 s (4 trainer steps; the compiled run 90 s of it, most
-of it compiling), so under a 10-minute limit per command run it as two, each with its own --out:
+On one H200 a run with 4 trainer steps had finished 15 stages when its 540 s limit stopped it
+(their runs 460 s without the FSDP resume, the compiled one 90 s, mostly compiling), so under a
+10-minute limit per command run it as two, each with its own --out:
 `--stages eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate` (the gpt2-small chain) and
 `--stages smollm2_dpo,smollm2_ppo,smollm2_grpo`.
 """
@@ -75,8 +76,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 import gpu_check_inputs as inputs  # noqa: E402  (beside this file)
-from sprout.engine.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 from sprout.atomic import atomic_write  # noqa: E402
+from sprout.engine.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 
 STAGES = ("eager", "compiled", "fsdp", "base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo", "evaluate",
           "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo")
@@ -103,6 +104,8 @@ PRETRAINING = ("eager", "compiled", "fsdp")  # on random token shards; the other
 def with_needs(stages) -> list[str]:
     """`stages` and every run they start from (NEEDS, transitively), in STAGES order:
     `--stages smollm2_ppo` runs smollm2_base, smollm2_sft, smollm2_reward and smollm2_ppo."""
+    if not stages:
+        raise ValueError("no stage named")
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
         raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
@@ -230,6 +233,7 @@ class Check:
         if need and need not in self.results:
             self.failed[name] = f"{name}: not run ({need} failed)"
             print(f"\n== {name}: not run, {need} failed", flush=True)
+            self.save()
             return
         try:
             self.results[name] = body()
@@ -396,7 +400,7 @@ def main() -> None:
                    + ", ".join(STAGES))
     args = p.parse_args()
     try:
-        stages = with_needs(args.stages.split(","))
+        stages = with_needs([s.strip() for s in args.stages.split(",") if s.strip()])
     except ValueError as exc:
         p.error(str(exc))
     out = Path(args.out).resolve()
@@ -423,6 +427,7 @@ def main() -> None:
     train_flags = ["--train.mixed_precision", "bf16" if gpu else "no", "--train.progress", "false",
                    "--train.peak_tflops", f"{peak / 1e12:.4f}"]
     check = Check(out, env, {"device": device, "peak_tflops": peak / 1e12}, stages)
+    check.save()  # the device and its peak, before any stage
     results = check.results
     pretraining(check, size, args.steps or size.steps, global_batch, n_gpu, fsdp_config, train_flags)
     post_training(check, size, args.trainer_steps or size.trainer_steps, train_flags)

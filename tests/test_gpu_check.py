@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -86,6 +87,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch, capsys):
             preset = yaml.safe_load((ROOT / "configs" / chain.preset / f"{trainer}.yaml").read_text())
             run = yaml.safe_load((tmp_path / (chain.prefix + trainer) / "config.yaml").read_text())
             assert run["optim"]["lr"] == preset["optim"]["lr"], (chain.preset, trainer)
+            if trainer == "grpo":
+                assert run["grpo"]["max_generation_rounds"] == 2, chain.preset
             set_here = ("mask_truncated_completions", "num_ppo_epochs", "max_generation_rounds")
             assert all(run[trainer][k] == v for k, v in preset.get(trainer, {}).items()
                        if k not in set_here), (chain.preset, trainer)
@@ -98,6 +101,7 @@ def test_a_failed_command_names_its_stage(tmp_path):
     assert check.failed["base"].startswith("base: exit status 3")
     check.stage("sft", lambda: {"wall_s": 0.0})  # starts from base: not run
     assert check.failed["sft"] == "sft: not run (base failed)" and "sft" not in check.results
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["failed"]["sft"] == "sft: not run (base failed)"
     # the figures so far are on disk after each stage, failures too: a check cut short keeps them
     check.stage("eager", lambda: {"wall_s": 1.5})
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == {
@@ -124,11 +128,18 @@ def test_a_non_finite_loss_fails_its_stage(tmp_path):
     assert gpu_check.train_figures("ppo", tmp_path)["generation_tokens_per_s"] == 700.0
 
 
-def test_stages_bring_the_runs_they_start_from(tmp_path):
+def test_stages_bring_the_runs_they_start_from(tmp_path, monkeypatch, capsys):
     assert gpu_check.with_needs(["smollm2_ppo"]) == ["smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_ppo"]
     assert gpu_check.with_needs(["evaluate", "compiled"]) == ["compiled", "base", "sft", "grpo", "evaluate"]
     with pytest.raises(ValueError, match="unknown stage.* gpro"):
         gpu_check.with_needs(["gpro"])
+    with pytest.raises(ValueError, match="no stage named"):
+        gpu_check.with_needs([])
+    for bad, said in ((",", "no stage named"), ("eager, gpro", "unknown stage.*gpro")):  # the command line's
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--tiny", "--out", str(tmp_path), "--stages", bad])
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.main()
+        assert exit_.value.code == 2 and re.search(said, capsys.readouterr().err)
     check = gpu_check.Check(tmp_path, dict(os.environ), {}, ["eager"])
     check.stage("compiled", lambda: pytest.fail("not a stage of this check"))
     check.stage("eager", lambda: {"wall_s": 1.0})

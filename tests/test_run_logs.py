@@ -164,9 +164,16 @@ def test_a_prompt_or_an_answer_shows_its_characters_as_they_are():
                                      "samples": [{"prompt": prompt, "answer": answer}]}]))
     assert "**Is 2\\*3 = 4\\*5? \\<b\\>no\\</b\\>**" in md
     assert "> \\# 6\n> \\- not 20\n> 12\\. right\\_ \\[x\\](y)" in md
-    for t in (prompt, answer, "a \\ b ` c | d ~~e~~"):
+    for t in (prompt, answer, "a \\ b ` c | d ~~e~~ &copy;"):
         assert re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", text(t)) == t  # each escape drops back to the character
     assert text("What is 3 + 4?") == "What is 3 + 4?"
+    # an indented line (code, in an answer) would be a code block, which shows escapes as typed;
+    # a lone \r is a line break the markdown's own lines must show
+    assert text("a\n\n    return a*b\n\tc") == "a\n\n" + "&nbsp;" * 4 + "return a\\*b\n" + "&nbsp;" * 4 + "c"
+    assert text("a\r# b\r\nc") == "a\n\\# b\nc"
+    md = "\n".join(samples_section([{"event": "samples", "step": 3, "samples": [{"prompt": " two\n\nlines ",
+                                                                               "answer": "x"}]}]))
+    assert "**two lines**" in md  # the bold prompt is one line, or its ** would show
 
 
 def test_configured_peak_is_recorded_as_config(toy_data, tmp_path):
@@ -194,7 +201,7 @@ def test_sft_samples_are_generated_and_reported(run_a):
     report = (out / "report.md").read_text()
     assert "## Samples" in report
     for s in rec["samples"]:
-        assert f"**{text(s['prompt'])}**" in report and isinstance(s["answer"], str)
+        assert f"**{text(' '.join(s['prompt'].split()))}**" in report and isinstance(s["answer"], str)
 
 
 def test_plot_has_a_second_panel_with_lr_and_grad_norm(run_a):

@@ -44,16 +44,21 @@ def code(text, cell: bool = False) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
-_INLINE = re.compile(r"([\\`*_\[\]<>~|])")  # what starts emphasis, code, links, html, strike, cells
-_LINE_START = re.compile(r"^(\s*\d*)([#>+=.)-])", re.MULTILINE)  # a heading, quote, list, rule
+_INLINE = re.compile(r"([\\`*_\[\]<>~|&])")  # emphasis, code, links, html, strike, cells, entities
+_LINE_START = re.compile(r"^(\d*)([#>+=.)-])", re.MULTILINE)  # a heading, quote, list or rule mark
+_INDENT = re.compile(r"^[ \t]+", re.MULTILINE)
 
 
 def text(value) -> str:
     """`value` as markdown that shows its characters as they are (a prompt, a model's answer):
-    the marks of emphasis, code, links, html, strikethrough and table cells backslash-escaped,
-    and a line's leading heading, quote or list mark too, so `2*3 and 4*5` stays two products
-    rather than turning italic."""
-    return _LINE_START.sub(lambda m: m[1] + "\\" + m[2], _INLINE.sub(r"\\\1", str(value)))
+    the marks of emphasis, code, links, html, strikethrough, table cells and entities
+    backslash-escaped, a line's leading heading, quote or list mark too, and its indentation
+    as non-breaking spaces (indented lines would be a code block, which shows the escapes), so
+    `2*3 and 4*5` stays two products rather than turning italic; a `\\r` line break is
+    `\\n`, for the lines to be the markdown's own."""
+    value = _INLINE.sub(r"\\\1", re.sub(r"\r\n?", "\n", str(value)))
+    value = _INDENT.sub(lambda m: m[0].expandtabs(4).replace(" ", "&nbsp;"), value)
+    return _LINE_START.sub(lambda m: m[1] + "\\" + m[2], value)
 
 
 def _fmt(v) -> str:
@@ -225,7 +230,7 @@ def samples_section(records: list[dict]) -> list[str]:
     lines = ["## Samples", "", f"Generated at step {rec['step']:,} ({rec.get('decoding', 'greedy')}).", ""]
     for s in rec["samples"]:
         answer = text(s["answer"].strip()).replace("\n", "\n> ") or "(empty answer)"
-        lines += [f"**{text(s['prompt'])}**", "", f"> {answer}", ""]
+        lines += [f"**{text(' '.join(s['prompt'].split()))}**", "", f"> {answer}", ""]  # bold: one line
     return lines
 
 

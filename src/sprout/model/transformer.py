@@ -88,7 +88,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
     run against the eager one shows it."""
     if torch.compiler.is_compiling():
         rstd = torch.rsqrt(torch.linalg.vecdot(x, x) / x.shape[-1] + eps).unsqueeze(-1)
-        return x * rstd * weight, rstd
+        return (x * rstd * weight).to(x.dtype), rstd  # x's dtype, as the in-place product keeps it
     rstd = torch.rsqrt(torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps)).unsqueeze(-1)
     return torch.mul(x, rstd).mul_(weight), rstd
 
