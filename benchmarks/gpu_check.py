@@ -99,6 +99,8 @@ CHAINS = (Chain("gpt2-small", "", compile_rollouts=True), Chain("smollm2-gpu", "
 NEEDS = {c.prefix + stage: c.prefix + need for c in CHAINS for stage, need in CHAIN_NEEDS.items()
          if c.prefix + stage in STAGES}
 PRETRAINING = ("eager", "compiled", "fsdp")  # on random token shards; the other stages need the made-up inputs
+# the check as two commands (each with its own --out) where one command may run 10 minutes at most
+TWO_COMMANDS = ("eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate", "smollm2_dpo,smollm2_ppo,smollm2_grpo")
 
 
 def with_needs(stages) -> list[str]:
@@ -397,7 +399,7 @@ def main() -> None:
                    "(default 4 on GPU, 3 tiny)")
     p.add_argument("--stages", default=",".join(STAGES),
                    help="comma-separated stages to run, with the runs they start from (default: all): "
-                   + ", ".join(STAGES))
+                   + ", ".join(STAGES) + f"; all of them in two commands: {TWO_COMMANDS[0]}, then {TWO_COMMANDS[1]}")
     args = p.parse_args()
     try:
         stages = with_needs([s.strip() for s in args.stages.split(",") if s.strip()])

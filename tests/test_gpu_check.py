@@ -135,6 +135,10 @@ def test_stages_bring_the_runs_they_start_from(tmp_path, monkeypatch, capsys):
         gpu_check.with_needs(["gpro"])
     with pytest.raises(ValueError, match="no stage named"):
         gpu_check.with_needs([])
+    # the two commands the script's doc and help name cover every stage, each run once
+    first, second = (gpu_check.with_needs(c.split(",")) for c in gpu_check.TWO_COMMANDS)
+    assert sorted(first + second) == sorted(gpu_check.STAGES)
+    assert all(c in gpu_check.__doc__.replace("\n", " ") for c in gpu_check.TWO_COMMANDS)
     for bad, said in ((",", "no stage named"), ("eager, gpro", "unknown stage.*gpro")):  # the command line's
         monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--tiny", "--out", str(tmp_path), "--stages", bad])
         with pytest.raises(SystemExit) as exit_:
