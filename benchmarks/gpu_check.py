@@ -235,13 +235,12 @@ class Check:
         if need and need not in self.results:
             self.failed[name] = f"{name}: not run ({need} failed)"
             print(f"\n== {name}: not run, {need} failed", flush=True)
-            self.save()
-            return
-        try:
-            self.results[name] = body()
-        except StageFailed as exc:
-            self.failed[name] = str(exc)
-            print(f"\n== FAILED {exc}", flush=True)
+        else:
+            try:
+                self.results[name] = body()
+            except StageFailed as exc:
+                self.failed[name] = str(exc)
+                print(f"\n== FAILED {exc}", flush=True)
         self.save()
 
     def save(self) -> None:
@@ -433,8 +432,7 @@ def main() -> None:
     results = check.results
     pretraining(check, size, args.steps or size.steps, global_batch, n_gpu, fsdp_config, train_flags)
     post_training(check, size, args.trainer_steps or size.trainer_steps, train_flags)
-    print_table(results, stages)
-    check.save()
+    print_table(results, stages)  # gpu_check.json: saved after each stage
     if results["failed"]:
         raise SystemExit(f"gpu_check failed: {'; '.join(results['failed'].values())}")
 

@@ -174,6 +174,7 @@ def test_a_prompt_or_an_answer_shows_its_characters_as_they_are():
     md = "\n".join(samples_section([{"event": "samples", "step": 3, "samples": [{"prompt": " two\n\nlines ",
                                                                                "answer": "x"}]}]))
     assert "**two lines**" in md  # the bold prompt is one line, or its ** would show
+    assert text(" a\n\n*b*\t", one_line=True) == "a \\*b\\*"
 
 
 def test_configured_peak_is_recorded_as_config(toy_data, tmp_path):
@@ -201,7 +202,7 @@ def test_sft_samples_are_generated_and_reported(run_a):
     report = (out / "report.md").read_text()
     assert "## Samples" in report
     for s in rec["samples"]:
-        assert f"**{text(' '.join(s['prompt'].split()))}**" in report and isinstance(s["answer"], str)
+        assert f"**{text(s['prompt'], one_line=True)}**" in report and isinstance(s["answer"], str)
 
 
 def test_plot_has_a_second_panel_with_lr_and_grad_norm(run_a):

@@ -31,17 +31,17 @@ from sprout.atomic import atomic_write, sha256_file
 from sprout.engine.metrics import METRICS, duration, read_metrics
 
 
-def code(text, cell: bool = False) -> str:
-    """`text` as a markdown code span: between more backticks than its longest run of them (a space
+def code(value, cell: bool = False) -> str:
+    """`value` as a markdown code span: between more backticks than its longest run of them (a space
     inside each end where it starts or ends with one), so a command or a path holding backticks
     stays one span; a line break shown as `\\n` (the exact command is the start record's, in
     metrics.jsonl), so it stays on its line; in a table `cell`, its `|` escaped, so the row keeps
     its columns."""
-    text = re.sub(r"\r\n?|\n", r"\\n", str(text))
-    text = text.replace("|", "\\|") if cell else text
-    fence = "`" * (1 + max(map(len, re.findall("`+", text)), default=0))
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
+    value = re.sub(r"\r\n?|\n", r"\\n", str(value))
+    value = value.replace("|", "\\|") if cell else value
+    fence = "`" * (1 + max(map(len, re.findall("`+", value)), default=0))
+    pad = " " if value.startswith("`") or value.endswith("`") else ""
+    return f"{fence}{pad}{value}{pad}{fence}"
 
 
 _INLINE = re.compile(r"([\\`*_\[\]<>~|&])")  # emphasis, code, links, html, strike, cells, entities
@@ -49,14 +49,16 @@ _LINE_START = re.compile(r"^(\d*)([#>+=.)-])", re.MULTILINE)  # a heading, quote
 _INDENT = re.compile(r"^[ \t]+", re.MULTILINE)
 
 
-def text(value) -> str:
+def text(value, one_line: bool = False) -> str:
     """`value` as markdown that shows its characters as they are (a prompt, a model's answer):
     the marks of emphasis, code, links, html, strikethrough, table cells and entities
     backslash-escaped, a line's leading heading, quote or list mark too, and its indentation
     as non-breaking spaces (indented lines would be a code block, which shows the escapes), so
     `2*3 and 4*5` stays two products rather than turning italic; a `\\r` line break is
-    `\\n`, for the lines to be the markdown's own."""
-    value = _INLINE.sub(r"\\\1", re.sub(r"\r\n?", "\n", str(value)))
+    `\\n`, for the lines to be the markdown's own. `one_line`: every run of whitespace one
+    space, for text inside `**...**` or a list item, which a line break would end."""
+    value = " ".join(str(value).split()) if one_line else re.sub(r"\r\n?", "\n", str(value))
+    value = _INLINE.sub(r"\\\1", value)
     value = _INDENT.sub(lambda m: m[0].expandtabs(4).replace(" ", "&nbsp;"), value)
     return _LINE_START.sub(lambda m: m[1] + "\\" + m[2], value)
 
@@ -230,7 +232,7 @@ def samples_section(records: list[dict]) -> list[str]:
     lines = ["## Samples", "", f"Generated at step {rec['step']:,} ({rec.get('decoding', 'greedy')}).", ""]
     for s in rec["samples"]:
         answer = text(s["answer"].strip()).replace("\n", "\n> ") or "(empty answer)"
-        lines += [f"**{text(' '.join(s['prompt'].split()))}**", "", f"> {answer}", ""]  # bold: one line
+        lines += [f"**{text(s['prompt'], one_line=True)}**", "", f"> {answer}", ""]
     return lines
 
 

@@ -296,7 +296,7 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
         answered = ["", f"## The same prompts, answered greedily (at most {ANSWER_TOKENS} tokens)"]
         for i, prompt in enumerate(SAMPLE_PROMPTS):
             answered += ["", f"> {text(prompt)}", ""]
-            answered += [f"- **{stage}**: {text(' '.join(a['answers'][i].split())) or '(empty)'}"
+            answered += [f"- **{stage}**: {text(a['answers'][i], one_line=True) or '(empty)'}"
                          for stage, a in said.items()]
         lines += answered
     if log is not None:
