@@ -25,7 +25,7 @@ from test_sft_train import tiny_cfg as sft_cfg
 from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (data: a fixture)
 
 from data_loader.tokens import eval_rows, open_token_sources, read_tokens
-from sprout.checkpoint import load_train_state, read_meta
+from sprout.checkpoint import load_train_state, read_meta, tied_aliases
 from sprout.model.load import load_model
 from sprout.model.transformer import Transformer
 from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name
@@ -46,16 +46,16 @@ def launch(data: Path, out: Path, port: int, *args: str, **kw) -> subprocess.Com
 
 
 def short_fsdp_and_one(data: Path, tmp_path: Path, port: int, steps: int, *fsdp_flags: str,
-                       eval_tokens: int = 2048, **launch_kw) -> tuple[Path, Path]:
+                       **launch_kw) -> tuple[Path, Path]:
     """A short 2-process FSDP run (plus `fsdp_flags`) and the plain 1-process run it should match:
     no sequence-length warmup, eval only before and after. Returns (one, fsdp) run dirs."""
     one, fsdp = tmp_path / "one", tmp_path / "fsdp"
     proc = launch(data, fsdp, port, "--train.max_steps", str(steps), "--train.eval_every", "0",
-                  "--data.seq_warmup_frac", "0", "--data.eval_tokens", str(eval_tokens), *fsdp_flags, **launch_kw)
+                  "--data.seq_warmup_frac", "0", *fsdp_flags, **launch_kw)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert SHARDED.search(proc.stdout), proc.stdout[-2000:]
     cfg = tiny_cfg(data, one, max_steps=steps, eval_every=0, micro_tokens=MICRO)
-    cfg.data.seq_warmup_frac, cfg.data.eval_tokens = 0, eval_tokens
+    cfg.data.seq_warmup_frac = 0
     run_pretrain(cfg)
     return one, fsdp
 
@@ -83,12 +83,19 @@ def assert_same_state(ck: Path, other: Path, atol: float) -> None:
             assert (opt["state"][i][k] - state[k]).abs().max() <= atol * state[k].abs().max()
 
 
-def assert_full_untied(ck: Path) -> None:
-    """An untied model's FSDP checkpoint holds every tensor whole, lm_head.weight its own."""
+def assert_whole(ck: Path) -> dict[str, torch.Tensor]:
+    """An FSDP checkpoint holds every tensor of a fresh model of its config whole, not shards, a
+    tied matrix once (`tied_aliases`), and loads in one process with lm_head tied exactly when
+    the config ties it; returns the saved tensors."""
     saved = load_file(ck / "model.safetensors")
-    model, _ = load_model(ck)
-    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in Transformer(model.config).state_dict().items()}
-    assert model.lm_head.weight is not model.embed_tokens.weight
+    model, _ = load_model(ck)  # one process, no FSDP
+    fresh = Transformer(model.config)
+    aliases = tied_aliases(fresh)
+    assert {k: v.shape for k, v in saved.items()} == {
+        k: v.shape for k, v in fresh.state_dict().items() if k not in aliases}
+    assert (model.lm_head.weight is model.embed_tokens.weight) == model.config.tie_embeddings
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    return saved
 
 
 def grad_norms(out: Path) -> dict[int, float]:
@@ -187,12 +194,8 @@ def test_fsdp_checkpoint_is_a_full_checkpoint(ref, fsdp, data, tmp_path):
     out, _ = fsdp
     ck = checkpoint(out, 16)
     assert read_meta(ck)["world_size"] == 2
-    saved = load_file(ck / "model.safetensors")
-    model, meta = load_model(ck)  # one process, no FSDP
-    full = Transformer(model.config).state_dict()
-    del full["lm_head.weight"]  # tied: stored once, as embed_tokens.weight
-    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in full.items()}  # whole, not shards
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    saved = assert_whole(ck)
+    assert "lm_head.weight" not in saved  # tied: stored once, as embed_tokens.weight
     # the weights and optimizer state of the 1-process run's checkpoint, up to the summation
     # order of the 4 micro-batch gradients (measured: weights 1.2e-7 apart; moments 4.9e-7 of
     # each tensor's largest entry)
@@ -252,7 +255,7 @@ def test_fsdp_with_torch_compile_matches_eager_one_process(data, tmp_path):
     a, b = losses(one), losses(fsdp)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert max(abs(a[s] - b[s]) for s in a) < 1e-5
-    assert_full_untied(checkpoint(fsdp, 4))
+    assert "lm_head.weight" in assert_whole(checkpoint(fsdp, 4))  # untied: lm_head stored whole
     assert_same_state(checkpoint(fsdp, 4), checkpoint(one, 4), atol=1e-4)
 
 
@@ -269,4 +272,4 @@ def test_fsdp_with_bf16_mixed_precision(data, tmp_path):
     assert all(abs(a[s] - b[s]) < 5e-3 for s in a) and any(a[s] != b[s] for s in a)
     saved = load_file(checkpoint(fsdp, 3) / "model.safetensors")
     assert {v.dtype for v in saved.values()} == {torch.float32}
-    assert_full_untied(checkpoint(fsdp, 3))
+    assert "lm_head.weight" in assert_whole(checkpoint(fsdp, 3))
