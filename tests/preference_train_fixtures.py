@@ -21,13 +21,14 @@ MARK = "tiger"  # the word only chosen answers contain
 CONTEXT = 64  # max_seq_len of the tiny model
 
 
-def write_lm(path: Path, sp, seed: int = 0, **model) -> Path:
-    """A tiny randomly initialised LM checkpoint, with the meta an SFT run writes."""
+def write_lm(path: Path, sp, seed: int = 0, meta: dict | None = None, **model) -> Path:
+    """A tiny randomly initialised LM checkpoint, with the meta an SFT run writes (`meta`'s
+    fields added or replacing them)."""
     torch.manual_seed(seed)
     lm = Transformer(ModelConfig(**{"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4,
                                     "max_seq_len": CONTEXT, **model}))
     meta = {"model_config": lm.config, "tokenizer": sp.spec, "tokenizer_fingerprint": sp.fingerprint(),
-            "template_version": TEMPLATE_VERSION, "stage": "sft", "step": 80}
+            "template_version": TEMPLATE_VERSION, "stage": "sft", "step": 80, **(meta or {})}
     return save_checkpoint(path, lm, meta=meta)
 
 
@@ -79,9 +80,9 @@ def grouped_held_out_pairs(data: Path, out: Path) -> Path:
 
 def sections(cls, values: dict) -> dict:
     """{section: fields} for a config class: each key put in the section that declares it."""
-    from sprout.config import config_to_dict
+    import dataclasses
 
-    names = {s: set(v) for s, v in config_to_dict(from_dict(cls, {})).items() if isinstance(v, dict)}
+    names = {s: set(v) for s, v in dataclasses.asdict(from_dict(cls, {})).items() if isinstance(v, dict)}
     out: dict = {}
     for k, v in values.items():
         section = next(s for s in names if k in names[s])

@@ -20,7 +20,7 @@ from data_loader.prompts import PromptLoader
 from grpo_fixtures import data  # noqa: F401 (data, base: fixtures)
 from grpo_fixtures import tiny_cfg as grpo_cfg
 from ppo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_digit_reward_model
-from preference_train_fixtures import base  # noqa: F401
+from preference_train_fixtures import base, write_lm  # noqa: F401 (base)
 from proc import free_port, run_group
 from safetensors.torch import load_file
 
@@ -40,7 +40,7 @@ from sprout.stages.ppo import (
     run_ppo,
     whiten_global,
 )
-from sprout.stages.reward import score_sequences
+from sprout.stages.reward import reward_score_of, score_sequences
 from sprout.stages.grpo import run_grpo
 from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import RolloutConfig
@@ -51,6 +51,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def rm_path(sp, tmp_path_factory):
     return write_digit_reward_model(tmp_path_factory.mktemp("rm") / "ckpt", sp)
+
+
+@pytest.fixture(scope="module")
+def logprob_rm(sp, tmp_path_factory):
+    """An LM checkpoint as `reward.score: logprob` leaves it (another seed than the policy's; β 0.5)."""
+    return write_lm(tmp_path_factory.mktemp("logprob_rm") / "ckpt", sp, seed=1,
+                    meta={"stage": "reward", "reward_score": {"kind": "logprob", "beta": 0.5}})
 
 
 def train_records(out: Path) -> dict[int, dict]:
@@ -68,7 +75,8 @@ def make_stage(sp, base, data, rm=None, reward_funcs=("grpo_fixtures:digit_share
     val = PromptLoader(data.with_name("prompts_test.jsonl"), sp, 24, 1, shuffle=False)
     rewards = build_rewards(RewardsConfig(reward_funcs=list(reward_funcs)), max_completion_length)
     stage = PPOStage(Accelerator(cpu=True), sp, loader, val, batch, rollout, rewards, ppo=PPOLossConfig(**ppo),
-                     ref_model=ref, reward_model=load_model(rm)[0] if rm else None)
+                     ref_model=ref, reward_model=load_model(rm)[0] if rm else None,
+                     reward_score=reward_score_of(read_meta(rm)) if rm else None)
     stage.setup(SimpleNamespace(generation_model=policy, sharded=False, prepare_frozen=lambda m: m))
     return stage, policy
 
@@ -136,6 +144,28 @@ def test_score_lands_on_the_last_generated_token(sp, base, data, rm_path):
     placed = token_rewards(scores, torch.zeros(rollout["completion_mask"].shape), rollout["completion_mask"], 0.0)
     for i, n in enumerate(rollout["lengths"].tolist()):
         assert placed[i, n - 1] == pytest.approx(float(scores[i])) and placed[i].count_nonzero() <= 1
+
+
+def test_a_logprob_reward_model_scores_beta_times_the_completions_logprob(sp, base, data, logprob_rm):
+    """A log-probability reward model's score of a left-padded prompt + right-padded completion is
+    β × Σ log p(completion token | everything before it) under it, computed here row by row,
+    unpadded, at temperature 1 whatever the sampling temperature."""
+    stage, _ = make_stage(sp, base, data, rm=logprob_rm)
+    long, short = stage.loader.ids[0], stage.loader.ids[1][-6:]
+    stage.rollout = dataclasses.replace(stage.rollout, temperature=0.7)
+    rollout = stage.sample(np.array([0, 1]), ids=[long, short])
+    rollout["completion_mask"][0, -4:] = 0  # as if the first row had ended 4 tokens early
+    assert (rollout["prompt_mask"] == 0).any()  # the short prompt is left-padded
+    scores = stage.reward_model_scores(rollout)
+    want = []
+    for p, m, c, cm in zip(rollout["prompt_ids"], rollout["prompt_mask"], rollout["completion_ids"],
+                           rollout["completion_mask"]):
+        prompt, completion = p[m.bool()].tolist(), c[cm.bool()].tolist()
+        with torch.no_grad():
+            logp = stage.reward_model(torch.tensor([prompt + completion]))[0].log_softmax(-1)
+        want.append(0.5 * sum(float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(completion)))
+    assert scores.tolist() == pytest.approx(want, abs=1e-4) and scores.dtype == torch.float64
+    assert (scores < 0).all()
 
 
 @pytest.mark.parametrize("rule", ["penalty", "zero"])
@@ -310,10 +340,13 @@ def test_the_reward_models_preference_is_learnt_with_bounded_kl(base, data, rm_p
 @pytest.mark.parametrize("values, pattern", [
     ({"value_init": "reward"}, r"ppo.value_init reward needs a reward model"),
     ({"num_mini_batches": 3}, r"not a multiple of batch.num_mini_batches 3"),
-    ({"reward_model": "lm"}, r"reward_model must be a reward model checkpoint, not architecture 'lm'"),
+    ({"reward_model": "lm"}, r"reward_model must be a reward model checkpoint \(scripts/train_reward.py\), "
+                             r"not a sft checkpoint of architecture 'lm'"),
+    ({"reward_model": "logprob", "value_init": "reward"},
+     r"meta.json: ppo.value_init reward copies a score head, and this log-probability reward model has none"),
 ])
-def test_bad_options_are_refused_in_one_line(values, pattern, base, data, tmp_path):
+def test_bad_options_are_refused_in_one_line(values, pattern, base, data, logprob_rm, tmp_path):
     values = dict(values)
-    rm = base if values.pop("reward_model", None) else None
+    rm = {"lm": base, "logprob": logprob_rm, None: None}[values.pop("reward_model", None)]
     with pytest.raises(SproutError, match=pattern):
         run_ppo(tiny_cfg(data, base, tmp_path / "out", rm, **values))

@@ -22,13 +22,18 @@ from sprout.model.heads import RewardModel
 from sprout.model.load import load_model
 from sprout.engine.metrics import read_metrics
 from sprout.errors import SproutError
+from sprout.formats.preferences import read_preferences, write_preferences
 from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
 from sprout.stages.preference_stage import pair_groups
+from sprout.chat import render
+from sprout.model.transformer import Transformer
 from sprout.stages.reward import (
     RewardConfig,
     RewardLossConfig,
     RewardStage,
+    pair_scores,
     population_std,
+    reward_score_of,
     run_reward,
     score_sequences,
 )
@@ -163,8 +168,78 @@ def test_reward_model_learns_the_preference(run_a, base):
     assert rec[1]["targets"] == 16  # pairs of the global batch
     meta = read_meta(out / "checkpoints")
     assert meta["architecture"] == "reward" and meta["stage"] == "reward" and meta["init"]["path"] == str(base)
+    assert reward_score_of(meta) == {"kind": "head"} == meta["reward_score"]
     model, _ = load_model(out)
     assert isinstance(model, RewardModel)
+
+
+# ---- score logprob: β × the LM's summed log-probability of the response ---------------------------------------
+def test_a_logprob_score_is_beta_times_the_responses_logprob_by_hand(data, sp, base):
+    """Each side's score is β × Σ log p(token | everything before it) over the tokens after the
+    rendered prompt (the answer and its end-of-turn), computed here row by row, unpadded; and
+    the pair loss is −log σ(r_c − r_r) of those scores."""
+    lm, _ = load_model(base)
+    loader = PreferenceLoader(data, sp, batch_size=3, seq_len=64, shuffle=False)
+    batch = loader.collate([0, 1, 2])
+    cfg = RewardLossConfig(score="logprob", beta=0.5, use_margin=False)
+    with torch.no_grad():
+        scores = pair_scores(lm, batch, cfg)
+        per_pair, rc, rr = RewardStage(None, loader, loader, 1, cfg)._pair_loss(lm, batch)
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    want = []
+    for row in range(6):
+        rec = records[int(batch["pair_index"][row % 3])]
+        prompt = render(rec["prompt"], sp, add_generation_prompt=True)[0]
+        ids = batch["input_ids"][row][batch["attention_mask"][row]].tolist()
+        assert ids[:len(prompt)] == prompt and len(ids) > len(prompt)
+        with torch.no_grad():
+            logp = lm(torch.tensor([ids]))[0].log_softmax(-1)
+        want.append(0.5 * sum(float(logp[t - 1, ids[t]]) for t in range(len(prompt), len(ids))))
+    assert scores.tolist() == pytest.approx(want, abs=1e-4)
+    assert torch.equal(rc, scores[:3]) and torch.equal(rr, scores[3:])
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert per_pair.tolist() == pytest.approx([-math.log(sig(want[i] - want[3 + i])) for i in range(3)], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def run_logprob(base, tmp_path_factory):
+    """The fixture's pairs the other way round: the answer without MARK is chosen. MARK takes
+    fewer tokens than most words, so at step 0 the summed log-probability favours the rejected
+    side; the run has to learn the preference against that."""
+    folder = tmp_path_factory.mktemp("prefs_swapped")
+    data = write_pairs(folder, source=lambda i: ("even", "odd")[i % 2])
+    for path in (data, data.with_name("preferences_test.jsonl")):
+        write_preferences(path, [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in read_preferences(path)])
+    out = tmp_path_factory.mktemp("rm_logprob")
+    return out, run_reward(tiny_cfg(RewardConfig, data, base, out, score="logprob", beta=0.5))
+
+
+def test_a_logprob_reward_model_learns_the_preference_and_saves_an_lm(run_logprob, base):
+    out, result = run_logprob
+    first, last = result["first_eval"], result["last_eval"]
+    print(f"logprob reward model: held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}, "
+          f"margin {first['val_margin']:.3f} -> {last['val_margin']:.3f}")
+    assert first["val_accuracy"] < 0.5 and last["val_accuracy"] >= 0.9
+    assert last["val_margin"] > first["val_margin"] + 0.3
+    assert first["val_rewards/chosen"] < 0 and last["val_rewards/rejected"] < 0  # β × log-probs
+    assert train_records(out)[1]["targets"] == 16
+    meta = read_meta(out / "checkpoints")
+    assert meta["architecture"] == "lm" and meta["stage"] == "reward"
+    assert reward_score_of(meta) == {"kind": "logprob", "beta": 0.5} == meta["reward_score"]
+    model, _ = load_model(out)
+    assert type(model) is Transformer  # a causal LM: it samples, chats and exports as one
+    assert reward_score_of(read_meta(base)) is None  # an SFT checkpoint is no reward model
+
+
+@pytest.mark.parametrize("values, pattern", [
+    ({"score": "logprob", "center_rewards_coefficient": 0.01},
+     r"^reward.center_rewards_coefficient needs reward.score head: a log-probability score is never above 0"),
+    ({"beta": 0.2}, r"^reward.beta scales reward.score logprob; a score head learns its own scale$"),
+])
+def test_option_combinations_that_cannot_train_are_refused(values, pattern, data, base, tmp_path):
+    with pytest.raises(SproutError, match=pattern):
+        run_reward(tiny_cfg(RewardConfig, data, base, tmp_path / "out", **values))
+    assert not (tmp_path / "out").exists()
 
 
 def test_scores_do_not_depend_on_the_padding_side(run_a, sp):

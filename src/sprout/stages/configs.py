@@ -96,6 +96,9 @@ class PairDataConfig:
 
 @dataclass
 class RewardLossConfig:
+    # head: a score head read at the response's eot; logprob: β × the LM's summed log-prob of the response
+    score: Literal["head", "logprob"] = field(default="head", metadata=RECORDED_WHEN_SET)
+    beta: float = in_range(0.1, "(0, inf)", metadata=RECORDED_WHEN_SET)  # β of score logprob (DPO's β, no reference)
     center_rewards_coefficient: float = in_range(0.0, "[0, inf)")  # TRL's RewardConfig; 0.01 is its suggested value
     use_margin: bool = True             # subtract each record's margin (Llama 2); false: ignore margins
 

@@ -5,7 +5,7 @@ Models. The trained module is `sprout.model.heads.PolicyWithValue`: the policy a
 share one backbone, the value head is one more Linear (architecture "lm+value"; the head is
 in every checkpoint and resumes with it). It is built from the init LM (`init_from_lm`); its
 value head is fresh (`ppo.value_init: policy`) or a copy of the reward model's score head
-(`value_init: reward`). TRL keeps a separate value model initialised from the whole reward
+(`value_init: reward`; a log-probability reward model has no score head to copy). TRL keeps a separate value model initialised from the whole reward
 model; sharing the backbone costs no second model, optimizer state or forward, at the price
 of a critic whose features are the policy's (only the head comes from the reward model, so
 it starts as the reward model's head read on the policy's backbone, not as the reward model).
@@ -15,8 +15,10 @@ Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the
 
 Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
 `batch.num_generations` completions (default 1). A completion's score is
-`ppo.reward_model_weight` × the reward model's score, read at the completion's last token (its
-end-of-turn; `sprout.stages.reward.score_sequences` on prompt + completion), plus the weighted
+`ppo.reward_model_weight` × the reward model's score (`sprout.stages.reward.reward_score_of`): a
+score head read at the completion's last token (its end-of-turn; `score_sequences` on prompt +
+completion), or, for a log-probability reward model, β × the completion's summed log-probability
+under it (at temperature 1, whatever the sampling temperature), plus the weighted
 verifier rewards (`rewards.reward_funcs`, `rewards.reward_weights`; weights 0 for a reward model
 alone). A completion without an end-of-turn token (truncated) has `ppo.missing_eos_penalty`
 subtracted from its score (`ppo.missing_eos: penalty`) or is scored 0 (`zero`). Token rewards
@@ -81,7 +83,7 @@ from sprout.engine.loop import all_reduce_sums
 from sprout.engine.optim import decay_groups
 from sprout.engine.run import train_stage
 from sprout.stages.configs import PPOBatchConfig, PPOConfig, PPOLossConfig, RolloutConfig
-from sprout.stages.reward import score_sequences
+from sprout.stages.reward import reward_score_of, score_sequences
 from sprout.stages.rl_rewards import build_rewards
 from sprout.stages.rl_stage import RLStage, completion_logps, open_rl_run, pad_columns
 
@@ -140,13 +142,14 @@ class PPOStage(RLStage):
     name = "ppo"
 
     def __init__(self, accelerator, tokenizer, loader, val, batch: PPOBatchConfig, rollout: RolloutConfig, rewards,
-                 *, ppo: PPOLossConfig, ref_model: torch.nn.Module, reward_model=None, weight_decay: float = 0.0,
-                 seed: int = 0, eval_batch: int = 32, eval_generations: int = 0):
+                 *, ppo: PPOLossConfig, ref_model: torch.nn.Module, reward_model=None, reward_score: dict | None = None,
+                 weight_decay: float = 0.0, seed: int = 0, eval_batch: int = 32, eval_generations: int = 0):
         c = ppo
         super().__init__(accelerator, tokenizer, loader, val, batch, rollout, rewards,
                          num_iterations=c.num_ppo_epochs * batch.num_mini_batches, seed=seed, eval_batch=eval_batch,
                          eval_generations=eval_generations, mini_batches=batch.num_mini_batches)
         self.cfg, self.ref_model, self.reward_model, self.weight_decay = c, ref_model, reward_model, weight_decay
+        self.reward_score = reward_score or {"kind": "head"}  # how the reward model scores (`reward_score_of`)
         self.M = batch.num_mini_batches
         self.mini_rows = self.accum_steps * batch.micro_completions
         self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.horizon) if c.adaptive_kl
@@ -169,9 +172,16 @@ class PPOStage(RLStage):
 
     # ---- the rollout batch ----
     def reward_model_scores(self, rollout: dict) -> torch.Tensor:
-        """The reward model's score [N] float64 of each prompt + completion, read at the
-        completion's last token, in micro-batches."""
+        """The reward model's score [N] float64 of each prompt + completion, in micro-batches: its
+        score head read at the completion's last token, or β × the completion's summed
+        log-probability under it (temperature 1)."""
+        logprob = self.reward_score["kind"] == "logprob"
+
         def score(part: dict) -> torch.Tensor:
+            if logprob:
+                lp, _ = completion_logps(self.reward_model, part)
+                mask = part["completion_mask"].bool()
+                return (self.reward_score["beta"] * torch.where(mask, lp, 0.0).double().sum(1)).cpu()
             ids = torch.cat([part["prompt_ids"], part["completion_ids"]], dim=1)
             mask = torch.cat([part["prompt_mask"], part["completion_mask"]], dim=1)
             return score_sequences(self.reward_model, ids, mask).double().cpu()
@@ -331,13 +341,14 @@ class PPOStage(RLStage):
 
 # ---- the run ------------------------------------------------------------------------------------
 def load_reward_model(path: str, policy_meta: dict, longest: int):
-    """The frozen reward model of `path`, checked against the policy: architecture "reward",
-    the same tokenizer, a context that holds `longest` tokens."""
+    """The frozen reward model of `path`, checked against the policy: a reward model's checkpoint
+    (`reward_score_of`: a score head, or an LM trained with reward.score logprob), the same
+    tokenizer, a context that holds `longest` tokens."""
     model, meta = load_model(path)
     where = Path(meta["path"]) / "meta.json"
-    if meta.get("architecture") != "reward":
-        raise SproutError(f"{where}: reward_model must be a reward model checkpoint, "
-                          f"not architecture {meta.get('architecture', 'lm')!r}")
+    if reward_score_of(meta) is None:
+        raise SproutError(f"{where}: reward_model must be a reward model checkpoint (scripts/train_reward.py), "
+                          f"not a {meta.get('stage', 'lm')} checkpoint of architecture {meta.get('architecture', 'lm')!r}")
     if meta.get("tokenizer_fingerprint") != policy_meta.get("tokenizer_fingerprint"):
         raise SproutError(f"{where}: the reward model's tokenizer differs from the policy's "
                           f"({meta.get('tokenizer')} vs {policy_meta.get('tokenizer')})")
@@ -366,11 +377,16 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * M, resume, mini_batches=M)
     cfg, acc = run.cfg, run.accelerator
-    rm, rm_meta = None, None
+    rm, rm_meta, kind = None, None, None
     if cfg.reward_model:
         rm, rm_meta = load_reward_model(cfg.reward_model, run.base,
                                         cfg.data.max_prompt_length + cfg.rollout.max_completion_length)
-        acc.print(f"ppo: reward model {rm_meta['path']} (frozen), weight {c.reward_model_weight}")
+        kind = reward_score_of(rm_meta)
+        if c.value_init == "reward" and kind["kind"] != "head":
+            raise SproutError(f"{Path(rm_meta['path']) / 'meta.json'}: ppo.value_init reward copies a score head, "
+                              "and this log-probability reward model has none; use ppo.value_init policy")
+        how = f"beta {kind['beta']} x the completion's log-prob" if kind["kind"] == "logprob" else "score head"
+        acc.print(f"ppo: reward model {rm_meta['path']} (frozen, {how}), weight {c.reward_model_weight}")
     policy, _ = init_from_lm(run.base["path"], "lm+value", seed=cfg.train.seed)
     if c.value_init == "reward" and run.resume is None:
         init_value_head(policy, rm, rm_meta["path"])
@@ -378,7 +394,7 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     acc.print(f"ppo: reference {run.base['path']} (frozen copy); KL {c.kl_estimator} in the {c.kl_in}, "
               f"kl_coef {c.kl_coef}{' (adaptive)' if c.adaptive_kl else ''}; value head from the {c.value_init}")
     stage = PPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, ppo=c, ref_model=ref,
-                     reward_model=rm, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
+                     reward_model=rm, reward_score=kind, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
                      eval_batch=cfg.data.eval_batch, eval_generations=cfg.data.eval_num_generations)
     meta = {**run.provenance(), "reference": run.base["path"],
             "reward_model": rm_meta["path"] if rm_meta else None}

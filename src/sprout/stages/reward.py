@@ -1,18 +1,32 @@
-"""Reward model: an SFT model with a scalar score head, trained on preference pairs as one stage of the shared loop.
+"""Reward model: a scalar score per response, trained on preference pairs as one stage of the shared loop.
 
-The model is `sprout.model.heads.RewardModel`, built by `sprout.model.load.init_from_lm`
-from an LM checkpoint (the SFT model): its backbone, no lm_head, a fresh score head. A
-sequence's score is the head's output at its last real token, the end-of-turn token that
-closes the response (`score_sequences`; the loader's `end_index`); the chosen and rejected
-sides of every pair of a micro-batch go through one forward (`reward_batch_loss`).
+Two kinds of score (`reward.score`), both built by `sprout.model.load.init_from_lm` from an
+LM checkpoint (the SFT model); the chosen and rejected sides of every pair of a micro-batch
+go through one forward (`pair_scores`):
+
+- `head` (TRL's RewardTrainer): `sprout.model.heads.RewardModel`, the LM's backbone without
+  its lm_head and a fresh score head. A sequence's score is the head's output at its last real
+  token, the end-of-turn token that closes the response (`score_sequences`; the loader's
+  `end_index`). Checkpoints: meta.json `architecture: reward`.
+- `logprob`: the LM itself, every weight kept. A response's score is β × its summed
+  log-probability given the prompt, over the response tokens (the final assistant content
+  and its end-of-turn token, the tokens DPO sums; `reward.beta`): r = β · log π(y | x), DPO's
+  implicit reward without a reference (the reference-free form RewardBench scores DPO models
+  by). A near miss that differs from the right answer in one number is ranked by the model's
+  own prediction of that number, which a fresh score head has to learn from the pairs.
+  Checkpoints: `architecture: lm` with `reward_score: {kind: logprob, beta}` in meta.json,
+  so they load, chat, sample and export as the causal LM they are; PPO scores a completion
+  the same way (`reward_score_of`, `sprout.stages.ppo`). Always at most 0, so
+  `center_rewards_coefficient` is refused with it.
 
 Loss per pair (`sprout.losses.preference.reward_pair_loss`, TRL's RewardTrainer):
 
     −log σ(r_c − r_r − m) + center_rewards_coefficient · (r_c + r_r)²
 
-with m the record's `margin` when `reward.use_margin` (0 for records without one). The loop
-divides the summed per-pair losses by the pairs of the whole global batch (all
-micro-batches, all processes): normaliser = pairs, nothing within a pair.
+with m the record's `margin` when `reward.use_margin` (0 for records without one); with
+score logprob this is −log σ(β(log π(y_c|x) − log π(y_r|x)) − m), the reference-free sigmoid
+loss of CPO. The loop divides the summed per-pair losses by the pairs of the whole global
+batch (all micro-batches, all processes): normaliser = pairs, nothing within a pair.
 
 Training metrics, each over the step's pairs (count = pairs): `accuracy` (r_c > r_r
 strictly; a tie counts as wrong), `margin` (r_c − r_r), `rewards/chosen` and
@@ -32,9 +46,10 @@ for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, .
 each with its denominator: `val_pairs`, `val_pairs/<source>` and `val_pairs/rejected_<kind>`,
 the held-out pairs that fit.
 
-The checkpoints hold a RewardModel (meta.json `architecture: reward`), so
+With score head the checkpoints hold a RewardModel (meta.json `architecture: reward`), so
 `sprout.model.load.load_model` returns a scorer: `score_sequences(model, ids, mask)`
-scores left- or right-padded batches alike.
+scores left- or right-padded batches alike. With score logprob, `load_model` returns the LM
+and `reward_score_of(meta)` says how to score with it.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ import torch
 from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
+from sprout.losses.tokens import sequence_logps
 from sprout.model.heads import last_index, padding_inputs, score_at
 from sprout.model.load import init_from_lm
 from sprout.engine.loop import all_reduce_sums
@@ -74,12 +90,43 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return score_at(scores, last_index(attention_mask) if end_index is None else end_index)
 
 
-def reward_batch_loss(model, batch: dict, center_rewards_coefficient: float = 0.0, use_margin: bool = True):
+def check_reward_options(c: RewardLossConfig) -> None:
+    """Refuse option combinations no reward model trains with, naming the `reward.` field."""
+    if c.score == "logprob" and c.center_rewards_coefficient:
+        raise SproutError("reward.center_rewards_coefficient needs reward.score head: a log-probability score is "
+                          "never above 0, so it cannot be centred on 0")
+    if c.score == "head" and c.beta != RewardLossConfig.beta:
+        raise SproutError("reward.beta scales reward.score logprob; a score head learns its own scale")
+
+
+def reward_score_of(meta: dict) -> dict | None:
+    """How the checkpoint of `meta` scores a response as a reward model: {"kind": "head"} for a
+    RewardModel (architecture reward), {"kind": "logprob", "beta": β} for an LM this stage
+    trained with score logprob, None for any other checkpoint."""
+    arch = meta.get("architecture", "lm")
+    if arch == "reward":
+        return {"kind": "head"}
+    score = meta.get("reward_score") or {}
+    return dict(score) if arch == "lm" and score.get("kind") == "logprob" else None
+
+
+def pair_scores(model, batch: dict, loss_cfg: RewardLossConfig) -> torch.Tensor:
+    """The score [2B] of both sides of a micro-batch of pairs (chosen, then rejected), one forward:
+    the score head at each side's end-of-turn, or β × the summed log-probability of each side's
+    response tokens (`reward.score`)."""
+    if loss_cfg.score == "logprob":
+        logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+        logps, _ = sequence_logps(logits, batch["targets"], batch["loss_mask"], overwrite_logits=True)
+        return loss_cfg.beta * logps
+    return score_sequences(model, batch["input_ids"], batch["attention_mask"], batch["end_index"])
+
+
+def reward_batch_loss(model, batch: dict, loss_cfg: RewardLossConfig):
     """(per-pair losses [B], r_chosen [B], r_rejected [B]) of one micro-batch of pairs, one forward."""
-    scores = score_sequences(model, batch["input_ids"], batch["attention_mask"], batch["end_index"])
-    r_chosen, r_rejected = split_sides(scores)
-    margin = batch["margin"] if use_margin else None
-    return reward_pair_loss(r_chosen, r_rejected, margin, center_rewards_coefficient), r_chosen, r_rejected
+    r_chosen, r_rejected = split_sides(pair_scores(model, batch, loss_cfg))
+    margin = batch["margin"] if loss_cfg.use_margin else None
+    return (reward_pair_loss(r_chosen, r_rejected, margin, loss_cfg.center_rewards_coefficient),
+            r_chosen, r_rejected)
 
 
 class RewardStage(PreferenceStage):
@@ -91,8 +138,7 @@ class RewardStage(PreferenceStage):
         self.loss_cfg = loss_cfg
 
     def _pair_loss(self, model, batch: dict):
-        c = self.loss_cfg
-        return reward_batch_loss(model, batch, c.center_rewards_coefficient, c.use_margin)
+        return reward_batch_loss(model, batch, self.loss_cfg)
 
     def loss(self, model, batch: dict):
         per_pair, rc, rr = self._pair_loss(model, batch)
@@ -143,9 +189,14 @@ class RewardStage(PreferenceStage):
 def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     """Check inputs, build the reward model from the init LM, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
+    c = cfg.reward
+    check_reward_options(c)
     run = open_preference_run(cfg, "reward", resume)
     cfg, acc = run.cfg, run.accelerator
-    model, _ = init_from_lm(run.base["path"], "reward", seed=cfg.train.seed)
-    stage = RewardStage(acc, run.loader, run.val, run.accum_steps, cfg.reward, pair_groups(run.val_path, run.val))
+    logprob = c.score == "logprob"
+    model, _ = init_from_lm(run.base["path"], "lm" if logprob else "reward", seed=cfg.train.seed)
+    acc.print(f"reward: score {'beta ' + str(c.beta) + ' x the summed response log-prob' if logprob else 'head'}")
+    stage = RewardStage(acc, run.loader, run.val, run.accum_steps, c, pair_groups(run.val_path, run.val))
+    score = {"kind": "logprob", "beta": c.beta} if logprob else {"kind": "head"}
     return train_stage(acc, model, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
-                       micro_steps=run.accum_steps, extra_meta=run.provenance())
+                       micro_steps=run.accum_steps, extra_meta={**run.provenance(), "reward_score": score})
