@@ -1,10 +1,11 @@
-"""Train a reward model (the init LM plus a scalar score head) on preference pairs.
+"""Train a reward model on preference pairs: the init LM plus a scalar score head, or (reward.score logprob) the LM itself, scoring an answer by β × its summed log-probability.
 
     python scripts/train_reward.py --config configs/demo/reward.yaml --init runs/demo/sft_model \\
         --data runs/demo/prefs/preferences.jsonl --out runs/demo/reward_model
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/train_reward.py --config ...
     python scripts/train_reward.py --config ... --out runs/x --resume            # latest checkpoint in --out
     python scripts/train_reward.py --config ... --reward.center_rewards_coefficient 0.01
+    python scripts/train_reward.py --config ... --reward.score logprob --reward.beta 0.1
 
 --data takes the folder the prep wrote or any file of it; the held-out file is
 preferences_test.jsonl beside the train file (data.val_path to change it). Any

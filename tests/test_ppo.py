@@ -1,5 +1,5 @@
 """The PPO stage: GAE by hand and in the buffer, the score on the last generated token whatever the
-padding, the missing-eos rule, both KL estimators logged and the adaptive coefficient, the entropy
+padding, a log-probability reward model's score by hand and in a run, the missing-eos rule, both KL estimators logged and the adaptive coefficient, the entropy
 bonus's gradient, the value head's own lr and its init from the reward model, exact resume with the
 value head (mid-buffer and at a boundary), 2 processes equal 1 (slow), and learning: a verifier
 reward and a reward model's preference rise (slow)."""
@@ -154,6 +154,7 @@ def test_a_logprob_reward_model_scores_beta_times_the_completions_logprob(sp, ba
     long, short = stage.loader.ids[0], stage.loader.ids[1][-6:]
     stage.rollout = dataclasses.replace(stage.rollout, temperature=0.7)
     rollout = stage.sample(np.array([0, 1]), ids=[long, short])
+    assert rollout["completion_mask"][0, -4:].all()
     rollout["completion_mask"][0, -4:] = 0  # as if the first row had ended 4 tokens early
     assert (rollout["prompt_mask"] == 0).any()  # the short prompt is left-padded
     scores = stage.reward_model_scores(rollout)
@@ -165,7 +166,22 @@ def test_a_logprob_reward_model_scores_beta_times_the_completions_logprob(sp, ba
             logp = stage.reward_model(torch.tensor([prompt + completion]))[0].log_softmax(-1)
         want.append(0.5 * sum(float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(completion)))
     assert scores.tolist() == pytest.approx(want, abs=1e-4) and scores.dtype == torch.float64
-    assert (scores < 0).all()
+
+
+def test_a_run_with_a_logprob_reward_model_records_it_and_adds_its_weighted_score(base, data, logprob_rm, tmp_path):
+    """run_ppo with a log-probability reward model alone (verifier weight 0, no eos penalty, kl in
+    the loss): each batch's mean score is reward_model_weight × the reward model's mean score,
+    and the checkpoint's meta says how the reward model scored."""
+    out = tmp_path / "ppo_logprob"
+    run_ppo(tiny_cfg(data, base, out, logprob_rm, max_steps=2, reward_weights=[0.0], missing_eos_penalty=0.0,
+                     reward_model_weight=0.5, kl_in="loss"))
+    rec = train_records(out)
+    for step in (1, 2):
+        rm_mean = rec[step]["rewards/reward_model/mean"]
+        assert rm_mean < -1.0  # a random LM's summed log-probability of 12 tokens, × 0.5
+        assert rec[step]["objective/scores"] == pytest.approx(0.5 * rm_mean, rel=1e-5)
+    meta = read_meta(out / "checkpoints")
+    assert meta["reward_model"] == str(logprob_rm) and meta["reward_model_score"] == {"kind": "logprob", "beta": 0.5}
 
 
 @pytest.mark.parametrize("rule", ["penalty", "zero"])
@@ -341,7 +357,7 @@ def test_the_reward_models_preference_is_learnt_with_bounded_kl(base, data, rm_p
     ({"value_init": "reward"}, r"ppo.value_init reward needs a reward model"),
     ({"num_mini_batches": 3}, r"not a multiple of batch.num_mini_batches 3"),
     ({"reward_model": "lm"}, r"reward_model must be a reward model checkpoint \(scripts/train_reward.py\), "
-                             r"not a sft checkpoint of architecture 'lm'"),
+                             r"not a checkpoint of stage 'sft' \(architecture 'lm'\)"),
     ({"reward_model": "logprob", "value_init": "reward"},
      r"meta.json: ppo.value_init reward copies a score head, and this log-probability reward model has none"),
 ])

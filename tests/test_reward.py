@@ -1,6 +1,8 @@
 """The reward-model stage: its loss and metrics on hand-set scores, learning a seeded synthetic
 preference, scores independent of padding side, a checkpoint that loads as a scorer, exact
-resume, 1 vs 2 processes (slow), and bad preference files refused through the script."""
+resume, 1 vs 2 processes (slow), and bad preference files refused through the script; the
+log-probability score (reward.score logprob) by hand, learning against a length bias, its
+checkpoint an LM, exact resume, 1 vs 2 processes, and the options it refuses."""
 
 import json
 import math
@@ -211,11 +213,11 @@ def run_logprob(base, tmp_path_factory):
     for path in (data, data.with_name("preferences_test.jsonl")):
         write_preferences(path, [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in read_preferences(path)])
     out = tmp_path_factory.mktemp("rm_logprob")
-    return out, run_reward(tiny_cfg(RewardConfig, data, base, out, score="logprob", beta=0.5))
+    return out, run_reward(tiny_cfg(RewardConfig, data, base, out, score="logprob", beta=0.5)), data
 
 
 def test_a_logprob_reward_model_learns_the_preference_and_saves_an_lm(run_logprob, base):
-    out, result = run_logprob
+    out, result, _ = run_logprob
     first, last = result["first_eval"], result["last_eval"]
     print(f"logprob reward model: held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}, "
           f"margin {first['val_margin']:.3f} -> {last['val_margin']:.3f}")
@@ -231,15 +233,31 @@ def test_a_logprob_reward_model_learns_the_preference_and_saves_an_lm(run_logpro
     assert reward_score_of(read_meta(base)) is None  # an SFT checkpoint is no reward model
 
 
+def test_a_resumed_logprob_run_matches_an_uninterrupted_one_bit_for_bit(run_logprob, base, tmp_path):
+    out_a, _, data = run_logprob
+    out_b = tmp_path / "rm_b"
+    shutil.copytree(out_a / "checkpoints" / "step_00000006", out_b / "checkpoints" / "step_00000006")
+    (out_b / "checkpoints" / "latest").write_text("step_00000006\n")
+    run_reward(tiny_cfg(RewardConfig, data, base, out_b, score="logprob", beta=0.5), resume="latest")
+    a, b = train_records(out_a), train_records(out_b)
+    assert sorted(b) == list(range(7, 13))
+    assert [(b[s]["loss"], b[s]["accuracy"]) for s in b] == [(a[s]["loss"], a[s]["accuracy"]) for s in b]
+
+
 @pytest.mark.parametrize("values, pattern", [
     ({"score": "logprob", "center_rewards_coefficient": 0.01},
-     r"^reward.center_rewards_coefficient needs reward.score head: a log-probability score is never above 0"),
-    ({"beta": 0.2}, r"^reward.beta scales reward.score logprob; a score head learns its own scale$"),
+     r"center_rewards_coefficient: got 0.01; expected 0 with score logprob \(a log-probability score is at most 0"),
+    ({"beta": 0.2}, r"beta: got 0.2; expected 0.1 with score head \(beta scales a logprob score"),
 ])
 def test_option_combinations_that_cannot_train_are_refused(values, pattern, data, base, tmp_path):
     with pytest.raises(SproutError, match=pattern):
         run_reward(tiny_cfg(RewardConfig, data, base, tmp_path / "out", **values))
     assert not (tmp_path / "out").exists()
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_reward.py"), *cli_flags(data, base, tmp_path / "cli"),
+           *(f"--reward.{k}={v}" for k, v in values.items())]
+    got = run_here(cmd, cwd=ROOT)
+    assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1, got.stderr
+    assert re.search(pattern, got.stderr) and "--reward." in got.stderr
 
 
 def test_scores_do_not_depend_on_the_padding_side(run_a, sp):
@@ -353,12 +371,15 @@ def test_pairs_over_the_context_are_counted_or_refused(base, data, tmp_path):
 
 # ---- multi-process --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_gloo_processes_match_one(run_a, data, base, tmp_path):
-    out_a, _ = run_a  # 1 process × 2 micro-batches of 8 pairs
+@pytest.mark.parametrize("score", ["head", "logprob"])
+def test_two_gloo_processes_match_one(score, run_a, run_logprob, data, base, tmp_path):
+    # 1 process × 2 micro-batches of 8 pairs
+    out_a, data, flags = (run_a[0], data, []) if score == "head" else \
+        (run_logprob[0], run_logprob[2], ["--reward.score", "logprob", "--reward.beta", "0.5"])
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
-           str(ROOT / "scripts" / "train_reward.py"), *cli_flags(data, base, out)]
+           str(ROOT / "scripts" / "train_reward.py"), *cli_flags(data, base, out), *flags]
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) × 1 micro-steps" in proc.stdout

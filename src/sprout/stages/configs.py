@@ -102,6 +102,13 @@ class RewardLossConfig:
     center_rewards_coefficient: float = in_range(0.0, "[0, inf)")  # TRL's RewardConfig; 0.01 is its suggested value
     use_margin: bool = True             # subtract each record's margin (Llama 2); false: ignore margins
 
+    def __post_init__(self) -> None:
+        require(self.score == "head" or not self.center_rewards_coefficient, "center_rewards_coefficient",
+                self.center_rewards_coefficient, "0 with score logprob (a log-probability score is at most 0; "
+                "the term would act as an NLL term, not centre the scores)")
+        require(self.score == "logprob" or self.beta == 0.1, "beta", self.beta,
+                "0.1 with score head (beta scales a logprob score; a score head learns its own scale)")
+
 
 @dataclass
 class RewardConfig(StageConfig, stage="reward", out="runs/reward",

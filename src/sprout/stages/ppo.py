@@ -5,13 +5,15 @@ Models. The trained module is `sprout.model.heads.PolicyWithValue`: the policy a
 share one backbone, the value head is one more Linear (architecture "lm+value"; the head is
 in every checkpoint and resumes with it). It is built from the init LM (`init_from_lm`); its
 value head is fresh (`ppo.value_init: policy`) or a copy of the reward model's score head
-(`value_init: reward`; a log-probability reward model has no score head to copy). TRL keeps a separate value model initialised from the whole reward
-model; sharing the backbone costs no second model, optimizer state or forward, at the price
-of a critic whose features are the policy's (only the head comes from the reward model, so
-it starts as the reward model's head read on the policy's backbone, not as the reward model).
+(`value_init: reward`; a log-probability reward model has no score head to copy). TRL keeps
+a separate value model initialised from the whole reward model; sharing the backbone costs no
+second model, optimizer state or forward, at the price of a critic whose features are the
+policy's (only the head comes from the reward model, so it starts as the reward model's head
+read on the policy's backbone, not as the reward model).
 The value head has its own learning rate (`ppo.value_lr`, or optim.lr × `ppo.vf_lr_scale`).
 Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the reward model
-(`reward_model`, a `scripts/train_reward.py` run; same tokenizer as the policy).
+(`reward_model`, a `scripts/train_reward.py` run; same tokenizer as the policy; every checkpoint's
+meta records its path and how it scores, `reward_model_score`).
 
 Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
 `batch.num_generations` completions (default 1). A completion's score is
@@ -348,7 +350,8 @@ def load_reward_model(path: str, policy_meta: dict, longest: int):
     where = Path(meta["path"]) / "meta.json"
     if reward_score_of(meta) is None:
         raise SproutError(f"{where}: reward_model must be a reward model checkpoint (scripts/train_reward.py), "
-                          f"not a {meta.get('stage', 'lm')} checkpoint of architecture {meta.get('architecture', 'lm')!r}")
+                          f"not a checkpoint of stage {meta.get('stage')!r} (architecture "
+                          f"{meta.get('architecture', 'lm')!r})")
     if meta.get("tokenizer_fingerprint") != policy_meta.get("tokenizer_fingerprint"):
         raise SproutError(f"{where}: the reward model's tokenizer differs from the policy's "
                           f"({meta.get('tokenizer')} vs {policy_meta.get('tokenizer')})")
@@ -397,6 +400,6 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
                      reward_model=rm, reward_score=kind, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
                      eval_batch=cfg.data.eval_batch, eval_generations=cfg.data.eval_num_generations)
     meta = {**run.provenance(), "reference": run.base["path"],
-            "reward_model": rm_meta["path"] if rm_meta else None}
+            "reward_model": rm_meta["path"] if rm_meta else None, "reward_model_score": kind}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)

@@ -11,22 +11,23 @@ go through one forward (`pair_scores`):
 - `logprob`: the LM itself, every weight kept. A response's score is β × its summed
   log-probability given the prompt, over the response tokens (the final assistant content
   and its end-of-turn token, the tokens DPO sums; `reward.beta`): r = β · log π(y | x), DPO's
-  implicit reward without a reference (the reference-free form RewardBench scores DPO models
-  by). A near miss that differs from the right answer in one number is ranked by the model's
+  implicit reward without a reference. A near miss that differs from the right answer in one number is ranked by the model's
   own prediction of that number, which a fresh score head has to learn from the pairs.
   Checkpoints: `architecture: lm` with `reward_score: {kind: logprob, beta}` in meta.json,
   so they load, chat, sample and export as the causal LM they are; PPO scores a completion
   the same way (`reward_score_of`, `sprout.stages.ppo`). Always at most 0, so
-  `center_rewards_coefficient` is refused with it.
+  `center_rewards_coefficient` is refused with it. Summed, not averaged over tokens: of two
+  answers the model finds equally likely per token, the shorter scores higher (PPO, scoring
+  completions this way, rewards brevity unless the verifiers outweigh it).
 
 Loss per pair (`sprout.losses.preference.reward_pair_loss`, TRL's RewardTrainer):
 
     −log σ(r_c − r_r − m) + center_rewards_coefficient · (r_c + r_r)²
 
 with m the record's `margin` when `reward.use_margin` (0 for records without one); with
-score logprob this is −log σ(β(log π(y_c|x) − log π(y_r|x)) − m), the reference-free sigmoid
-loss of CPO. The loop divides the summed per-pair losses by the pairs of the whole global
-batch (all micro-batches, all processes): normaliser = pairs, nothing within a pair.
+score logprob this is −log σ(β(log π(y_c|x) − log π(y_r|x)) − m), CPO's preference term
+without its NLL term. The loop divides the summed per-pair losses by the pairs of the whole
+global batch (all micro-batches, all processes): normaliser = pairs, nothing within a pair.
 
 Training metrics, each over the step's pairs (count = pairs): `accuracy` (r_c > r_r
 strictly; a tie counts as wrong), `margin` (r_c − r_r), `rewards/chosen` and
@@ -53,6 +54,8 @@ and `reward_score_of(meta)` says how to score with it.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -90,24 +93,28 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return score_at(scores, last_index(attention_mask) if end_index is None else end_index)
 
 
-def check_reward_options(c: RewardLossConfig) -> None:
-    """Refuse option combinations no reward model trains with, naming the `reward.` field."""
-    if c.score == "logprob" and c.center_rewards_coefficient:
-        raise SproutError("reward.center_rewards_coefficient needs reward.score head: a log-probability score is "
-                          "never above 0, so it cannot be centred on 0")
-    if c.score == "head" and c.beta != RewardLossConfig.beta:
-        raise SproutError("reward.beta scales reward.score logprob; a score head learns its own scale")
+def reward_score(c: RewardLossConfig) -> dict:
+    """meta.json's `reward_score` of a run with these options: {"kind": "head"} or
+    {"kind": "logprob", "beta": β}, what `reward_score_of` reads back."""
+    return {"kind": "logprob", "beta": c.beta} if c.score == "logprob" else {"kind": "head"}
 
 
 def reward_score_of(meta: dict) -> dict | None:
     """How the checkpoint of `meta` scores a response as a reward model: {"kind": "head"} for a
     RewardModel (architecture reward), {"kind": "logprob", "beta": β} for an LM this stage
-    trained with score logprob, None for any other checkpoint."""
+    trained with score logprob, None for any other checkpoint. A logprob record without a
+    positive β is refused, naming the meta.json."""
     arch = meta.get("architecture", "lm")
     if arch == "reward":
         return {"kind": "head"}
     score = meta.get("reward_score") or {}
-    return dict(score) if arch == "lm" and score.get("kind") == "logprob" else None
+    if arch != "lm" or score.get("kind") != "logprob":
+        return None
+    beta = score.get("beta")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+        raise SproutError(f"{Path(meta['path']) / 'meta.json'}: reward_score has kind logprob and beta {beta!r}; "
+                          "expected a number above 0")
+    return {"kind": "logprob", "beta": float(beta)}
 
 
 def pair_scores(model, batch: dict, loss_cfg: RewardLossConfig) -> torch.Tensor:
@@ -190,13 +197,11 @@ def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     """Check inputs, build the reward model from the init LM, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     c = cfg.reward
-    check_reward_options(c)
     run = open_preference_run(cfg, "reward", resume)
     cfg, acc = run.cfg, run.accelerator
     logprob = c.score == "logprob"
     model, _ = init_from_lm(run.base["path"], "lm" if logprob else "reward", seed=cfg.train.seed)
     acc.print(f"reward: score {'beta ' + str(c.beta) + ' x the summed response log-prob' if logprob else 'head'}")
     stage = RewardStage(acc, run.loader, run.val, run.accum_steps, c, pair_groups(run.val_path, run.val))
-    score = {"kind": "logprob", "beta": c.beta} if logprob else {"kind": "head"}
     return train_stage(acc, model, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
-                       micro_steps=run.accum_steps, extra_meta={**run.provenance(), "reward_score": score})
+                       micro_steps=run.accum_steps, extra_meta={**run.provenance(), "reward_score": reward_score(c)})
