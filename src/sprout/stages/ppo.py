@@ -345,10 +345,11 @@ class PPOStage(RLStage):
 def load_reward_model(path: str, policy_meta: dict, longest: int):
     """The frozen reward model of `path`, checked against the policy: a reward model's checkpoint
     (`reward_score_of`: a score head, or an LM trained with reward.score logprob), the same
-    tokenizer, a context that holds `longest` tokens."""
+    tokenizer, a context that holds `longest` tokens. Returns (model, meta, how it scores)."""
     model, meta = load_model(path)
     where = Path(meta["path"]) / "meta.json"
-    if reward_score_of(meta) is None:
+    kind = reward_score_of(meta)
+    if kind is None:
         raise SproutError(f"{where}: reward_model must be a reward model checkpoint (scripts/train_reward.py), "
                           f"not a checkpoint of stage {meta.get('stage')!r} (architecture "
                           f"{meta.get('architecture', 'lm')!r})")
@@ -358,7 +359,7 @@ def load_reward_model(path: str, policy_meta: dict, longest: int):
     if model.config.max_seq_len < longest:
         raise SproutError(f"{where}: max_seq_len {model.config.max_seq_len} is shorter than data.max_prompt_length "
                           f"+ rollout.max_completion_length = {longest}")
-    return model, meta
+    return model, meta, kind
 
 
 def init_value_head(policy, reward_model, where) -> None:
@@ -382,9 +383,8 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     cfg, acc = run.cfg, run.accelerator
     rm, rm_meta, kind = None, None, None
     if cfg.reward_model:
-        rm, rm_meta = load_reward_model(cfg.reward_model, run.base,
-                                        cfg.data.max_prompt_length + cfg.rollout.max_completion_length)
-        kind = reward_score_of(rm_meta)
+        rm, rm_meta, kind = load_reward_model(cfg.reward_model, run.base,
+                                              cfg.data.max_prompt_length + cfg.rollout.max_completion_length)
         if c.value_init == "reward" and kind["kind"] != "head":
             raise SproutError(f"{Path(rm_meta['path']) / 'meta.json'}: ppo.value_init reward copies a score head, "
                               "and this log-probability reward model has none; use ppo.value_init policy")
