@@ -76,6 +76,21 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, base, tmp_
     assert [(b[s]["loss"], b[s]["rewards/margins"]) for s in b] == [(a[s]["loss"], a[s]["rewards/margins"]) for s in b]
 
 
+def test_a_resume_against_another_reference_is_refused(run_a, data, base, sp, tmp_path):
+    """The reference is the init checkpoint (a path a resume may change): the checkpoint records
+    its weights' sha256, and a resume whose init is now another model is refused in one line."""
+    out_a, _ = run_a
+    assert read_meta(out_a / "checkpoints")["frozen_models"]["reference"]["weights_sha256"] == \
+        read_meta(base)["files"]["model.safetensors"]
+    out_b = tmp_path / "dpo_b"
+    shutil.copytree(out_a / "checkpoints" / "step_00000006", out_b / "checkpoints" / "step_00000006")
+    (out_b / "checkpoints" / "latest").write_text("step_00000006\n")
+    other = write_lm(tmp_path / "other" / "ckpt", sp, seed=5)
+    with pytest.raises(SproutError, match=r"step_00000006: the run's reference was .*, now .*other/ckpt "
+                                          r"\(weights_sha256 .*refusing to resume against another model"):
+        run_dpo(tiny_cfg(DPOConfig, data, other, out_b, lr=1e-3), resume="latest")
+
+
 def test_precomputed_reference_gives_the_live_run(run_a, data, base, tmp_path):
     """The same run with the reference log-probs precomputed: the same losses, and the cache files."""
     out = tmp_path / "pre"

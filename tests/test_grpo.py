@@ -15,7 +15,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from grpo_fixtures import config_dict, data, run_per_prompt, tiny_cfg, write_sft_lm  # noqa: F401
-from preference_train_fixtures import base  # noqa: F401 (base, data: fixtures)
+from preference_train_fixtures import base, write_lm  # noqa: F401 (base, data: fixtures)
 from proc import free_port, run_group
 from safetensors.torch import load_file
 
@@ -313,6 +313,21 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(step, run_a, base, data
     assert sorted(b) == list(range(step + 1, 7))
     keys = ("loss", "reward", "kl", "grad_norm", "completions/mean_length")
     assert [[b[s][k] for k in keys] for s in b] == [[a[s][k] for k in keys] for s in b]
+
+
+def test_a_resume_against_another_reference_is_refused(run_a, base, data, sp, tmp_path):
+    """With beta > 0 the reference (the init checkpoint, a path a resume may change) is recorded by
+    its weights' sha256; a resume whose init is now another model is refused in one line."""
+    assert read_meta(run_a / "checkpoints")["frozen_models"] == {
+        "reference": {"path": read_meta(base)["path"], "weights_sha256": read_meta(base)["files"]["model.safetensors"]}}
+    out_b = tmp_path / "grpo_b"
+    shutil.copytree(run_a / "checkpoints" / "step_00000003", out_b / "checkpoints" / "step_00000003")
+    (out_b / "checkpoints" / "latest").write_text("step_00000003\n")
+    other = write_lm(tmp_path / "other" / "ckpt", sp, seed=5)
+    with pytest.raises(SproutError, match=r"the run's reference was .*, now .*other/ckpt \(weights_sha256 .*"
+                                          r"refusing to resume against another model"):
+        run_grpo(tiny_cfg(data, other, out_b, max_steps=6, num_iterations=2, ckpt_every=1, keep_checkpoints=10,
+                          beta=0.05, kl_in="reward", eval_every=3), resume="latest")
 
 
 # ---- learning -------------------------------------------------------------------------------------------------

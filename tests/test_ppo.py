@@ -181,7 +181,8 @@ def test_a_run_with_a_logprob_reward_model_records_it_and_adds_its_weighted_scor
         assert rm_mean < -1.0  # a random LM's summed log-probability of 12 tokens, × 0.5
         assert rec[step]["objective/scores"] == pytest.approx(0.5 * rm_mean, rel=1e-5)
     meta = read_meta(out / "checkpoints")
-    assert meta["reward_model"] == str(logprob_rm) and meta["reward_model_score"] == {"kind": "logprob", "beta": 0.5}
+    assert meta["reward_model"] == str(logprob_rm)
+    assert meta["frozen_models"]["reward_model"]["score"] == {"kind": "logprob", "beta": 0.5}
 
 
 @pytest.mark.parametrize("rule", ["penalty", "zero"])
@@ -274,6 +275,34 @@ def test_resume_with_the_value_head_matches_an_uninterrupted_run_bit_for_bit(ste
             "val/explained_variance")
     assert [[b[s][k] for k in keys] for s in b] == [[a[s][k] for k in keys] for s in b]
     assert "lr/value_head" in a[1]
+
+
+def test_a_resume_against_another_reward_model_or_reference_is_refused(run_a, base, data, rm_path, sp, tmp_path):
+    """Checkpoints record the frozen models (weights sha256; the reward model's score kind too);
+    init and reward_model are paths a resume may change (a moved folder), but a resume whose
+    reward model or reference is another model is refused in one line naming it, before a step."""
+    frozen = read_meta(run_a / "checkpoints")["frozen_models"]
+    assert frozen["reward_model"] == {"path": read_meta(rm_path)["path"], "score": {"kind": "head"},
+                                      "weights_sha256": read_meta(rm_path)["files"]["model.safetensors"]}
+    assert frozen["reference"]["weights_sha256"] == read_meta(base)["files"]["model.safetensors"]
+
+    def resume(init, rm):
+        out = tmp_path / f"ppo_{init.parent.name}_{rm.parent.name}"
+        shutil.copytree(run_a / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
+        (out / "checkpoints" / "latest").write_text("step_00000002\n")
+        run_ppo(tiny_cfg(data, init, out, rm, **RESUME), resume="latest")
+        return out
+
+    moved = tmp_path / "moved_rm" / "ckpt"  # the same reward model elsewhere: resumes
+    shutil.copytree(rm_path, moved)
+    assert sorted(train_records(resume(base, moved))) == [3, 4, 5, 6]
+    retrained = write_digit_reward_model(tmp_path / "retrained_rm" / "ckpt", sp, steps=5)
+    with pytest.raises(SproutError, match=r"the run's reward_model was .*retrained_rm.*weights_sha256.*"
+                                          r"refusing to resume against another model"):
+        resume(base, retrained)
+    other_base = write_lm(tmp_path / "other_lm" / "ckpt", sp, seed=3)
+    with pytest.raises(SproutError, match=r"the run's reference was .*weights_sha256"):
+        resume(other_base, rm_path)
 
 
 def test_grpo_starts_from_a_ppo_policy_without_its_value_head(run_a, data, tmp_path):

@@ -19,7 +19,7 @@ from sprout.model.load import load_model
 from sprout.formats.manifest import write_shard_manifest
 from sprout.formats.shards import shard_name, write_shard
 from sprout.config import config_to_dict, from_dict
-from sprout.engine.loop import NonFiniteLoss, TrainConfig, Trainer, make_accelerator
+from sprout.engine.loop import NonFiniteLoss, TrainConfig, Trainer, check_frozen_models, make_accelerator
 from sprout.engine.metrics import read_metrics
 from sprout.stages.pretrain import PretrainConfig, PretrainStage, run_pretrain
 from sprout.engine.schedule import chinchilla_steps, lr_at, seq_len_at, seq_len_stages
@@ -300,6 +300,28 @@ def test_resume_from_a_different_config_is_refused(run_a, data, tmp_path):
         run_pretrain(cfg, resume=str(out_a))
     cfg = tiny_cfg(data, tmp_path / "y", max_steps=40)  # a longer run is fine
     assert cfg.train.max_steps != 16
+
+
+def test_a_resume_refuses_frozen_models_that_changed_and_accepts_moved_ones():
+    """`frozen_models` by hand: everything but the path must match, role by role."""
+    rm = {"path": "a/rm/ckpt", "weights_sha256": "11", "score": {"kind": "head"}}
+    ref = {"path": "a/sft/ckpt", "weights_sha256": "22"}
+    saved = {"path": "run/checkpoints/step_2", "frozen_models": {"reward_model": rm, "reference": ref}}
+
+    def now(**roles):
+        return {"frozen_models": roles}
+
+    check_frozen_models(saved, now(reward_model={**rm, "path": "b/rm/ckpt"}, reference=ref))  # moved: fine
+    check_frozen_models({"path": "old"}, now(reference=ref))  # a checkpoint saved before the record
+    cases = [(now(reward_model={**rm, "weights_sha256": "33"}, reference=ref),
+              r"reward_model was a/rm/ckpt, now a/rm/ckpt \(weights_sha256 '11' != '33'\)"),
+             (now(reward_model={**rm, "score": {"kind": "logprob", "beta": 0.1}}, reference=ref),
+              r"reward_model .*score.beta None != 0.1; score.kind 'head' != 'logprob'"),
+             (now(reference=ref), r"reward_model was a/rm/ckpt, now none \(recorded in one of them only\)"),
+             (now(reward_model=rm, reference={**ref, "weights_sha256": "44"}), r"reference was a/sft/ckpt")]
+    for current, pattern in cases:
+        with pytest.raises(SproutError, match=r"^run/checkpoints/step_2: the run's " + pattern + ".*refusing"):
+            check_frozen_models(saved, current)
 
 
 def test_corrupted_checkpoint_is_refused_by_the_cli(run_a, data, tmp_path):

@@ -111,6 +111,26 @@ def _diff(a, b, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix.rstrip('.')} {a!r} != {b!r}"]
 
 
+def check_frozen_models(saved: dict, now: dict) -> None:
+    """A resume scores with the frozen models its run started with (`frozen_models`, see
+    `sprout.checkpoint.frozen_model`): one whose weights or use differ now, or one added or
+    dropped, is refused in one line naming it. The paths may differ (a moved run folder); a
+    checkpoint saved without the record resumes as before."""
+    before, after = saved.get("frozen_models"), now.get("frozen_models")
+    if before is None or after is None:
+        return
+
+    def use(record):  # what must match: everything but the path
+        return {k: v for k, v in record.items() if k != "path"} if record else None
+
+    for role in sorted(set(before) | set(after)):
+        a, b = before.get(role), after.get(role)
+        if use(a) != use(b):
+            diffs = "; ".join(_diff(use(a) or {}, use(b) or {})) if a and b else "recorded in one of them only"
+            raise SproutError(f"{saved['path']}: the run's {role} was {a['path'] if a else 'none'}, now "
+                              f"{b['path'] if b else 'none'} ({diffs}); refusing to resume against another model")
+
+
 class Uncompiled:
     """`module` called through its eager forward even after `Module.compile()`: the same module,
     parameters, buffers and hooks (FSDP's included); every other attribute is the module's."""
@@ -338,6 +358,7 @@ class Trainer:
                               f"({'; '.join(diffs[:4]) or 'config hash differs'}); refusing to resume")
         if meta.get("stage") != stage.name:
             raise SproutError(f"{meta['path']}: checkpoint is from stage {meta.get('stage')!r}, not {stage.name!r}")
+        check_frozen_models(meta, self.meta)
         self.meta["run_id"] = meta.get("run_id") or self.meta["run_id"]  # a resumed run continues its rotation
         load_weights(self.raw_model, meta["path"], meta)  # FSDP2 shards it in place: each rank keeps its shard
         state = load_train_state(meta["path"], meta)

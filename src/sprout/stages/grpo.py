@@ -45,7 +45,9 @@ whatever the split into micro-batches and processes (a global batch with no comp
 left in the loss counts 1, as TRL clamps its token count). `mask_truncated_completions`: a
 completion that hit max_completion_length without a stop id leaves the loss mask (its
 tokens count in no loss and no token denominator; it still counts as a sequence for grpo
-and dr_grpo, as TRL). With β = 0 no reference model is built at all.
+and dr_grpo, as TRL). With β = 0 no reference model is built at all; with one, checkpoints
+record it in `frozen_models` and a resume refuses it once its weights changed
+(`sprout.checkpoint.frozen_model`).
 
 Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std
 (over every group generated, set-aside ones included), completions/mean_length|max_length|
@@ -63,6 +65,7 @@ import sys
 
 import torch
 
+from sprout.checkpoint import frozen_model
 from sprout.ranges import check_ranges
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group_advantages, normalize_then_sum,
@@ -277,7 +280,8 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     stage = GRPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, grpo=cfg.grpo,
                       ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch,
                       eval_generations=cfg.data.eval_num_generations)
-    meta = {**run.provenance(), "reference": run.base["path"] if ref is not None else None}
+    meta = {**run.provenance(), "reference": run.base["path"] if ref is not None else None,
+            "frozen_models": {"reference": frozen_model(run.base)} if ref is not None else {}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)
 

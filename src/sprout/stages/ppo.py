@@ -13,7 +13,8 @@ read on the policy's backbone, not as the reward model).
 The value head has its own learning rate (`ppo.value_lr`, or optim.lr × `ppo.vf_lr_scale`).
 Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the reward model
 (`reward_model`, a `scripts/train_reward.py` run; same tokenizer as the policy; every checkpoint's
-meta records its path and how it scores, `reward_model_score`).
+meta records both in `frozen_models`, the reward model with how it scores; a resume refuses
+either once changed, `sprout.checkpoint.frozen_model`).
 
 Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
 `batch.num_generations` completions (default 1). A completion's score is
@@ -74,6 +75,7 @@ from pathlib import Path
 
 import torch
 
+from sprout.checkpoint import frozen_model
 from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
@@ -400,6 +402,8 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
                      reward_model=rm, reward_score=kind, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
                      eval_batch=cfg.data.eval_batch, eval_generations=cfg.data.eval_num_generations)
     meta = {**run.provenance(), "reference": run.base["path"],
-            "reward_model": rm_meta["path"] if rm_meta else None, "reward_model_score": kind}
+            "reward_model": rm_meta["path"] if rm_meta else None,
+            "frozen_models": {"reference": frozen_model(run.base),
+                              **({"reward_model": frozen_model(rm_meta, score=kind)} if rm_meta else {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)
