@@ -36,6 +36,9 @@ def main() -> None:
     result, model, tok = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer, overwrite=args.overwrite)
     print(f"{result.out}: {result.hf_class} from a sprout {result.architecture!r} checkpoint, "
           f"tokenizer {tok.spec}; wrote {', '.join(result.files)}")
+    if result.reward_score:
+        print(f"a log-probability reward model: config.json's sprout_reward_score {result.reward_score} "
+              "(a response scores beta x its summed log-probability given the prompt)")
     for name in result.dropped:
         print(f"dropped {name}: transformers' {result.hf_class} has no place for it")
     if not args.no_check:

@@ -14,7 +14,7 @@ from proc import run_here
 from sprout.chat import render
 from sprout.checkpoint import bundle_tokenizer, save_checkpoint
 from sprout.errors import SproutError
-from sprout.model.export import export_model, verify_export
+from sprout.model.export import export_hf, export_model, verify_export
 from sprout.model.generate import generate
 from sprout.model.heads import PolicyWithValue, RewardModel, last_index, score_at
 from sprout.model.transformer import ModelConfig, Transformer
@@ -238,6 +238,22 @@ def test_dummy_prefix_sentencepiece_is_refused(tmp_path):
     tok = load_tokenizer(f"sentencepiece:{tmp_path / 'm.model'}")
     with pytest.raises(SproutError, match="no dummy prefix"):
         export_model(tiny_model(tok.vocab_size), tok, tmp_path / "hf")
+
+
+def test_a_logprob_reward_models_rule_travels_in_config_json(sp, tmp_path):
+    """An LM trained with reward.score logprob exports as a causal LM whose config.json carries its
+    meta.json's reward_score, read back by transformers; a plain LM's has no such key."""
+    model = tiny_model(sp.vocab_size)
+    rule = {"kind": "logprob", "beta": 0.1}
+    for name, extra in [("rm", {"reward_score": rule}), ("sft", {})]:
+        run = tmp_path / name
+        save_checkpoint(run / "checkpoints" / "step_00000001", model,
+                        meta={"model_config": model.config, "tokenizer": sp.spec, "stage": "reward", "step": 1,
+                              **bundle_tokenizer(sp.spec, run), **extra})
+        result, _, _ = export_hf(run / "checkpoints" / "step_00000001", tmp_path / f"hf_{name}")
+        config = transformers.AutoConfig.from_pretrained(tmp_path / f"hf_{name}")
+        assert result.hf_class == "LlamaForCausalLM" and result.reward_score == (rule if extra else None)
+        assert getattr(config, "sprout_reward_score", None) == (rule if extra else None)
 
 
 def test_script_refuses_an_output_in_or_around_the_run_it_exports(sp, tmp_path):

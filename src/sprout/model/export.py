@@ -49,7 +49,11 @@ head. transformers reads that score at the last token that is not `pad_token_id`
 sprout's `last_index` for a row that ends with its end-of-turn token; a tokenizer without a
 pad id (tiktoken) then scores one unpadded row per call (transformers refuses a batch). So does
 one whose pad token is the end-of-turn token (SmolLM2's `<|im_end|>`): transformers would read
-the score before it, so a reward model's config.json names no pad id then.
+the score before it, so a reward model's config.json names no pad id then. A log-probability
+reward model (`reward.score: logprob`, an "lm" whose meta.json has `reward_score`) exports as
+*ForCausalLM, and its scoring rule travels in config.json as `sprout_reward_score` ({"kind":
+"logprob", "beta": β}; transformers keeps the key: `config.sprout_reward_score`): a response's
+score is β × its summed log-probability given the prompt.
 
 The folder is written whole or not at all (built beside it, renamed into place). An existing
 `out` that is not empty is refused; with `overwrite` it is replaced only when it holds nothing
@@ -98,6 +102,7 @@ class ExportResult:
     hf_class: str  # LlamaForCausalLM, Qwen2ForCausalLM or their *ForSequenceClassification
     files: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # sprout weights with no place in hf_class
+    reward_score: dict | None = None  # a log-probability reward model's rule, in config.json too
 
 
 # ---- config and weights --------------------------------------------------------------------------
@@ -113,9 +118,10 @@ def special_ids(tok) -> dict:
     return {"bos_token_id": tok.bos_id, "eos_token_id": template_for(tok).eot_id, "pad_token_id": tok.pad_id}
 
 
-def hf_config(model, ids: dict | None = None) -> dict:
+def hf_config(model, ids: dict | None = None, reward_score: dict | None = None) -> dict:
     """config.json for `model` (a Transformer, PolicyWithValue or RewardModel) with the special
-    `ids` of its tokenizer (`special_ids`; None: no special ids)."""
+    `ids` of its tokenizer (`special_ids`; None: no special ids) and, for a log-probability reward
+    model, its meta.json's `reward_score` as `sprout_reward_score`."""
     c = model.config
     arch = architecture_of(model)
     hf_class = hf_class_name(model)
@@ -150,6 +156,8 @@ def hf_config(model, ids: dict | None = None) -> dict:
     }
     if arch == "reward":
         cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if reward_score:
+        cfg["sprout_reward_score"] = reward_score
     return cfg
 
 
@@ -234,8 +242,10 @@ def check_outside_run(out: Path, source: Path) -> None:
                           f"outside it")
 
 
-def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False) -> ExportResult:
-    """Write `model` and `tok` as a transformers folder at `out`, atomically (see the module doc).
+def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False,
+                 reward_score: dict | None = None) -> ExportResult:
+    """Write `model` and `tok` as a transformers folder at `out`, atomically (see the module doc);
+    `reward_score`: a log-probability reward model's rule (its meta.json's), kept in config.json.
 
     The folder is built under a temporary sibling name and renamed into place, so `out` is
     either absent, the old folder or the complete new one. An `out` that exists and is not
@@ -253,7 +263,7 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
         weights, dropped = hf_state_dict(model)
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf_config(model, special_ids(tok)))
+        write_json(tmp / "config.json", hf_config(model, special_ids(tok), reward_score))
         files = ["config.json", "model.safetensors"]
         if arch != "reward":
             write_json(tmp / "generation_config.json", generation_config(tok))
@@ -268,7 +278,7 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out, arch, hf_class_name(model), files, dropped)
+    return ExportResult(out, arch, hf_class_name(model), files, dropped, reward_score or None)
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,
@@ -281,7 +291,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenize
     check_export_out(out, overwrite)
     model, meta = load_model(checkpoint)
     tok = checkpoint_tokenizer(meta, tokenizer)
-    return export_model(model, tok, out, overwrite=overwrite), model, tok
+    return export_model(model, tok, out, overwrite=overwrite, reward_score=meta.get("reward_score")), model, tok
 
 
 
