@@ -76,9 +76,12 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, base, tmp_
     assert [(b[s]["loss"], b[s]["rewards/margins"]) for s in b] == [(a[s]["loss"], a[s]["rewards/margins"]) for s in b]
 
 
-def test_a_resume_against_another_reference_is_refused(run_a, data, base, sp, tmp_path):
+def test_a_resume_against_another_reference_is_refused(run_a, data, base, sp, tmp_path, monkeypatch):
     """The reference is the init checkpoint (a path a resume may change): the checkpoint records
-    its weights' sha256, and a resume whose init is now another model is refused in one line."""
+    its weights' sha256, and a resume whose init is now another model is refused in one line,
+    before the stage's setup (which would prepare the reference or precompute its log-probs)."""
+    setups = []
+    monkeypatch.setattr(dpo_stage.DPOStage, "setup", lambda self, trainer: setups.append(trainer))
     out_a, _ = run_a
     assert read_meta(out_a / "checkpoints")["frozen_models"]["reference"]["weights_sha256"] == \
         read_meta(base)["files"]["model.safetensors"]
@@ -89,6 +92,7 @@ def test_a_resume_against_another_reference_is_refused(run_a, data, base, sp, tm
     with pytest.raises(SproutError, match=r"step_00000006: the run's reference was .*, now .*other/ckpt "
                                           r"\(weights_sha256 .*refusing to resume against another model"):
         run_dpo(tiny_cfg(DPOConfig, data, other, out_b, lr=1e-3), resume="latest")
+    assert setups == []
 
 
 def test_precomputed_reference_gives_the_live_run(run_a, data, base, tmp_path):

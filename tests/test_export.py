@@ -242,18 +242,22 @@ def test_dummy_prefix_sentencepiece_is_refused(tmp_path):
 
 def test_a_logprob_reward_models_rule_travels_in_config_json(sp, tmp_path):
     """An LM trained with reward.score logprob exports as a causal LM whose config.json carries its
-    meta.json's reward_score, read back by transformers; a plain LM's has no such key."""
-    model = tiny_model(sp.vocab_size)
+    meta.json's reward_score, read back by transformers; a plain LM's and a score-head reward
+    model's (whose meta.json says kind head) have no such key."""
     rule = {"kind": "logprob", "beta": 0.1}
-    for name, extra in [("rm", {"reward_score": rule}), ("sft", {})]:
+    cases = [("rm", tiny_model(sp.vocab_size), {"reward_score": rule}, "LlamaForCausalLM", rule),
+             ("sft", tiny_model(sp.vocab_size), {}, "LlamaForCausalLM", None),
+             ("head", tiny_model(sp.vocab_size, RewardModel), {"reward_score": {"kind": "head"}},
+              "LlamaForSequenceClassification", None)]
+    for name, model, extra, hf_class, want in cases:
         run = tmp_path / name
         save_checkpoint(run / "checkpoints" / "step_00000001", model,
                         meta={"model_config": model.config, "tokenizer": sp.spec, "stage": "reward", "step": 1,
                               **bundle_tokenizer(sp.spec, run), **extra})
         result, _, _ = export_hf(run / "checkpoints" / "step_00000001", tmp_path / f"hf_{name}")
         config = transformers.AutoConfig.from_pretrained(tmp_path / f"hf_{name}")
-        assert result.hf_class == "LlamaForCausalLM" and result.reward_score == (rule if extra else None)
-        assert getattr(config, "sprout_reward_score", None) == (rule if extra else None)
+        assert result.hf_class == hf_class and result.reward_score == want
+        assert getattr(config, "sprout_reward_score", None) == want
 
 
 def test_script_refuses_an_output_in_or_around_the_run_it_exports(sp, tmp_path):

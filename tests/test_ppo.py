@@ -40,7 +40,8 @@ from sprout.stages.ppo import (
     run_ppo,
     whiten_global,
 )
-from sprout.stages.reward import reward_score_of, score_sequences
+from sprout.stages.reward import score_sequences
+from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.stages.grpo import run_grpo
 from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import RolloutConfig

@@ -20,6 +20,7 @@ from proc import free_port, run_group, run_here
 
 from data_loader.preferences import PreferenceLoader
 from sprout.checkpoint import read_meta
+from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.model.heads import RewardModel
 from sprout.model.load import load_model
 from sprout.engine.metrics import read_metrics
@@ -35,7 +36,6 @@ from sprout.stages.reward import (
     RewardStage,
     pair_scores,
     population_std,
-    reward_score_of,
     run_reward,
     score_sequences,
 )

@@ -27,10 +27,11 @@ Architecture: meta.json `architecture` says which module the weights belong to (
 or for a gathered state dict what `meta` says. A checkpoint without the field is an "lm".
 Building a module from a checkpoint is the model's side: `sprout.model.load`.
 
-Frozen models: a stage that scores with other checkpoints after its first step (DPO's and PPO's
-reference, PPO's reward model) records each in meta.json's `frozen_models` ({role: `frozen_model`:
-path, weights sha256, how it is used}); a resume refuses one whose weights or use changed since
-(`sprout.engine.loop.Trainer.resume`), so a run never continues against another model.
+Frozen models: a stage that scores with other checkpoints after its first step (the reference of
+DPO, PPO and GRPO, PPO's reward model) records each in meta.json's `frozen_models` ({role:
+`frozen_model_record`: path, weights sha256, how it is used}); a resume refuses one whose weights
+or use changed since (`sprout.engine.loop.check_frozen_models`), so a run never continues
+against another model.
 
 Tensor state of a stage (a rollout buffer, a sampler's generator) goes in train_state.pt
 under `extra`, read back with weights_only=True like the rest, never in meta.json.
@@ -246,13 +247,6 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike, meta: dict | N
     return meta
 
 
-def frozen_model(meta: dict, **how) -> dict:
-    """The `frozen_models` record of the checkpoint of `meta` (read with `read_meta`): its path, the
-    sha256 of its weights as its meta.json lists them, and `how` the run uses it (e.g. a reward
-    model's score)."""
-    return {"path": str(meta["path"]), "weights_sha256": (meta.get("files") or {}).get(WEIGHTS), **how}
-
-
 def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
     """Optimizer/scheduler/RNG state, read with weights_only=True (no arbitrary unpickling)."""
     meta = meta or read_meta(path)
@@ -264,6 +258,13 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
 
 
 # ---- the tokenizer travels with the run ---------------------------------------------------------
+def frozen_model_record(meta: dict, **how) -> dict:
+    """The `frozen_models` record of the checkpoint of `meta` (read with `read_meta`): its path, the
+    sha256 of its weights as its meta.json lists them, and `how` the run uses it (e.g. a reward
+    model's score)."""
+    return {"path": str(meta["path"]), "weights_sha256": meta["files"][WEIGHTS], **how}
+
+
 def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool = True) -> dict:
     """Copy the tokenizer file behind `spec` into `<run_dir>/tokenizer/`; returns the meta fields.
 

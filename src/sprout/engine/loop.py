@@ -113,7 +113,7 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 
 def check_frozen_models(saved: dict, now: dict) -> None:
     """A resume scores with the frozen models its run started with (`frozen_models`, see
-    `sprout.checkpoint.frozen_model`): one whose weights or use differ now, or one added or
+    `sprout.checkpoint.frozen_model_record`): one whose weights or use differ now, or one added or
     dropped, is refused in one line naming it. The paths may differ (a moved run folder); a
     checkpoint saved without the record resumes as before."""
     before, after = saved.get("frozen_models"), now.get("frozen_models")
@@ -349,8 +349,10 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.optimizer.optimizer, optimizer_state_by_name(state, order),
                                  options=StateDictOptions(full_state_dict=True))
 
-    def resume(self, path: str | Path, stage: Stage) -> dict:
-        """Restore weights, optimizer, RNG, loader position and counters from a checkpoint."""
+    def check_resume(self, path: str | Path, stage: Stage) -> dict:
+        """The meta of the checkpoint at `path` once it may resume this run: every file's sha256
+        verified, the same config hash and stage, the same frozen models (`check_frozen_models`).
+        Cheap: `train_stage` calls it before a stage's setup (a reference pass, say) runs."""
         meta = read_meta(path)  # verifies the sha256 of every file
         if meta.get("config_hash") != self.meta["config_hash"]:
             diffs = _diff(meta.get("resume_config", {}), self.meta["resume_config"])
@@ -359,6 +361,12 @@ class Trainer:
         if meta.get("stage") != stage.name:
             raise SproutError(f"{meta['path']}: checkpoint is from stage {meta.get('stage')!r}, not {stage.name!r}")
         check_frozen_models(meta, self.meta)
+        return meta
+
+    def resume(self, path: str | Path, stage: Stage, meta: dict | None = None) -> dict:
+        """Restore weights, optimizer, RNG, loader position and counters from a checkpoint
+        (`meta`: what `check_resume` returned for it; checked here when None)."""
+        meta = meta or self.check_resume(path, stage)
         self.meta["run_id"] = meta.get("run_id") or self.meta["run_id"]  # a resumed run continues its rotation
         load_weights(self.raw_model, meta["path"], meta)  # FSDP2 shards it in place: each rank keeps its shard
         state = load_train_state(meta["path"], meta)

@@ -85,10 +85,11 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
         trainer = Trainer(acc, model, build_optimizer(model, cfg.optim, groups),
                           lr_schedule(cfg.optim, train_cfg.max_steps), train_cfg, grad_clip=cfg.optim.grad_clip,
                           out_dir=out, meta=meta)
+        saved = trainer.check_resume(resume, stage) if resume is not None else None  # refused before setup
         if hasattr(stage, "setup"):
             stage.setup(trainer)
         if resume is not None:
-            trainer.resume(resume, stage)
+            trainer.resume(resume, stage, saved)
         acc.print(dump_yaml(cfg), end="")
         # a resume that fails before its first new checkpoint leaves config.yaml as it was (b"" : none)
         resumed_config = None

@@ -7,6 +7,11 @@ step, tokens seen, loader state, the run's config and its hash, the run's `run_i
 of both files above (`files`), and `meta_sha256` (META_DIGEST), the sha256 of everything else
 in meta.json (`meta_digest`), so an edited step or config is refused too. Writing checkpoints
 and loading their tensors is `sprout.checkpoint`'s.
+
+A reward model's checkpoint says how it scores a response (`reward_score_of`): a RewardModel
+(architecture "reward") by its score head; an LM trained with `reward.score: logprob`
+(`sprout.stages.reward`) by β × the response's summed log-probability, its meta.json holding
+`reward_score: {"kind": "logprob", "beta": β}`.
 """
 
 from __future__ import annotations
@@ -77,3 +82,21 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
                 raise SproutError(f"{f}: sha256 does not match {META}; the file is corrupted or was modified")
     meta["path"] = str(path)
     return meta
+
+
+def reward_score_of(meta: dict) -> dict | None:
+    """How the checkpoint of `meta` scores a response as a reward model: {"kind": "head"} for a
+    RewardModel (architecture reward), {"kind": "logprob", "beta": β} for an LM the reward stage
+    trained with score logprob, None for any other checkpoint. A logprob record without a
+    positive β is refused, naming the meta.json."""
+    arch = meta.get("architecture", "lm")
+    if arch == "reward":
+        return {"kind": "head"}
+    score = meta.get("reward_score") or {}
+    if arch != "lm" or score.get("kind") != "logprob":
+        return None
+    beta = score.get("beta")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+        raise SproutError(f"{Path(meta['path']) / META}: reward_score has kind logprob and beta {beta!r}; "
+                          "expected a number above 0")
+    return {"kind": "logprob", "beta": float(beta)}

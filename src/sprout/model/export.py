@@ -50,7 +50,7 @@ sprout's `last_index` for a row that ends with its end-of-turn token; a tokenize
 pad id (tiktoken) then scores one unpadded row per call (transformers refuses a batch). So does
 one whose pad token is the end-of-turn token (SmolLM2's `<|im_end|>`): transformers would read
 the score before it, so a reward model's config.json names no pad id then. A log-probability
-reward model (`reward.score: logprob`, an "lm" whose meta.json has `reward_score`) exports as
+reward model (`reward.score: logprob`: `sprout.formats.checkpoint_meta.reward_score_of`) exports as
 *ForCausalLM, and its scoring rule travels in config.json as `sprout_reward_score` ({"kind":
 "logprob", "beta": β}; transformers keeps the key: `config.sprout_reward_score`): a response's
 score is β × its summed log-probability given the prompt.
@@ -86,7 +86,7 @@ from sprout.chat import render, template_for
 from sprout.chat_formats import SPROUT
 from sprout.checkpoint import architecture_of, checkpoint_tokenizer, run_folder, tied_aliases
 from sprout.errors import SproutError
-from sprout.formats.checkpoint_meta import resolve_checkpoint
+from sprout.formats.checkpoint_meta import resolve_checkpoint, reward_score_of
 from sprout.model.export_tokenizer import INSTALL_HINT, TOKENIZER_FILES, write_json, write_tokenizer
 from sprout.model.generate import generate
 from sprout.model.load import load_model
@@ -278,7 +278,7 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out, arch, hf_class_name(model), files, dropped, reward_score or None)
+    return ExportResult(out, arch, hf_class_name(model), files, dropped, reward_score)
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,
@@ -291,7 +291,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenize
     check_export_out(out, overwrite)
     model, meta = load_model(checkpoint)
     tok = checkpoint_tokenizer(meta, tokenizer)
-    return export_model(model, tok, out, overwrite=overwrite, reward_score=meta.get("reward_score")), model, tok
+    rule = reward_score_of(meta)  # a score head is in the exported class itself
+    rule = rule if rule and rule["kind"] == "logprob" else None
+    return export_model(model, tok, out, overwrite=overwrite, reward_score=rule), model, tok
 
 
 

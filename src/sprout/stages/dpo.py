@@ -25,7 +25,7 @@ and then no reference is built at all), is the checkpoint `dpo.ref` (default: in
   are computed once before training (`sprout.stages.reference_logps`), cached beside the data
   file and read from the cache by every later run; the reference model is then freed.
 Either way checkpoints record it in `frozen_models`, and a resume refuses a reference whose
-weights changed since (`sprout.checkpoint.frozen_model`).
+weights changed since (`sprout.engine.loop.check_frozen_models`).
 
 Training metrics (TRL's names, each over its own count): per pair, rewards/chosen,
 rewards/rejected (β(logp − ref_logp); β·logp for reference-free losses), rewards/margins,
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from sprout.checkpoint import frozen_model, load_weights, read_meta
+from sprout.checkpoint import frozen_model_record, load_weights, read_meta
 from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.preference import (
@@ -198,7 +198,8 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
                                                  else " (frozen copy)"))
     stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
                      run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val))
+    del ref_model  # the stage holds it (and frees it once its log-probs are precomputed)
     meta = {**run.provenance(), "reference": ref_path,
-            "frozen_models": {"reference": frozen_model(ref_meta)} if ref_model is not None else {}}
+            "frozen_models": {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=run.accum_steps, extra_meta=meta)

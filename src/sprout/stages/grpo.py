@@ -47,7 +47,7 @@ completion that hit max_completion_length without a stop id leaves the loss mask
 tokens count in no loss and no token denominator; it still counts as a sequence for grpo
 and dr_grpo, as TRL). With β = 0 no reference model is built at all; with one, checkpoints
 record it in `frozen_models` and a resume refuses it once its weights changed
-(`sprout.checkpoint.frozen_model`).
+(`sprout.engine.loop.check_frozen_models`).
 
 Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std
 (over every group generated, set-aside ones included), completions/mean_length|max_length|
@@ -65,7 +65,7 @@ import sys
 
 import torch
 
-from sprout.checkpoint import frozen_model
+from sprout.checkpoint import frozen_model_record
 from sprout.ranges import check_ranges
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group_advantages, normalize_then_sum,
@@ -281,7 +281,7 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
                       ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch,
                       eval_generations=cfg.data.eval_num_generations)
     meta = {**run.provenance(), "reference": run.base["path"] if ref is not None else None,
-            "frozen_models": {"reference": frozen_model(run.base)} if ref is not None else {}}
+            "frozen_models": {"reference": frozen_model_record(run.base)} if ref is not None else {}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)
 

@@ -14,11 +14,11 @@ The value head has its own learning rate (`ppo.value_lr`, or optim.lr × `ppo.vf
 Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the reward model
 (`reward_model`, a `scripts/train_reward.py` run; same tokenizer as the policy; every checkpoint's
 meta records both in `frozen_models`, the reward model with how it scores; a resume refuses
-either once changed, `sprout.checkpoint.frozen_model`).
+either once changed, `sprout.engine.loop.check_frozen_models`).
 
 Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
 `batch.num_generations` completions (default 1). A completion's score is
-`ppo.reward_model_weight` × the reward model's score (`sprout.stages.reward.reward_score_of`): a
+`ppo.reward_model_weight` × the reward model's score (`sprout.formats.checkpoint_meta.reward_score_of`): a
 score head read at the completion's last token (its end-of-turn; `score_sequences` on prompt +
 completion), or, for a log-probability reward model, β × the completion's summed log-probability
 under it (at temperature 1, whatever the sampling temperature), plus the weighted
@@ -75,9 +75,10 @@ from pathlib import Path
 
 import torch
 
-from sprout.checkpoint import frozen_model
+from sprout.checkpoint import frozen_model_record
 from sprout.ranges import check_ranges
 from sprout.errors import SproutError
+from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
 from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, token_rewards
@@ -87,7 +88,7 @@ from sprout.engine.loop import all_reduce_sums
 from sprout.engine.optim import decay_groups
 from sprout.engine.run import train_stage
 from sprout.stages.configs import PPOBatchConfig, PPOConfig, PPOLossConfig, RolloutConfig
-from sprout.stages.reward import reward_score_of, score_sequences
+from sprout.stages.reward import score_sequences
 from sprout.stages.rl_rewards import build_rewards
 from sprout.stages.rl_stage import RLStage, completion_logps, open_rl_run, pad_columns
 
@@ -403,7 +404,7 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
                      eval_batch=cfg.data.eval_batch, eval_generations=cfg.data.eval_num_generations)
     meta = {**run.provenance(), "reference": run.base["path"],
             "reward_model": rm_meta["path"] if rm_meta else None,
-            "frozen_models": {"reference": frozen_model(run.base),
-                              **({"reward_model": frozen_model(rm_meta, score=kind)} if rm_meta else {})}}
+            "frozen_models": {"reference": frozen_model_record(run.base),
+                              **({"reward_model": frozen_model_record(rm_meta, score=kind)} if rm_meta else {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)

@@ -50,12 +50,10 @@ the held-out pairs that fit.
 With score head the checkpoints hold a RewardModel (meta.json `architecture: reward`), so
 `sprout.model.load.load_model` returns a scorer: `score_sequences(model, ids, mask)`
 scores left- or right-padded batches alike. With score logprob, `load_model` returns the LM
-and `reward_score_of(meta)` says how to score with it.
+and `sprout.formats.checkpoint_meta.reward_score_of(meta)` says how to score with it.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -95,26 +93,8 @@ def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 def reward_score(c: RewardLossConfig) -> dict:
     """meta.json's `reward_score` of a run with these options: {"kind": "head"} or
-    {"kind": "logprob", "beta": β}, what `reward_score_of` reads back."""
+    {"kind": "logprob", "beta": β}, what `sprout.formats.checkpoint_meta.reward_score_of` reads back."""
     return {"kind": "logprob", "beta": c.beta} if c.score == "logprob" else {"kind": "head"}
-
-
-def reward_score_of(meta: dict) -> dict | None:
-    """How the checkpoint of `meta` scores a response as a reward model: {"kind": "head"} for a
-    RewardModel (architecture reward), {"kind": "logprob", "beta": β} for an LM this stage
-    trained with score logprob, None for any other checkpoint. A logprob record without a
-    positive β is refused, naming the meta.json."""
-    arch = meta.get("architecture", "lm")
-    if arch == "reward":
-        return {"kind": "head"}
-    score = meta.get("reward_score") or {}
-    if arch != "lm" or score.get("kind") != "logprob":
-        return None
-    beta = score.get("beta")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-        raise SproutError(f"{Path(meta['path']) / 'meta.json'}: reward_score has kind logprob and beta {beta!r}; "
-                          "expected a number above 0")
-    return {"kind": "logprob", "beta": float(beta)}
 
 
 def pair_scores(model, batch: dict, loss_cfg: RewardLossConfig) -> torch.Tensor:
