@@ -190,6 +190,7 @@ def test_sft_report_names_init_and_data_with_hashes(run_a, base, sft_file):
     report = (out / "report.md").read_text()
     weights = read_meta(base)["files"]["model.safetensors"]
     assert f"- init checkpoint: `{base}` (pretrain step 100); weights sha256 `{weights}`" in report
+    assert read_meta(out / "checkpoints")["init"]["weights_sha256"] == weights  # kept when the base moves
     assert f"- train data: `{sft_file}`; sha256 `{sha256_file(sft_file)}`" in report
     val = sft_file.with_name("sft_val.h5")
     assert f"- val data: `{val}`; sha256 `{sha256_file(val)}`" in report

@@ -258,6 +258,13 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
 
 
 # ---- the tokenizer travels with the run ---------------------------------------------------------
+def init_record(meta: dict) -> dict:
+    """The `init` record a run started from the checkpoint of `meta` keeps in its meta.json: path,
+    stage, step and the sha256 of its weights (the report's inputs section reads it)."""
+    return {"path": str(meta["path"]), "stage": meta.get("stage"), "step": meta.get("step"),
+            "weights_sha256": meta["files"][WEIGHTS]}
+
+
 def frozen_model_record(meta: dict, **how) -> dict:
     """The `frozen_models` record of the checkpoint of `meta` (read with `read_meta`): its path, the
     sha256 of its weights as its meta.json lists them, and `how` the run uses it (e.g. a reward

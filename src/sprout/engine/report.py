@@ -182,7 +182,8 @@ def run_section(segs: list[dict]) -> list[str]:
 
 
 def _init_sha256(init: dict) -> str | None:
-    """The base checkpoint's weights sha256: recorded in the meta, else read from its meta.json."""
+    """The base checkpoint's weights sha256: recorded in the meta (`sprout.checkpoint.init_record`),
+    else, for a run saved before the record had it, read from the base's meta.json."""
     if init.get("weights_sha256"):
         return init["weights_sha256"]
     try:

@@ -43,7 +43,7 @@ import torch
 
 from data_loader.preferences import PreferenceLoader
 from sprout.chat_formats import check_trained_format, format_for
-from sprout.checkpoint import checkpoint_tokenizer, read_meta
+from sprout.checkpoint import checkpoint_tokenizer, init_record, read_meta
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
 from sprout.formats.preferences import kind_group, read_preferences
@@ -166,7 +166,7 @@ class PreferenceRun:
         """Fields for every checkpoint's meta: tokenizer, chat template, the init checkpoint, the data."""
         return {"tokenizer_fingerprint": self.tokenizer.fingerprint(),
                 "template_version": format_for(self.tokenizer).version,
-                "init": {"path": self.base["path"], "stage": self.base.get("stage"), "step": self.base.get("step")},
+                "init": init_record(self.base),
                 "preference_data": {"train": str(self.data), "val": str(self.val_path),
                                     "pairs": self.loader.counts, "val_pairs": self.val.counts}}
 

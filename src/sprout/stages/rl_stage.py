@@ -61,7 +61,7 @@ import torch
 from data_loader.prompts import PromptLoader, check_held_out
 
 from sprout.chat_formats import check_trained_format, format_for
-from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
+from sprout.checkpoint import checkpoint_tokenizer, init_record, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PROMPT_FILES, resolve_data
 from sprout.formats.verify_data import verify_jsonl_data
@@ -373,7 +373,7 @@ class RLRun:
     def provenance(self) -> dict:
         return {"tokenizer_fingerprint": self.tokenizer.fingerprint(),
                 "template_version": format_for(self.tokenizer).version,
-                "init": {"path": self.base["path"], "stage": self.base.get("stage"), "step": self.base.get("step")},
+                "init": init_record(self.base),
                 "prompts": {"train": str(self.loader.path), "val": str(self.val.path),
                             "prompts": self.loader.num_prompts, "val_prompts": self.val.num_prompts}}
 

@@ -41,7 +41,7 @@ from data_loader.sft import SFTLoader, shift
 from sprout.atomic import check_writable
 from sprout.chat import ChatError
 from sprout.chat_formats import ChatFormat, format_for, format_for_spec
-from sprout.checkpoint import checkpoint_tokenizer, load_weights, read_meta
+from sprout.checkpoint import checkpoint_tokenizer, init_record, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
@@ -251,6 +251,6 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
                      sample_prompts=cfg.sample_prompts)
     provenance = {"tokenizer_fingerprint": attrs["tokenizer_fingerprint"],
                   "template_version": attrs["template_version"], "template": attrs["template"],
-                  "init": {"path": base["path"], "stage": base.get("stage"), "step": base.get("step")}}
+                  "init": init_record(base)}
     return train_stage(acc, model, stage, cfg, resume=resume_path, tokenizer=attrs["tokenizer_spec"],
                        micro_steps=accum, extra_meta=provenance)
