@@ -1,10 +1,12 @@
 """Helpers shared by the post-training tests (reward model, DPO, GRPO, PPO): a tiny LM checkpoint
 as SFT would leave it (and the `base` fixture that writes one per test module), seeded synthetic
-preference files written through the format's own writer, small configs."""
+preference files written through the format's own writer, small configs, and a run folder holding
+one checkpoint of another run to resume from."""
 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,15 @@ def write_lm(path: Path, sp, seed: int = 0, meta: dict | None = None, **model) -
     meta = {"model_config": lm.config, "tokenizer": sp.spec, "tokenizer_fingerprint": sp.fingerprint(),
             "template_version": TEMPLATE_VERSION, "stage": "sft", "step": 80, **(meta or {})}
     return save_checkpoint(path, lm, meta=meta)
+
+
+def resume_folder(run: Path, step: int, out: Path) -> Path:
+    """`out`, a run folder whose only checkpoint is `run`'s of `step`, its `latest`: what a run
+    stopped at `step` leaves, for `resume="latest"`."""
+    name = f"step_{step:08d}"
+    shutil.copytree(run / "checkpoints" / name, out / "checkpoints" / name)
+    (out / "checkpoints" / "latest").write_text(name + "\n")
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from preference_train_fixtures import (base, cli_flags, grouped_held_out_pairs, marked_pairs, tiny_cfg,  # noqa: F401 (base: a fixture)
-                                       write_lm, write_pairs)
+                                       resume_folder, write_lm, write_pairs)
 from proc import free_port, run_group
 
 from data_loader.preferences import PreferenceLoader
@@ -67,9 +67,7 @@ def test_margins_grow_and_held_out_accuracy_rises(run_a):
 
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, base, tmp_path):
     out_a, _ = run_a
-    out_b = tmp_path / "dpo_b"
-    shutil.copytree(out_a / "checkpoints" / "step_00000006", out_b / "checkpoints" / "step_00000006")
-    (out_b / "checkpoints" / "latest").write_text("step_00000006\n")
+    out_b = resume_folder(out_a, 6, tmp_path / "dpo_b")
     run_dpo(tiny_cfg(DPOConfig, data, base, out_b, lr=1e-3), resume="latest")
     a, b = train_records(out_a), train_records(out_b)
     assert sorted(b) == list(range(7, 13))
@@ -85,9 +83,7 @@ def test_a_resume_against_another_reference_is_refused(run_a, data, base, sp, tm
     out_a, _ = run_a
     assert read_meta(out_a / "checkpoints")["frozen_models"]["reference"]["weights_sha256"] == \
         read_meta(base)["files"]["model.safetensors"]
-    out_b = tmp_path / "dpo_b"
-    shutil.copytree(out_a / "checkpoints" / "step_00000006", out_b / "checkpoints" / "step_00000006")
-    (out_b / "checkpoints" / "latest").write_text("step_00000006\n")
+    out_b = resume_folder(out_a, 6, tmp_path / "dpo_b")
     other = write_lm(tmp_path / "other" / "ckpt", sp, seed=5)
     with pytest.raises(SproutError, match=r"step_00000006: the run's reference was .*, now .*other/ckpt "
                                           r"\(weights_sha256 .*refusing to resume against another model"):

@@ -5,7 +5,6 @@ resume at a rollout boundary and inside a buffer, and the mean reward rises unde
 import copy
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +14,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from grpo_fixtures import config_dict, data, run_per_prompt, tiny_cfg, write_sft_lm  # noqa: F401
-from preference_train_fixtures import base, write_lm  # noqa: F401 (base, data: fixtures)
+from preference_train_fixtures import base, resume_folder, write_lm  # noqa: F401 (base, data: fixtures)
 from proc import free_port, run_group
 from safetensors.torch import load_file
 
@@ -303,10 +302,7 @@ def run_a(base, data, tmp_path_factory):
 
 @pytest.mark.parametrize("step", [3, 4], ids=["mid_buffer", "rollout_boundary"])
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(step, run_a, base, data, tmp_path):
-    out_b = tmp_path / "grpo_b"
-    name = f"step_{step:08d}"
-    shutil.copytree(run_a / "checkpoints" / name, out_b / "checkpoints" / name)
-    (out_b / "checkpoints" / "latest").write_text(name + "\n")
+    out_b = resume_folder(run_a, step, tmp_path / "grpo_b")
     run_grpo(tiny_cfg(data, base, out_b, max_steps=6, num_iterations=2, ckpt_every=1, keep_checkpoints=10,
                       beta=0.05, kl_in="reward", eval_every=3), resume="latest")
     a, b = train_records(run_a), train_records(out_b)
@@ -320,9 +316,7 @@ def test_a_resume_against_another_reference_is_refused(run_a, base, data, sp, tm
     its weights' sha256; a resume whose init is now another model is refused in one line."""
     assert read_meta(run_a / "checkpoints")["frozen_models"] == {
         "reference": {"path": read_meta(base)["path"], "weights_sha256": read_meta(base)["files"]["model.safetensors"]}}
-    out_b = tmp_path / "grpo_b"
-    shutil.copytree(run_a / "checkpoints" / "step_00000003", out_b / "checkpoints" / "step_00000003")
-    (out_b / "checkpoints" / "latest").write_text("step_00000003\n")
+    out_b = resume_folder(run_a, 3, tmp_path / "grpo_b")
     other = write_lm(tmp_path / "other" / "ckpt", sp, seed=5)
     with pytest.raises(SproutError, match=r"the run's reference was .*, now .*other/ckpt \(weights_sha256 .*"
                                           r"refusing to resume against another model"):

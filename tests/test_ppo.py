@@ -20,7 +20,7 @@ from data_loader.prompts import PromptLoader
 from grpo_fixtures import data  # noqa: F401 (data, base: fixtures)
 from grpo_fixtures import tiny_cfg as grpo_cfg
 from ppo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_digit_reward_model
-from preference_train_fixtures import base, write_lm  # noqa: F401 (base)
+from preference_train_fixtures import base, resume_folder, write_lm  # noqa: F401 (base)
 from proc import free_port, run_group
 from safetensors.torch import load_file
 
@@ -265,10 +265,7 @@ def test_resume_with_the_value_head_matches_an_uninterrupted_run_bit_for_bit(ste
     first = load_file(str(run_a / "checkpoints" / "step_00000001" / "model.safetensors"))
     last = load_file(str(Path(meta["path"]) / "model.safetensors"))
     assert not torch.equal(first["value_head.weight"], last["value_head.weight"])  # the head trains
-    out_b = tmp_path / "ppo_b"
-    name = f"step_{step:08d}"
-    shutil.copytree(run_a / "checkpoints" / name, out_b / "checkpoints" / name)
-    (out_b / "checkpoints" / "latest").write_text(name + "\n")
+    out_b = resume_folder(run_a, step, tmp_path / "ppo_b")
     run_ppo(tiny_cfg(data, base, out_b, rm_path, **RESUME), resume="latest")
     a, b = train_records(run_a), train_records(out_b)
     assert sorted(b) == list(range(step + 1, 7))
@@ -288,9 +285,7 @@ def test_a_resume_against_another_reward_model_or_reference_is_refused(run_a, ba
     assert frozen["reference"]["weights_sha256"] == read_meta(base)["files"]["model.safetensors"]
 
     def resume(init, rm):
-        out = tmp_path / f"ppo_{init.parent.name}_{rm.parent.name}"
-        shutil.copytree(run_a / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
-        (out / "checkpoints" / "latest").write_text("step_00000002\n")
+        out = resume_folder(run_a, 2, tmp_path / f"ppo_{init.parent.name}_{rm.parent.name}")
         run_ppo(tiny_cfg(data, init, out, rm, **RESUME), resume="latest")
         return out
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from preference_train_fixtures import (MARK, base, cli_flags, grouped_held_out_pairs, marked_pairs,  # noqa: F401 (base)
-                                       tiny_cfg, write_pairs)
+                                       resume_folder, tiny_cfg, write_pairs)
 from proc import free_port, run_group, run_here
 
 from data_loader.preferences import PreferenceLoader
@@ -235,9 +235,7 @@ def test_a_logprob_reward_model_learns_the_preference_and_saves_an_lm(run_logpro
 
 def test_a_resumed_logprob_run_matches_an_uninterrupted_one_bit_for_bit(run_logprob, base, tmp_path):
     out_a, _, data = run_logprob
-    out_b = tmp_path / "rm_b"
-    shutil.copytree(out_a / "checkpoints" / "step_00000006", out_b / "checkpoints" / "step_00000006")
-    (out_b / "checkpoints" / "latest").write_text("step_00000006\n")
+    out_b = resume_folder(out_a, 6, tmp_path / "rm_b")
     run_reward(tiny_cfg(RewardConfig, data, base, out_b, score="logprob", beta=0.5), resume="latest")
     a, b = train_records(out_a), train_records(out_b)
     assert sorted(b) == list(range(7, 13))
@@ -277,9 +275,7 @@ def test_scores_do_not_depend_on_the_padding_side(run_a, sp):
 
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(run_a, data, base, tmp_path):
     out_a, _ = run_a
-    out_b = tmp_path / "rm_b"
-    shutil.copytree(out_a / "checkpoints" / "step_00000006", out_b / "checkpoints" / "step_00000006")
-    (out_b / "checkpoints" / "latest").write_text("step_00000006\n")
+    out_b = resume_folder(out_a, 6, tmp_path / "rm_b")
     run_reward(tiny_cfg(RewardConfig, data, base, out_b), resume="latest")
     a, b = train_records(out_a), train_records(out_b)
     assert sorted(b) == list(range(7, 13))
