@@ -208,7 +208,7 @@ def value_run(out, start=None):
     ref.append(trainer)
     stage = ValueStage(ref)
     if start is not None:
-        trainer.resume(start, stage)
+        trainer.resume(trainer.check_resume(start, stage), stage)
     fit(trainer, stage)
     return {r["step"]: (r["loss"], r["vf_loss"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
 

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from sprout.checkpoint import read_meta
 from sprout.errors import SproutError
+from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.model.heads import PolicyWithValue
 from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, masked_whiten, token_rewards
@@ -41,7 +42,6 @@ from sprout.stages.ppo import (
     whiten_global,
 )
 from sprout.stages.reward import score_sequences
-from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.stages.grpo import run_grpo
 from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import RolloutConfig

@@ -17,7 +17,7 @@ from sprout.checkpoint import read_meta
 from sprout.engine.metrics import (duration, log_line, loss_figure, measure_matmul_flops, plot_loss_curve,
                                   read_metrics, truncate_metrics)
 from sprout.stages.pretrain import run_pretrain
-from sprout.engine.report import code, git_commit, run_section, samples_section, start_record, text
+from sprout.engine.report import code, git_commit, provenance_section, run_section, samples_section, start_record, text
 from sprout.engine.schedule import warmup_warning
 from sprout.stages.configs import SAMPLE_PROMPTS
 from sprout.stages.sft import SFTStage
@@ -190,7 +190,9 @@ def test_sft_report_names_init_and_data_with_hashes(run_a, base, sft_file):
     report = (out / "report.md").read_text()
     weights = read_meta(base)["files"]["model.safetensors"]
     assert f"- init checkpoint: `{base}` (pretrain step 100); weights sha256 `{weights}`" in report
-    assert read_meta(out / "checkpoints")["init"]["weights_sha256"] == weights  # kept when the base moves
+    meta = read_meta(out / "checkpoints")
+    meta["init"]["path"] = str(out / "moved_away")  # the base gone: its sha256 comes from the record
+    assert f"weights sha256 `{weights}`" in "\n".join(provenance_section(meta))
     assert f"- train data: `{sft_file}`; sha256 `{sha256_file(sft_file)}`" in report
     val = sft_file.with_name("sft_val.h5")
     assert f"- val data: `{val}`; sha256 `{sha256_file(val)}`" in report

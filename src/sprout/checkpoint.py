@@ -27,6 +27,9 @@ Architecture: meta.json `architecture` says which module the weights belong to (
 or for a gathered state dict what `meta` says. A checkpoint without the field is an "lm".
 Building a module from a checkpoint is the model's side: `sprout.model.load`.
 
+Inputs: a run started from a checkpoint records it in meta.json's `init` (`init_record`: path,
+stage, step, weights sha256), which the run's report names.
+
 Frozen models: a stage that scores with other checkpoints after its first step (the reference of
 DPO, PPO and GRPO, PPO's reward model) records each in meta.json's `frozen_models` ({role:
 `frozen_model_record`: path, weights sha256, how it is used}); a resume refuses one whose weights
@@ -257,7 +260,7 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
         raise SproutError(f"{f}: cannot read training state ({str(exc).splitlines()[0]})") from None
 
 
-# ---- the tokenizer travels with the run ---------------------------------------------------------
+# ---- the checkpoints a run started from or scores with ----------------------------------------
 def init_record(meta: dict) -> dict:
     """The `init` record a run started from the checkpoint of `meta` keeps in its meta.json: path,
     stage, step and the sha256 of its weights (the report's inputs section reads it)."""
@@ -272,6 +275,7 @@ def frozen_model_record(meta: dict, **how) -> dict:
     return {"path": str(meta["path"]), "weights_sha256": meta["files"][WEIGHTS], **how}
 
 
+# ---- the tokenizer travels with the run ---------------------------------------------------------
 def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool = True) -> dict:
     """Copy the tokenizer file behind `spec` into `<run_dir>/tokenizer/`; returns the meta fields.
 

@@ -352,7 +352,7 @@ class Trainer:
     def check_resume(self, path: str | Path, stage: Stage) -> dict:
         """The meta of the checkpoint at `path` once it may resume this run: every file's sha256
         verified, the same config hash and stage, the same frozen models (`check_frozen_models`).
-        Cheap: `train_stage` calls it before a stage's setup (a reference pass, say) runs."""
+        No model work: `train_stage` calls it before a stage's setup (a reference pass, say) runs."""
         meta = read_meta(path)  # verifies the sha256 of every file
         if meta.get("config_hash") != self.meta["config_hash"]:
             diffs = _diff(meta.get("resume_config", {}), self.meta["resume_config"])
@@ -363,10 +363,9 @@ class Trainer:
         check_frozen_models(meta, self.meta)
         return meta
 
-    def resume(self, path: str | Path, stage: Stage, meta: dict | None = None) -> dict:
-        """Restore weights, optimizer, RNG, loader position and counters from a checkpoint
-        (`meta`: what `check_resume` returned for it; checked here when None)."""
-        meta = meta or self.check_resume(path, stage)
+    def resume(self, meta: dict, stage: Stage) -> dict:
+        """Restore weights, optimizer, RNG, loader position and counters from the checkpoint of
+        `meta`, what `check_resume` returned for it."""
         self.meta["run_id"] = meta.get("run_id") or self.meta["run_id"]  # a resumed run continues its rotation
         load_weights(self.raw_model, meta["path"], meta)  # FSDP2 shards it in place: each rank keeps its shard
         state = load_train_state(meta["path"], meta)

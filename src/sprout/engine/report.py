@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sprout.atomic import atomic_write, sha256_file
+from sprout.formats.checkpoint_meta import META, WEIGHTS
 from sprout.engine.metrics import METRICS, duration, read_metrics
 
 
@@ -187,8 +188,8 @@ def _init_sha256(init: dict) -> str | None:
     if init.get("weights_sha256"):
         return init["weights_sha256"]
     try:
-        meta = json.loads((Path(init["path"]) / "meta.json").read_text())
-        return meta.get("files", {}).get("model.safetensors")
+        meta = json.loads((Path(init["path"]) / META).read_text())
+        return meta.get("files", {}).get(WEIGHTS)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

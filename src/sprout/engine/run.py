@@ -7,13 +7,15 @@ then optim, train and out. Its `run_*` function checks its own inputs, builds th
 the Chinchilla budget; `with_epochs`: data.epochs), then hands over to `train_stage`, which
   - holds the run folder (`sprout.engine.run_args.run_lock`) and, after --overwrite, deletes the
     old run's files now that the inputs are checked,
-  - builds the optimizer over the stage's parameter groups (`param_groups`, optional) and
+  - builds the optimizer over the stage's parameter groups (`param_groups`, optional),
+  - when asked to resume, checks the checkpoint first (`Trainer.check_resume`: its files' sha256,
+    the config a resume must match, the stage, the frozen models), then
     lets the stage prepare its frozen models (`setup`, optional),
   - copies the tokenizer file into <out>/tokenizer/ and records it, with its sha256, in each
     checkpoint (`sprout.checkpoint.bundle_tokenizer`), so the run folder works from anywhere,
   - records in each checkpoint the config and the part of it a resume must match
     (`sprout.config.resume_config`: every field not declared `resume_free`),
-  - resumes when asked (refusing a checkpoint made with a different config),
+  - resumes from the checked checkpoint (weights, optimizer, RNG, loader position),
   - prints the resolved config and saves it as <out>/config.yaml (rank 0); a resumed run
     that fails in training before its first new checkpoint puts back the config.yaml it resumed
     from,
@@ -88,8 +90,8 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
         saved = trainer.check_resume(resume, stage) if resume is not None else None  # refused before setup
         if hasattr(stage, "setup"):
             stage.setup(trainer)
-        if resume is not None:
-            trainer.resume(resume, stage, saved)
+        if saved is not None:
+            trainer.resume(saved, stage)
         acc.print(dump_yaml(cfg), end="")
         # a resume that fails before its first new checkpoint leaves config.yaml as it was (b"" : none)
         resumed_config = None

@@ -27,8 +27,9 @@ A stage is any object with (`TokenStage` gives the defaults marked *, for batche
                                                                 buffer, generator state) on the CPU,
                                                                 saved in train_state.pt
     param_groups(model) -> list[dict]                           optional; see sprout.engine.optim
-    setup(trainer)                                              optional; called once before a resume
-                                                                and training: prepare frozen models
+    setup(trainer)                                              optional; called once, after a resume's
+                                                                checks and before its loading and
+                                                                training: prepare frozen models
 
 More than one model: a stage whose loss reads frozen models (a reference policy, a reward
 model) gets them from `trainer.prepare_frozen(model)` (in `setup`): placed, sharded under

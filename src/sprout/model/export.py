@@ -121,7 +121,7 @@ def special_ids(tok) -> dict:
 def hf_config(model, ids: dict | None = None, reward_score: dict | None = None) -> dict:
     """config.json for `model` (a Transformer, PolicyWithValue or RewardModel) with the special
     `ids` of its tokenizer (`special_ids`; None: no special ids) and, for a log-probability reward
-    model, its meta.json's `reward_score` as `sprout_reward_score`."""
+    model, its rule (`reward_score_of`'s {"kind": "logprob", "beta": β}) as `sprout_reward_score`."""
     c = model.config
     arch = architecture_of(model)
     hf_class = hf_class_name(model)
@@ -245,7 +245,7 @@ def check_outside_run(out: Path, source: Path) -> None:
 def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False,
                  reward_score: dict | None = None) -> ExportResult:
     """Write `model` and `tok` as a transformers folder at `out`, atomically (see the module doc);
-    `reward_score`: a log-probability reward model's rule (its meta.json's), kept in config.json.
+    `reward_score`: a log-probability reward model's rule (`reward_score_of`'s), kept in config.json.
 
     The folder is built under a temporary sibling name and renamed into place, so `out` is
     either absent, the old folder or the complete new one. An `out` that exists and is not

@@ -15,7 +15,7 @@ go through one forward (`pair_scores`):
   own prediction of that number, which a fresh score head has to learn from the pairs.
   Checkpoints: `architecture: lm` with `reward_score: {kind: logprob, beta}` in meta.json,
   so they load, chat, sample and export as the causal LM they are; PPO scores a completion
-  the same way (`reward_score_of`, `sprout.stages.ppo`). Always at most 0, so
+  the same way (`sprout.formats.checkpoint_meta.reward_score_of`, `sprout.stages.ppo`). Always at most 0, so
   `center_rewards_coefficient` is refused with it. Summed, not averaged over tokens: of two
   answers the model finds equally likely per token, the shorter scores higher (PPO, scoring
   completions this way, rewards brevity unless the verifiers outweigh it).
