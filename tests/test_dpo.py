@@ -60,7 +60,7 @@ def test_margins_grow_and_held_out_accuracy_rises(run_a):
             "logits/chosen", "logits/rejected", "targets"} <= set(rec[1])
     assert rec[1]["targets"] == 16  # pairs of the global batch
     meta = read_meta(out / "checkpoints")
-    assert meta["stage"] == "dpo" and meta["architecture"] == "lm" and meta["reference"] is not None
+    assert meta["stage"] == "dpo" and meta["architecture"] == "lm" and "reference" in meta["frozen_models"]
     model, _ = load_model(out)
     assert type(model).__name__ == "Transformer"
 
@@ -193,7 +193,7 @@ def test_an_empty_response_gives_a_finite_loss_and_gradient(loss_type, data, sp,
 def test_reference_free_losses_build_no_reference(data, base, tmp_path):
     out = tmp_path / "simpo"
     result = run_dpo(tiny_cfg(DPOConfig, data, base, out, loss_type="simpo", beta=2.0, max_steps=2, eval_every=0))
-    assert read_meta(out / "checkpoints")["reference"] is None
+    assert "reference" not in read_meta(out / "checkpoints")["frozen_models"]
     assert result["steps"] == 2
 
 

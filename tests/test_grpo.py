@@ -283,11 +283,11 @@ def test_beta_zero_builds_no_reference(base, data, tmp_path, monkeypatch):
     result = run_grpo(tiny_cfg(data, base, tmp_path / "b0", beta=0.0, max_steps=1))
     assert {"val_pass@1", "val_pass@4", "val_greedy/accuracy", "val_accuracy", "val_format",
             "val_mean_length"} <= set(result["last_eval"])
-    assert calls == [] and read_meta(tmp_path / "b0" / "checkpoints")["reference"] is None
+    assert calls == [] and "reference" not in read_meta(tmp_path / "b0" / "checkpoints")["frozen_models"]
     rec = train_records(tmp_path / "b0")[1]
     assert "kl" not in rec and "entropy" in rec and "rewards/digit_share/mean" in rec
     run_grpo(tiny_cfg(data, base, tmp_path / "b1", beta=0.1, max_steps=1))
-    assert len(calls) == 1 and read_meta(tmp_path / "b1" / "checkpoints")["reference"] is not None
+    assert len(calls) == 1 and "reference" in read_meta(tmp_path / "b1" / "checkpoints")["frozen_models"]
 
 
 # ---- resume ---------------------------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ def test_a_run_with_a_logprob_reward_model_records_it_and_adds_its_weighted_scor
         assert rm_mean < -1.0  # a random LM's summed log-probability of 12 tokens, × 0.5
         assert rec[step]["objective/scores"] == pytest.approx(0.5 * rm_mean, rel=1e-5)
     meta = read_meta(out / "checkpoints")
-    assert meta["reward_model"] == str(logprob_rm)
+    assert meta["frozen_models"]["reward_model"]["path"] == str(logprob_rm)
     assert meta["frozen_models"]["reward_model"]["score"] == {"kind": "logprob", "beta": 0.5}
 
 
@@ -259,7 +259,7 @@ def run_a(base, data, rm_path, tmp_path_factory):
 def test_resume_with_the_value_head_matches_an_uninterrupted_run_bit_for_bit(step, run_a, base, data, rm_path,
                                                                              tmp_path):
     meta = read_meta(run_a / "checkpoints")
-    assert meta["architecture"] == "lm+value" and meta["reward_model"] is not None
+    assert meta["architecture"] == "lm+value" and "reward_model" in meta["frozen_models"]
     model, _ = load_model(run_a / "checkpoints")
     assert isinstance(model, PolicyWithValue)
     first = load_file(str(run_a / "checkpoints" / "step_00000001" / "model.safetensors"))
@@ -286,7 +286,11 @@ def test_a_resume_against_another_reward_model_or_reference_is_refused(run_a, ba
 
     def resume(init, rm):
         out = resume_folder(run_a, 2, tmp_path / f"ppo_{init.parent.name}_{rm.parent.name}")
-        run_ppo(tiny_cfg(data, init, out, rm, **RESUME), resume="latest")
+        try:
+            run_ppo(tiny_cfg(data, init, out, rm, **RESUME), resume="latest")
+        except SproutError:  # refused before a step: no metrics, no config.yaml written
+            assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()
+            raise
         return out
 
     moved = tmp_path / "moved_rm" / "ckpt"  # the same reward model elsewhere: resumes
@@ -312,7 +316,7 @@ def test_grpo_starts_from_a_ppo_policy_without_its_value_head(run_a, data, tmp_p
     assert meta["architecture"] == "lm" and "value_head.weight" in ppo_w and "value_head.weight" not in grpo_w
     assert sorted(grpo_w) == sorted(k for k in ppo_w if k != "value_head.weight")
     assert all(torch.equal(grpo_w[k], ppo_w[k]) for k in grpo_w)
-    assert meta["reference"] == read_meta(run_a / "checkpoints")["path"]
+    assert meta["frozen_models"]["reference"]["path"] == read_meta(run_a / "checkpoints")["path"]
 
 
 # ---- processes ----------------------------------------------------------------------------------------------------

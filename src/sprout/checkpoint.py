@@ -261,18 +261,17 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
 
 
 # ---- the checkpoints a run started from or scores with ----------------------------------------
-def init_record(meta: dict) -> dict:
-    """The `init` record a run started from the checkpoint of `meta` keeps in its meta.json: path,
-    stage, step and the sha256 of its weights (the report's inputs section reads it)."""
-    return {"path": str(meta["path"]), "stage": meta.get("stage"), "step": meta.get("step"),
-            "weights_sha256": meta["files"][WEIGHTS]}
-
-
 def frozen_model_record(meta: dict, **how) -> dict:
     """The `frozen_models` record of the checkpoint of `meta` (read with `read_meta`): its path, the
     sha256 of its weights as its meta.json lists them, and `how` the run uses it (e.g. a reward
     model's score)."""
     return {"path": str(meta["path"]), "weights_sha256": meta["files"][WEIGHTS], **how}
+
+
+def init_record(meta: dict) -> dict:
+    """The `init` record a run started from the checkpoint of `meta` keeps in its meta.json: the
+    same path and weights sha256, with its stage and step (the report's inputs section reads it)."""
+    return frozen_model_record(meta, stage=meta.get("stage"), step=meta.get("step"))
 
 
 # ---- the tokenizer travels with the run ---------------------------------------------------------

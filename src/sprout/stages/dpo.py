@@ -199,7 +199,7 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
                      run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val))
     del ref_model  # the stage holds it (and frees it once its log-probs are precomputed)
-    meta = {**run.provenance(), "reference": ref_path,
+    meta = {**run.provenance(),
             "frozen_models": {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=run.accum_steps, extra_meta=meta)

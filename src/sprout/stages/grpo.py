@@ -280,7 +280,7 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     stage = GRPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, grpo=cfg.grpo,
                       ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch,
                       eval_generations=cfg.data.eval_num_generations)
-    meta = {**run.provenance(), "reference": run.base["path"] if ref is not None else None,
+    meta = {**run.provenance(),
             "frozen_models": {"reference": frozen_model_record(run.base)} if ref is not None else {}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)

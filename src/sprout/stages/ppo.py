@@ -78,7 +78,7 @@ import torch
 from sprout.checkpoint import frozen_model_record
 from sprout.ranges import check_ranges
 from sprout.errors import SproutError
-from sprout.formats.checkpoint_meta import reward_score_of
+from sprout.formats.checkpoint_meta import META, reward_score_of
 from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
 from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, token_rewards
@@ -350,7 +350,7 @@ def load_reward_model(path: str, policy_meta: dict, longest: int):
     (`reward_score_of`: a score head, or an LM trained with reward.score logprob), the same
     tokenizer, a context that holds `longest` tokens. Returns (model, meta, how it scores)."""
     model, meta = load_model(path)
-    where = Path(meta["path"]) / "meta.json"
+    where = Path(meta["path"]) / META
     kind = reward_score_of(meta)
     if kind is None:
         raise SproutError(f"{where}: reward_model must be a reward model checkpoint (scripts/train_reward.py), "
@@ -389,7 +389,7 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
         rm, rm_meta, kind = load_reward_model(cfg.reward_model, run.base,
                                               cfg.data.max_prompt_length + cfg.rollout.max_completion_length)
         if c.value_init == "reward" and kind["kind"] != "head":
-            raise SproutError(f"{Path(rm_meta['path']) / 'meta.json'}: ppo.value_init reward copies a score head, "
+            raise SproutError(f"{Path(rm_meta['path']) / META}: ppo.value_init reward copies a score head, "
                               "and this log-probability reward model has none; use ppo.value_init policy")
         how = f"beta {kind['beta']} x the completion's log-prob" if kind["kind"] == "logprob" else "score head"
         acc.print(f"ppo: reward model {rm_meta['path']} (frozen, {how}), weight {c.reward_model_weight}")
@@ -402,8 +402,7 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     stage = PPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, ppo=c, ref_model=ref,
                      reward_model=rm, reward_score=kind, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
                      eval_batch=cfg.data.eval_batch, eval_generations=cfg.data.eval_num_generations)
-    meta = {**run.provenance(), "reference": run.base["path"],
-            "reward_model": rm_meta["path"] if rm_meta else None,
+    meta = {**run.provenance(),
             "frozen_models": {"reference": frozen_model_record(run.base),
                               **({"reward_model": frozen_model_record(rm_meta, score=kind)} if rm_meta else {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
