@@ -20,8 +20,10 @@ from sprout.chat_detect import CHAT_TEMPLATE_FILE, read_chat_template
 from sprout.checkpoint import read_meta
 from sprout.errors import SproutError
 from sprout.model.export import export_hf, export_model, verify_export
-from sprout.model.hf_import import read_source, write_run
+from sprout.formats.checkpoint_meta import reward_score_of
+from sprout.model.hf_import import read_source, summary, write_run
 from sprout.model.load import init_from_lm
+from sprout.stages.ppo import load_reward_model
 from sprout.tokenizer import HF_FILE, HF_SIDE_FILES
 from test_export import CHATS
 from hf_fixtures import CHATML, MODELS, hf_model, write_tokenizer
@@ -139,6 +141,31 @@ def test_export_imports_back(runs, tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(again.model(ids), model(ids))
+
+
+def test_a_logprob_reward_models_rule_imports_back(runs, tmp_path):
+    """A log-probability reward model exported and imported back is again one: meta.json's
+    reward_score is config.json's sprout_reward_score, and PPO loads the import as its reward
+    model, scoring the same way; the summary says so. A bad rule is refused, naming the config.json."""
+    _, run, _, _, model, tok = runs["qwen2"]
+    rule = {"kind": "logprob", "beta": 0.25}
+    export_model(model, tok, tmp_path / "hf", reward_score=rule)
+    imported = read_source(str(tmp_path / "hf"), tmp_path / "work")
+    result = write_run(imported, tmp_path / "rm")
+    meta = read_meta(result.checkpoint)
+    assert meta["reward_score"] == rule and reward_score_of(meta) == rule
+    assert "a reward model scoring 0.25 × a response's summed log-probability" in summary(result)
+    _, _, kind = load_reward_model(str(tmp_path / "rm"), read_meta(run), 64)
+    assert kind == rule
+    plain = read_meta(run)  # the plain import has no rule, and PPO refuses it as a reward model
+    assert "reward_score" not in plain and reward_score_of(plain) is None
+    with pytest.raises(SproutError, match="must be a reward model checkpoint"):
+        load_reward_model(str(run), plain, 64)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for bad in ({"kind": "logprob", "beta": 0}, {"kind": "head"}, "logprob", None):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sprout_reward_score": bad}))
+        with pytest.raises(SproutError, match=r"config\.json: sprout_reward_score .* is not a log-probability"):
+            read_source(str(tmp_path / "hf"), tmp_path / "work_bad")
 
 
 # ---------------------------------------------------------------- reward and value heads on an import

@@ -37,7 +37,11 @@ format matches is refused (the detector's message names the first differing toke
 tokenizer without a template gets no chat_format.json, so sprout's default format applies.
 meta.json records the source (`source`: folder path, hub id and revision, or GGUF path and
 sha256) and its config.json (`source_config`), so `read_meta`, `load_model`, `--init RUN`,
-`scripts/chat.py` and `scripts/sample.py` open the run as any other.
+`scripts/chat.py` and `scripts/sample.py` open the run as any other. A config.json with
+`sprout_reward_score` (what `sprout.model.export` writes for a log-probability reward model) gives
+meta.json that `reward_score` (`import_reward_score`), so a reward model exported and imported
+back scores as before (PPO's `reward_model`); a value other than {"kind": "logprob", "beta": a
+number above 0} is refused, naming the config.json.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from sprout.chat_formats import ChatFormat, write_chat_format
 from sprout.checkpoint import bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
+from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.mirror import expand_path
 from sprout.model.config import LLAMA3_ROPE, ModelConfig
 from sprout.model.export import LM_HEAD, sprout_weight_name
@@ -98,6 +103,7 @@ class Imported:
     tokenizer_dir: Path  # tokenizer files + chat_template.jinja + chat_format.json, ready to bundle
     tokenizer: object
     chat_format: ChatFormat | None  # None: the source has no chat template
+    reward_score: dict | None = None  # config.json's sprout_reward_score (`import_reward_score`)
 
 
 @dataclass
@@ -126,11 +132,12 @@ def read_source(source: str, workdir: Path, *, revision: str | None = None, max_
         raise SproutError(f"{source}: no such folder or .gguf file, and not a hub id (owner/name)")
     src.name = tokenizer_name or src.name
     cfg = model_config(src.config, src.config_file, max_seq_len)
+    score = import_reward_score(src.config, src.config_file)
     tok_dir, tok, fmt = stage_tokenizer(src.tokenizer_dir, workdir / "tokenizer" / src.name)
     if tok.vocab_size > cfg.vocab_size:
         raise SproutError(f"{tok.path}: vocab {tok.vocab_size} does not fit the model's vocab_size {cfg.vocab_size}")
     model = build_model(cfg, src)
-    return Imported(src, model, tok_dir, tok, fmt)
+    return Imported(src, model, tok_dir, tok, fmt, score)
 
 
 def folder_source(folder: Path) -> Source:
@@ -206,6 +213,23 @@ def read_config(path: Path) -> dict:
 
 
 # ---- config --------------------------------------------------------------------------------------
+def import_reward_score(config: dict, where: str) -> dict | None:
+    """config.json's `sprout_reward_score` as meta.json's `reward_score` ({"kind": "logprob", "beta": β},
+    read by `reward_score_of`), None without the key; any other value is refused, naming `where`."""
+    if "sprout_reward_score" not in config:
+        return None
+    score = config["sprout_reward_score"]
+    try:
+        rule = reward_score_of({"architecture": "lm", "reward_score": score, "path": ""}) \
+            if isinstance(score, dict) else None
+    except SproutError:
+        rule = None
+    if rule is None:
+        raise SproutError(f"{where}: sprout_reward_score {score!r} is not a log-probability reward model's rule "
+                          "(expected {\"kind\": \"logprob\", \"beta\": a number above 0})")
+    return rule
+
+
 def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling for `ModelConfig`) of a config.json: transformers 5's
     `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
@@ -356,6 +380,8 @@ def write_run(imported: Imported, out: str | Path) -> ImportResult:
             "run_id": uuid.uuid4().hex, "source": src.record, "source_config": src.config}
     if fmt is not None:
         meta["template_version"] = fmt.version
+    if imported.reward_score is not None:
+        meta["reward_score"] = imported.reward_score
     checkpoint = save_rotating(out / "checkpoints", 0, model, meta=meta)
     tok_files = [f"{Path(fields['tokenizer_file']).parent}/{n}" for n in
                  (HF_FILE, *fields["tokenizer_side_sha256"])]
@@ -370,7 +396,9 @@ def summary(result: ImportResult) -> str:
     src, c = imp.source, imp.model.config
     origin = {"folder": lambda r: f"folder {r['path']}", "hub": lambda r: f"hub {r['id']} at revision {r['revision']}",
               "gguf": lambda r: f"GGUF {r['path']} (sha256 {r['sha256'][:12]}…)"}[src.record["kind"]](src.record)
-    lines = [f"imported {src.config['architectures'][0]} from {origin} as a sprout 'lm' checkpoint",
+    scores = (f", a reward model scoring {imp.reward_score['beta']:g} × a response's summed log-probability"
+              if imp.reward_score else "")
+    lines = [f"imported {src.config['architectures'][0]} from {origin} as a sprout 'lm' checkpoint{scores}",
              f"  {imp.model.num_params():,} parameters: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
              f"({c.kv_heads} key/value) of size {c.head_dim}, feed-forward {c.ff_dim}, context {c.max_seq_len:,}"
              + (", tied embeddings" if c.tie_embeddings else "") + (", q/k/v biases" if c.attention_bias else "")
