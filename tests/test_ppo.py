@@ -321,10 +321,13 @@ def test_grpo_starts_from_a_ppo_policy_without_its_value_head(run_a, data, tmp_p
 
 # ---- processes ----------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_processes_match_one(base, data, rm_path, tmp_path):
+@pytest.mark.parametrize("score", ["head", "logprob"])
+def test_two_processes_match_one(score, base, data, rm_path, logprob_rm, tmp_path):
     """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8 (per-prompt sampling;
-    rewards and advantages whitened over the global batch)."""
-    values = dict(max_steps=4, num_ppo_epochs=2, whiten_rewards=True, value_init="reward", reward_model_weight=0.5)
+    rewards and advantages whitened over the global batch), with a score-head reward model (the value
+    head its copy) and with a log-probability one (the value head fresh on the policy)."""
+    rm_path, value_init = (rm_path, "reward") if score == "head" else (logprob_rm, "policy")
+    values = dict(max_steps=4, num_ppo_epochs=2, whiten_rewards=True, value_init=value_init, reward_model_weight=0.5)
     one = tmp_path / "one"
     run_per_prompt(tiny_cfg(data, base, one, rm_path, micro_completions=8, **values))
     out = tmp_path / "ddp"
@@ -338,7 +341,8 @@ def test_two_processes_match_one(base, data, rm_path, tmp_path):
     assert "2 process(es) × 2 micro-steps" in proc.stdout
     a, b = train_records(one), train_records(out)
     for s in (1, 2, 3, 4):
-        for k in ("loss", "val/loss", "objective/kl", "objective/scores", "val/explained_variance"):
+        for k in ("loss", "val/loss", "objective/kl", "objective/scores", "val/explained_variance",
+                  "rewards/reward_model/mean"):
             assert b[s][k] == pytest.approx(a[s][k], abs=1e-5), (s, k)
     wa = load_file(str(read_meta(one / "checkpoints")["path"] + "/model.safetensors"))
     wb = load_file(str(read_meta(out / "checkpoints")["path"] + "/model.safetensors"))
