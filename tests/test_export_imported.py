@@ -6,6 +6,7 @@ an import as the reward and PPO stages build them; the round trip back through t
 script; and the mirror's SmolLM2 GGUF (slow)."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -146,7 +147,7 @@ def test_export_imports_back(runs, tmp_path):
 def test_a_logprob_reward_models_rule_imports_back(runs, tmp_path):
     """A log-probability reward model exported and imported back is again one: meta.json's
     reward_score is config.json's sprout_reward_score, and PPO loads the import as its reward
-    model, scoring the same way; the summary says so. A bad rule is refused, naming the config.json."""
+    model, with the same rule; the summary says so. A bad rule is refused, naming the config.json."""
     _, run, _, _, model, tok = runs["qwen2"]
     rule = {"kind": "logprob", "beta": 0.25}
     export_model(model, tok, tmp_path / "hf", reward_score=rule)
@@ -154,6 +155,7 @@ def test_a_logprob_reward_models_rule_imports_back(runs, tmp_path):
     result = write_run(imported, tmp_path / "rm")
     meta = read_meta(result.checkpoint)
     assert meta["reward_score"] == rule and reward_score_of(meta) == rule
+    assert isinstance(meta["reward_score"]["beta"], float)
     assert "a reward model scoring 0.25 × a response's summed log-probability" in summary(result)
     _, _, kind = load_reward_model(str(tmp_path / "rm"), read_meta(run), 64)
     assert kind == rule
@@ -162,10 +164,12 @@ def test_a_logprob_reward_models_rule_imports_back(runs, tmp_path):
     with pytest.raises(SproutError, match="must be a reward model checkpoint"):
         load_reward_model(str(run), plain, 64)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    for bad in ({"kind": "logprob", "beta": 0}, {"kind": "head"}, "logprob", None):
+    for i, bad in enumerate(({"kind": "logprob", "beta": 0}, {"kind": "logprob", "beta": True}, {"kind": "head"},
+                             "logprob", None)):
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sprout_reward_score": bad}))
-        with pytest.raises(SproutError, match=r"config\.json: sprout_reward_score .* is not a log-probability"):
-            read_source(str(tmp_path / "hf"), tmp_path / "work_bad")
+        with pytest.raises(SproutError, match=rf"config\.json: sprout_reward_score {re.escape(json.dumps(bad))} is "
+                                              "not a log-probability reward model's rule"):
+            read_source(str(tmp_path / "hf"), tmp_path / f"work_bad{i}")
 
 
 # ---------------------------------------------------------------- reward and value heads on an import

@@ -326,13 +326,13 @@ def test_two_processes_match_one(score, base, data, rm_path, logprob_rm, tmp_pat
     """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8 (per-prompt sampling;
     rewards and advantages whitened over the global batch), with a score-head reward model (the value
     head its copy) and with a log-probability one (the value head fresh on the policy)."""
-    rm_path, value_init = (rm_path, "reward") if score == "head" else (logprob_rm, "policy")
+    rm, value_init = (rm_path, "reward") if score == "head" else (logprob_rm, "policy")
     values = dict(max_steps=4, num_ppo_epochs=2, whiten_rewards=True, value_init=value_init, reward_model_weight=0.5)
     one = tmp_path / "one"
-    run_per_prompt(tiny_cfg(data, base, one, rm_path, micro_completions=8, **values))
+    run_per_prompt(tiny_cfg(data, base, one, rm, micro_completions=8, **values))
     out = tmp_path / "ddp"
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(config_dict(data, base, out, rm_path, micro_completions=2, **values)))
+    cfg.write_text(json.dumps(config_dict(data, base, out, rm, micro_completions=2, **values)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
            str(ROOT / "tests" / "ppo_fixtures.py"), str(cfg)]

@@ -233,6 +233,17 @@ def test_a_logprob_reward_model_learns_the_preference_and_saves_an_lm(run_logpro
     assert reward_score_of(read_meta(base)) is None  # an SFT checkpoint is no reward model
 
 
+def test_reward_score_of_refuses_a_logprob_record_without_a_finite_positive_beta():
+    meta = {"architecture": "lm", "path": "runs/rm/checkpoints/step_00000001"}
+    for beta in (0, -0.1, float("inf"), True, "0.1", None):
+        with pytest.raises(SproutError, match=r"^runs/rm/checkpoints/step_00000001/meta\.json: reward_score has kind "
+                                              r"logprob and beta .*; expected a finite number above 0$"):
+            reward_score_of({**meta, "reward_score": {"kind": "logprob", "beta": beta}})
+    assert reward_score_of({**meta, "reward_score": {"kind": "logprob", "beta": 2}}) == {"kind": "logprob", "beta": 2.0}
+    assert reward_score_of({**meta, "reward_score": {"kind": "other"}}) is None
+    assert reward_score_of({**meta, "architecture": "reward"}) == {"kind": "head"}
+
+
 def test_a_resumed_logprob_run_matches_an_uninterrupted_one_bit_for_bit(run_logprob, base, tmp_path):
     out_a, _, data = run_logprob
     out_b = resume_folder(out_a, 6, tmp_path / "rm_b")

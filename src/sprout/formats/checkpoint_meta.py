@@ -10,8 +10,9 @@ and loading their tensors is `sprout.checkpoint`'s.
 
 A reward model's checkpoint says how it scores a response (`reward_score_of`): a RewardModel
 (architecture "reward") by its score head; an LM trained with `reward.score: logprob`
-(`sprout.stages.reward`) by β × the response's summed log-probability, its meta.json holding
-`reward_score: {"kind": "logprob", "beta": β}`.
+(`sprout.stages.reward`), or imported from an export of one (`sprout.model.hf_import`), by β ×
+the response's summed log-probability, its meta.json holding `reward_score: {"kind": "logprob",
+"beta": β}` (`logprob_rule`: β a finite number above 0).
 """
 
 from __future__ import annotations
@@ -84,19 +85,31 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
     return meta
 
 
+def logprob_rule(score) -> dict | None:
+    """`score` as a log-probability reward model's rule {"kind": "logprob", "beta": β} (β a
+    float), or None unless it is a dict of kind logprob with β a finite number above 0."""
+    if not isinstance(score, dict) or score.get("kind") != "logprob":
+        return None
+    beta = score.get("beta")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta < float("inf"):
+        return None
+    return {"kind": "logprob", "beta": float(beta)}
+
+
 def reward_score_of(meta: dict) -> dict | None:
     """How the checkpoint of `meta` scores a response as a reward model: {"kind": "head"} for a
-    RewardModel (architecture reward), {"kind": "logprob", "beta": β} for an LM the reward stage
-    trained with score logprob, None for any other checkpoint. A logprob record without a
-    positive β is refused, naming the meta.json."""
+    RewardModel (architecture reward), `logprob_rule`'s {"kind": "logprob", "beta": β} for an LM
+    whose meta.json has that `reward_score` (trained with score logprob, or imported from its
+    export), None for any other checkpoint. A logprob record without a finite positive β is
+    refused, naming the meta.json."""
     arch = meta.get("architecture", "lm")
     if arch == "reward":
         return {"kind": "head"}
     score = meta.get("reward_score") or {}
-    if arch != "lm" or score.get("kind") != "logprob":
+    if arch != "lm" or not isinstance(score, dict) or score.get("kind") != "logprob":
         return None
-    beta = score.get("beta")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
-        raise SproutError(f"{Path(meta['path']) / META}: reward_score has kind logprob and beta {beta!r}; "
-                          "expected a number above 0")
-    return {"kind": "logprob", "beta": float(beta)}
+    rule = logprob_rule(score)
+    if rule is None:
+        raise SproutError(f"{Path(meta['path']) / META}: reward_score has kind logprob and beta "
+                          f"{json.dumps(score.get('beta'))}; expected a finite number above 0")
+    return rule

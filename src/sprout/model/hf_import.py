@@ -40,8 +40,9 @@ sha256) and its config.json (`source_config`), so `read_meta`, `load_model`, `--
 `scripts/chat.py` and `scripts/sample.py` open the run as any other. A config.json with
 `sprout_reward_score` (what `sprout.model.export` writes for a log-probability reward model) gives
 meta.json that `reward_score` (`import_reward_score`), so a reward model exported and imported
-back scores as before (PPO's `reward_model`); a value other than {"kind": "logprob", "beta": a
-number above 0} is refused, naming the config.json.
+back scores with the same rule (PPO's `reward_model`); a value other than {"kind": "logprob",
+"beta": a finite number above 0} is refused, naming the config.json. A GGUF carries no
+`sprout_reward_score` (its config is rebuilt from the GGUF's metadata): it imports as a plain LM.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from sprout.chat_formats import ChatFormat, write_chat_format
 from sprout.checkpoint import bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
-from sprout.formats.checkpoint_meta import reward_score_of
+from sprout.formats.checkpoint_meta import logprob_rule
 from sprout.mirror import expand_path
 from sprout.model.config import LLAMA3_ROPE, ModelConfig
 from sprout.model.export import LM_HEAD, sprout_weight_name
@@ -213,23 +214,6 @@ def read_config(path: Path) -> dict:
 
 
 # ---- config --------------------------------------------------------------------------------------
-def import_reward_score(config: dict, where: str) -> dict | None:
-    """config.json's `sprout_reward_score` as meta.json's `reward_score` ({"kind": "logprob", "beta": β},
-    read by `reward_score_of`), None without the key; any other value is refused, naming `where`."""
-    if "sprout_reward_score" not in config:
-        return None
-    score = config["sprout_reward_score"]
-    try:
-        rule = reward_score_of({"architecture": "lm", "reward_score": score, "path": ""}) \
-            if isinstance(score, dict) else None
-    except SproutError:
-        rule = None
-    if rule is None:
-        raise SproutError(f"{where}: sprout_reward_score {score!r} is not a log-probability reward model's rule "
-                          "(expected {\"kind\": \"logprob\", \"beta\": a number above 0})")
-    return rule
-
-
 def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling for `ModelConfig`) of a config.json: transformers 5's
     `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
@@ -301,6 +285,19 @@ def model_config(config: dict, where: str, max_seq_len: int | None = None) -> Mo
 
 
 # ---- weights -------------------------------------------------------------------------------------
+def import_reward_score(config: dict, where: str) -> dict | None:
+    """config.json's `sprout_reward_score` as meta.json's `reward_score` (`logprob_rule`'s
+    {"kind": "logprob", "beta": β}), None without the key; any other value is refused, naming `where`."""
+    if "sprout_reward_score" not in config:
+        return None
+    rule = logprob_rule(config["sprout_reward_score"])
+    if rule is None:
+        raise SproutError(f"{where}: sprout_reward_score {json.dumps(config['sprout_reward_score'])} is not a "
+                          'log-probability reward model\'s rule (expected {"kind": "logprob", "beta": a finite '
+                          "number above 0})")
+    return rule
+
+
 def source_weights(src: Source) -> dict[str, tuple[torch.Tensor, str]]:
     """{transformers name: (tensor, the file it came from)} of a source."""
     if src.weights is not None:
