@@ -389,8 +389,8 @@ def test_the_reward_models_preference_is_learnt_with_bounded_kl(base, data, rm_p
 @pytest.mark.parametrize("values, pattern", [
     ({"value_init": "reward"}, r"ppo.value_init reward needs a reward model"),
     ({"num_mini_batches": 3}, r"not a multiple of batch.num_mini_batches 3"),
-    ({"reward_model": "lm"}, r"reward_model must be a reward model checkpoint \(scripts/train_reward.py\), "
-                             r"not a checkpoint of stage 'sft' \(architecture 'lm'\)"),
+    ({"reward_model": "lm"}, r"reward_model must be a reward model checkpoint \(scripts/train_reward.py, or an "
+                             r"import of one's export\), not a checkpoint of stage 'sft' \(architecture 'lm'\)"),
     ({"reward_model": "logprob", "value_init": "reward"},
      r"meta.json: ppo.value_init reward copies a score head, and this log-probability reward model has none"),
 ])
