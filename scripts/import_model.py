@@ -10,9 +10,10 @@ the cache only) or a .gguf file (needs the 'import' extra: pip install 'sprout[i
 Llama, Qwen2 and Mistral (without a sliding window shorter than the context) are imported;
 anything else is refused in one line naming the config field. --out becomes an ordinary run
 folder: checkpoints/step_00000000 (an 'lm' checkpoint, the source and its config.json in
-meta.json, and a log-probability reward model's rule when config.json has sprout_reward_score) and the tokenizer files in tokenizer/NAME/ with the chat format detected from the
-model's own chat template (see src/sprout/model/hf_import.py). A folder that holds a run is
-refused unless --overwrite.
+meta.json, and a log-probability reward model's rule when config.json has sprout_reward_score)
+and the tokenizer files in tokenizer/NAME/ with the chat format detected from the model's own
+chat template (see src/sprout/model/hf_import.py). A folder that holds a run is refused unless
+--overwrite.
 """
 
 import argparse

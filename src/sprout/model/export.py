@@ -93,6 +93,7 @@ from sprout.model.load import load_model
 from sprout.tokenizer import HFTokenizer
 
 TEMPERATURE, TOP_P = 0.7, 1.0  # generation_config.json's sampling defaults (scripts/chat.py's)
+REWARD_SCORE_KEY = "sprout_reward_score"  # config.json: a log-probability reward model's rule (hf_import reads it)
 
 
 @dataclass
@@ -157,7 +158,7 @@ def hf_config(model, ids: dict | None = None, reward_score: dict | None = None) 
     if arch == "reward":
         cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if reward_score:
-        cfg["sprout_reward_score"] = reward_score
+        cfg[REWARD_SCORE_KEY] = reward_score
     return cfg
 
 

@@ -67,7 +67,7 @@ from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import logprob_rule
 from sprout.mirror import expand_path
 from sprout.model.config import LLAMA3_ROPE, ModelConfig
-from sprout.model.export import LM_HEAD, sprout_weight_name
+from sprout.model.export import LM_HEAD, REWARD_SCORE_KEY, sprout_weight_name
 from sprout.model.transformer import Transformer
 from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, hf_special_tokens, load_tokenizer, read_json_object
 
@@ -284,20 +284,20 @@ def model_config(config: dict, where: str, max_seq_len: int | None = None) -> Mo
         raise SproutError(f"{where}: {exc}") from None
 
 
-# ---- weights -------------------------------------------------------------------------------------
 def import_reward_score(config: dict, where: str) -> dict | None:
     """config.json's `sprout_reward_score` as meta.json's `reward_score` (`logprob_rule`'s
     {"kind": "logprob", "beta": β}), None without the key; any other value is refused, naming `where`."""
-    if "sprout_reward_score" not in config:
+    if REWARD_SCORE_KEY not in config:
         return None
-    rule = logprob_rule(config["sprout_reward_score"])
+    rule = logprob_rule(config[REWARD_SCORE_KEY])
     if rule is None:
-        raise SproutError(f"{where}: sprout_reward_score {json.dumps(config['sprout_reward_score'])} is not a "
+        raise SproutError(f"{where}: sprout_reward_score {json.dumps(config[REWARD_SCORE_KEY])} is not a "
                           'log-probability reward model\'s rule (expected {"kind": "logprob", "beta": a finite '
                           "number above 0})")
     return rule
 
 
+# ---- weights -------------------------------------------------------------------------------------
 def source_weights(src: Source) -> dict[str, tuple[torch.Tensor, str]]:
     """{transformers name: (tensor, the file it came from)} of a source."""
     if src.weights is not None:

@@ -12,8 +12,8 @@ policy's (only the head comes from the reward model, so it starts as the reward 
 read on the policy's backbone, not as the reward model).
 The value head has its own learning rate (`ppo.value_lr`, or optim.lr × `ppo.vf_lr_scale`).
 Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the reward model
-(`reward_model`, a `scripts/train_reward.py` run, or an import of one's export; same tokenizer as the policy; every checkpoint's
-meta records both in `frozen_models`, the reward model with how it scores; a resume refuses
+(`reward_model`, a `scripts/train_reward.py` run, or an import of one's export; same tokenizer as
+the policy; every checkpoint's meta records both in `frozen_models`, the reward model with how it scores; a resume refuses
 either once changed, `sprout.engine.loop.check_frozen_models`).
 
 Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
@@ -353,8 +353,8 @@ def load_reward_model(path: str, policy_meta: dict, longest: int):
     where = Path(meta["path"]) / META
     kind = reward_score_of(meta)
     if kind is None:
-        raise SproutError(f"{where}: reward_model must be a reward model checkpoint (scripts/train_reward.py, or an import of one's export), "
-                          f"not a checkpoint of stage {meta.get('stage')!r} (architecture "
+        raise SproutError(f"{where}: reward_model must be a reward model checkpoint (scripts/train_reward.py, "
+                          f"or an import of one's export), not a checkpoint of stage {meta.get('stage')!r} (architecture "
                           f"{meta.get('architecture', 'lm')!r})")
     if meta.get("tokenizer_fingerprint") != policy_meta.get("tokenizer_fingerprint"):
         raise SproutError(f"{where}: the reward model's tokenizer differs from the policy's "
