@@ -5,7 +5,7 @@ PYBIN   := $(VENV)/bin/python
 MIRROR  ?= $(abspath ../shared/data)
 DEMO    ?= runs/demo
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv test test-fast demo docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ test-fast: venv
 
 demo: venv
 	$(PYBIN) scripts/run_pipeline.py --preset demo --out $(DEMO) --mirror $(MIRROR)
+
+# docs/reference/config.md from the config dataclasses (tests/test_docs.py checks it is current)
+docs: venv
+	$(PYBIN) scripts/config_reference.py
 
 bench: venv
 	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/prep_throughput.py

@@ -4,7 +4,8 @@
 `config_help(cls)` gives each field's dotted name (the option that sets it), its type (its
 choices, its valid range), its default and one line of meaning, taken from the field's
 `metadata["help"]` or else the comment after the field in its source (`field_comments`);
-`add_config_help(parser, cls)` puts that at the end of an argparse parser's --help.
+`add_config_help(parser, cls)` puts that at the end of an argparse parser's --help;
+`config_markdown(cls)` renders the same rows as a Markdown table (docs/reference/config.md).
 """
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ def shown_default(default: Any) -> str:
         return "(required)"
     return yaml.safe_dump(default, default_flow_style=True, width=10_000).strip().removesuffix("\n...") \
         .removesuffix(" ...").strip()
+
+
+def config_markdown(cls: type, formats: tuple[str, ...] = ()) -> str:
+    """`config_fields(cls)` as a Markdown table: field, type (choices, valid range), default and
+    meaning; `formats`: the values a `format` field takes."""
+    lines = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, tp, default, meaning in config_fields(cls):
+        if name == "format" and formats:
+            tp = "{" + ", ".join(formats) + "}"
+        cells = [f"`{name}`", tp, "" if tp == "section" else f"`{shown_default(default)}`", meaning]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def add_config_help(parser, cls: type) -> None:
