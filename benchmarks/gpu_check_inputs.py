@@ -9,7 +9,7 @@
   its eot: the shards of the base model every post-training run starts from, so the base
   checkpoint records the tokenizer and its vocabulary is the tokenizer's;
 - `sft_rows`, `preference_pairs`, `rl_prompts`: the SFT, preference and RL prompt files
-  written by the real prep pipelines (`sprout.prep.sft`, `.preferences`, `.rl_prompts`)
+  written by the real prep pipelines (`sprout.prep.sft_data`, `.preferences`, `.rl_prompts`)
   from their `arithmetic` sources (`sprout.prep.arithmetic`), which need no data file.
 """
 
@@ -24,9 +24,9 @@ from sprout.config import from_dict
 from sprout.formats.manifest import write_shard_manifest
 from sprout.formats.shards import dtype_for_vocab, shard_name, write_shard
 from sprout.prep import arithmetic
-from sprout.prep import preferences as preference_prep
+from sprout.prep import preference_data as preference_prep
 from sprout.prep import rl_prompts as prompt_prep
-from sprout.prep import sft as sft_prep
+from sprout.prep import sft_data as sft_prep
 from sprout.prep.tokenizer_train import train_sentencepiece
 from sprout.tokenizer import load_tokenizer
 

@@ -32,7 +32,7 @@ import torch
 from sprout.model.heads import RewardModel
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.stages.dpo import DPOLossConfig, DPOStage
-from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator
 from sprout.engine.optim import OptimConfig, build_optimizer
 from sprout.stages.reward import RewardLossConfig, RewardStage
 from sprout.stages.sft import SFTStage

@@ -35,7 +35,7 @@ from reference_gpt import ReferenceGPT  # noqa: E402
 
 from sprout.losses.tokens import token_nll_sum  # noqa: E402
 from sprout.model.transformer import ModelConfig, Transformer  # noqa: E402
-from sprout.engine.loop import TrainConfig, Trainer, make_accelerator  # noqa: E402
+from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator  # noqa: E402
 from sprout.engine.metrics import measure_matmul_flops  # noqa: E402
 from sprout.engine.optim import OptimConfig, build_optimizer  # noqa: E402
 from sprout.engine.stage import TokenStage  # noqa: E402

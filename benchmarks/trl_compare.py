@@ -8,7 +8,7 @@ once per run into a temporary folder, or --hf-folder), so every side starts from
 weights, tokenizer and chat template. Data: arithmetic problems (`sprout.prep.arithmetic`) in
 conversational form, the same records on both sides. TRL's configs: CPU, bf16 off, gradient
 checkpointing off (TRL's default is on), no saving, no logging, constant lr, AdamW without
-weight decay, clipping at 1; sprout's loop (`sprout.engine.loop.Trainer`) alike.
+weight decay, clipping at 1; sprout's loop (`sprout.engine.trainer.Trainer`) alike.
 
 Rows (benchmarks/trl_compare_rows.py builds the trainer rows):
 

@@ -22,12 +22,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from data_loader.preferences import PreferenceLoader
-from data_loader.prompts import PromptLoader
+from data_loader.preference_batches import PreferenceLoader
+from data_loader.prompt_batches import PromptLoader
 from sprout.chat import render
-from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator
 from sprout.engine.optim import OptimConfig, build_optimizer
-from sprout.formats.preferences import write_preferences
+from sprout.formats.preference_pairs import write_preferences
 from sprout.formats.prompts import write_prompts
 from sprout.model.load import load_model
 from sprout.prep.arithmetic import generate as arithmetic_problems

@@ -9,12 +9,12 @@ and padding; --rows picks them by number, --random N draws N with --seed (the sa
 the same seed). Examples the prep truncated or dropped are summarised in warning lines.
 Rows, pairs and prompts are parsed in the tokenizer's chat format (`sprout.chat_formats`:
 sprout, chatml, llama3); an SFT file made with another format than its tokenizer's is refused.
-Exit status: 0 when every invariant of `sprout.formats.maskcheck` holds, 1 on any violation
+Exit status: 0 when every invariant of `sprout.formats.maskcheck_sft` holds, 1 on any violation
 (each printed with its row and position), 2 when the file is missing, corrupted
 (checksum mismatch), not an SFT file, or holds no rows.
 
 A preference file (`.jsonl`) is checked pair by pair as the preference loader renders it
-(`sprout.formats.pair_maskcheck`); it needs the tokenizer and the context length:
+(`sprout.formats.maskcheck_pairs`); it needs the tokenizer and the context length:
 
     python scripts/check_loss_mask.py prefs/preferences.jsonl --tokenizer sentencepiece:sp.model \
         --seq-len 256 [--truncation keep_end] --show 2 --html pairs.html
@@ -23,7 +23,7 @@ Pairs the loader would drop or shorten are listed; a violation is printed with i
 
 An RL prompt file (`.jsonl` whose records have a `gold`, `sprout.formats.prompts`) is
 rendered prompt by prompt with the generation header, as the policy sees it
-(`sprout.formats.prompt_maskcheck`); --seq-len, when given, lists prompts that leave no
+(`sprout.formats.maskcheck_prompts`); --seq-len, when given, lists prompts that leave no
 room to generate:
 
     python scripts/check_loss_mask.py rl_prompts/prompts.jsonl --tokenizer sentencepiece:sp.model \
@@ -38,12 +38,12 @@ import sys
 from sprout.atomic import atomic_write
 from sprout.chat import template_for
 from sprout.errors import SproutError, run_main
-from sprout.formats.maskcheck import (check_arrays, format_row, parse_rows, prep_warnings, random_rows, rows_html,
+from sprout.formats.maskcheck_sft import (check_arrays, format_row, parse_rows, prep_warnings, random_rows, rows_html,
                                       telling_rows)
-from sprout.formats.pair_maskcheck import check_preferences, format_pair, pairs_html
+from sprout.formats.maskcheck_pairs import check_preferences, format_pair, pairs_html
 from sprout.formats.preference_tokens import TRUNCATIONS
-from sprout.formats.prompt_maskcheck import check_prompts, format_prompt, holds_prompts, prompts_html
-from sprout.formats.sft import SFTFile
+from sprout.formats.maskcheck_prompts import check_prompts, format_prompt, holds_prompts, prompts_html
+from sprout.formats.packed_sft import SFTFile
 from sprout.tokenizer import load_tokenizer
 
 
@@ -109,7 +109,7 @@ def main() -> int:
 # ---- preference pairs ---------------------------------------------------------------------
 
 def check_pairs(args) -> int:
-    """Check every pair of a preference JSONL as `data_loader.preferences` would render it."""
+    """Check every pair of a preference JSONL as `data_loader.preference_batches` would render it."""
     if not args.tokenizer or not args.seq_len:
         raise SproutError(f"{args.file}: a preference file needs --tokenizer SPEC and --seq-len N")
     tok = load_tokenizer(args.tokenizer, mirror=args.mirror)

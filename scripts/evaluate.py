@@ -6,7 +6,7 @@
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/evaluate.py RUN --task arith
 
 RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint); its
-tokenizer is the copy its run folder keeps. Problems (`sprout.rl.eval_tasks`): `--task
+tokenizer is the copy its run folder keeps. Problems (`sprout.evaluation.tasks`): `--task
 arith` the arithmetic generator's held-out test problems, levels 1-4 (200 unless
 --max-examples); `--task gsm8k` GSM8K's test file from the data mirror (--mirror DIR, else
 $SPROUT_MIRROR, else ../shared/data), else the hub; `--prompts FILE` a prompt file
@@ -14,7 +14,7 @@ $SPROUT_MIRROR, else ../shared/data), else the hub; `--prompts FILE` a prompt fi
 
 Each prompt gets --n samples at --temperature (default 1: the policy's own distribution)
 and, with --greedy, one greedy answer; answers are read from <answer>…</answer> only
-(`sprout.rl.evaluation` says how each figure is computed). Under several processes the
+(`sprout.evaluation.evaluate` says how each figure is computed). Under several processes the
 prompts are split over them and the figures equal a one-process run with the same --batch-size.
 
 Writes --out (default: <run folder>/eval/<task>_step<step>.json, atomically): the figures,
@@ -25,7 +25,7 @@ are paired (`sprout.pipeline.report_card` does). Each figure in [0, 1] (pass@k,
 greedy/accuracy, greedy/format_rate, format/rate), over all prompts and per level, gains
 `<figure>_ci` = [lo, hi], its 95 % interval over problems: the Wilson score interval when
 every problem scores 0 or 1 (the greedy figures; pass@1 from --n 1), else a percentile
-bootstrap over problems (10,000 resamples, seed 0, whatever --seed; `sprout.rl.intervals`
+bootstrap over problems (10,000 resamples, seed 0, whatever --seed; `sprout.evaluation.statistics`
 gives the formulas). Prints a table, each interval on the row under its figure.
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.errors import SproutError, run_main
-from sprout.rl.eval_tasks import TASKS, file_prompts, task_prompts
+from sprout.evaluation.tasks import TASKS, file_prompts, task_prompts
 
 DEFAULT_KS = (1, 8)  # those at most --n, when --k is not given
 ROWS = ("pass@{k}", "greedy/accuracy", "greedy/format_rate", "format/rate", "completions/mean_length",
@@ -106,7 +106,7 @@ def main() -> int:
 
     from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer, run_folder
     from sprout.model.load import load_model
-    from sprout.rl.evaluation import evaluate_prompts
+    from sprout.evaluation.evaluate import evaluate_prompts
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     main_rank = accelerator.is_main_process

@@ -20,7 +20,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from sprout.engine.run_args import check_fresh_run
+from sprout.engine.cli import check_fresh_run
 from sprout.errors import run_main
 
 

@@ -8,8 +8,8 @@
 sources' hub ids are used.
 
 Writes OUT/preferences.jsonl (train), OUT/preferences_test.jsonl (test, split by prompt)
-and OUT/manifest.json, in the format of `sprout.formats.preferences`; see
-`sprout.prep.preferences` for the steps. Flags override the config; other `--field value`
+and OUT/manifest.json, in the format of `sprout.formats.preference_pairs`; see
+`sprout.prep.preference_data` for the steps. Flags override the config; other `--field value`
 pairs too.
 """
 
@@ -21,7 +21,7 @@ import sys
 
 from sprout.errors import run_main
 from sprout.prep.cli import parse_prep_config, prep_parser
-from sprout.prep.preferences import FORMATS, PreferenceDataConfig, PreferenceSourceConfig, prepare
+from sprout.prep.preference_data import FORMATS, PreferenceDataConfig, PreferenceSourceConfig, prepare
 
 FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float}
 

@@ -16,7 +16,7 @@ of problems to generate. Each source is named after its file, weight 1 by defaul
 sources' hub ids are used.
 
 Writes OUT (train) and OUT with `_val` before the suffix (val split), in the format of
-`sprout.formats.sft`; see `sprout.prep.sft` for the steps and `sprout.prep.packing` for the
+`sprout.formats.packed_sft`; see `sprout.prep.sft_data` for the steps and `sprout.prep.packing` for the
 over-long policy. Flags override the config; other `--field value` pairs too.
 """
 
@@ -30,7 +30,7 @@ import sys
 from sprout.errors import SproutError, run_main
 from sprout.prep.chat_sources import FORMATS, source_from_arg
 from sprout.prep.cli import parse_prep_config, prep_parser
-from sprout.prep.sft import SFTDataConfig, prepare
+from sprout.prep.sft_data import SFTDataConfig, prepare
 from sprout.tokenizer import load_tokenizer
 
 FLAGS = {"tokenizer": str, "out": str, "seq_len": int, "mirror": str, "max_examples": int,

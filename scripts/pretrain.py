@@ -15,7 +15,7 @@ prints the command that resumes. See sprout/stages/pretrain.py for what is check
 """
 
 from sprout.errors import run_main
-from sprout.engine.run_args import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.cli import VERIFY_FILES_HELP, add_input_flags, parse_run_config, run_parser
 from sprout.stages.configs import PretrainConfig
 
 

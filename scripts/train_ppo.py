@@ -15,7 +15,7 @@ and sprout/stages/rl_stage.py for the rollouts and the buffer.
 """
 
 from sprout.errors import run_main
-from sprout.engine.run_args import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.cli import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
 from sprout.stages.configs import PPOConfig
 
 

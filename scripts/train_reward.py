@@ -14,7 +14,7 @@ preferences_test.jsonl beside the train file (data.val_path to change it). Any
 """
 
 from sprout.errors import run_main
-from sprout.engine.run_args import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
+from sprout.engine.cli import VERIFY_MANIFEST_HELP, add_input_flags, parse_run_config, run_parser
 from sprout.stages.configs import RewardConfig
 
 

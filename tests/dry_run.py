@@ -28,8 +28,8 @@ from sprout.stages.rl_stage import rollout_micro_steps
 WORK = {
     "train_tokenizer.py": ("sprout.prep.tokenizer_train", "train_from_sources"),
     "prepare_pretrain_data.py": ("sprout.prep.pretrain", "prepare"),
-    "prepare_sft_data.py": ("sprout.prep.sft", "prepare"),
-    "prepare_preference_data.py": ("sprout.prep.preferences", "prepare"),
+    "prepare_sft_data.py": ("sprout.prep.sft_data", "prepare"),
+    "prepare_preference_data.py": ("sprout.prep.preference_data", "prepare"),
     "prepare_rl_prompts.py": ("sprout.prep.rl_prompts", "prepare"),
     "pretrain.py": ("sprout.stages.pretrain", "run_pretrain"),
     "train_sft.py": ("sprout.stages.sft", "run_sft"),

@@ -15,9 +15,9 @@ import torch
 
 from sprout.model.generate import generate
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator
 from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
-from sprout.engine.run import end_processes
+from sprout.engine.run_stage import end_processes
 from sprout.errors import run_main
 
 CONFIG = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=48)

@@ -165,7 +165,7 @@ if __name__ == "__main__":
     from sprout.errors import run_main
 
     def main() -> None:
-        import sprout.engine.run as engine_run
+        import sprout.engine.run_stage as engine_run
 
         end_processes = engine_run.end_processes
         for i, path in enumerate(sys.argv[1:], 1):

@@ -15,7 +15,7 @@ import torch
 from sprout.chat import TEMPLATE_VERSION
 from sprout.checkpoint import save_checkpoint
 from sprout.config import from_dict
-from sprout.formats.preferences import read_preferences, write_preferences
+from sprout.formats.preference_pairs import read_preferences, write_preferences
 from sprout.model.transformer import ModelConfig, Transformer
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "music", "bread", "light", "horse", "paper", "ocean"]

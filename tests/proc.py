@@ -21,7 +21,7 @@ may change in the process is put back, and what a new interpreter starts without
 without: environment, working directory, argv, sys.path, warning filters, logging handlers'
 streams, signal handlers, torch's thread count, the Python, NumPy and torch random states,
 accelerate's state, the run folders it held and the old runs --overwrite was to delete
-(`sprout.engine.run_args`), and the warnings `sprout.model.generate` gives once.
+(`sprout.engine.cli`), and the warnings `sprout.model.generate` gives once.
 """
 
 import contextlib
@@ -129,17 +129,17 @@ def _fresh_process_state(env: dict | None):
     it was after it (module doc)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from sprout.engine import run_args
+    from sprout.engine import cli as run_cli
     from sprout.model import generate
 
-    held = set(run_args._held_runs)
+    held = set(run_cli._held_runs)
     saved = (os.getcwd(), sys.argv, list(sys.path), torch.get_num_threads(),
              {s: signal.getsignal(s) for s in SIGNALS}, random.getstate(), np.random.get_state(),
              torch.get_rng_state())
     with contextlib.ExitStack() as stack:
         stack.enter_context(_swapped(os.environ, os.environ.copy() if env is None else env))
         for fresh in (PartialState._shared_state, AcceleratorState._shared_state, GradientState._shared_state,
-                      run_args._pending_clear, generate._warned):
+                      run_cli._pending_clear, generate._warned):
             stack.enter_context(_swapped(fresh))
         try:
             yield
@@ -152,8 +152,8 @@ def _fresh_process_state(env: dict | None):
             random.setstate(py_rng)
             np.random.set_state(np_rng)
             torch.set_rng_state(torch_rng)
-            for key in set(run_args._held_runs) - held:  # what the run held ends with it, as with its process
-                run_args.release_run(key)
+            for key in set(run_cli._held_runs) - held:  # what the run held ends with it, as with its process
+                run_cli.release_run(key)
 
 
 def run_here(cmd: list[str], cwd=None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

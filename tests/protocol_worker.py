@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.engine.loop import TrainConfig, all_reduce_sums, make_accelerator
+from sprout.engine.trainer import TrainConfig, all_reduce_sums, make_accelerator
 from sprout.engine.optim import OptimConfig, decay_groups
 from sprout.engine.stage import TokenStage
-from sprout.engine.run import train_stage
+from sprout.engine.run_stage import train_stage
 from sprout.errors import run_main
 
 V, T, ROWS, BETA = 32, 8, 6, 0.5

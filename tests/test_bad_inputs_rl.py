@@ -17,7 +17,7 @@ from preference_train_fixtures import base  # noqa: F401 (a fixture)
 from proc import run_group, run_here
 from test_bad_inputs_train import one_error, tree
 
-from sprout.engine.run_args import RUN_LOCK, hold_run, release_run
+from sprout.engine.cli import RUN_LOCK, hold_run, release_run
 from sprout.prep.rl_prompts import PromptDataConfig, prepare
 
 ROOT = Path(__file__).resolve().parents[1]

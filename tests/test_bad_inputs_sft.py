@@ -14,7 +14,7 @@ import h5py
 import pytest
 from test_bad_inputs_train import one_error, sft, sft_runs, tok, tree  # noqa: F401 (fixtures)
 
-from sprout.formats.sft import DATASETS, SFTFile, run_id_of
+from sprout.formats.packed_sft import DATASETS, SFTFile, run_id_of
 
 
 def forge(folder: Path, edit, run_id: bool) -> Path:

@@ -33,8 +33,8 @@ from sprout.errors import SproutError
 from sprout.formats.shards import write_shard
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.prep.pretrain import PrepConfig, prepare
-from sprout.prep.sft import SFTDataConfig
-from sprout.prep.sft import prepare as prepare_sft
+from sprout.prep.sft_data import SFTDataConfig
+from sprout.prep.sft_data import prepare as prepare_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"

@@ -17,8 +17,8 @@ from accelerate import Accelerator
 from sprout.engine import callbacks as cb
 from sprout.engine.callbacks import (CheckpointCadence, EvalCadence, FitRun, RunReport, Samples, StopSignals,
                                      TrainingRecords)
-from sprout.engine.fit import fit
-from sprout.engine.loop import TrainConfig
+from sprout.engine.training_loop import fit
+from sprout.engine.trainer import TrainConfig
 from sprout.engine.metrics import MetricsLogger, read_metrics
 
 

@@ -15,11 +15,11 @@ from sprout.chat_detect import detect_chat_format, detection_cases
 from sprout.chat_formats import (CHATML, LLAMA3, QWEN25_SYSTEM, SMOLLM2_SYSTEM, SPROUT, ChatFormat,
                                  check_trained_format, format_for, write_chat_format)
 from sprout.errors import SproutError
-from sprout.formats.maskcheck import check_arrays
-from sprout.formats.pair_maskcheck import check_preferences, format_pair, pair_violations
+from sprout.formats.maskcheck_sft import check_arrays
+from sprout.formats.maskcheck_pairs import check_preferences, format_pair, pair_violations
 from sprout.formats.preference_tokens import render_pair
-from sprout.formats.preferences import write_preferences
-from sprout.formats.prompt_maskcheck import RenderedPrompt, check_prompts, prompt_violations
+from sprout.formats.preference_pairs import write_preferences
+from sprout.formats.maskcheck_prompts import RenderedPrompt, check_prompts, prompt_violations
 from sprout.formats.prompts import write_prompts
 from sprout.prep.packing import pack
 

@@ -174,10 +174,10 @@ def test_config_help_lists_types_defaults_choices_and_meanings():
 
 def test_every_field_of_every_script_config_has_a_meaning():
     from sprout.config_help import config_fields
-    from sprout.prep.preferences import PreferenceDataConfig
+    from sprout.prep.preference_data import PreferenceDataConfig
     from sprout.prep.pretrain import PrepConfig
     from sprout.prep.rl_prompts import PromptDataConfig
-    from sprout.prep.sft import SFTDataConfig
+    from sprout.prep.sft_data import SFTDataConfig
     from sprout.prep.tokenizer_train import TokenizerTrainConfig
     from sprout.stages.pretrain import PretrainConfig
     from sprout.stages.sft import SFTConfig

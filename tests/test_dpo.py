@@ -16,14 +16,14 @@ from preference_train_fixtures import (base, cli_flags, grouped_held_out_pairs, 
                                        resume_folder, write_lm, write_pairs)
 from proc import free_port, run_group
 
-from data_loader.preferences import PreferenceLoader
+from data_loader.preference_batches import PreferenceLoader
 from sprout.checkpoint import read_meta
 from sprout.errors import SproutError
-from sprout.formats.preferences import write_preferences
+from sprout.formats.preference_pairs import write_preferences
 from sprout.losses.tokens import sequence_logps
 from sprout.model.load import load_model
 import sprout.stages.dpo as dpo_stage
-from sprout.engine.loop import TrainConfig, make_accelerator
+from sprout.engine.trainer import TrainConfig, make_accelerator
 from sprout.stages.dpo import DPOConfig, DPOLossConfig, DPOStage, run_dpo
 from sprout.stages.preference_stage import pair_groups
 from sprout.engine.metrics import read_metrics

@@ -14,14 +14,14 @@ import torch
 from proc import free_port, run_group, run_here
 from test_sft_train import base  # noqa: F401 (fixture: a tiny base checkpoint with the sp tokenizer)
 
-import sprout.rl.evaluation as evaluation
+import sprout.evaluation.evaluate as evaluation
 from sprout.chat import render
 from sprout.checkpoint import read_meta
 from sprout.model.generate import Rollout
 from sprout.prep.rl_prompts import PromptDataConfig, prepare
-from sprout.rl.eval_tasks import file_prompts, task_prompts
-from sprout.rl.evaluation import evaluate_prompts, mean_pass_at_k, problem_scores
-from sprout.rl.intervals import mean_interval, wilson_interval
+from sprout.evaluation.tasks import file_prompts, task_prompts
+from sprout.evaluation.evaluate import evaluate_prompts, mean_pass_at_k, problem_scores
+from sprout.evaluation.statistics import mean_interval, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ from test_sft_train import ROW, base, sft_file, train_losses  # noqa: F401, F811
 from test_sft_train import tiny_cfg as sft_cfg
 from test_train import data, launch_tiny, losses, tiny_cfg  # noqa: F401, F811 (data: a fixture)
 
-from data_loader.tokens import eval_rows, open_token_sources, read_tokens
+from data_loader.token_batches import eval_rows, open_token_sources, read_tokens
 from sprout.checkpoint import load_train_state, read_meta, tied_aliases
 from sprout.model.load import load_model
 from sprout.model.transformer import Transformer

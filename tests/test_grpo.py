@@ -25,9 +25,9 @@ from sprout.errors import SproutError
 from sprout.model.load import load_model
 from sprout.rl.advantages import batch_normalize, group_advantages, normalize_then_sum
 from sprout.stages.grpo import GRPOConfig, GRPOLossConfig, GRPOStage, run_grpo
-from sprout.engine.loop import Trainer
+from sprout.engine.trainer import Trainer
 from sprout.engine.metrics import read_metrics
-from data_loader.prompts import PromptLoader
+from data_loader.prompt_batches import PromptLoader
 from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig, completion_logps
 

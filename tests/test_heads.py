@@ -16,8 +16,8 @@ from sprout.losses.tokens import token_nll_sum
 from sprout.model.generate import generate
 from sprout.model.heads import PolicyWithValue, RewardModel, last_index, padding_inputs, score_at
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.engine.fit import fit
-from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.engine.training_loop import fit
+from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator
 from sprout.engine.metrics import read_metrics
 from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 from sprout.engine.stage import TokenStage

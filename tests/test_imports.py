@@ -16,6 +16,7 @@ one line that starts with the rule's name.
       checkpoint  sprout.checkpoint
       model       sprout.model, sprout.losses
       rl          sprout.rl
+      evaluation  sprout.evaluation
       data_loader data_loader
       engine      sprout.engine
       stages      sprout.stages
@@ -26,7 +27,7 @@ one line that starts with the rule's name.
   imports torch (nor accelerate or safetensors.torch), directly or through any module it
   imports, at any depth;
 - a trainer's configs and command line never reach torch: the same for the modules a
-  trainer's --help imports (`TORCH_FREE`: the config modules and `sprout.engine.run_args`),
+  trainer's --help imports (`TORCH_FREE`: the config modules and `sprout.engine.cli`),
   so --help and the config checks run without loading it;
 - the engine never imports a stage: nothing `sprout.engine` imports, at any depth, is in
   `sprout.stages`;
@@ -50,7 +51,7 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = ("torch", "accelerate", "safetensors.torch")
-TORCH_FREE = ("sprout.model.config", "sprout.losses.loss_types", "sprout.engine.configs", "sprout.engine.run_args",
+TORCH_FREE = ("sprout.model.config", "sprout.losses.loss_types", "sprout.engine.configs", "sprout.engine.cli",
               "sprout.stages.configs")
 LAYERS = (
     ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.ranges", "sprout.option_names", "sprout.config",
@@ -61,6 +62,7 @@ LAYERS = (
     ("checkpoint", ("sprout.checkpoint",)),
     ("model", ("sprout.model", "sprout.losses")),
     ("rl", ("sprout.rl",)),
+    ("evaluation", ("sprout.evaluation",)),
     ("data_loader", ("data_loader",)),
     ("engine", ("sprout.engine",)),
     ("stages", ("sprout.stages",)),
@@ -269,8 +271,8 @@ def _is_package(module: str) -> bool:
 
 def test_the_repository_follows_the_import_rules():
     sources = read_tree()
-    assert {"sprout.prep.pretrain", "sprout.formats.shards", "sprout.engine.loop", "sprout.answers",
-            "sprout.model.load", "data_loader.tokens", "scripts.pretrain"} <= set(sources)
+    assert {"sprout.prep.pretrain", "sprout.formats.shards", "sprout.engine.trainer", "sprout.answers",
+            "sprout.model.load", "data_loader.token_batches", "scripts.pretrain"} <= set(sources)
     assert violations(sources, _is_package) == []
 
 
@@ -294,14 +296,14 @@ CLEAN_TREE = {
     "sprout.losses": "",
     "sprout.losses.tokens": "import torch\n",
     "sprout.engine": "",
-    "sprout.engine.loop": "import accelerate\nfrom sprout.checkpoint import read_meta\n\ndef f():\n    from sprout.formats import jsonl\n",
-    "sprout.engine.fit": "import tqdm\nfrom sprout.engine.loop import Trainer\n",
+    "sprout.engine.trainer": "import accelerate\nfrom sprout.checkpoint import read_meta\n\ndef f():\n    from sprout.formats import jsonl\n",
+    "sprout.engine.training_loop": "import tqdm\nfrom sprout.engine.trainer import Trainer\n",
     "sprout.engine.configs": "import dataclasses\nfrom sprout.answers import parse\n",
     "sprout.stages": "",
-    "sprout.stages.sft": "from sprout.engine.fit import fit\nfrom sprout.model.load import load_model\n",
+    "sprout.stages.sft": "from sprout.engine.training_loop import fit\nfrom sprout.model.load import load_model\n",
     "data_loader": "",
-    "data_loader.tokens": "import torch\nfrom sprout.formats.jsonl import read\n",
-    "scripts.train": "import data_loader.tokens\nfrom sprout.stages.sft import run\n",
+    "data_loader.token_batches": "import torch\nfrom sprout.formats.jsonl import read\n",
+    "scripts.train": "import data_loader.token_batches\nfrom sprout.stages.sft import run\n",
 }
 
 
@@ -324,21 +326,21 @@ def test_the_checker_sees_each_kind_of_violation():
         "sprout.rl": "",
         "sprout.rl.kl": "import torch\n",
         "sprout.engine.report": "def f():\n    from sprout.stages import sft\n",  # the engine -> a stage
-        "sprout.engine.configs": "from sprout.engine.fit import fit\n",          # -> accelerate through the loop
+        "sprout.engine.configs": "from sprout.engine.training_loop import fit\n",          # -> accelerate through the loop
         "sprout.unplaced": "",                                                   # in no layer
         "scripts.train": "",
-        "data_loader.tokens": "from tests.fixtures import tiny\nimport scripts.train\n",
+        "data_loader.token_batches": "from tests.fixtures import tiny\nimport scripts.train\n",
     })
     found = violations(fake, lambda m: m in FAKE_PACKAGES | {"sprout.rl", "sprout.unplaced"})
     assert {line.partition(":")[0] for line in found} == set(RULES)
     assert f"{LAYERS_RULE}: sprout.model.d (model) imports sprout.rl.kl (rl)" in found
     assert f"{LAYERS_RULE}: sprout.formats.c (formats) imports sprout.prep.a (prep)" in found
-    assert f"{LAYERS_RULE}: data_loader.tokens (data_loader) imports scripts.train (scripts)" in found
+    assert f"{LAYERS_RULE}: data_loader.token_batches (data_loader) imports scripts.train (scripts)" in found
     assert f"{LAYERS_RULE}: sprout.unplaced is in no layer" in found
     assert f"{TORCH_RULE}: sprout.prep.a imports torch through sprout.bpb" in found
     assert f"{TORCH_RULE}: sprout.formats.b imports torch.nn" in found
     assert f"{TORCH_RULE}: sprout.formats.c imports torch through sprout.prep.a -> sprout.bpb" in found
-    assert f"{CONFIG_RULE}: sprout.engine.configs imports accelerate through sprout.engine.fit -> sprout.engine.loop" \
+    assert f"{CONFIG_RULE}: sprout.engine.configs imports accelerate through sprout.engine.training_loop -> sprout.engine.trainer" \
         in found
     assert f"{ENGINE_RULE}: sprout.engine.report imports sprout.stages.sft" in found
     assert f"{CHECKPOINT_RULE}: sprout.checkpoint imports sprout.model.heads" in found
@@ -348,5 +350,5 @@ def test_the_checker_sees_each_kind_of_violation():
     assert f"{CYCLE_RULE}: packages sprout.checkpoint <-> sprout.model" in found
     assert f"{CYCLE_RULE}: packages sprout.engine <-> sprout.stages" in found
     assert f"{PRIVATE_RULE}: sprout.prep.c imports _own from sprout.prep.b" in found
-    assert f"{OUTSIDE_RULE}: data_loader.tokens imports tests.fixtures.tiny" in found
-    assert f"{OUTSIDE_RULE}: data_loader.tokens imports scripts.train" in found
+    assert f"{OUTSIDE_RULE}: data_loader.token_batches imports tests.fixtures.tiny" in found
+    assert f"{OUTSIDE_RULE}: data_loader.token_batches imports scripts.train" in found

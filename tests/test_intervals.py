@@ -1,4 +1,4 @@
-"""The interval maths of sprout.rl.intervals against hand-computed cases: Wilson intervals
+"""The interval maths of sprout.evaluation.statistics against hand-computed cases: Wilson intervals
 from the closed form (and the published 81/263 example), bootstraps drawn by hand with the
 same generator, paired differences whose answer is known, the same seed giving the same
 interval."""
@@ -10,7 +10,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from sprout.rl.intervals import (Z95, bootstrap_means, excludes_zero, mean_interval, paired_difference_interval,
+from sprout.evaluation.statistics import (Z95, bootstrap_means, excludes_zero, mean_interval, paired_difference_interval,
                                  percentile_interval, wilson_interval)
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_loader.tokens import (
+from data_loader.token_batches import (
     DistributedTokenLoader,
     RandomWindowSampler,
     TokenStream,

@@ -12,10 +12,10 @@ from sft_fixtures import source_list, write_sources
 
 from sprout.chat import segment, template_for
 from sprout.errors import SproutError
-from sprout.formats.maskcheck import (CUT_LABEL, check_arrays, format_row, parse_rows, prep_warnings, random_rows,
+from sprout.formats.maskcheck_sft import (CUT_LABEL, check_arrays, format_row, parse_rows, prep_warnings, random_rows,
                                       rows_html, telling_rows)
-from sprout.formats.sft import SFTFile, write_sft
-from sprout.prep.sft import SFTDataConfig, prepare
+from sprout.formats.packed_sft import SFTFile, write_sft
+from sprout.prep.sft_data import SFTDataConfig, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_loader.sft import shift
+from data_loader.sft_batches import shift
 from sprout.prep.packing import best_fit, fit_examples, pack
 
 

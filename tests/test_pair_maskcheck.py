@@ -1,4 +1,4 @@
-"""The loss-mask checker for preference pairs (`sprout.formats.pair_maskcheck` and
+"""The loss-mask checker for preference pairs (`sprout.formats.maskcheck_pairs` and
 `scripts/check_loss_mask.py FILE.jsonl`): good pairs pass, crafted bad ones (prompt tokens that
 differ between the sides, a mask on an earlier assistant turn or missing the eot, an answer that
 is not the record's, a side past the context) fail naming the line; --html writes a page."""
@@ -14,9 +14,9 @@ import pytest
 
 from sprout.chat import template_for
 from sprout.formats import preference_tokens
-from sprout.formats.pair_maskcheck import check_preferences, format_pair, pair_violations
+from sprout.formats.maskcheck_pairs import check_preferences, format_pair, pair_violations
 from sprout.formats.preference_tokens import render_pair
-from sprout.formats.preferences import write_preferences
+from sprout.formats.preference_pairs import write_preferences
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -254,7 +254,7 @@ def figures(out: Path) -> dict[str, dict]:
 
 
 def test_report_card_figures_are_the_stages_own_metrics(reference):
-    from sprout.rl.intervals import wilson_interval
+    from sprout.evaluation.statistics import wilson_interval
     _, out = reference
     card = json.loads((out / "report" / "report_card.json").read_text())["rows"]
     assert [r["stage"] for r in card] == list(TRAIN)
@@ -324,7 +324,7 @@ def made_up_eval(out: Path, run: str, ids, correct, greedy, *, task="arith", n=4
     """An evaluate.py JSON of a checkpoint in `out/run`: `correct[i]` of n samples and greedy
     `greedy[i]` right on problem `ids[i]`, the figures and intervals computed as evaluate.py does
     (without `per_problem`: a file of before per-problem records and intervals)."""
-    from sprout.rl.evaluation import figure_intervals
+    from sprout.evaluation.evaluate import figure_intervals
     problems = [{"id": i, "source": "arithmetic_test", "level": 1, "n": n, "correct": c, "formatted": n,
                  "greedy_correct": g, "greedy_formatted": 1} for i, c, g in zip(ids, correct, greedy)]
     metrics = {"prompts": len(ids), "pass@1": sum(correct) / (n * len(ids)), "greedy/accuracy": sum(greedy) / len(ids)}
@@ -342,7 +342,7 @@ def test_report_card_intervals_and_real_changes_on_made_up_evals(tmp_path):
     its interval excludes 0; different problems, settings or no per-problem records unpaired;
     DPO's held-out accuracy with its Wilson interval."""
     from sprout.pipeline.report_card import write_report_card
-    from sprout.rl.intervals import wilson_interval
+    from sprout.evaluation.statistics import wilson_interval
     out = tmp_path / "runs"
     train = {"name": "sft", "kind": "train", "script": "train_sft.py", "out": "sft_model"}
     stages = [{"name": "import_smol", "kind": "prep", "script": "import_model.py", "out": "smol"},

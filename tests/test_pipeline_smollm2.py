@@ -149,7 +149,7 @@ def test_every_stage_of_the_preset_runs(smol, tiny_llama):
 
 
 def test_report_card_figures_are_the_stages_own_metrics(smol):
-    from sprout.rl.intervals import wilson_interval
+    from sprout.evaluation.statistics import wilson_interval
     _, preset, out = smol
     state = read_state(out)["stages"]
     rows = {r["stage"]: r for r in json.loads((out / "report" / "report_card.json").read_text())["rows"]}

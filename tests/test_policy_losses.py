@@ -11,7 +11,7 @@ import torch
 from sprout.losses.policy import (aggregate, bias_corrected_kl, cispo_clip_ratio_sums, cispo_surrogate,
                                   clip_ratio_sums, clipped_surrogate, denominator, importance_log_weights,
                                   policy_loss, sapo_surrogate, token_entropy, value_loss)
-from sprout.rl.evaluation import mean_pass_at_k, pass_at_k
+from sprout.evaluation.evaluate import mean_pass_at_k, pass_at_k
 from sprout.rl.kl import kl_k3
 
 RATIOS = torch.tensor([[0.5, 1.1, 1.5, 3.0]])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from data_loader.prompts import PromptLoader
+from data_loader.prompt_batches import PromptLoader
 from grpo_fixtures import data  # noqa: F401 (data, base: fixtures)
 from grpo_fixtures import tiny_cfg as grpo_cfg
 from ppo_fixtures import config_dict, run_per_prompt, tiny_cfg, write_digit_reward_model

@@ -1,4 +1,4 @@
-"""Preference batches (`data_loader.preferences` over `sprout.formats.preference_tokens`):
+"""Preference batches (`data_loader.preference_batches` over `sprout.formats.preference_tokens`):
 response-only masks, both sides of a pair in one micro-batch, rank-disjoint seeded order with
 exact resume, keep_end truncation and drop counts, eval padding across ranks; fixtures are
 preference JSONL files written by the test through the format's own writer."""
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from data_loader.preferences import PreferenceLoader
+from data_loader.preference_batches import PreferenceLoader
 from sprout.errors import SproutError
 from sprout.formats import preference_tokens
 from sprout.formats.preference_tokens import render_pair, tokenize_preferences
-from sprout.formats.preferences import write_preferences
+from sprout.formats.preference_pairs import write_preferences
 
 
 def msg(role, content):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from sprout.errors import SproutError
-from sprout.formats.preferences import read_preferences, verify_preferences, write_preferences
-from sprout.prep.preferences import Drop, PreferenceDataConfig, parse_hh, prepare, prompt_key
+from sprout.formats.preference_pairs import read_preferences, verify_preferences, write_preferences
+from sprout.prep.preference_data import Drop, PreferenceDataConfig, parse_hh, prepare, prompt_key
 from sprout.prep.keys import is_val
 
 ROOT = Path(__file__).resolve().parents[1]

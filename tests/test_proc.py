@@ -63,14 +63,14 @@ def test_a_run_starts_as_a_new_process_and_leaves_no_accelerator_log_stream_or_h
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from sprout.engine import run_args
+    from sprout.engine import cli as run_cli
 
     Accelerator(cpu=True)
     state = dict(AcceleratorState._shared_state)
     script = tmp_path / "holds.py"
     script.write_text(f"""import logging, sys
 from accelerate.state import AcceleratorState
-from sprout.engine.run_args import hold_run
+from sprout.engine.cli import hold_run
 print(len(AcceleratorState._shared_state))
 hold_run({str(tmp_path / "run")!r})
 log = logging.getLogger("a_library")
@@ -82,6 +82,6 @@ log.warning("in the run")
     assert AcceleratorState._shared_state == state and Accelerator(cpu=True).state.initialized
     handler = logging.getLogger("a_library").handlers.pop()
     assert handler.stream is sys.stderr
-    assert (tmp_path / "run").resolve() not in run_args._held_runs
-    assert run_args.hold_run(tmp_path / "run")  # free again: this process takes it
-    run_args.release_run(tmp_path / "run")
+    assert (tmp_path / "run").resolve() not in run_cli._held_runs
+    assert run_cli.hold_run(tmp_path / "run")  # free again: this process takes it
+    run_cli.release_run(tmp_path / "run")

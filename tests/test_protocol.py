@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from sprout.checkpoint import load_train_state
 from sprout.config import resume_config, resume_free_paths
 from sprout.model.transformer import Transformer
-from sprout.engine.fit import fit
-from sprout.engine.loop import TrainConfig, Trainer, config_hash, make_accelerator
+from sprout.engine.training_loop import fit
+from sprout.engine.trainer import TrainConfig, Trainer, config_hash, make_accelerator
 from sprout.engine.metrics import read_metrics
 from sprout.engine.optim import OptimConfig, build_optimizer, decay_groups, lr_schedule
 from sprout.stages.pretrain import PretrainConfig

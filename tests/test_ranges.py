@@ -79,10 +79,10 @@ def test_help_shows_each_range_after_its_type():
 # ---- every numeric field of every script's config -----------------------------------------------
 def script_configs() -> list[type]:
     from sprout.prep.chat_sources import SourceConfig
-    from sprout.prep.preferences import PreferenceDataConfig, PreferenceSourceConfig
+    from sprout.prep.preference_data import PreferenceDataConfig, PreferenceSourceConfig
     from sprout.prep.pretrain import PrepConfig
     from sprout.prep.rl_prompts import PromptDataConfig, PromptSourceConfig
-    from sprout.prep.sft import SFTDataConfig
+    from sprout.prep.sft_data import SFTDataConfig
     from sprout.prep.sources import SourceSpec
     from sprout.prep.tokenizer_train import TokenizerTrainConfig
     from sprout.stages.configs import DPOConfig, GRPOConfig, PPOConfig, PretrainConfig, RewardConfig, SFTConfig

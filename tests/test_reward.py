@@ -18,15 +18,15 @@ from preference_train_fixtures import (MARK, base, cli_flags, grouped_held_out_p
                                        resume_folder, tiny_cfg, write_pairs)
 from proc import free_port, run_group, run_here
 
-from data_loader.preferences import PreferenceLoader
+from data_loader.preference_batches import PreferenceLoader
 from sprout.checkpoint import read_meta
 from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.model.heads import RewardModel
 from sprout.model.load import load_model
 from sprout.engine.metrics import read_metrics
 from sprout.errors import SproutError
-from sprout.formats.preferences import read_preferences, write_preferences
-from sprout.engine.loop import TrainConfig, Trainer, make_accelerator
+from sprout.formats.preference_pairs import read_preferences, write_preferences
+from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator
 from sprout.stages.preference_stage import pair_groups
 from sprout.chat import render
 from sprout.model.transformer import Transformer
@@ -332,8 +332,8 @@ def test_a_file_edited_after_prep_is_refused_unless_data_verify_sizes(base, tmp_
     is refused at start with one line (data.verify full), and let through by data.verify sizes,
     which checks only that both files are listed."""
     from sprout.formats.verify_data import verify_jsonl_data
-    from sprout.prep.preferences import PreferenceDataConfig as PrepConfig
-    from sprout.prep.preferences import prepare
+    from sprout.prep.preference_data import PreferenceDataConfig as PrepConfig
+    from sprout.prep.preference_data import prepare
 
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(json.dumps(r) + "\n" for r in marked_pairs(60, 3)))

@@ -315,7 +315,7 @@ def _prompt_file(tmp_path) -> Path:
 
 def test_prompt_check_passes_shows_and_lists_long_prompts(tmp_path, tok):
     from sprout.chat import template_for
-    from sprout.formats.prompt_maskcheck import check_prompts, format_prompt
+    from sprout.formats.maskcheck_prompts import check_prompts, format_prompt
 
     path = _prompt_file(tmp_path)
     lengths = [len(item.ids) for item in check_prompts(path, tok, template_for(tok), show=3).shown]
@@ -346,10 +346,10 @@ def test_check_loss_mask_fails_a_bad_rendering_naming_the_line(tmp_path, sp, mon
     """A renderer that changes a prompt token of line 2, or loses its generation header, fails."""
     import runpy
 
-    from sprout.formats import prompt_maskcheck
+    from sprout.formats import maskcheck_prompts
 
     path = _prompt_file(tmp_path)
-    real = prompt_maskcheck.render
+    real = maskcheck_prompts.render
 
     def crafted(messages, tok, add_generation_prompt=False):
         ids, mask = real(messages, tok, add_generation_prompt)
@@ -359,7 +359,7 @@ def test_check_loss_mask_fails_a_bad_rendering_naming_the_line(tmp_path, sp, mon
             ids, mask = ids[:-1], mask[:-1]
         return ids, mask
 
-    monkeypatch.setattr(prompt_maskcheck, "render", crafted)
+    monkeypatch.setattr(maskcheck_prompts, "render", crafted)
     monkeypatch.setattr(sys, "argv", ["check_loss_mask.py", str(path), "--tokenizer", sp.spec])
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(ROOT / "scripts" / "check_loss_mask.py"), run_name="__main__")

@@ -18,7 +18,7 @@ from test_train import V, losses, tiny_cfg, write_data
 from sprout.config import dump_yaml
 from sprout.errors import SproutError
 from sprout.stages.pretrain import PretrainConfig, run_pretrain
-from sprout.engine.run_args import RUN_LOCK, check_fresh_run, clear_run, parse_run_config, run_files, run_parser
+from sprout.engine.cli import RUN_LOCK, check_fresh_run, clear_run, parse_run_config, run_files, run_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 

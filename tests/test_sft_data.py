@@ -12,16 +12,16 @@ import pytest
 import torch
 from sft_fixtures import ALPACA, DOLLY_ORIGINAL, GSM8K, source_list, write_jsonl, write_sources
 
-from data_loader.sft import SFTLoader
+from data_loader.sft_batches import SFTLoader
 from sprout.answers import parse_answer
 from sprout.chat import template_for
 from sprout.errors import SproutError
-from sprout.formats.maskcheck import check_arrays
-from sprout.formats.sft import SFTFile, val_path
+from sprout.formats.maskcheck_sft import check_arrays
+from sprout.formats.packed_sft import SFTFile, val_path
 from sprout.chat import ChatError, validate
 from sprout.prep.keys import conversation_key, is_val
 from sprout.prep.mixture import resample
-from sprout.prep.sft import SFTDataConfig, prepare
+from sprout.prep.sft_data import SFTDataConfig, prepare
 from sprout.prep.chat_sources import SourceConfig, iter_records, read_source, strip_alpaca_wrapper
 
 ROOT = Path(__file__).resolve().parents[1]

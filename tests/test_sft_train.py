@@ -13,7 +13,7 @@ import torch
 from proc import free_port, run_group, run_here
 from test_train import sections
 
-from data_loader.sft import SFTLoader
+from data_loader.sft_batches import SFTLoader
 from sprout.chat import TEMPLATE_VERSION, ChatError, render
 from sprout.model.chat_session import ChatSession, load_chat_model
 from sprout.checkpoint import read_meta, save_checkpoint
@@ -21,7 +21,7 @@ from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum
 from sprout.model.load import load_model
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.prep.sft import SFTDataConfig, prepare
+from sprout.prep.sft_data import SFTDataConfig, prepare
 from sprout.config import from_dict
 from sprout.engine.metrics import read_metrics
 from sprout.stages.sft import SFTConfig, run_sft, sft_batch_loss
@@ -285,7 +285,7 @@ def test_eval_on_a_rank_without_val_rows_still_runs_its_forward(sft_file):
     import contextlib
     from types import SimpleNamespace
 
-    from sprout.formats.sft import val_path
+    from sprout.formats.packed_sft import val_path
     from sprout.stages.sft import SFTStage
 
     n_rows = SFTLoader(val_path(sft_file), 1).num_rows

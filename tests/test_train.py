@@ -19,7 +19,7 @@ from sprout.model.load import load_model
 from sprout.formats.manifest import write_shard_manifest
 from sprout.formats.shards import shard_name, write_shard
 from sprout.config import config_to_dict, from_dict
-from sprout.engine.loop import NonFiniteLoss, TrainConfig, Trainer, check_frozen_models, make_accelerator
+from sprout.engine.trainer import NonFiniteLoss, TrainConfig, Trainer, check_frozen_models, make_accelerator
 from sprout.engine.metrics import read_metrics
 from sprout.stages.pretrain import PretrainConfig, PretrainStage, run_pretrain
 from sprout.engine.schedule import chinchilla_steps, lr_at, seq_len_at, seq_len_stages
@@ -423,7 +423,7 @@ def short_run(data: Path, mixed_precision: str, steps: int = 20):
     """`steps` Trainer steps with the pretraining loss: d_model 64, 2 layers, 8 rows of 32 tokens."""
     from accelerate.state import AcceleratorState
 
-    from data_loader.tokens import DistributedTokenLoader, open_token_sources
+    from data_loader.token_batches import DistributedTokenLoader, open_token_sources
     from sprout.model.transformer import Transformer
     from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 

@@ -1,7 +1,7 @@
 """Worker for test_train.test_a_rank_running_out_of_data_stops_every_rank (run under torchrun).
 
 A toy stage whose rank 1 runs out of data after 3 steps while rank 0 still has batches:
-`sprout.engine.fit.fit` must stop both at the same step (the stop decision is all-reduced), evaluate,
+`sprout.engine.training_loop.fit` must stop both at the same step (the stop decision is all-reduced), evaluate,
 checkpoint and return, instead of leaving rank 0 waiting in a collective for ever.
 """
 
@@ -11,10 +11,10 @@ import torch
 
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import ModelConfig, Transformer
-from sprout.engine.fit import fit
-from sprout.engine.loop import TrainConfig, Trainer, all_reduce_sums, make_accelerator
+from sprout.engine.training_loop import fit
+from sprout.engine.trainer import TrainConfig, Trainer, all_reduce_sums, make_accelerator
 from sprout.engine.optim import OptimConfig, build_optimizer
-from sprout.engine.run import end_processes
+from sprout.engine.run_stage import end_processes
 from sprout.engine.stage import TokenStage
 from sprout.errors import run_main
 

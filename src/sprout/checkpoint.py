@@ -33,7 +33,7 @@ stage, step, weights sha256), which the run's report names.
 Frozen models: a stage that scores with other checkpoints after its first step (the reference of
 DPO, PPO and GRPO, PPO's reward model) records each in meta.json's `frozen_models` ({role:
 `frozen_model_record`: path, weights sha256, how it is used}); a resume refuses one whose weights
-or use changed since (`sprout.engine.loop.check_frozen_models`), so a run never continues
+or use changed since (`sprout.engine.trainer.check_frozen_models`), so a run never continues
 against another model.
 
 Tensor state of a stage (a rollout buffer, a sampler's generator) goes in train_state.pt

@@ -1,4 +1,4 @@
-"""What happens around the training steps, one job each; `sprout.engine.fit` runs them.
+"""What happens around the training steps, one job each; `sprout.engine.training_loop` runs them.
 
 A callback has any of four hooks, each called with the `FitRun` (the trainer, the stage,
 the metrics logger, the last step's figures and whether the run is ending):
@@ -32,7 +32,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from sprout.engine.loop import TrainConfig, Trainer, all_reduce_sums
+from sprout.engine.trainer import TrainConfig, Trainer, all_reduce_sums
 from sprout.engine.metrics import MetricsLogger, log_line, measure_matmul_flops, mfu, plot_loss_curve
 from sprout.engine.report import start_record, write_report
 from sprout.engine.stage import Stage

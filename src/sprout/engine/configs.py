@@ -3,7 +3,7 @@ trainer's --help and its config checks run without loading it.
 
     OptimConfig       AdamW and its lr schedule (`sprout.engine.optim`)
     TrainConfig       run length, precision, seed, cadence of logs, eval and checkpoints
-                      (`sprout.engine.loop`)
+                      (`sprout.engine.trainer`)
     TokenBatchConfig  the batch of the token stages (pretraining, SFT), in tokens
     StageConfig       what every stage's config ends with: optim, train and out
 """
@@ -74,7 +74,7 @@ RUN_FOLDER_HELP = "run folder: config.yaml, metrics, checkpoints, report"
 
 class StageConfig:
     """What every stage's config ends with: `optim`, `train` and `out` (the run folder, which a
-    resume may change), read by `sprout.engine.run.train_stage`. A stage's config is a dataclass subclass that
+    resume may change), read by `sprout.engine.run_stage.train_stage`. A stage's config is a dataclass subclass that
     declares its own fields (init or model, data, batch, its loss section, ...) and gives its
     defaults for these three as class arguments:
 

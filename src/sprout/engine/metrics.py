@@ -123,7 +123,7 @@ class MetricsLogger:
             self.file = None
         if self.trackers:
             # Not accelerator.end_training(): it also destroys the process group, which the
-            # run still needs (final barrier in sprout.engine.run.end_processes).
+            # run still needs (final barrier in sprout.engine.run_stage.end_processes).
             for tracker in self.accelerator.trackers:
                 tracker.finish()
             self.trackers = []

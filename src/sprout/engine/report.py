@@ -1,6 +1,6 @@
 """A run's report.md: what ran, what it measured and where its files are, readable without a browser.
 
-Written by rank 0 at the end of `sprout.engine.fit.fit`, next to metrics.jsonl and loss.png, from
+Written by rank 0 at the end of `sprout.engine.training_loop.fit`, next to metrics.jsonl and loss.png, from
 those records and the checkpoint meta; every figure in it is read from metrics.jsonl, so
 the report can be rebuilt from a run folder at any time (`write_report`).
 

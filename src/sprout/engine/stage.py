@@ -1,4 +1,4 @@
-"""The stage protocol: what a stage gives the shared loop (`sprout.engine.loop.Trainer`).
+"""The stage protocol: what a stage gives the shared loop (`sprout.engine.trainer.Trainer`).
 
 A stage is any object with (`TokenStage` gives the defaults marked *, for batches of token rows):
 

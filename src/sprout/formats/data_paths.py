@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sprout.errors import SproutError
-from sprout.formats import preferences, prompts
+from sprout.formats import preference_pairs, prompts
 from sprout.formats.manifest import MANIFEST
 
 
@@ -45,7 +45,7 @@ class PrepFiles:
 
 
 PREFERENCE_FILES = PrepFiles("preference pairs", "scripts/prepare_preference_data.py", ".jsonl", "_test",
-                             preferences.TRAIN_FILE)
+                             preference_pairs.TRAIN_FILE)
 PROMPT_FILES = PrepFiles("RL prompts", "scripts/prepare_rl_prompts.py", ".jsonl", "_test", prompts.TRAIN_FILE)
 SFT_FILES = PrepFiles("packed SFT rows", "scripts/prepare_sft_data.py", ".h5", "_val", "sft.h5")
 PRETRAIN_SCRIPT = "scripts/prepare_pretrain_data.py"

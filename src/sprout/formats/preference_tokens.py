@@ -1,6 +1,6 @@
 """Preference pairs as token sequences: the one rendering the pair loader and the mask checker share.
 
-Each side of a pair (`sprout.formats.preferences`) is one conversation rendered by
+Each side of a pair (`sprout.formats.preference_pairs`) is one conversation rendered by
 `sprout.chat.render`: the prompt messages, then that side's single assistant message.
 
     prompt_ids = render(prompt, add_generation_prompt=True)   ends with the assistant header
@@ -28,7 +28,7 @@ A side fits the context when `len(ids) <= seq_len`; a pair fits when both sides 
   is dropped and counted (`dropped_too_long`); a kept pair that lost turns counts in
   `truncated` (and its messages in `prompt_turns_dropped`).
 
-Records come from `sprout.formats.preferences.read_preferences`; every line of that file is
+Records come from `sprout.formats.preference_pairs.read_preferences`; every line of that file is
 one record (an empty line is an error), so record n is line n. `tokenize_preferences` hands
 `render` a tokenizer that remembers the contents it encoded for the current chunk of
 records, so a prompt is encoded once rather than once per side (and per `keep_end` retry).
@@ -44,7 +44,7 @@ import numpy as np
 
 from sprout.chat import ChatError, render
 from sprout.errors import SproutError
-from sprout.formats.preferences import read_preferences
+from sprout.formats.preference_pairs import read_preferences
 
 TRUNCATIONS = ("drop", "keep_end")
 SIDES = ("chosen", "rejected")

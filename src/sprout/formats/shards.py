@@ -1,7 +1,7 @@
 """The `.bin` token-shard contract (nanoGPT / llm.c / parameter-golf layout).
 
 This module is the single source of truth for the format; every reader and writer
-in sprout goes through it (`data_loader.tokens` reads, `sprout.prep.store` writes,
+in sprout goes through it (`data_loader.token_batches` reads, `sprout.prep.store` writes,
 `sprout.formats.verify` and `sprout.formats.verify_data` check).
 
 Layout of one shard:

@@ -246,7 +246,7 @@ def _verify_h5_pair(path: Path, mode: str, show: bool, check: DataCheck) -> None
 
 
 def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show_progress: bool = False) -> DataCheck:
-    """Check an SFT train file and its val file before training (`sprout.formats.sft`).
+    """Check an SFT train file and its val file before training (`sprout.formats.packed_sft`).
 
     Both must open as the contract, say split "train" and "val", and carry the same
     `prep_run_id` (the id of the prep run that wrote them together): a pair from two runs,
@@ -254,13 +254,13 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
     command and dataset sha256s the files record (`run_id_of`: a recorded sha256 rewritten
     after an edit). With mode "full" every dataset is read block by block and must match the
     sha256 its file records, and every row must keep the layout rules of
-    `sprout.formats.maskcheck.check_layout` (ids inside the vocabulary, loss_mask 0/1, never 1
+    `sprout.formats.maskcheck_sft.check_layout` (ids inside the vocabulary, loss_mask 0/1, never 1
     on padding nor at position 0: an all-ones mask is refused however its hashes were
     rewritten). With mode "sizes" the token ids are still read for the largest one, which must
     be below the vocabulary. Files from a prep older than `prep_run_id` pass the pair checks
     with a note."""
-    from sprout.formats.maskcheck import Report, check_layout
-    from sprout.formats.sft import SFTFile, run_id_of
+    from sprout.formats.maskcheck_sft import Report, check_layout
+    from sprout.formats.packed_sft import SFTFile, run_id_of
 
     _check_mode(mode)
     t0, paths = time.perf_counter(), (Path(train), Path(val))
@@ -316,7 +316,7 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
 def verify_jsonl_data(path: str | Path, val_path: str | Path | None = None, mode: str = "full",
                       kind: str = "preference") -> DataCheck:
     """Check the JSONL files of a prep that writes `manifest.json` beside them with
-    `files.<split>.{path, sha256}` (preference pairs, `sprout.formats.preferences`; RL prompts,
+    `files.<split>.{path, sha256}` (preference pairs, `sprout.formats.preference_pairs`; RL prompts,
     `sprout.formats.prompts`; `kind` names which in messages): each given file (the train file
     `path`, and `val_path` when given) must be listed under `files` and, with mode "full", match
     its sha256. Without a manifest nothing is compared (a hand-made file): a note says so.

@@ -43,7 +43,7 @@ one micro-batch, with l the per-token loss, m the mask, L_i = sum_t m_it:
 (L_i is clamped to 1, so an empty row adds 0 to the sum and 1 row to grpo's count, as
 TRL.) TRL's bnpo divides by the tokens of the local micro-batch; here it divides by the
 tokens of the global batch, which makes it identical to dapo. A trainer (as
-`sprout.engine.loop` does) counts the denominators of all its micro-batches with
+`sprout.engine.trainer` does) counts the denominators of all its micro-batches with
 `denominator` before any forward, all-reduces their sum to D, runs backward on
 loss_sum × world_size / D for each micro-batch (DDP and FSDP average gradients over
 processes, the factor turns that mean into a sum), and logs (all-reduced sum of loss_sum)

@@ -1,7 +1,7 @@
 """Loss math shared by every trainer: pure functions of logits and targets.
 
 Losses are returned as *sums* together with the number of terms, never as means: the
-training loop (`sprout.engine.loop`) divides by the number of targets in the whole
+training loop (`sprout.engine.trainer`) divides by the number of targets in the whole
 accumulated global batch, across micro-batches and processes, so a run's gradient does
 not depend on how the batch was split (the normalisation nanoGPT-style loops get wrong
 when micro-batches hold different numbers of trained tokens).

@@ -21,14 +21,14 @@ pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (promp
 figure for. The reward-model and DPO stages' held-out accuracy and margin (and the
 reward model's accuracy per source and per kind of rejected answer) are shown first eval ->
 last eval, each accuracy with the Wilson 95 % interval of the last eval, round(accuracy ×
-`val_pairs`) of `val_pairs` pairs (`sprout.rl.intervals.wilson_interval`; also `<column>_ci`
+`val_pairs`) of `val_pairs` pairs (`sprout.evaluation.statistics.wilson_interval`; also `<column>_ci`
 in the JSON rows).
 Tokens/s is the mean of the training records' `tokens_per_s`; wall time
 is the runner's, summed over a stage's interrupted segments. A stage without a figure shows
 a dash. Role of a stage (what it is read for): the preset's `role`, by default its script's
 name without `train_` (pretrain, sft, reward, dpo, ppo, grpo).
 
-The held-out evaluation (`sprout.pipeline.report_intervals`): every figure of the eval
+The held-out evaluation (`sprout.pipeline.report_held_out`): every figure of the eval
 JSONs in percent with its 95 % interval over problems (Wilson when every problem scores 0
 or 1, else a percentile bootstrap over problems, as scripts/evaluate.py wrote it), and from
 the second evaluated stage on the change of pass@k and greedy accuracy against the previous
@@ -46,7 +46,7 @@ from pathlib import Path
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
 from sprout.engine.report import code, text
-from sprout.pipeline.report_intervals import eval_files, evaluated_stages, held_out_section, rate_interval
+from sprout.pipeline.report_held_out import eval_files, evaluated_stages, held_out_section, rate_interval
 from sprout.stages.configs import SAMPLE_PROMPTS
 
 REPORT_DIR = "report"

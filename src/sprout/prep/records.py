@@ -2,8 +2,8 @@
 a record, the source list's checks, the loop that counts and leaves out dropped records, record
 ids, the seeded shuffle-and-write of the train/test JSONL files and the dropped totals.
 
-Used by `sprout.prep.preferences` (preference pairs), `sprout.prep.rl_prompts` (RL prompts)
-and, for the drop loop, `sprout.prep.sft` (chat rows).
+Used by `sprout.prep.preference_data` (preference pairs), `sprout.prep.rl_prompts` (RL prompts)
+and, for the drop loop, `sprout.prep.sft_data` (chat rows).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ and then no reference is built at all), is the checkpoint `dpo.ref` (default: in
   are computed once before training (`sprout.stages.reference_logps`), cached beside the data
   file and read from the cache by every later run; the reference model is then freed.
 Either way checkpoints record it in `frozen_models`, and a resume refuses a reference whose
-weights changed since (`sprout.engine.loop.check_frozen_models`).
+weights changed since (`sprout.engine.trainer.check_frozen_models`).
 
 Training metrics (TRL's names, each over its own count): per pair, rewards/chosen,
 rewards/rejected (β(logp − ref_logp); β·logp for reference-free losses), rewards/margins,
@@ -60,8 +60,8 @@ from sprout.losses.preference import (
 from sprout.losses.loss_types import REFERENCE_FREE
 from sprout.losses.tokens import sequence_logps
 from sprout.model.transformer import Transformer, uninitialised
-from sprout.engine.loop import all_reduce_sums
-from sprout.engine.run import train_stage
+from sprout.engine.trainer import all_reduce_sums
+from sprout.engine.run_stage import train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
 from sprout.stages.preference_stage import PreferenceStage, open_preference_run, pair_groups
 from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
@@ -179,7 +179,7 @@ class DPOStage(PreferenceStage):
 
 def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference unless reference-free), resume if asked,
-    train; returns fit's summary (sprout.engine.fit)."""
+    train; returns fit's summary (sprout.engine.training_loop)."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     check_dpo_options(cfg.dpo)
     run = open_preference_run(cfg, "dpo", resume)

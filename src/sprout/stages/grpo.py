@@ -47,7 +47,7 @@ completion that hit max_completion_length without a stop id leaves the loss mask
 tokens count in no loss and no token denominator; it still counts as a sequence for grpo
 and dr_grpo, as TRL). With β = 0 no reference model is built at all; with one, checkpoints
 record it in `frozen_models` and a resume refuses it once its weights changed
-(`sprout.engine.loop.check_frozen_models`).
+(`sprout.engine.trainer.check_frozen_models`).
 
 Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std
 (over every group generated, set-aside ones included), completions/mean_length|max_length|
@@ -72,8 +72,8 @@ from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group
                                    uniform_groups)
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
-from sprout.engine.loop import all_reduce_sums
-from sprout.engine.run import train_stage
+from sprout.engine.trainer import all_reduce_sums
+from sprout.engine.run_stage import train_stage
 from sprout.stages.configs import GRPOConfig, GRPOLossConfig
 from sprout.stages.rl_rewards import build_rewards
 from sprout.stages.rl_stage import RLStage, completion_logps, concat_rollouts, open_rl_run
@@ -268,7 +268,7 @@ class GRPOStage(RLStage):
 
 def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     """Check inputs, load the policy (and the reference when grpo.beta > 0), resume if asked,
-    train; returns fit's summary (sprout.engine.fit)."""
+    train; returns fit's summary (sprout.engine.training_loop)."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)

@@ -14,7 +14,7 @@ The value head has its own learning rate (`ppo.value_lr`, or optim.lr × `ppo.vf
 Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the reward model
 (`reward_model`, a `scripts/train_reward.py` run, or an import of one's export; same tokenizer as
 the policy; every checkpoint's meta records both in `frozen_models`, the reward model with how it scores; a resume refuses
-either once changed, `sprout.engine.loop.check_frozen_models`).
+either once changed, `sprout.engine.trainer.check_frozen_models`).
 
 Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
 `batch.num_generations` completions (default 1). A completion's score is
@@ -84,9 +84,9 @@ from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, token_rewards
 from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k3
 from sprout.rl.verifiers import reward_metrics
-from sprout.engine.loop import all_reduce_sums
+from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.optim import decay_groups
-from sprout.engine.run import train_stage
+from sprout.engine.run_stage import train_stage
 from sprout.stages.configs import PPOBatchConfig, PPOConfig, PPOLossConfig, RolloutConfig
 from sprout.stages.reward import score_sequences
 from sprout.stages.rl_rewards import build_rewards
@@ -375,7 +375,7 @@ def init_value_head(policy, reward_model, where) -> None:
 
 def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     """Check inputs, build the policy with its value head, the reference and the reward model,
-    resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    resume if asked, train; returns fit's summary (sprout.engine.training_loop)."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     c = cfg.ppo
     if c.value_init == "reward" and not cfg.reward_model:

@@ -1,7 +1,7 @@
 """What the preference stages (reward model, DPO) share: config sections, loaders, micro-batches, checks.
 
-Both stages read preference pairs (`sprout.formats.preferences`) through
-`data_loader.preferences.PreferenceLoader`: a micro-batch of B pairs is 2B rows, the chosen
+Both stages read preference pairs (`sprout.formats.preference_pairs`) through
+`data_loader.preference_batches.PreferenceLoader`: a micro-batch of B pairs is 2B rows, the chosen
 sides then the rejected sides, right-padded (see that module for every tensor). Here:
 
 - `PairBatchConfig`: the batch in pairs, `global_pairs` per optimizer step (all processes)
@@ -41,17 +41,17 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from data_loader.preferences import PreferenceLoader
+from data_loader.preference_batches import PreferenceLoader
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, init_record, read_meta
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
-from sprout.formats.preferences import kind_group, read_preferences
+from sprout.formats.preference_pairs import kind_group, read_preferences
 from sprout.formats.verify_data import verify_jsonl_data
 from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
-from sprout.engine.run import start_run, with_epochs
-from sprout.engine.run_args import print_rank0, resolve_resume
+from sprout.engine.run_stage import start_run, with_epochs
+from sprout.engine.cli import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition, micro_steps
 
 

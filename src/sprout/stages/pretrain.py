@@ -1,7 +1,7 @@
 """Pretraining: next-token prediction over token shards, as one stage of the shared loop.
 
-`PretrainStage` feeds the loop (`sprout.engine.loop`) with micro-batches from
-`data_loader.tokens` (sequential per-rank spans, or nanoGPT random windows), shortens the
+`PretrainStage` feeds the loop (`sprout.engine.trainer`) with micro-batches from
+`data_loader.token_batches` (sequential per-rank spans, or nanoGPT random windows), shortens the
 sequences during the sequence-length warmup (the global batch stays fixed in tokens), and
 evaluates val loss and val bits per byte (`sprout.bpb`) on a fixed slice of the
 val split. `run_pretrain(cfg, resume)` is everything `scripts/pretrain.py` does after
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_loader.tokens import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
+from data_loader.token_batches import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
 from sprout.atomic import check_writable
 from sprout.checkpoint import read_meta
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
@@ -32,10 +32,10 @@ from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import Transformer
 from sprout.tokenizer import load_tokenizer
 from sprout.ranges import check_ranges
-from sprout.engine.loop import all_reduce_sums
+from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.stage import TokenStage, micro_steps
-from sprout.engine.run import start_run, train_stage, with_max_steps
-from sprout.engine.run_args import is_rank0, print_rank0, resolve_resume
+from sprout.engine.run_stage import start_run, train_stage, with_max_steps
+from sprout.engine.cli import is_rank0, print_rank0, resolve_resume
 from sprout.engine.schedule import seq_len_at, seq_len_stages
 from sprout.stages.configs import PretrainConfig, TokenDataConfig
 
@@ -151,7 +151,7 @@ def check_resumed_data(check: DataCheck, data_dir: str, resume_path: Path, where
 
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
-    """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit).
+    """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.training_loop).
     Every check of the data (files, vocabulary, val size, the tokenizer of a resumed run) comes
     before the run folder is touched."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)

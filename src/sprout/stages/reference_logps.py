@@ -34,11 +34,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from data_loader.preferences import PreferenceLoader
+from data_loader.preference_batches import PreferenceLoader
 from sprout.atomic import atomic_path, sha256_file
 from sprout.checkpoint import WEIGHTS, read_meta
 from sprout.losses.tokens import sequence_logps
-from sprout.engine.loop import all_reduce_sums
+from sprout.engine.trainer import all_reduce_sums
 
 
 @dataclass

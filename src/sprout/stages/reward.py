@@ -63,8 +63,8 @@ from sprout.losses.preference import reward_pair_loss
 from sprout.losses.tokens import sequence_logps
 from sprout.model.heads import last_index, padding_inputs, score_at
 from sprout.model.load import init_from_lm
-from sprout.engine.loop import all_reduce_sums
-from sprout.engine.run import train_stage
+from sprout.engine.trainer import all_reduce_sums
+from sprout.engine.run_stage import train_stage
 from sprout.stages.configs import RewardConfig, RewardLossConfig
 from sprout.stages.preference_stage import (
     PreferenceStage,
@@ -174,7 +174,7 @@ class RewardStage(PreferenceStage):
 
 
 def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
-    """Check inputs, build the reward model from the init LM, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    """Check inputs, build the reward model from the init LM, resume if asked, train; returns fit's summary (sprout.engine.training_loop)."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     c = cfg.reward
     run = open_preference_run(cfg, "reward", resume)

@@ -1,8 +1,8 @@
 """What the RL stages (GRPO, PPO) share: prompts, rollouts, rewards, a rollout buffer, held-out eval.
 
-An RL stage keeps a rollout buffer and feeds the shared loop (`sprout.engine.loop`) from it:
+An RL stage keeps a rollout buffer and feeds the shared loop (`sprout.engine.trainer`) from it:
 
-  1. prompts: `data_loader.prompts.PromptLoader` reads an RL prompt file (`sprout.formats.prompts`), renders each
+  1. prompts: `data_loader.prompt_batches.PromptLoader` reads an RL prompt file (`sprout.formats.prompts`), renders each
      prompt with the chat template (`sprout.chat.render`, ending on the assistant header) and
      drops prompts longer than `data.max_prompt_length` tokens (counted and printed). Each
      epoch is a seeded permutation; every global batch of `batch.global_prompts` prompts is
@@ -40,7 +40,7 @@ pairs on rank 0 ((0, 0) elsewhere), so the loop's reduction gives them exactly a
 step logs the figures of the rollouts it trains on.
 
 Held-out eval (`evaluate`): the prompts of `data.val_path` (the first `data.eval_prompts`)
-through `sprout.rl.evaluation.evaluate_prompts` (greedy, and `data.eval_num_generations`
+through `sprout.evaluation.evaluate.evaluate_prompts` (greedy, and `data.eval_num_generations`
 samples each at temperature 1, seeded by train.seed: the same answers on any number of
 processes). Logged: every total it gives, prefixed `val_` (val_pass@1, val_pass@n,
 val_greedy/accuracy, val_format/rate, ...; scripts/evaluate.py also gives them per level),
@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_loader.prompts import PromptLoader, check_held_out
+from data_loader.prompt_batches import PromptLoader, check_held_out
 
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, init_record, load_weights, read_meta
@@ -71,11 +71,11 @@ from sprout.model.heads import padding_inputs
 from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.config import ModelConfig
 from sprout.model.transformer import Transformer, uninitialised
-from sprout.rl.evaluation import evaluate_prompts
+from sprout.evaluation.evaluate import evaluate_prompts
 from sprout.rl.verifiers import WeightedReward, combine_rewards
-from sprout.engine.loop import all_reduce_sums
-from sprout.engine.run import start_run, with_epochs
-from sprout.engine.run_args import print_rank0, resolve_resume
+from sprout.engine.trainer import all_reduce_sums
+from sprout.engine.run_stage import start_run, with_epochs
+from sprout.engine.cli import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition
 from sprout.stages.configs import PromptBatchConfig, RolloutConfig
 
@@ -334,7 +334,7 @@ class RLStage(LoaderPosition):
 
     # ---- held-out eval ----
     def evaluate(self, model) -> dict:
-        """`sprout.rl.evaluation.evaluate_prompts` on the held-out prompts (module doc)."""
+        """`sprout.evaluation.evaluate.evaluate_prompts` on the held-out prompts (module doc)."""
         n = self.eval_generations
         ev = evaluate_prompts(self.model if self.model is not None else model, self.tok, self.val.records, n=n,
                               ks=sorted({1, n}) if n else (), greedy=True,
@@ -385,7 +385,7 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO).
     Before anything is written, both prompt files are checked against the prep's `manifest.json`
     beside them (`sprout.formats.verify_data.verify_jsonl_data`: listed, and their sha256 unless
-    data.verify is `sizes`) and against each other (`data_loader.prompts.check_held_out`: no
+    data.verify is `sizes`) and against each other (`data_loader.prompt_batches.check_held_out`: no
     prompt in both, by id or by prompt key)."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")

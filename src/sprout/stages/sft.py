@@ -1,8 +1,8 @@
 """Supervised fine-tuning (SFT): masked next-token loss on packed chat rows, as one stage of the shared loop.
 
-`SFTStage` feeds the loop (`sprout.engine.loop`) with micro-batches of rows from
-`data_loader.sft.SFTLoader`: conversations rendered by `sprout.chat` and packed several to
-a row by `sprout.prep.sft` (format: `sprout.formats.sft`). For each micro-batch (`sft_batch_loss`):
+`SFTStage` feeds the loop (`sprout.engine.trainer`) with micro-batches of rows from
+`data_loader.sft_batches.SFTLoader`: conversations rendered by `sprout.chat` and packed several to
+a row by `sprout.prep.sft_data` (format: `sprout.formats.packed_sft`). For each micro-batch (`sft_batch_loss`):
 
 - attention stays inside each packed conversation (`segment_ids`) and rotary positions
   restart per conversation (`position_ids`), so a row computes what each conversation
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_loader.sft import SFTLoader, shift
+from data_loader.sft_batches import SFTLoader, shift
 from sprout.atomic import check_writable
 from sprout.chat import ChatError
 from sprout.chat_formats import ChatFormat, format_for, format_for_spec
@@ -49,13 +49,13 @@ from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
 from sprout.model.transformer import Transformer, uninitialised
 from sprout.formats.data_paths import SFT_FILES, resolve_data
-from sprout.formats.sft import SFTFile
+from sprout.formats.packed_sft import SFTFile
 from sprout.formats.verify_data import verify_sft_pair
 from sprout.ranges import check_ranges
-from sprout.engine.loop import all_reduce_sums
+from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.stage import TokenStage, micro_steps
-from sprout.engine.run import start_run, train_stage, with_epochs
-from sprout.engine.run_args import is_rank0, print_rank0, resolve_resume
+from sprout.engine.run_stage import start_run, train_stage, with_epochs
+from sprout.engine.cli import is_rank0, print_rank0, resolve_resume
 from sprout.stages.configs import SFTConfig
 
 
@@ -207,7 +207,7 @@ def check_trained_rows(path: Path, shown: int = 5) -> None:
 
 # ---- the run ---------------------------------------------------------------------------------
 def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
-    """Check inputs, load the base model, build everything, resume if asked, train; returns fit's summary (sprout.engine.fit)."""
+    """Check inputs, load the base model, build everything, resume if asked, train; returns fit's summary (sprout.engine.training_loop)."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.init:
         raise SproutError("no base model: set init in the config or pass --init CHECKPOINT")

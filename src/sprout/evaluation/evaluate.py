@@ -41,7 +41,7 @@ figure in [0, 1] is the mean over problems of a per-problem score (`problem_scor
 pass@k of pass_at_k(n, correct, k), greedy/accuracy of greedy_correct, greedy/format_rate
 of greedy_formatted, format/rate of formatted / n. `Evaluation.intervals` gives each of
 them its 95 % interval, `<figure>_ci` = [lo, hi], over all prompts and per level
-(`sprout.rl.intervals.mean_interval`: Wilson when every score is 0 or 1, as for the greedy
+(`sprout.evaluation.statistics.mean_interval`: Wilson when every score is 0 or 1, as for the greedy
 figures and pass@1 from one sample; else a percentile bootstrap over problems, 10,000
 resamples, seed 0, whatever the sampling seed).
 
@@ -74,7 +74,7 @@ from sprout.chat import render
 from sprout.errors import SproutError
 from sprout.model.generate import generate_tokens, pad_prompts
 from sprout.prep.rl_prompts import prompt_key, source_prompt_id
-from sprout.rl.intervals import mean_interval
+from sprout.evaluation.statistics import mean_interval
 from sprout.rl.verifiers import correctness_reward, format_reward
 
 
@@ -179,7 +179,7 @@ def problem_scores(problems: Sequence[dict], figure: str) -> list[float] | None:
 
 def figure_intervals(problems: Sequence[dict], figures: Iterable[str]) -> dict[str, list[float]]:
     """{`<figure>_ci`: [lo, hi]}, the 95 % interval of each of `figures` that `problem_scores`
-    gives per problem (`sprout.rl.intervals.mean_interval`, module doc)."""
+    gives per problem (`sprout.evaluation.statistics.mean_interval`, module doc)."""
     out = {}
     for name in figures:
         scores = problem_scores(problems, name) if problems else None

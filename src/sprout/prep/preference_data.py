@@ -1,5 +1,5 @@
 """Preference-pair prep: HH-RLHF, UltraFeedback, local JSONL and arithmetic -> the
-preference JSONL contract of `sprout.formats.preferences`.
+preference JSONL contract of `sprout.formats.preference_pairs`.
 
 The steps `scripts/prepare_preference_data.py` runs, in order:
 
@@ -58,7 +58,7 @@ from sprout.chat import ChatError, validate
 from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 from sprout.ranges import SEED_RANGE, in_range
-from sprout.formats.preferences import (FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, check_rejected_kind,
+from sprout.formats.preference_pairs import (FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, check_rejected_kind,
                                         kind_group, write_preferences)
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, string_field

@@ -18,7 +18,7 @@ The steps `scripts/prepare_sft_data.py` runs, in order:
 6. render with `sprout.chat.render`, pack with `sprout.prep.packing.pack` (best fit; the
    `overlong` policy decides truncate/drop; prompts longer than the context and examples
    without a trained token are dropped and counted);
-7. write `out` (train) and `out` with `_val` before the suffix (val) per `sprout.formats.sft`,
+7. write `out` (train) and `out` with `_val` before the suffix (val) per `sprout.formats.packed_sft`,
    with every count in the `counts` attribute; both are renamed into place only when both
    are written, and temporaries a killed earlier run left beside them are removed first.
 """
@@ -37,7 +37,7 @@ from sprout.atomic import check_writable, remove_stale_temps, safe_name
 from sprout.chat import ChatError, render, template_for, validate
 from sprout.errors import SproutError
 from sprout.formats.data_paths import SFT_FILES
-from sprout.formats.sft import val_path, write_sft_files
+from sprout.formats.packed_sft import val_path, write_sft_files
 from sprout.formats.shards import dtype_for_vocab
 from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
 from sprout.prep.keys import conversation_key, is_val

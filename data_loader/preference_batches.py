@@ -1,4 +1,4 @@
-"""Batches of preference pairs (`sprout.formats.preferences`) for reward-model and DPO-style trainers.
+"""Batches of preference pairs (`sprout.formats.preference_pairs`) for reward-model and DPO-style trainers.
 
 Every pair is rendered once, at construction, by `sprout.formats.preference_tokens` (the
 same code `scripts/check_loss_mask.py` checks) in the tokenizer's chat format (its version is

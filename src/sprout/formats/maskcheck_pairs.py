@@ -1,7 +1,7 @@
 """The loss-mask checker for preference pairs, behind `scripts/check_loss_mask.py FILE.jsonl`.
 
-Each pair of a preference file (`sprout.formats.preferences`) is rendered by
-`sprout.formats.preference_tokens.fit_pair`, the code `data_loader.preferences` uses, with
+Each pair of a preference file (`sprout.formats.preference_pairs`) is rendered by
+`sprout.formats.preference_tokens.fit_pair`, the code `data_loader.preference_batches` uses, with
 the same `seq_len` and `truncation`, and the result is then checked from its tokens alone:
 
 - each side parses back into turns with `sprout.chat.segment` in the tokenizer's chat format
@@ -21,7 +21,7 @@ the same `seq_len` and `truncation`, and the result is then checked from its tok
 Pairs the loader would drop (too long) or shorten (`keep_end`) are listed with their lines;
 they are not violations. A violation names the file line, the pair id, the side and the
 position. `format_pair` and `pairs_html` show both sides of a pair with the trained tokens
-highlighted, as the SFT view (`sprout.formats.maskcheck`) does for rows.
+highlighted, as the SFT view (`sprout.formats.maskcheck_sft`) does for rows.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 
 from sprout.chat import ChatError, Template, segment
 from sprout.errors import SproutError
-from sprout.formats.maskcheck import CSS_CLASS, Violations, describe_position, html_head, styled, token_runs
+from sprout.formats.maskcheck_sft import CSS_CLASS, Violations, describe_position, html_head, styled, token_runs
 from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair, records_to_render
 
 

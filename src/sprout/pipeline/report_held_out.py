@@ -9,13 +9,13 @@ stage (a model import) whose out folder holds the checkpoint the JSON names. For
 - figures: pass@k, greedy accuracy, greedy and sampled format rate of each stage, in
   percent, with the 95 % interval scripts/evaluate.py wrote beside each (`<figure>_ci`: the
   Wilson score interval when every problem scores 0 or 1, else a percentile bootstrap over
-  problems; `sprout.rl.intervals`). A file without it shows the figure alone.
+  problems; `sprout.evaluation.statistics`). A file without it shows the figure alone.
 - changes: from the second evaluated stage on, each correctness figure (pass@k, greedy
   accuracy) against the previous evaluated stage and against the first (the starting
   model), in percentage points: the mean over problems of this stage's score minus the
   other's, the per-problem scores read from the files' `problems` records
-  (`sprout.rl.evaluation.problem_scores`), with the paired percentile bootstrap interval over
-  problems (`sprout.rl.intervals.paired_difference_interval`: 10,000 resamples, seed 0,
+  (`sprout.evaluation.evaluate.problem_scores`), with the paired percentile bootstrap interval over
+  problems (`sprout.evaluation.statistics.paired_difference_interval`: 10,000 resamples, seed 0,
   the 2.5 % and 97.5 % quantiles). Marked ✓ (real) only when the interval excludes 0, else
   "not significant". Two files are paired only when they hold the same problem ids and
   were evaluated with the same max_new_tokens (and, for pass@k, temperature); otherwise
@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sprout.rl.evaluation import problem_scores
-from sprout.rl.intervals import excludes_zero, paired_difference_interval, wilson_interval
+from sprout.evaluation.evaluate import problem_scores
+from sprout.evaluation.statistics import excludes_zero, paired_difference_interval, wilson_interval
 
 FIGURE_TITLES = {"greedy/accuracy": "greedy accuracy", "greedy/format_rate": "greedy format rate",
                  "format/rate": "format rate"}  # after every pass@k, in this order

@@ -1,6 +1,6 @@
 """The outer loop of training: `fit(trainer, stage)`.
 
-It repeats `Trainer.step` (`sprout.engine.loop`) until the run's length or the end of the
+It repeats `Trainer.step` (`sprout.engine.trainer`) until the run's length or the end of the
 data, and hands each step to the callbacks (`sprout.engine.callbacks`), in this order:
 stop signals, training records, eval cadence, checkpoint cadence, then at the end samples
 and the report. A rank whose data runs out stops every rank at the same step.
@@ -12,7 +12,7 @@ import time
 
 from sprout.engine.callbacks import (CheckpointCadence, EvalCadence, FitRun, RunReport, Samples, StopSignals,
                                      TrainingRecords)
-from sprout.engine.loop import Trainer, all_reduce_sums
+from sprout.engine.trainer import Trainer, all_reduce_sums
 from sprout.engine.metrics import MetricsLogger
 from sprout.engine.stage import Stage
 

@@ -1,4 +1,4 @@
-"""Batches of packed SFT rows (`sprout.formats.sft`) for the trainer.
+"""Batches of packed SFT rows (`sprout.formats.packed_sft`) for the trainer.
 
 Each batch is a dict of torch tensors, shifted by one for next-token prediction (row r of the file):
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from data_loader.order import EpochOrder
-from sprout.formats.sft import SFTFile
+from sprout.formats.packed_sft import SFTFile
 
 
 def shift(arrays: dict) -> dict:

@@ -23,7 +23,7 @@ The two answers differ (compared after stripping surrounding whitespace). No oth
 
 A prepared folder holds `preferences.jsonl` (train), `preferences_test.jsonl` (test;
 a prompt is in one file or the other, by a hash of the prompt) and `manifest.json`
-(`sprout.prep.preferences` writes it: counts, the split rule, the command).
+(`sprout.prep.preference_data` writes it: counts, the split rule, the command).
 
 `read_preferences` yields checked records and refuses anything else with one line naming
 the file and line; `verify_preferences` checks a whole file and returns counts and the

@@ -19,7 +19,7 @@ Two layers, so that stages which do not read "a batch from a loader" still share
   may add figures that are not such a ratio (a standard deviation) with an optional
   `derived_metrics(reduced) -> dict`, called with those reduced metrics.
 
-`sprout.engine.fit.fit(trainer, stage)` repeats steps, logs, evaluates and checkpoints: the
+`sprout.engine.training_loop.fit(trainer, stage)` repeats steps, logs, evaluates and checkpoints: the
 outer loop; the checkpoint and the resume are the Trainer's (`save`, `resume`).
 What a stage gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs,
 parameter groups, frozen models) is the protocol in `sprout.engine.stage`; the optimizer and

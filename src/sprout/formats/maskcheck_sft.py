@@ -1,7 +1,7 @@
 """The loss-mask checker behind `scripts/check_loss_mask.py`.
 
 A misaligned loss mask silently wrecks SFT, so every row of a packed SFT file
-(`sprout.formats.sft`) is re-derived from its tokens and compared with what is stored:
+(`sprout.formats.packed_sft`) is re-derived from its tokens and compared with what is stored:
 
 - layout: segment ids are 1, 2, ... k then 0-padding only at the end; position ids restart
   at 0 for every document; padding holds `pad_id` and mask 0; mask values are 0/1; ids are

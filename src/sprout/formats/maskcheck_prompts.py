@@ -19,7 +19,7 @@ show every prompt token as untrained.
 With `seq_len`, prompts of `seq_len` tokens or more (no room left to generate) are listed
 with their lines; they are not violations. A violation names the file line, the prompt id
 and the position. `format_prompt` and `prompts_html` show rendered prompts with the role
-headers marked, as the SFT view (`sprout.formats.maskcheck`) does for rows.
+headers marked, as the SFT view (`sprout.formats.maskcheck_sft`) does for rows.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sprout.chat import ChatError, Template, render, segment
-from sprout.formats.maskcheck import CSS_CLASS, Violations, html_head, styled, token_runs
+from sprout.formats.maskcheck_sft import CSS_CLASS, Violations, html_head, styled, token_runs
 from sprout.formats.prompts import read_prompts
 
 

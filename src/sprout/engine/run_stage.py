@@ -1,11 +1,11 @@
 """What every stage does around the loop once its config is resolved: accelerator, run length, fit, report.
 
-A script resolves its stage's config and checks the run folder first (`sprout.engine.run_args`,
+A script resolves its stage's config and checks the run folder first (`sprout.engine.cli`,
 without torch). A stage's config is a `sprout.engine.configs.StageConfig`: its own sections,
 then optim, train and out. Its `run_*` function checks its own inputs, builds the accelerator
 (`start_run`), the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`:
 the Chinchilla budget; `with_epochs`: data.epochs), then hands over to `train_stage`, which
-  - holds the run folder (`sprout.engine.run_args.run_lock`) and, after --overwrite, deletes the
+  - holds the run folder (`sprout.engine.cli.run_lock`) and, after --overwrite, deletes the
     old run's files now that the inputs are checked,
   - builds the optimizer over the stage's parameter groups (`param_groups`, optional),
   - when asked to resume, checks the checkpoint first (`Trainer.check_resume`: its files' sha256,
@@ -19,7 +19,7 @@ the Chinchilla budget; `with_epochs`: data.epochs), then hands over to `train_st
   - prints the resolved config and saves it as <out>/config.yaml (rank 0); a resumed run
     that fails in training before its first new checkpoint puts back the config.yaml it resumed
     from,
-  - runs `sprout.engine.fit.fit` and prints the eval before and after training.
+  - runs `sprout.engine.training_loop.fit` and prints the eval before and after training.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from sprout.atomic import atomic_write
 from sprout.checkpoint import bundle_tokenizer
 from sprout.config import config_to_dict, dump_yaml, resume_config
 from sprout.engine.configs import StageConfig, TrainConfig
-from sprout.engine.fit import fit
+from sprout.engine.training_loop import fit
 from sprout.engine.fsdp import local_params
-from sprout.engine.loop import Trainer, make_accelerator, resolve_max_steps
+from sprout.engine.trainer import Trainer, make_accelerator, resolve_max_steps
 from sprout.engine.optim import build_optimizer, lr_schedule
-from sprout.engine.run_args import clear_deferred, latest_step, print_rank0, resume_command, run_lock
+from sprout.engine.cli import clear_deferred, latest_step, print_rank0, resume_command, run_lock
 from sprout.engine.schedule import warmup_warning
 
 
