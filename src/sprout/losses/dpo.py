@@ -2,18 +2,15 @@
 
 Inputs are per-pair tensors [B]: the policy's summed response log-probs and the frozen
 reference's, and for the length-normalised variants the response token counts. Most variants
-are written in terms of the log-ratios against the reference,
-    c = chosen_logps − ref_chosen_logps,   r = rejected_logps − ref_rejected_logps,
-and their difference Δ = c − r (TRL's `chosen_logratios`, `rejected_logratios`,
-`delta_score` with the default reverse-KL divergence).
+use the log-ratios c = chosen_logps − ref_chosen_logps, r = rejected_logps − ref_rejected_logps
+and Δ = c − r.
 
 Every function returns PER-PAIR losses [B], never a mean; a trainer sums them and divides by
-the pairs of the whole global batch (`sprout.losses.preference` says why). A normalisation
-*inside* a pair (a log-ratio divided by its response's token count) is written in the
-function's docstring; "normaliser: none within the pair" means the formula is used as is.
-The exception is AOT (`aot_loss`, `aot_unpaired_loss`): it sorts over the batch it is given,
-so its entry k belongs to the k-th sorted position, not to pair k, and every entry depends on
-every pair of that batch; its docstring says what that means for accumulation and processes.
+the pairs of the whole global batch. A normalisation *inside* a pair (a log-ratio divided by
+its response's token count) is written in the function's docstring; "normaliser: none within
+the pair" means the formula is used as is. The exception is AOT (`aot_loss`,
+`aot_unpaired_loss`): it sorts over the batch it is given, so its entry k belongs to the k-th
+sorted position, not to pair k; its docstring says what that means for accumulation and processes.
 """
 
 from __future__ import annotations

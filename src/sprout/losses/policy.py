@@ -1,61 +1,18 @@
 """Policy-gradient losses for PPO and GRPO: per-token terms, then one normaliser per loss_type.
 
-Per token (tensors [B, T]; `mask` is 1 on completion tokens):
+Each per-token term ([B, T]; `mask` is 1 on completion tokens) states its formula in its own
+docstring. `aggregate` returns (loss_sum, denominator) of one micro-batch so the normalisation
+is exact over the GLOBAL batch (every micro-batch on every process); l is the per-token loss,
+L_i = sum_t m_it, clamped to 1 (an empty row adds 0 to the sum and 1 to grpo's rows):
 
-- `importance_log_weights`: log ratio of the policy to the policy that sampled.
-  `token`: log pi(y_t) - log pi_old(y_t). `sequence` (GSPO): the sequence's
-  length-normalised sum sum_t m_t (log pi - log pi_old) / sum_t m_t, one value [B, 1]
-  used for every token of the sequence. `sequence_sum` (TRL's RLOO): the plain sum
-  sum_t m_t (log pi - log pi_old) [B, 1], so the ratio is that of the whole completion's
-  probabilities; with loss_type grpo each sequence then counts once (TRL's RLOO loss).
-- `clipped_surrogate`: with ratio rho = exp(log weight) and advantage A,
-  -min(rho' A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), where rho' = min(rho, delta)
-  when `delta` is set (two-sided clipping, as TRL) and rho otherwise; `epsilon_high`
-  defaults to epsilon (clip-higher when larger). PPO's dual clip with c (`dual_clip`,
-  c > 1, 3 in Ye et al. 2020) bounds the loss of a negative advantage by -c A.
-- `cispo_surrogate` (loss_type cispo, MiniMax-M1's CISPO): -sg(min(rho, epsilon_high)) A log pi(y_t),
-  sg the stop-gradient. The importance weight itself is capped, at epsilon_high (an absolute
-  cap, e.g. 5.0, not 1 + epsilon_high), and carries no gradient; the gradient flows through
-  log pi only, so no token leaves the gradient, as under clipping.
-- `sapo_surrogate` (loss_type sapo, Soft Adaptive Policy Optimization): -(4 / tau)
-  sigmoid(tau (rho - 1)) A, tau = sapo_temperature_pos where A > 0, else sapo_temperature_neg.
-  A smooth gate instead of the hard clip: at rho = 1 its value is -(2 / tau) A and its
-  gradient that of rho A; away from 1 the gradient fades (faster with a larger tau).
-- `bias_corrected_kl` (use_bias_correction_kl): the per-token KL estimate × rho, whose
-  expectation under the sampling policy is the KL of the current policy, so its gradient is
-  that of the reverse KL however far the policy has moved (DeepSeek-V3.2). rho carries a
-  gradient, so the KL gradient changes even where rho = 1 (on-policy): it gains k × grad log pi.
-- `value_loss`: PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V, V_old - c,
-  V_old + c) - R)^2).
-- `token_entropy`: entropy (nats) of softmax(logits); the loss subtracts
-  entropy_coef × entropy (a bonus: higher entropy, lower loss).
+    grpo, sapo         sum_i (sum_t l_it m_it) / L_i   over the global batch's rows
+    bnpo, dapo, cispo  sum_i sum_t l_it m_it           over the global batch's completion tokens
+    dr_grpo            sum_i sum_t l_it m_it           over its rows × max_completion_length
 
-Normalisers (`aggregate`, TRL's loss_type), written so the normalisation is exact over the
-GLOBAL batch (every micro-batch on every process). Each returns (loss_sum, denominator) for
-one micro-batch, with l the per-token loss, m the mask, L_i = sum_t m_it:
-
-    loss_type  loss_sum contribution              denominator contribution
-    grpo, sapo sum_i (sum_t l_it m_it) / L_i      rows (each sequence's mean, then the mean over sequences)
-    bnpo       sum_i sum_t l_it m_it              tokens sum_i L_i
-    dapo, cispo sum_i sum_t l_it m_it             tokens sum_i L_i
-    dr_grpo    sum_i sum_t l_it m_it              rows × max_completion_length
-
-(L_i is clamped to 1, so an empty row adds 0 to the sum and 1 row to grpo's count, as
-TRL.) TRL's bnpo divides by the tokens of the local micro-batch; here it divides by the
-tokens of the global batch, which makes it identical to dapo. A trainer (as
-`sprout.engine.trainer` does) counts the denominators of all its micro-batches with
-`denominator` before any forward, all-reduces their sum to D, runs backward on
-loss_sum × world_size / D for each micro-batch (DDP and FSDP average gradients over
-processes, the factor turns that mean into a sum), and logs (all-reduced sum of loss_sum)
-/ D. The gradient is then that of the global-batch loss however the batch was split.
-
-Metrics come as (sum, count) pairs so they too reduce exactly: `clip_ratio/low_mean`
-(rho < 1 - epsilon with A < 0), `clip_ratio/high_mean` (rho > 1 + epsilon_high with A > 0),
-`clip_ratio/region_mean` (either), counted over completion tokens (over sequences at the
-sequence level), as TRL, for the clipped loss types (grpo, bnpo, dapo, dr_grpo); for cispo
-`cispo_clip_ratio` (rho > epsilon_high with A > 0) instead, and none for sapo (nothing is
-clipped), as TRL; `kl` (bias-corrected when it enters the loss so) and `entropy`, per
-completion token.
+A trainer (`sprout.engine.trainer`) sums `denominator` over all its micro-batches before any
+forward, all-reduces it to D, and runs backward on loss_sum × world_size / D. Metrics are
+(sum, count) pairs: clip ratios per completion token (per sequence when the weights are per
+sequence), `kl` and `entropy` per completion token.
 """
 
 from __future__ import annotations
@@ -71,7 +28,8 @@ from sprout.losses.loss_types import IMPORTANCE_SAMPLING, POLICY_LOSS_TYPES, SEQ
 
 def importance_log_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
                            level: str = "token") -> torch.Tensor:
-    """Log importance weights: [B, T] per token, or [B, 1] per sequence (module doc)."""
+    """Log importance weights. `token`: log pi - log pi_old [B, T]; `sequence` (GSPO): its
+    masked mean over the sequence, `sequence_sum`: its masked sum, each [B, 1] for every token."""
     log_ratio = logps - old_logps
     if level == "token":
         return log_ratio
@@ -90,7 +48,9 @@ def _per_token(advantages: torch.Tensor) -> torch.Tensor:
 def clipped_surrogate(log_weights: torch.Tensor, advantages: torch.Tensor, epsilon: float = 0.2,
                       epsilon_high: float | None = None, delta: float | None = None,
                       dual_clip: float | None = None) -> torch.Tensor:
-    """Per-token clipped policy loss (module doc); advantages [B] or [B, T]."""
+    """-min(rho' A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) per token, rho = exp(log_weights),
+    rho' = min(rho, delta) when delta is set, epsilon_high defaulting to epsilon; dual_clip c > 1
+    bounds a negative advantage's loss by -c A. advantages [B] or [B, T]."""
     adv = _per_token(advantages)
     high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(log_weights)
@@ -128,7 +88,8 @@ def sapo_surrogate(log_weights: torch.Tensor, advantages: torch.Tensor, temperat
 def bias_corrected_kl(per_token_kl: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
     """The per-token KL estimate × rho, rho = exp(log_weights) ([B, T], or [B, 1] broadcast
     over a sequence), with rho's gradient: an estimate of the current policy's KL from tokens
-    of the sampling policy (module doc). Normalised with the loss it enters."""
+    of the sampling policy; rho's gradient adds k × grad log pi even on-policy. Normalised with
+    the loss it enters."""
     return per_token_kl * torch.exp(log_weights)
 
 
@@ -178,7 +139,7 @@ def token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
               max_completion_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss_sum, denominator) of a per-token loss for `loss_type` (module doc)."""
+    """(loss_sum, denominator) of a per-token loss for `loss_type` (the module's table)."""
     _check(loss_type, max_completion_length)
     total = sequence_mean_sum(per_token, mask) if loss_type in SEQUENCE_MEAN_LOSS_TYPES \
         else token_sum(per_token, mask)
@@ -237,7 +198,7 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
                 entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
                 per_token_value_loss: torch.Tensor | None = None, vf_coef: float = 0.0) -> PolicyLoss:
     """The per-token loss surrogate + beta × KL - entropy_coef × entropy
-    + vf_coef × value loss, normalised by `loss_type` (module doc).
+    + vf_coef × value loss, normalised by `loss_type` (`aggregate`).
 
     The surrogate: `clipped_surrogate` (grpo, bnpo, dapo, dr_grpo), `cispo_surrogate` with
     the cap epsilon_high (None: epsilon, as TRL) or `sapo_surrogate`. logps, old_logps, mask

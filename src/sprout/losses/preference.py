@@ -2,28 +2,17 @@
 chosen, SimPO, ORPO), the loss_type combinator over these and the DPO variants of
 `sprout.losses.dpo`, and TRL's logged metrics. One pure function per loss.
 
-Every loss returns PER-PAIR losses, a tensor [B] for a batch of B pairs, never a mean. A
-trainer sums them and divides by the number of pairs in the whole global batch (across
-micro-batches and processes), so the gradient does not depend on how the batch was split: the
-same rule as `sprout.losses.tokens`, with pairs in place of target tokens. Any normalisation
-*inside* a pair (a per-token mean of a sequence's log-prob) is written in the function's
-docstring; "normaliser: none within the pair" means the formula is used as is. The AOT
-variants are the exception: they sort over the batch they are given (`BATCH_COUPLED` in
-`sprout.losses.loss_types`, which names every variant; see `sprout.losses.dpo.aot_loss` for
-what that means under accumulation and several processes).
+Every loss returns PER-PAIR losses [B], never a mean. A trainer sums them and divides by the
+number of pairs in the whole global batch (across micro-batches and processes): the rule of
+`sprout.losses.tokens`, with pairs in place of target tokens. A normalisation *inside* a pair
+is written in the function's docstring; "normaliser: none within the pair" means the formula
+is used as is. The AOT variants sort over the batch they are given (`BATCH_COUPLED` in
+`sprout.losses.loss_types`; see `sprout.losses.dpo.aot_loss`).
 
-Inputs are per-pair tensors [B]:
-- `chosen_logps`, `rejected_logps`: the policy's log p(response | prompt), summed over the
-  response tokens (`sprout.losses.tokens.sequence_logps`);
-- `ref_chosen_logps`, `ref_rejected_logps`: the same under the frozen reference model;
-- `chosen_lengths`, `rejected_lengths`: response token counts, for the length-normalised
-  variants, clamped to at least 1 before dividing (`sprout.losses.dpo.response_tokens`).
-
-`preference_loss` combines variants by name with weights, as TRL's `DPOConfig.loss_type` list
-and `loss_weights` do (MPO-style mixes such as sigmoid + sft). `preference_metric_sums` gives
-TRL's logged metrics (rewards/chosen, rewards/margins, logps/chosen, logits/chosen, ...) as
-(sum, count) pairs so a trainer can reduce each over its own denominator exactly.
-Formulas follow TRL's DPOTrainer, CPOTrainer (SimPO), ORPOTrainer and RewardTrainer.
+Inputs [B]: `chosen_logps`, `rejected_logps` (log p(response | prompt) summed over the response,
+`sprout.losses.tokens.sequence_logps`), `ref_chosen_logps`, `ref_rejected_logps` (the frozen
+reference's), `chosen_lengths`, `rejected_lengths` (token counts, clamped to ≥ 1 before dividing).
+`preference_metric_sums` gives TRL's logged metrics as (sum, count) pairs.
 """
 
 from __future__ import annotations

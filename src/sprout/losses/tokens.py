@@ -3,18 +3,12 @@
 Losses are returned as *sums* together with the number of terms, never as means: the
 training loop (`sprout.engine.trainer`) divides by the number of targets in the whole
 accumulated global batch, across micro-batches and processes, so a run's gradient does
-not depend on how the batch was split (the normalisation nanoGPT-style loops get wrong
-when micro-batches hold different numbers of trained tokens).
+not depend on how the batch was split.
 
-The cross-entropy is a small autograd Function rather than `F.cross_entropy`: the
-latter materialises log-probabilities in the forward and two more logits-sized tensors
-in the backward, while this one keeps only each row's log-sum-exp (computed a few
-thousand rows at a time) and builds the gradient, softmax minus one-hot, in a single
-logits-sized tensor. At a 4096-token vocabulary a logits tensor is 64 MB per 4096
-tokens, and each fresh one is a round of page faults on CPU. With `overwrite_logits`
-the backward writes that gradient into the logits' own memory instead (no new tensor at
-all), which is safe when nothing reads the logits after backward, as in the trainers'
-loss functions, where every metric is computed before the loop calls backward.
+The cross-entropy is an autograd Function that keeps only each row's log-sum-exp and builds
+the gradient (softmax minus one-hot) in one logits-sized tensor; with `overwrite_logits` it
+writes that gradient into the logits' own memory, safe only when nothing reads the logits
+after backward (the trainers compute every metric before backward).
 """
 
 from __future__ import annotations
@@ -49,8 +43,8 @@ def token_nll_sum(
 
     logits [..., V] (any float dtype; computed in float32), targets [...] int64,
     mask [...] (bool or 0/1) selects the positions that count; None means all of them.
-    overwrite_logits: the backward may reuse the logits' memory for their gradient (see
-    the module doc); only for callers that never read `logits` after backward.
+    overwrite_logits: the backward may reuse the logits' memory for their gradient; only
+    for callers that never read `logits` after backward.
     Returns (nll_sum float32 scalar, n_targets int64 scalar).
     """
     logits, targets = logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)
