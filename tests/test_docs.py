@@ -53,14 +53,16 @@ def shell_blocks(text: str) -> list[str]:
 
 
 def readme_commands() -> list[list[str]]:
-    """Every command line of README.md's shell code blocks as words (continuations joined, comments and
-    a leading `$ ` dropped)."""
+    """Every command of README.md's shell code blocks as words (continuations joined, comments and a
+    leading `$ ` dropped, `&&` splitting two commands)."""
     commands = []
     for block in shell_blocks(README.read_text(encoding="utf-8")):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line.removeprefix("$ "), comments=True)
-            if words:
-                commands.append(words)
+            while words:  # `a && b`: two commands
+                cut = words.index("&&") if "&&" in words else len(words)
+                commands.append(words[:cut])
+                words = words[cut + 1:]
     return commands
 
 
