@@ -34,6 +34,8 @@ for script in sys.argv[1:]:
         code = 0
     except SystemExit as exc:
         code = exc.code
+    except Exception as exc:  # a script that fails to import: reported, the others still checked
+        code = repr(exc)
     out[script] = {"exit": code, "help": text.getvalue(), "torch": "torch" in sys.modules}
 print(json.dumps(out))
 """
