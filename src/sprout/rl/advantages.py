@@ -1,51 +1,14 @@
 """Advantages for the RL trainers: group-relative (GRPO, RLOO, Dr. GRPO) and PPO's GAE.
 
-Group advantages (`group_advantages`) take the rewards of the whole global batch, laid out
-prompt by prompt: the `num_generations` completions of one prompt are adjacent (TRL's
-layout). With G completions per group, group mean m_g and group std s_g (Bessel-corrected,
-as `torch.std` and TRL), batch std s_b over all rewards, and eps = 1e-4 (TRL's):
-
-    advantage  baseline                                   scale_rewards   A_i
-    grpo       m_g                                        group (default) (r_i - m_g) / (s_g + eps)
-                                                          batch           (r_i - m_g) / (s_b + eps)
-                                                          none            r_i - m_g
-    rloo       leave-one-out (sum_g - r_i) / (G - 1)      none (default)  r_i - (sum_g - r_i) / (G - 1)
-                                                          group / batch   the same / (s_g + eps) or (s_b + eps)
-    dr_grpo    m_g                                        none only       r_i - m_g
-
-RLOO's advantage equals G / (G - 1) × (r_i - m_g). `frac_reward_zero_std` is the share of
-groups whose rewards are all equal (std 0: such a group gives every completion advantage
-0, so it teaches nothing); it is counted per group whatever the scaling (TRL counts the
-std it divides by, so under `batch` scaling it reports the batch's). `uniform_groups` says
-which groups those are, over one column (the summed reward) or several (each function's).
-
-The table above is TRL's `multi_objective_aggregation: sum_then_normalize`: the weighted
-sum r_i = sum_k w_k r_ik of the reward functions' values first (an abstaining function adds
-0), then the group statistics of that sum. `normalize_then_sum` (TRL's, from GDPO) swaps
-the order, in two normalisers:
-
-    per group, per function  z_ik = (r_ik - m_gk) / (s_gk + eps)      (`normalize_then_sum`)
-                             s_i  = sum_k w_k z_ik
-    over the global batch    A_i  = (s_i - mean_B s) / (std_B s + eps) (`batch_normalize`)
-
-with m_gk, s_gk the mean and Bessel std of function k's values in the group, over the
-completions it did not abstain on (an abstention, or a group with fewer than two values of
-k, adds 0 to s_i); a completion every function abstained on has no s_i: it is left out of
-the batch's mean and std and gets A_i = 0 (TRL 1.16). `batch_normalize` is also TRL's RLOO
-`normalize_advantages`: A_i -> (A_i - mean_B A) / (std_B A + eps) over the global batch.
-Both batch figures span every process: the caller gathers the global batch (every rank's
-values in rank order) and passes it as `batch`, so N processes compute what one does.
-
-GAE (`gae`) runs over per-token rewards and values [B, T] with a completion mask: with
-m_t the mask, delta_t = r_t + gamma · m_{t+1} · V_{t+1} - V_t and
-A_t = delta_t + gamma · lambda · m_{t+1} · A_{t+1}, so nothing is bootstrapped past the
-last completion token (a truncated completion ends there too, with V = 0 after it);
-returns are A + V. Masked positions get 0 in both.
-
-Whitening (`masked_whiten`) is TRL's: (x - masked mean) / sqrt(masked var + 1e-8), the
-variance Bessel-corrected over the masked count; `shift_mean=False` adds the mean back.
-Here masked positions come out 0. It normalises over the tensor it is given: to whiten
-over every process, gather first.
+Group advantages take the rewards of the whole global batch, laid out prompt by prompt: the
+`num_generations` completions of one prompt are adjacent (TRL's layout). Group and batch
+stds are Bessel-corrected (as `torch.std` and TRL), eps = 1e-4 (TRL's). Each function's
+docstring gives its formula: `group_advantages` (the weighted sum of the reward functions
+first, TRL's `sum_then_normalize`), `normalize_then_sum` then `batch_normalize` (each function
+normalised in its group first), `gae`, `masked_whiten`. Batch figures span every process: the
+caller gathers the global batch (every rank's values in rank order) and passes it as `batch`,
+so N processes compute what one does. `masked_whiten` normalises over the tensor it is given:
+to whiten over every process, gather first.
 """
 
 from __future__ import annotations
@@ -72,8 +35,15 @@ class GroupAdvantages:
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, advantage: str = "grpo",
                      scale_rewards: str | None = None, eps: float = STD_EPS) -> GroupAdvantages:
-    """Group-relative advantages of `rewards` [N = groups × num_generations] (module doc).
-    `scale_rewards` None takes the estimator's default (grpo: group; rloo, dr_grpo: none)."""
+    """Group-relative advantages of `rewards` [N = groups × num_generations]. With G per group,
+    group mean m_g and std s_g, batch std s_b:
+
+        grpo     A_i = r_i - m_g, / (s_g + eps) (scale group, the default), / (s_b + eps) (batch)
+        rloo     A_i = r_i - (sum_g - r_i) / (G - 1), divided the same way (default: none)
+        dr_grpo  A_i = r_i - m_g (scale none only)
+
+    `scale_rewards` None takes the estimator's default. `frac_reward_zero_std` is the share of
+    groups whose rewards are all equal (every advantage 0), counted per group whatever the scale."""
     if advantage not in ADVANTAGES:
         raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, got {advantage!r}")
     scale = DEFAULT_SCALE[advantage] if scale_rewards is None else scale_rewards
@@ -114,9 +84,10 @@ def nan_mean_std(values: torch.Tensor, dim: int | None = None) -> tuple[torch.Te
 def normalize_then_sum(per_function: torch.Tensor, weights, num_generations: int,
                        eps: float = STD_EPS) -> torch.Tensor:
     """s_i = sum_k w_k (r_ik - m_gk) / (s_gk + eps) of `per_function` [N, F] (NaN where a
-    function abstained), each function normalised within its group of `num_generations`
-    (module doc); [N] float64, NaN where every function abstained. The batch step is
-    `batch_normalize`."""
+    function abstained), m_gk, s_gk the mean and Bessel std of function k over the completions of
+    the group of `num_generations` it did not abstain on (an abstention, or a group with fewer
+    than two values of k, adds 0); [N] float64, NaN where every function abstained. The batch
+    step is `batch_normalize`."""
     if per_function.dim() != 2 or per_function.size(0) % num_generations or num_generations < 2:
         raise ValueError(f"per_function must be [groups × num_generations, functions] with num_generations >= 2, "
                          f"got shape {tuple(per_function.shape)} and num_generations {num_generations}")
@@ -131,7 +102,7 @@ def normalize_then_sum(per_function: torch.Tensor, weights, num_generations: int
 def batch_normalize(values: torch.Tensor, batch: torch.Tensor, eps: float = STD_EPS) -> torch.Tensor:
     """(x - mean(batch)) / (std(batch) + eps) for each x of `values` (this rank's), with the mean
     and Bessel std over the non-NaN entries of `batch`, the global batch (every rank's values
-    gathered); a NaN value comes out 0 (module doc)."""
+    gathered); a NaN value comes out 0."""
     mean, std = nan_mean_std(batch.double())
     return torch.nan_to_num((values.double() - mean.reshape(())) / (std.reshape(()) + eps), nan=0.0)
 
@@ -160,7 +131,9 @@ def token_rewards(scores: torch.Tensor, per_token_kl: torch.Tensor, mask: torch.
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns) [B, T] by generalised advantage estimation (module doc)."""
+    """(advantages, returns) [B, T] by generalised advantage estimation, m_t the mask:
+    delta_t = r_t + gamma m_{t+1} V_{t+1} - V_t, A_t = delta_t + gamma lam m_{t+1} A_{t+1}, so
+    nothing is bootstrapped past the last completion token; returns A + V; masked positions 0."""
     m = mask.to(values.dtype)
     rewards, values = rewards * m, values * m
     advantages = torch.zeros_like(values)
@@ -192,7 +165,8 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whitened `values` over the masked positions (module doc); masked positions are 0."""
+    """(x - masked mean) / sqrt(masked var + 1e-8), the variance Bessel-corrected over the masked
+    count; `shift_mean=False` adds the mean back; masked positions are 0."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:

@@ -1,22 +1,16 @@
 """KL between the policy and the reference, per token, and the controllers of its weight.
 
-Estimators (Schulman, "Approximating KL divergence", 2020). Tokens are sampled from the
-policy pi, and KL(pi || ref) is estimated at each sampled token from the log ratio
-log r = log ref(x) - log pi(x):
+Tokens are sampled from the policy pi; KL(pi || ref) is estimated at each sampled token from
+log r = log ref(x) - log pi(x) (Schulman, "Approximating KL divergence", 2020):
 
     k1 = -log r                unbiased, high variance, can be negative
     k2 = (log r)^2 / 2         biased, low variance, >= 0
     k3 = (r - 1) - log r       unbiased, low variance, >= 0 (TRL's GRPO KL term)
 
-Each is a per-token tensor; trainers sum it over completion tokens and divide by their
-count (`objective/kl` in PPO is the per-sequence sum of k1, averaged over sequences). GRPO's
-loss multiplies the estimate by the importance ratio pi / pi_old (TRL's use_bias_correction_kl,
-`sprout.losses.policy.bias_corrected_kl`), which makes it an estimate of the current policy's
-KL from tokens the older policy sampled.
-
-Controllers hold the KL weight beta. `FixedKLController` keeps it; `AdaptiveKLController`
-(Ziegler et al. 2019, TRL's) moves it towards a target KL: with
-e = clip(KL / target - 1, -0.2, 0.2), beta <- beta × (1 + e × n_steps / horizon).
+Normaliser: trainers sum a per-token estimate over completion tokens and divide by their
+count (`objective/kl` in PPO is the per-sequence sum of k1, averaged over sequences).
+`FixedKLController` keeps beta; `AdaptiveKLController` (Ziegler et al. 2019, TRL's) moves it
+towards a target: e = clip(KL / target - 1, -0.2, 0.2), beta <- beta × (1 + e × n_steps / horizon).
 """
 
 from __future__ import annotations
