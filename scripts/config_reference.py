@@ -1,8 +1,7 @@
-"""Write docs/reference/config.md: the config fields of every prep script and trainer, as their
---help lists them (`sprout.config_help.config_markdown`). `make docs` runs it.
+"""Write docs/reference/config.md, the config fields of every prep script and trainer.
 
-    python scripts/config_reference.py            # rewrite docs/reference/config.md
-    python scripts/config_reference.py --check    # exit 1 when the file differs from what it would write
+The fields are those each script's --help lists (`sprout.config_help.config_markdown`).
+`make docs` runs this; tests/test_docs.py checks the page is what `render()` writes now.
 """
 
 from __future__ import annotations
@@ -55,19 +54,11 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the page differs, writing nothing")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        same = PAGE.exists() and PAGE.read_text(encoding="utf-8") == text
-        print(f"{PAGE}: {'up to date' if same else 'out of date: run make docs'}")
-        return 0 if same else 1
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(text, encoding="utf-8")
-    print(f"wrote {PAGE}")
+    PAGE.write_text(render(), encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(PAGE.parents[2])}")
     return 0
-
 
 if __name__ == "__main__":
     run_main(main)
