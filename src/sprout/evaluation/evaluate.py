@@ -3,60 +3,13 @@
     ev = evaluate_prompts(model, tok, prompts, n=16, ks=(1, 8), greedy=True, max_new_tokens=256, seed=0)
     ev.metrics["pass@1"], ev.metrics["greedy/accuracy"], ev.by_level["2"]["pass@1"], ev.samples[0]
 
-pass@k: the chance that at least one of k samples is correct, estimated from n >= k.
-Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"): from n samples of
-which c are correct, the unbiased estimate is 1 - C(n - c, k) / C(n, k), the chance that a
-k-subset drawn without replacement holds a correct sample. The binomials overflow floats
-long before n is large, so it is computed as the product
-1 - prod_{i = n-c+1}^{n} (1 - k / i), which is the same number. Averaged over problems,
-each problem counts once (the normaliser of `mean_pass_at_k` is the number of problems).
-
-`evaluate_prompts` renders each prompt (records of `sprout.formats.prompts`) with the chat
-template's generation header (`sprout.chat.render`), samples n completions per prompt with
-`sprout.model.generate.generate_tokens` (temperature 1, no top-k/top-p: the policy's own
-distribution), and with `greedy` one greedy completion more. Each completion is checked by
-`sprout.rl.verifiers`: correct when the answer of its last `<answer>…</answer>` block
-matches the gold (`correctness_reward`, no fallback to a bare number), well formatted when
-it is exactly `<think>…</think><answer>…</answer>` (`format_reward`). The figures and their
-normalisers (P prompts, n samples each):
-
-    pass@k                    mean over the P prompts of pass_at_k(n, c, k)
-    greedy/accuracy           greedy completions correct / P
-    greedy/format_rate        greedy completions in the format / P
-    format/rate               sampled completions in the format / (P × n)
-    completions/mean_length   sampled completion tokens (the stop token counted) / (P × n)
-    completions/clipped_ratio sampled completions cut by max_new_tokens or the context,
-                              without a stop token / (P × n)
-
-`by_level` holds the same figures over the prompts of each curriculum level (prompts whose
-level is null are in the totals only), `samples` the first `num_samples` prompts with their
-first sampled completion (and the greedy one), its parsed answer and whether it is correct.
-
-Per problem (`Evaluation.problems`, what two evaluations of the same problems are paired
-by): its id (the prompt record's `id`: `sprout.prep.rl_prompts.source_prompt_id`, the
-source's name and the prompt's dedup key, `sprout.prep.keys.conversation_key`; computed
-the same way for a record without one), source, level, n, the sampled completions correct
-and formatted, and with greedy the greedy one's correct and formatted (0 or 1). Each
-figure in [0, 1] is the mean over problems of a per-problem score (`problem_scores`):
-pass@k of pass_at_k(n, correct, k), greedy/accuracy of greedy_correct, greedy/format_rate
-of greedy_formatted, format/rate of formatted / n. `Evaluation.intervals` gives each of
-them its 95 % interval, `<figure>_ci` = [lo, hi], over all prompts and per level
-(`sprout.evaluation.statistics.mean_interval`: Wilson when every score is 0 or 1, as for the greedy
-figures and pass@1 from one sample; else a percentile bootstrap over problems, 10,000
-resamples, seed 0, whatever the sampling seed).
-
-Batches and seeds: `batch_size` prompts per `generate_tokens` call (batch_size × n rows).
-Batch j (prompts j·batch_size ...) samples with a generator seeded from (seed, j), so the
-completions depend on the seed, the prompts and batch_size, never on how many processes run.
-
-Several processes (torch.distributed initialised, e.g. by accelerate): batch j goes to rank
-j mod world_size; each rank keeps its own prompts' counts and one `all_gather_object` at the
-end gives every rank all of them, summed in prompt order, so every rank returns the same
-figures as one process would. Every rank makes the same number of `generate_tokens` calls
-(a rank without a batch in a round generates one token for a repeated prompt, counted
-nothing), as generation under FSDP needs (each forward is a collective). The model is used
-as given (an FSDP module, or the Trainer's `generation_model`); a DDP wrapper is looked
-through to its module, whose forward needs no collective.
+Each prompt is rendered with the chat template's generation header, sampled n times at
+temperature 1 (the policy's own distribution) and, with `greedy`, once greedily; completions
+are checked by `sprout.rl.verifiers` (`correctness_reward` with no bare-number fallback,
+`format_reward`). `summarise` states each figure's normaliser; each figure in [0, 1] is a mean
+over problems, each counting once, with a 95 % interval (`figure_intervals`). Batch j samples
+with a generator seeded from (seed, j): completions depend on the seed, the prompts and
+batch_size, never on the number of processes, and every rank returns what one process would.
 """
 
 from __future__ import annotations
@@ -79,7 +32,8 @@ from sprout.rl.verifiers import correctness_reward, format_reward
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem with `c` correct among `n` samples."""
+    """Unbiased pass@k of one problem with `c` correct among `n` samples (Chen et al. 2021):
+    1 - C(n - c, k) / C(n, k), computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i)."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:  # every k-subset holds a correct sample
@@ -88,7 +42,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
-    """Mean of `pass_at_k` over problems given as (n, c) pairs."""
+    """Mean of `pass_at_k` over problems given as (n, c) pairs; normaliser: the number of problems."""
     values = [pass_at_k(n, c, k) for n, c in counts]
     if not values:
         raise ValueError("mean_pass_at_k needs at least one problem")
@@ -115,7 +69,9 @@ class PromptOutcome:
 
 @dataclass
 class Evaluation:
-    """What `evaluate_prompts` measured (the module doc names each figure)."""
+    """What `evaluate_prompts` measured: `metrics` (the figures of `summarise`), `by_level` (the
+    same over each curriculum level's prompts; a null level is in the totals only), `samples`
+    (the first `num_samples` prompts' first sampled and greedy completions, parsed and checked)."""
 
     metrics: dict[str, float]
     by_level: dict[str, dict[str, float]]
@@ -162,7 +118,8 @@ def problem_record(o: PromptOutcome, n: int, greedy: bool) -> dict:
 
 def problem_scores(problems: Sequence[dict], figure: str) -> list[float] | None:
     """Each problem's score in [0, 1] whose mean over `problems` (`problem_record`s) is
-    `figure` (module doc); None for a figure that is no such mean (completion length) or
+    `figure`: pass@k of pass_at_k(n, correct, k), greedy/accuracy of greedy_correct,
+    greedy/format_rate of greedy_formatted, format/rate of formatted / n; None for a figure that is no such mean (completion length) or
     that the records cannot give (greedy figures without greedy answers, pass@k above n)."""
     if figure.startswith("pass@") and figure[5:].isdigit():
         k = int(figure[5:])
@@ -179,7 +136,8 @@ def problem_scores(problems: Sequence[dict], figure: str) -> list[float] | None:
 
 def figure_intervals(problems: Sequence[dict], figures: Iterable[str]) -> dict[str, list[float]]:
     """{`<figure>_ci`: [lo, hi]}, the 95 % interval of each of `figures` that `problem_scores`
-    gives per problem (`sprout.evaluation.statistics.mean_interval`, module doc)."""
+    gives per problem (`sprout.evaluation.statistics.mean_interval`: Wilson when every score is
+    0 or 1, else a percentile bootstrap over problems, 10,000 resamples, seed 0)."""
     out = {}
     for name in figures:
         scores = problem_scores(problems, name) if problems else None
@@ -189,7 +147,16 @@ def figure_intervals(problems: Sequence[dict], figures: Iterable[str]) -> dict[s
 
 
 def summarise(outcomes: Sequence[PromptOutcome], n: int, ks: Sequence[int], greedy: bool) -> dict[str, float]:
-    """The figures of the module doc over `outcomes` (normalisers there), plus `prompts`."""
+    """The figures over `outcomes` (P prompts, n samples each), plus `prompts`:
+
+        pass@k                    mean over the P prompts of pass_at_k(n, c, k)
+        greedy/accuracy           greedy completions correct / P
+        greedy/format_rate        greedy completions in the format / P
+        format/rate               sampled completions in the format / (P × n)
+        completions/mean_length   sampled completion tokens (the stop token counted) / (P × n)
+        completions/clipped_ratio sampled completions cut by max_new_tokens or the context,
+                                  without a stop token / (P × n)
+    """
     P = len(outcomes)
     out: dict[str, float] = {"prompts": P}
     if n:
@@ -237,7 +204,12 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
                      greedy: bool = False, max_new_tokens: int = 256, seed: int = 0, batch_size: int = 8,
                      temperature: float = 1.0, accelerator=None, num_samples: int = 4) -> Evaluation:
     """Sample and verify completions of `prompts` (records with `prompt`, `gold`, `level`,
-    optional `id`); see the module doc. `n` may be 0 when `greedy` is on (greedy only)."""
+    optional `id`). `n` may be 0 when `greedy` is on (greedy only). `batch_size` prompts per
+    `generate_tokens` call (batch_size × n rows). Under torch.distributed batch j goes to rank
+    j mod world_size and one `all_gather_object` gives every rank all counts, in prompt order.
+    Every rank makes the same number of `generate_tokens` calls (a rank without a batch
+    generates one token for a repeated prompt, counted nothing): under FSDP each forward is a
+    collective. The model is used as given; a DDP wrapper is looked through to its module."""
     ks = sorted(set(int(k) for k in ks)) if n else []
     if n < 0 or (n == 0 and not greedy):
         raise SproutError(f"evaluate: n must be >= 1 (or 0 with greedy), got {n}")

@@ -6,38 +6,10 @@
     excludes_zero(lo, hi)                                   # the change is real
 
 Every interval is about the problems: the figures are means over held-out problems, and the
-interval says how far the mean could move on another draw of as many problems from the
-same distribution (a problem's own sampling noise, its n samples, is part of its score and
-so is carried along). z = 1.96 gives the 95 % level throughout.
-
-- A rate (`wilson_interval`): s successes of n trials, p = s / n. The Wilson score interval
-  (Wilson 1927), the interval of the rates whose normal test does not reject p:
-
-      centre = (p + z² / 2n) / (1 + z² / n)
-      half   = z / (1 + z² / n) · √(p (1 − p) / n + z² / 4n²)
-      [centre − half, centre + half]
-
-  It stays inside [0, 1] and is not empty at 0/n or n/n (there lo = 0 and hi = 1 exactly).
-  n = 0 says nothing: [0, 1].
-- The mean of per-problem scores in [0, 1] (`mean_interval`): when every score is 0 or 1
-  (greedy accuracy, a format rate of one answer per problem, pass@1 from one sample) the
-  mean is a rate over problems and gets the Wilson interval of (sum, count). Otherwise
-  (pass@1 from n samples: each problem's fraction of correct samples) a percentile
-  bootstrap over problems: `resamples` times draw as many problems as there are, with
-  replacement, and take the mean; the interval is the Φ(−z) and Φ(z) quantiles of those
-  means (2.5 % and 97.5 % for z = 1.96; numpy's linear-interpolation percentile).
-- The change between two stages on the SAME problems (`paired_difference_interval`):
-  d_i = b_i − a_i for every problem id i, the change is mean(d) = mean(b) − mean(a), and
-  its interval is the percentile bootstrap of mean(d) over problems, as above: each
-  resample draws problems, and both stages' scores of a drawn problem come with it, so
-  what the problems have in common (some are easy for both) cancels. The change is real
-  when the interval excludes 0 (`excludes_zero`: lo > 0 or hi < 0).
-
-Bootstraps are seeded (`seed`, numpy's PCG64 via `numpy.random.default_rng`): the same
-scores, resamples and seed give the same interval. Problems are taken in the order of their
-ids, so the order of a mapping does not matter.
-
-No torch here.
+interval says how far the mean could move on another draw of as many problems (a problem's
+own sampling noise is part of its score). z = 1.96 throughout. Bootstraps are seeded
+(numpy's PCG64 via `numpy.random.default_rng`): the same scores, resamples and seed give the
+same interval; problems are taken in the order of their ids. No torch here.
 """
 
 from __future__ import annotations
@@ -55,8 +27,9 @@ _CHUNK_VALUES = 1 << 21  # resampled values drawn per numpy call (memory, not th
 
 
 def wilson_interval(successes: int | float, n: int | float, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of the rate successes / n (module doc: the formula);
-    (0.0, 1.0) when n is 0."""
+    """The Wilson score interval of the rate p = successes / n: centre ± half with
+    centre = (p + z²/2n) / (1 + z²/n), half = z / (1 + z²/n) · √(p (1 − p) / n + z²/4n²),
+    inside [0, 1], lo = 0 at 0/n and hi = 1 at n/n; (0.0, 1.0) when n is 0."""
     if n < 0 or not 0 <= successes <= n:
         raise ValueError(f"wilson_interval needs 0 <= successes <= n, got {successes} of {n}")
     if n == 0:
@@ -97,8 +70,8 @@ def percentile_interval(samples: np.ndarray, z: float = Z95) -> tuple[float, flo
 def mean_interval(scores: Sequence[float], *, z: float = Z95, resamples: int = RESAMPLES,
                   seed: int = SEED) -> tuple[float, float]:
     """The interval of the mean of per-problem scores in [0, 1]: Wilson of (sum, count) when
-    every score is 0 or 1, else the percentile bootstrap over problems (module doc);
-    (0.0, 1.0) for no scores."""
+    every score is 0 or 1, else the percentile bootstrap of the mean over problems (drawn with
+    replacement, as many as there are); (0.0, 1.0) for no scores."""
     values = [float(s) for s in scores]
     if any(not 0.0 <= s <= 1.0 for s in values):
         raise ValueError("mean_interval needs scores in [0, 1]")
@@ -110,7 +83,8 @@ def mean_interval(scores: Sequence[float], *, z: float = Z95, resamples: int = R
 def paired_difference_interval(a: Mapping[str, float], b: Mapping[str, float], *, z: float = Z95,
                                resamples: int = RESAMPLES, seed: int = SEED) -> tuple[float, float, float]:
     """(mean(b) − mean(a), lo, hi) over the problems of `a` and `b` ({problem id: score}, the
-    same ids in both): the paired percentile bootstrap of the module doc."""
+    same ids in both): the percentile bootstrap of mean(d), d_i = b_i − a_i, over problems, so
+    both stages' scores of a drawn problem come together and what they share cancels."""
     if set(a) != set(b):
         shared = len(set(a) & set(b))
         raise ValueError(f"paired_difference_interval needs the same problems, got {len(a)} and {len(b)} "

@@ -4,25 +4,13 @@
     prompts = task_prompts("gsm8k", mirror="../shared/data")  # GSM8K's test.jsonl, offline
     prompts = file_prompts("runs/demo/rl_prompts/prompts_test.jsonl")
 
-Every record is in the prompt contract of `sprout.formats.prompts`
-(`{"id", "source", "prompt", "gold", "level"}`), made by the same steps as
-`sprout.prep.rl_prompts.prepare`: the same reader per format, the same prompt shape (the
-SFT data's: one user message holding the question), the same refusals of the chat
-template, exact dedup on the prompt, the same ids. So a problem has the same id and the
-same prompt here as in a prepared `prompts_test.jsonl`.
-
-Tasks (`TASKS`):
-
-- `arith`  the arithmetic generator's test split (`sprout.prep.arithmetic`: held out by a
-           hash of the question, never in SFT or preference data), levels 1-4 in turn,
-           `ARITH_COUNT` problems drawn with generator seed 0, whatever the sampling seed.
-           The demo's prompt prep draws its `arithmetic_test` source with that same seed,
-           so these are the first `ARITH_COUNT` of its test problems (levels 1 and 3 hold
-           only 7 test problems each; levels 2 and 4 fill the rest).
-- `gsm8k`  GSM8K's own test file (`openai/gsm8k`, config `main`, 1,319 problems), read
-           from the data mirror (`sprout.mirror`), else from the hub. Level null.
-
-No torch here.
+Every record is in the prompt contract of `sprout.formats.prompts`, made by the same steps as
+`sprout.prep.rl_prompts.prepare` (reader, prompt shape, template refusals, dedup, ids), so a
+problem has the same id and prompt here as in a prepared `prompts_test.jsonl`. `TASKS`:
+`arith`, the arithmetic generator's test split (held out by a hash of the question), levels
+1-4 in turn, `ARITH_COUNT` problems drawn with generator seed 0 whatever the sampling seed;
+`gsm8k`, GSM8K's test file (`openai/gsm8k`, config `main`, 1,319 problems) from the data
+mirror, else the hub, level null. No torch here.
 """
 
 from __future__ import annotations
