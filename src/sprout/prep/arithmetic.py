@@ -1,31 +1,18 @@
 """Arithmetic problems by level, with gold answers, worked answers and wrong answers.
 
 One generator feeds SFT (a worked answer per problem), preference pairs (a worked answer
-against a wrong one) and RL prompts (question and gold). Levels:
+against a wrong one) and RL prompts (question and gold). Levels (`LEVELS`): 1 one-digit
+addition, 2 two-digit addition/subtraction (never below 0), 3 one-digit multiplication,
+4 two steps (left to right, or * before +/-). A `Problem` holds its question, its gold (an
+integer as `sprout.answers.normalise_number` writes it) and a worked answer
+`<think>12 + 5 = 17. 17 - 9 = 8.</think><answer>8</answer>` (`sprout.answers.format_reasoning`).
 
-    1  one-digit addition              "What is 3 + 4?"
-    2  two-digit addition/subtraction  "What is 57 - 23?"  (subtraction never goes below 0)
-    3  one-digit multiplication        "What is 6 * 7?"
-    4  two steps, left to right or     "What is 12 + 5 - 9?", "What is 3 * 4 + 7?"
-       with * before +/-
-
-A `Problem` has its question, its gold answer (an integer as a string, as
-`sprout.answers.normalise_number` writes it) and a worked answer
-`<think>12 + 5 = 17. 17 - 9 = 8.</think><answer>8</answer>`
-(`sprout.answers.format_reasoning`).
-
-Train and test are disjoint by a hash of the question: a problem is a test problem when
-`sprout.prep.keys.is_val(text_key(question), TEST_FRACTION)`, whatever the seed, level mix
-or count, so a test problem never reaches SFT or preference data built from the train
-split. `generate` is deterministic for a seed and yields distinct problems, round-robin
-over the requested levels, until `count` or until every level's problems in the split run
-out (level 1 and 3 have 100 problems each, before the split).
-
-Wrong answers, for preference pairs (`wrong_answer`):
-- `near_miss`: the same worked answer with the last result off by 1..3 (never the gold);
-- `broken_format`: the right number without the required tags (no tags at all, no
-  `<answer>` block, or an unclosed `<answer>`), so `sprout.answers.parse_answer`
-  finds no answer.
+Split: a problem is a test problem when `sprout.prep.keys.is_val(text_key(question),
+TEST_FRACTION)`, whatever the seed, level mix or count, so a test problem never reaches data
+built from the train split. `generate` is deterministic for a seed and yields distinct problems,
+round-robin over the levels, until `count` or until a level's problems in the split run out.
+`wrong_answer` gives a `near_miss` (last result off by 1..3, never the gold) or a `broken_format`
+(the right number without the required tags, so `sprout.answers.parse_answer` finds no answer).
 """
 
 from __future__ import annotations

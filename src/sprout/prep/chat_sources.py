@@ -1,41 +1,18 @@
-"""SFT sources: Alpaca, Dolly, GSM8K (and generic chat JSONL) -> conversations.
+"""SFT sources: Alpaca, Dolly, GSM8K, chat JSONL and the arithmetic generator -> conversations.
 
-Each reader yields `Example(source, messages, where)`; `messages` is the list of
-`{"role", "content"}` dicts that `sprout.chat.render` takes, `where` names the file and
-line (or the hub row) for messages and counts.
-
-Formats (field names as their publishers ship them):
-- `alpaca`  tatsu-lab/stanford_alpaca `alpaca_data.json`: one JSON array of
-            {"instruction", "input", "output"}; user = instruction, then a blank line and
-            the input when it is non-empty.
-- `dolly`   databricks-dolly-15k JSONL {"instruction", "context", "response", "category"},
-            or the reformatted {"prompt", "response"} rows of mosaicml/dolly_hhrlhf, whose
-            prompt is wrapped in the Alpaca template with the context appended to the
-            instruction after one newline. The wrapper is stripped; both schemas give the
-            same user text `instruction\\ncontext`. A prompt without the wrapper is kept as is.
-- `gsm8k`   openai/grade-school-math JSONL {"question", "answer"}; the answer's reasoning
-            loses its `<<expr=value>>` calculator annotations and becomes
-            `<think>reasoning</think><answer>N</answer>` with N the `#### N` gold,
-            normalised (`1,080` -> `1080`). An answer without `####` or with a non-numeric
-            gold is an error naming the file and line.
-- `chat`    JSONL {"messages": [{"role", "content"}, ...]} (already a conversation).
-- `arithmetic`  no file: `count` problems of `sprout.prep.arithmetic` (`levels`, `seed`,
-            the generator's `split`: train by default, so its test problems stay unseen);
-            user = the question, assistant = the worked `<think>…</think><answer>N</answer>`.
+Each reader yields `Example(source, messages, where)`: `messages` the `{"role", "content"}`
+list `sprout.chat.render` takes, `where` the file and line (or hub row). Formats: `alpaca`,
+`dolly` (databricks-dolly-15k or mosaicml/dolly_hhrlhf, both giving the user text
+`instruction\\ncontext`), `gsm8k` (the answer becomes `<think>reasoning</think><answer>N</answer>`,
+N the normalised `#### N` gold), `chat` (JSONL `{"messages": [...]}`) and `arithmetic` (no
+file: `count` problems of `sprout.prep.arithmetic`, its train split by default).
 
 Files may be `.json` (an array), `.jsonl`, `.jsonl.gz` or `.jsonl.zst`. A line that is not
-UTF-8 or not JSON, a row missing a field, a truncated or non-gzip `.gz` is an error naming
-the file and line: these mean the file is not what the config says it is. A record whose
-text holds a lone surrogate (an unpaired `\\ud800`-style escape, which no tokenizer takes)
-is skipped with a warning and counted as `dropped_invalid_unicode`. Content-level problems
-(empty text, bad role order) are left to the chat template, whose errors prep scripts count
-as drops.
-
-A source is read from its `path`, in which `${SPROUT_MIRROR}` stands for the data mirror
-(`sprout.mirror`: a local folder holding the files the hub would give). When the path
-needs a mirror and none is found, or there is no path, the source is read from the hub
-through `datasets.load_dataset(hub, hub_config, split=split)`; `hub` may also be a local
-folder that `datasets` can load.
+UTF-8 or JSON, a missing field or a bad archive is an error naming the file and line; a text
+with a lone surrogate is skipped and counted (`dropped_invalid_unicode`); content problems are
+left to the chat template. A source is read from its `path` (`${SPROUT_MIRROR}` stands for the
+data mirror, `sprout.mirror`); with no path, or one needing a mirror when none is found, from
+the hub through `datasets.load_dataset(hub, hub_config, split=split)`.
 """
 
 from __future__ import annotations

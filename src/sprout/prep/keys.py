@@ -1,25 +1,18 @@
 """Dedup keys and the hash split: one definition that every prep uses.
 
-A document (pretraining text, an SFT conversation, a preference pair, an RL prompt) is
-identified by `text_key(text)`: the 16-byte MD5 of its lower-cased text (for pretraining,
-the cleaned text; so a story in capitals is the same story). Two documents with the same
-key are duplicates; the first one seen is kept. Only exact duplicates are caught, never
-near-duplicates.
+`text_key(text)` is the 16-byte MD5 of a document's lower-cased text (for pretraining, the
+cleaned text). Two documents with the same key are duplicates and the first seen is kept; only
+exact duplicates are caught. Structured records are keyed by `record_text`: each part on its
+own, joined by a separator that cannot appear in cleaned text, so ("ab", "c") and ("a", "bc")
+differ; a conversation by its roles and contents in order (`conversation_key`). Keys stored as
+arrays are N × 16 uint8 rows, or two big-endian uint64 halves (`KEY_DTYPE`, `key_halves`).
 
-The train/val (or train/test) split is a pure function of the key, so it is stable across
-re-runs, worker counts and source order, and a document can never be in both splits:
-- hash-fraction (`val_frac`): a document goes to val when the last 8 bytes of its key,
-  read big-endian (`key_low`), are below `val_frac × 2^64` (`val_threshold`); `is_val` for
-  one key, `val_mask_low` for many at once, vectorised;
-- hash-count (`val_docs`, pretraining only): the N documents of each source with the
-  smallest such numbers go to val.
-`SplitRule` holds either and describes itself for manifests.
-
-Structured records are keyed by a canonical text built from their fields
-(`record_text`): each part on its own, joined by a separator that cannot appear in
-cleaned text, so ("ab", "c") and ("a", "bc") differ; a conversation is keyed by its roles
-and contents in order (`conversation_key`). Keys stored as arrays are N × 16
-uint8 rows, or two big-endian uint64 halves (`KEY_DTYPE`, `key_halves`).
+The split is a pure function of the key, so it is stable across re-runs, worker counts and
+source order, and no document is in both splits (`SplitRule` holds either rule, for manifests):
+- hash-fraction (`val_frac`): val when the last 8 bytes of the key, read big-endian
+  (`key_low`), are below `val_frac × 2^64` (`val_threshold`); `is_val` for one key,
+  `val_mask_low` vectorised;
+- hash-count (`val_docs`, pretraining only): each source's N smallest such numbers go to val.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Deduplication, train/val split and source weighting over per-document arrays.
 
-Everything here works on small per-document arrays (token counts and halves of the 16-byte
-keys of `sprout.prep.keys`), never on text or tokens, so it is vectorised and independent of
-how documents were tokenised (any number of workers gives the same plan).
-
+Works on per-document token counts and key halves (`sprout.prep.keys`), never on text or
+tokens, so it is vectorised and any number of workers gives the same plan.
 - Dedup: the first occurrence of each key, in source order then document order, survives.
-- Split: `sprout.prep.keys.SplitRule` (hash-fraction or hash-count on each document's key), a
-  property of the document, so it is stable across re-runs, worker counts and seeds, and
-  train and val are disjoint by construction.
-- Weighting (`resample`, shared by pretraining and SFT prep): a source's items are taken in
-  seeded random order, whole passes over all of them plus a random subset, until their sizes
-  add up closest to a target. Pretraining gives each source a share of the output *train*
-  tokens (`token_targets`; sizes are token counts), so its share lands within one document of
-  the target; SFT prep multiplies each source's example count by its weight (sizes are 1).
-  No weights keeps every document once. Validation is never resampled.
+- Split: `sprout.prep.keys.SplitRule`, a property of each document: train and val are disjoint.
+- Weighting (`resample`, shared by pretraining and SFT prep): a source's items in seeded random
+  order, whole passes plus a random subset, until their sizes add up closest to a target.
+  Pretraining gives each source a share of the output *train* tokens (`token_targets`; sizes
+  are token counts, so a share lands within one document of its target); SFT prep multiplies a
+  source's example count by its weight (sizes are 1). No weights keeps every document once.
+  Validation is never resampled.
 - Runs: each source's selected documents, in seeded random order, are cut into runs of about
-  `run_tokens` on document boundaries, and the runs of all sources are shuffled together, so
-  any stretch of the output is a fair mix.
+  `run_tokens` on document boundaries, and the runs of all sources are shuffled together.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
-"""Best-fit packing of rendered examples into fixed-length rows.
+"""Best-fit packing of rendered SFT examples into fixed-length rows of `seq_len` tokens.
 
-Many short SFT examples share one row of `seq_len` tokens so little compute is spent on
-padding, yet documents stay apart (Krell et al. 2021, "Efficient Sequence Packing without
-Cross-contamination"):
+- no example is ever cut across two rows; a row holds whole examples plus padding (`pad_id`,
+  mask 0);
+- `segment_ids` number a row's documents 1..k (0 on padding), so attention can be restricted
+  to one document; `position_ids` restart at 0 for every document (0 on padding).
+Rows are filled by best-fit decreasing (longest first, ties in input order, each into the open
+row with the least room that fits it, else a new row): the result depends only on the lengths.
 
-- no example is ever cut across two rows; each row holds whole examples plus padding;
-- `segment_ids` number the documents of a row 1..k and are 0 on padding, so attention
-  can be restricted to one document;
-- `position_ids` restart at 0 for every document (0 on padding).
-
-Rows are filled by best-fit decreasing: examples sorted longest first (ties in input
-order) each go into the open row with the least room that still fits them, else a new
-row. The result depends only on the lengths, so it is deterministic.
-
-Before packing, `fit_examples` applies the over-long policy (`overlong`):
-- "truncate": keep the first `seq_len` tokens, then drop trailing untrained tokens, so a
-  kept example ends either with a complete assistant turn (its eot) or inside an
-  assistant answer that fills the whole row (counted as `truncated_open`);
-- "drop": drop any example longer than `seq_len` (counted as `overlong_dropped`).
-An example whose first trained token lies beyond `seq_len` is a prompt longer than the
-context (`prompt_too_long`, dropped under both policies). Examples with no trained token
-at all are dropped (`no_trained_token`). Padding is `pad_id` with mask 0.
+`fit_examples` first applies the over-long policy (`overlong`):
+- "truncate": keep the first `seq_len` tokens, then drop trailing untrained tokens, so a kept
+  example ends with a complete assistant turn or inside an answer filling the whole row
+  (counted as `truncated_open`); "drop": drop any example longer than `seq_len` (`overlong_dropped`).
+Under both, an example whose first trained token lies beyond `seq_len` (`prompt_too_long`) and
+one with no trained token (`no_trained_token`) are dropped and counted.
 """
 
 from __future__ import annotations

@@ -1,47 +1,19 @@
-"""Preference-pair prep: HH-RLHF, UltraFeedback, local JSONL and arithmetic -> the
-preference JSONL contract of `sprout.formats.preference_pairs`.
+"""Preference-pair prep (`scripts/prepare_preference_data.py`): HH-RLHF, UltraFeedback, local JSONL
+and arithmetic -> the preference JSONL contract of `sprout.formats.preference_pairs`.
 
-The steps `scripts/prepare_preference_data.py` runs, in order:
+Each record becomes a prompt (messages ending with a user turn) and two stripped answers. Pairs
+that cannot train anything are dropped and counted by reason (`malformed_transcript`,
+`mismatched_turns`, `empty_side`, `identical_sides` and the chat template's reasons). Dedup is
+exact across sources on `conversation_key(prompt + [chosen, rejected])`, first wins. The test
+split is by a hash of the PROMPT alone, `is_val(conversation_key(prompt), test_fraction)`, so
+every pair of one prompt lands in the same file. Each split is shuffled with `seed`, then
+`preferences.jsonl`, `preferences_test.jsonl` and, last, `manifest.json` are written.
 
-1. read every source (at most `max_examples` records each) and turn each record into a
-   prompt (messages ending with a user turn) and two answers, every content stripped;
-2. drop and count pairs that cannot train anything, by reason: `malformed_transcript`
-   (HH text that is not Human/Assistant turns in order, ending with the assistant),
-   `mismatched_turns` (chosen and rejected differ before their last turn), `empty_side`,
-   `identical_sides`, and the chat template's own reasons (`empty_content`,
-   `reserved_marker`, ...) for a prompt + answer that `sprout.chat.render` refuses;
-3. exact dedup across all sources on `conversation_key(prompt + [chosen, rejected])`
-   (`sprout.prep.keys`: the roles and contents, lower-cased), first wins;
-4. test split by a hash of the PROMPT alone: `is_val(conversation_key(prompt),
-   test_fraction)`, so every pair of one prompt lands in the same file;
-5. shuffle each split with `seed` and write `preferences.jsonl`, `preferences_test.jsonl`
-   and, last, `manifest.json` (counts per source and per drop reason, the split rule,
-   the config and the command).
-
-Source formats (`format:`), each read from its `path`, in which `${SPROUT_MIRROR}` stands
-for the data mirror (`sprout.mirror`); when that path needs a mirror and none is found, or
-there is no path, from the hub id through `datasets`:
-
-- `hh_rlhf`       Anthropic/hh-rlhf `{"chosen": str, "rejected": str}`, each the whole
-                  transcript `\\n\\nHuman: ...\\n\\nAssistant: ...`; the turns become
-                  messages, all but the last form the prompt.
-- `ultrafeedback` HuggingFaceH4/ultrafeedback_binarized: `prompt` a string, `chosen` /
-                  `rejected` message lists that repeat the prompt, `score_chosen` /
-                  `score_rejected`; or the flattened form (all three strings, scores under
-                  `metadata`). With `margin: true`, score_chosen - score_rejected is the
-                  pair's margin.
-- `jsonl`         local JSONL: the contract itself, or TRL's forms — plain strings
-                  (prompt/chosen/rejected), conversational with an explicit prompt, or
-                  conversational with the prompt implicit in chosen/rejected (their shared
-                  leading turns). A `margin` and a `rejected_kind` in the row are kept.
-- `arithmetic`    `count` verifiable pairs from `sprout.prep.arithmetic` (`levels`, `seed`,
-                  its train `split` by default): chosen the worked answer, rejected a near
-                  miss or, with probability `broken_format_fraction`, a broken format (its
-                  `rejected_kind`: `near_miss` or `broken_format`).
-
-A record that is not what its format says (a missing field, a wrong type or role, a prompt
-not ending with a user turn, invalid JSON) stops the run with one line naming the file
-and line: it means the file is not what the config says it is.
+Formats (`format:`): `hh_rlhf`, `ultrafeedback` (`margin: true`: the score difference is the
+pair's margin), `jsonl` (the contract or TRL's forms; `margin` and `rejected_kind` kept) and
+`arithmetic` (chosen the worked answer, rejected a `near_miss` or a `broken_format`). A `path`
+may use `${SPROUT_MIRROR}` (`sprout.mirror`); without a usable one the hub id is read through
+`datasets`. A record that is not what its format says stops the run naming the file and line.
 """
 
 from __future__ import annotations

@@ -2,25 +2,18 @@
 
     manifest = prepare(PrepConfig(sources=[...], tokenizer="tiktoken:r50k_base", out="runs/data"))
 
-1. Read each source as a stream of documents (`sprout.prep.sources`), in chunks.
-2. A process pool (about one worker per core) cleans each document (`sprout.prep.clean`), computes
-   its key (`sprout.prep.keys.text_key`) and tokenizes it with end-of-text appended. Results come back in input order
-   with a bounded number in flight, and are spilled to temporary files (tokens, per-document
-   token counts and keys: `sprout.prep.store`), so memory stays flat while reading.
-3. Dedup, split and mixture are decided on per-document arrays (`sprout.prep.mixture`), a few
-   bytes per document; nothing there depends on the number of workers, so the output bytes
-   never do either.
-4. The planned runs are copied into `.bin` shards (`sprout.formats.shards`) and/or one HDF5 file per
-   split (`sprout.formats.h5tokens`), with a sidecar of each split's document keys; `manifest.json`
-   (`sprout.formats.manifest`) is written last. Everything is written atomically, and the previous
-   manifest is removed first, so an interrupted run never leaves a folder that looks valid.
+A process pool cleans, keys and tokenizes the documents (end-of-text appended); results come back
+in input order and are spilled to temporary files (`sprout.prep.store`), so memory stays flat.
+Dedup, split and mixture are decided on per-document arrays (`sprout.prep.mixture`), so the
+output bytes never depend on the number of workers. `.bin` shards and/or one HDF5 file per split,
+a sidecar of each split's keys and, last, `manifest.json` are written atomically, the previous
+manifest removed first: an interrupted run never leaves a folder that looks valid.
 
-Failures end in one line (`SproutError`): a worker process that dies (killed, out of memory)
-stops the run naming the source it was tokenizing, instead of waiting for it for ever; a
-full disk names the file being written. The spill folder `<out>/.tmp-<name>_prep.<random>`
-holds a lock while a run uses it; the next run of the same dataset removes such folders
-whose run is gone, and the temporaries of its own outputs, and refuses to start while
-another run of it is writing into the folder. `name` must be a plain file name.
+Failures end in one line (`SproutError`): a dead worker names the source it was tokenizing, a
+full disk the file being written. The spill folder `<out>/.tmp-<name>_prep.<random>` holds a
+lock while in use; a later run of the same dataset removes such folders whose run is gone and
+the temporaries of its own outputs, and refuses to start while another run of it is writing.
+`name` must be a plain file name.
 """
 
 from __future__ import annotations

@@ -1,58 +1,18 @@
-"""RL prompt prep: GSM8K, the arithmetic generator and local JSONL -> the prompt JSONL
-contract of `sprout.formats.prompts` (a prompt, its gold answer, its curriculum level).
+"""RL prompt prep (`scripts/prepare_rl_prompts.py`): GSM8K, the arithmetic generator and local
+JSONL -> the prompt JSONL contract of `sprout.formats.prompts` (prompt, gold answer, level).
 
-The steps `scripts/prepare_rl_prompts.py` runs, in order:
-
-1. read every source (at most `max_examples` records each) and turn each record into a
-   prompt (messages ending with a user turn) and a gold answer, normalised by
-   `sprout.answers.normalise_number` (`1,234` -> `1234`, `$5` -> `5`, `3/4` -> `0.75`);
-2. drop and count records that cannot be rewarded, by reason: `no_final_answer` (a GSM8K
-   answer without `#### N`), `unparsable_gold` (a gold that is not a number: never
-   guessed), and the chat template's own reasons (`empty_content`, `reserved_marker`,
-   ...) for a prompt that `sprout.chat.render(..., add_generation_prompt=True)` refuses;
-3. exact dedup across all sources on `conversation_key(prompt)` (`sprout.prep.keys`: the
-   roles and contents, lower-cased), first wins; a duplicate whose gold differs from the
-   kept one is also counted as `duplicates_other_gold`, and a duplicate from a source with
-   its own split whose kept copy is in the other split as `duplicates_in_<split>`; both
-   are warned about on stderr with their counts (`duplicate_warnings`);
-4. split: a source with `own_split: true` keeps the split it comes from (its `split`,
-   `train` or `test`: GSM8K's `train.jsonl` / `test.jsonl`, the generator's train or test
-   problems), so its test questions stay the published test set; every other record goes
-   by a hash of the PROMPT, `is_val(conversation_key(prompt), test_fraction)`;
-5. shuffle each split with `seed` and write `prompts.jsonl`, `prompts_test.jsonl` (an
-   empty one is warned about) and,
-   last, `manifest.json` (counts per source, per drop reason and per level, the split
-   rule, prompts found in both files, the config and the command).
-
-With dedup on (the default) a prompt is never in both files: the second copy is a
-duplicate whichever split it would have gone to. With dedup off, own-split sources may
-share a prompt across files; the manifest counts them (`split.in_both`) and a warning says
-that the RL trainers refuse such files.
-
-The prompt shape is the SFT data's (`sprout.prep.chat_sources`): one user message holding
-the question as it is (stripped), because the SFT model learned the
-`<think>…</think><answer>N</answer>` answer shape from exactly those prompts and must see
-the same shape at RL time. `instruction` (default none) appends an answer-format
-instruction after a blank line to GSM8K and arithmetic questions, for a policy that was
-not fine-tuned on that shape, e.g. `ANSWER_FORMAT`; local JSONL prompts are kept as written.
-
-Source formats (`format:`):
-
-- `gsm8k`       openai/gsm8k (config `main`) `{"question", "answer"}`, the answer ending
-                in `#### N`; read from `path` (`${SPROUT_MIRROR}` stands for the data
-                mirror, `sprout.mirror`) or, when that needs a mirror and none is found,
-                from the hub id through `datasets` (`hub`, `hub_config`, `split`). Level null.
-- `arithmetic`  `count` problems of `sprout.prep.arithmetic` (`levels`, `seed`, the
-                generator's `split`: train, test or all), round-robin over the levels;
-                the level is recorded, so a trainer can order or filter by it (curriculum).
-- `jsonl`       local JSONL in the contract: `prompt` (a message list, or a string for
-                one user message), `gold` (a number as a string or an integer; normalised
-                here, so `1,000` is accepted), optional `level`; an `id` and `source` in
-                the row are replaced by the prep's own.
-
-A record that is not what its format says (a missing field, a wrong type or role, a
-prompt not ending with a user turn, invalid JSON) stops the run with one line naming the
-file and line: it means the file is not what the config says it is.
+A prompt is one user message holding the question as the SFT data shows it (plus `instruction`
+after a blank line, when set, for GSM8K and arithmetic); the gold is normalised by
+`sprout.answers.normalise_number`. Records that cannot be rewarded are dropped and counted
+(`no_final_answer`, `unparsable_gold`: never guessed, and the chat template's reasons). Dedup is
+exact across sources on `conversation_key(prompt)`, first wins; a duplicate with another gold
+(`duplicates_other_gold`) or whose kept copy is in the other split (`duplicates_in_<split>`) is
+warned about. Split: a source with `own_split: true` keeps its `split` (GSM8K's test questions
+stay the published test set); every other record goes by `is_val(conversation_key(prompt),
+test_fraction)`. With dedup on no prompt is in both files; with it off the manifest counts them
+(`split.in_both`) and the RL trainers refuse such files. `prompts.jsonl`, `prompts_test.jsonl`
+and, last, `manifest.json` are written. Formats: `gsm8k`, `arithmetic` (its level recorded) and
+`jsonl`; a record that is not what its format says stops the run naming the file and line.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
-"""SFT data prep: sources -> conversations -> (ids, loss_mask) -> packed HDF5 rows.
+"""SFT data prep (`scripts/prepare_sft_data.py`): sources -> conversations -> (ids, loss_mask) ->
+packed HDF5 rows.
 
-The steps `scripts/prepare_sft_data.py` runs, in order:
-
-1. read every source (`sprout.prep.chat_sources`; `max_examples` records per source at most);
-2. validate each conversation with the chat template; invalid ones (empty content,
-   unknown role, bad role order, reserved marker text) are dropped and counted by reason,
-   as are records with a lone surrogate (`dropped_invalid_unicode`, skipped while reading);
-   a source with no usable row (none read, or every one dropped) stops the prep with one
-   line naming it;
-3. exact dedup across all sources on the conversation's key (`sprout.prep.keys.conversation_key`:
-   the MD5 of its lower-cased roles and contents), first wins;
-4. val split by the same key (`sprout.prep.keys.is_val` with `val_fraction`), so it is
-   disjoint, stable under re-runs and independent of `max_examples` and source order;
-5. mixture weights on the train split (`sprout.prep.mixture.resample`, sizes 1): a source
-   of weight w contributes each example floor(w) times plus a seeded random
-   round((w - floor(w)) * n) of its n examples once more, in seeded random order;
-6. render with `sprout.chat.render`, pack with `sprout.prep.packing.pack` (best fit; the
-   `overlong` policy decides truncate/drop; prompts longer than the context and examples
-   without a trained token are dropped and counted);
-7. write `out` (train) and `out` with `_val` before the suffix (val) per `sprout.formats.packed_sft`,
-   with every count in the `counts` attribute; both are renamed into place only when both
-   are written, and temporaries a killed earlier run left beside them are removed first.
+Sources are read by `sprout.prep.chat_sources`; each conversation is validated by the chat
+template (invalid ones dropped and counted by reason; a source with no usable row stops the prep
+naming it); dedup is exact across sources on `sprout.prep.keys.conversation_key`, first wins,
+and val is split by the same key (`is_val` with `val_fraction`: disjoint, stable, independent
+of `max_examples` and source order). Weights resample the train split
+(`sprout.prep.mixture.resample`, sizes 1): weight w gives each example floor(w) times plus a
+seeded random round((w - floor(w)) * n) of the n once more. Examples are rendered
+(`sprout.chat.render`) and packed (`sprout.prep.packing.pack`, the `overlong` policy). `out`
+(train) and `out` with `_val` before the suffix (val) are written per `sprout.formats.packed_sft`,
+every count in the `counts` attribute; both are renamed into place only when both are written,
+after removing the temporaries a killed earlier run left beside them.
 """
 
 from __future__ import annotations

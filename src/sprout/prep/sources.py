@@ -1,24 +1,16 @@
 """Streaming document readers: one text per document, memory flat however large the input.
 
-Formats (chosen from the file name and, for JSON, the first non-blank byte):
-    .txt                        documents split by a separator (`<|endoftext|>` when the file
-                                holds one, else blank lines); a final fragment after the last
-                                separator that the file does not terminate is dropped (a
-                                byte-range sample such as the TinyStories mirror file ends
-                                mid-story) and counted as `unterminated`
-    .jsonl / .json (+ .gz/.zst)  one JSON object per line (JSON Lines), or one JSON array of
-                                objects, parsed element by element (never `json.load`)
-    .parquet                    pyarrow, one record batch at a time
-    folder                      a `datasets.save_to_disk` folder, else every supported file in it
-    owner/name                  a Hugging Face hub id, read with `datasets` in streaming mode
-A `path` may be a glob (`web/c4-sample.*.json.gz`); its files are read in sorted order.
+Formats, from the file name and, for JSON, the first non-blank byte: `.txt` (documents split
+by `<|endoftext|>` when the file holds one, else blank lines; a final fragment the file does not
+terminate is dropped and counted as `unterminated`), `.jsonl` / `.json` (+ `.gz`/`.zst`: JSON
+Lines, or one array parsed element by element), `.parquet` (one record batch at a time), a folder
+(a `datasets.save_to_disk` folder, else every supported file in it) and a hub id `owner/name`
+(`datasets`, streaming). A `path` may be a glob; its files are read in sorted order.
 
-Errors name the file and the line, element or byte offset: a truncated .gz/.zst (and the
-last complete line before it), a .gz/.zst that is not compressed, invalid UTF-8, a missing
-or non-string text field, a file with no documents. An invalid JSON line is skipped, counted
-and warned about (the first few per file), or fails under `strict`. A JSON text holding a
-lone surrogate (an unpaired `\\ud800`-style escape: not encodable as UTF-8, so no tokenizer
-takes it) is skipped, counted as `invalid_unicode` and warned about the same way.
+Errors name the file and the line, element or byte offset: a truncated or uncompressed
+.gz/.zst, invalid UTF-8, a missing or non-string text field, a file with no documents. An
+invalid JSON line is skipped, counted and warned about (or fails under `strict`); a text holding
+a lone surrogate (`\\ud800`) is skipped, counted as `invalid_unicode` and warned about.
 """
 
 from __future__ import annotations

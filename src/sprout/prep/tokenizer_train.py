@@ -2,19 +2,15 @@
 
     train_from_sources(TokenizerTrainConfig(sources=[...], vocab_size=4096, out="runs/tok/sp4096"))
 
-`train_sentencepiece` trains the BPE models sprout uses (Sennrich et al. 2016 via Kudo &
-Richardson 2018): byte fallback, identity normalisation and no dummy prefix, so
-`decode(encode(text)) == text` and separately encoded pieces concatenate exactly, digits
-split one per token (`split_digits`, on by default), and the special pieces later stages need at fixed ids 0..6
-(`SPECIAL_PIECES`: pad, unk, bos, `<|endoftext|>` as eos, then the chat role markers as
-control symbols).
-
-`train_from_sources` reads the same sources as pretraining prep (`sprout.prep.sources`),
-interleaved document by document, cleans them the same way (`sprout.prep.clean`) and, with
-`exclude_val_frac`, skips the documents that prep's hash split (`sprout.prep.keys`) with that
-val_frac sends to validation, so validation bits per byte are measured on unseen text.
-Only SentencePiece models are trained here; an `hf:` tokenizer comes with the model it was
-imported with.
+`train_sentencepiece` trains with byte fallback, identity normalisation and no dummy prefix,
+so `decode(encode(text)) == text` and separately encoded pieces concatenate exactly; digits are
+split one per token (`split_digits`, on by default); the special pieces later stages need sit
+at fixed ids 0..6 (`SPECIAL_PIECES`: pad, unk, bos, `<|endoftext|>` as eos, then the chat role
+markers as control symbols). `train_from_sources` reads and cleans the same sources as
+pretraining prep (`sprout.prep.sources`, `sprout.prep.clean`), interleaved document by document;
+`exclude_val_frac` skips the documents prep's hash split (`sprout.prep.keys`) sends to
+validation, so validation bits per byte are measured on unseen text. Only SentencePiece models
+are trained here; an `hf:` tokenizer comes with the model it was imported with.
 """
 
 from __future__ import annotations
