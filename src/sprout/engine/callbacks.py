@@ -1,12 +1,10 @@
 """What happens around the training steps, one job each; `sprout.engine.training_loop` runs them.
 
-A callback has any of four hooks, each called with the `FitRun` (the trainer, the stage,
-the metrics logger, the last step's figures and whether the run is ending):
-
-    start(run)        before the first step of this segment (after a resume)
-    after_step(run)   after each optimizer step, in the order the callbacks are listed
-    end(run)          after the last step, unless the loop raised
-    close(run)        always, last: give back what start took
+A callback has any of four hooks, each called with the `FitRun` (the trainer, the stage, the
+metrics logger, the last step's figures, whether the run is ending): `start(run)` before the
+first step of this segment (after a resume), `after_step(run)` after each optimizer step in the
+order the callbacks are listed, `end(run)` after the last step unless the loop raised, and
+`close(run)` always, last, to give back what start took.
 
     StopSignals         Ctrl-C and SIGTERM stop every rank after the same step
     TrainingRecords     training records: throughput, MFU, the progress bar or log lines

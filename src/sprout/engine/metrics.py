@@ -1,19 +1,18 @@
 """Run metrics: metrics.jsonl, accelerate trackers, MFU and the loss-curve PNG.
 
-`metrics.jsonl` in the run directory holds one JSON record per line: training records
-(`step`, `loss`, `lr`, `grad_norm`, `tokens`, `tokens_per_s`, `mfu`, `time/batch_s`,
-`elapsed_s` of the run segment, plus stage metrics, each averaged over its own denominator;
-see `sprout.engine.callbacks.TrainingRecords`), eval records (`step`, `tokens`, `val_loss`, `val_bpb`,
-...) and event records (`event`: "start" for each run segment, with the matmul peak MFU is
-measured against, "samples", "end"; see `sprout.engine.report`). Lines are appended and flushed one at a
-time by rank 0 only; a reader skips a torn last line, and a resumed run first rewrites the
-file (atomically) without the records past the checkpoint it resumes from, so the file
-reads as one uninterrupted run. Training and eval records go to TensorBoard / W&B through
-accelerate's trackers when asked: every numeric field (nested dicts flattened to `a.b`) as
-a scalar at the record's step; a resumed TensorBoard run purges the events past its
-checkpoint, as metrics.jsonl does. MFU (model FLOPs utilisation, PaLM, Chowdhery et al.
-2022) = training FLOPs per second ÷ peak FLOP/s of the hardware used. `log_line` is the
-plain line a run prints per record when no progress bar is shown (a log file).
+`metrics.jsonl` in the run directory holds one JSON record per line: training records (`step`,
+`loss`, `lr`, `grad_norm`, `tokens`, `tokens_per_s`, `mfu`, `time/batch_s`, `elapsed_s` of the
+run segment, plus stage metrics, each averaged over its own denominator; see
+`sprout.engine.callbacks.TrainingRecords`), eval records (`step`, `tokens`, `val_loss`,
+`val_bpb`, ...) and event records (`event`: "start" for each run segment, with the matmul peak
+MFU is measured against, "samples", "end"). Rank 0 alone appends and flushes one line at a time;
+a reader skips a torn last line, and a resumed run first rewrites the file (atomically) without
+the records past its checkpoint, so the file reads as one uninterrupted run. TensorBoard/W&B
+(accelerate's trackers, when asked) get every numeric field (nested dicts flattened to `a.b`)
+as a scalar at the record's step; a resumed TensorBoard run purges its events past the
+checkpoint too. MFU (model FLOPs utilisation, PaLM, Chowdhery et al. 2022) =
+training FLOPs per second ÷ peak FLOP/s of the hardware used. `log_line`: the plain line a run
+prints per record when no progress bar shows.
 """
 
 from __future__ import annotations

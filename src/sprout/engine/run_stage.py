@@ -1,25 +1,18 @@
 """What every stage does around the loop once its config is resolved: accelerator, run length, fit, report.
 
-A script resolves its stage's config and checks the run folder first (`sprout.engine.cli`,
-without torch). A stage's config is a `sprout.engine.configs.StageConfig`: its own sections,
-then optim, train and out. Its `run_*` function checks its own inputs, builds the accelerator
-(`start_run`), the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`:
-the Chinchilla budget; `with_epochs`: data.epochs), then hands over to `train_stage`, which
-  - holds the run folder (`sprout.engine.cli.run_lock`) and, after --overwrite, deletes the
-    old run's files now that the inputs are checked,
-  - builds the optimizer over the stage's parameter groups (`param_groups`, optional),
-  - when asked to resume, checks the checkpoint first (`Trainer.check_resume`: its files' sha256,
-    the config a resume must match, the stage, the frozen models), then
-    lets the stage prepare its frozen models (`setup`, optional),
-  - copies the tokenizer file into <out>/tokenizer/ and records it, with its sha256, in each
-    checkpoint (`sprout.checkpoint.bundle_tokenizer`), so the run folder works from anywhere,
-  - records in each checkpoint the config and the part of it a resume must match
-    (`sprout.config.resume_config`: every field not declared `resume_free`),
-  - resumes from the checked checkpoint (weights, optimizer, RNG, loader position),
-  - prints the resolved config and saves it as <out>/config.yaml (rank 0); a resumed run
-    that fails in training before its first new checkpoint puts back the config.yaml it resumed
-    from,
-  - runs `sprout.engine.training_loop.fit` and prints the eval before and after training.
+A script resolves its stage's config and checks the run folder first (`sprout.engine.cli`, no
+torch). A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`),
+the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchilla
+budget; `with_epochs`: data.epochs), then calls `train_stage`, which in this order: holds the
+run folder (`sprout.engine.cli.run_lock`) and, after --overwrite, deletes the old run's files
+now that the inputs are checked; builds the optimizer over the stage's parameter groups; on a
+resume checks the checkpoint first (`Trainer.check_resume`: sha256, the config a resume must
+match, the stage, the frozen models), then lets the stage prepare its frozen models (`setup`);
+copies the tokenizer into <out>/tokenizer/ and records it with its sha256 in each checkpoint
+(`sprout.checkpoint.bundle_tokenizer`); records the config and its resume part
+(`sprout.config.resume_config`: every field not `resume_free`); resumes (weights, optimizer, RNG,
+loader position); saves <out>/config.yaml (rank 0; a resumed run that fails before its first new
+checkpoint puts back the one it resumed from); runs `sprout.engine.training_loop.fit`.
 """
 
 from __future__ import annotations

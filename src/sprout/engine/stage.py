@@ -1,48 +1,13 @@
 """The stage protocol: what a stage gives the shared loop (`sprout.engine.trainer.Trainer`).
 
-A stage is any object with (`TokenStage` gives the defaults marked *, for batches of token rows):
-
-    name: str
-    next_micro_batches(step) -> list[dict] | None
-        this rank's micro-batches of the step; None = data exhausted (every rank stops).
-        Timed apart from the optimizer step: rollouts are generated here.
-    generated_tokens: int                                       * 0
-        tokens this rank generated in the last next_micro_batches call (generation tokens/s)
-    loss(model, batch) -> (loss_sum, n, {name: (sum, count)})
-        loss_sum: the loss summed over the batch's n targets (never a mean); each metric as
-        its sum and its own denominator on this micro-batch: per token (KL, entropy, clip
-        fraction: count = tokens), per sequence (reward, length: count = rows), per pair
-        (accuracy: count = pairs). Every rank returns the same metric names.
-    count_targets(batch) -> int | Tensor                        * targets.numel()
-        the n that loss() will return for this batch, counted without a forward
-    num_tokens(batch) -> int                                    * input_ids.numel()
-        tokens the forward/backward processes (tokens seen, training tokens/s)
-    flops(model, batch) -> float                                * model.flops_per_token(T) × tokens
-        training FLOPs of the batch's forward + backward (MFU); 0 = no MFU
-    derived_metrics(reduced) -> {name: float}                   optional; figures that are no sum / count
-                                                                (a std), from the step's reduced metrics
-    evaluate(model) -> {"val_...": float}                       reduced over ranks (all_reduce_sums)
-    state_dict() -> dict ; load_state_dict(dict)                loader position, saved in meta.json
-    tensor_state() -> dict ; load_tensor_state(dict | None)     optional; this rank's tensors (rollout
-                                                                buffer, generator state) on the CPU,
-                                                                saved in train_state.pt
-    param_groups(model) -> list[dict]                           optional; see sprout.engine.optim
-    setup(trainer)                                              optional; called once, after a resume's
-                                                                checks and before its loading and
-                                                                training: prepare frozen models
-
-More than one model: a stage whose loss reads frozen models (a reference policy, a reward
-model) gets them from `trainer.prepare_frozen(model)` (in `setup`): placed, sharded under
-FSDP, in eval mode without gradients, never in the optimizer or a checkpoint. Generation
-uses `trainer.generation_model`: the policy's own module and parameters, never compiled.
-
-An RL stage keeps a rollout buffer: when it is empty, next_micro_batches generates new
-rollouts with the current policy, then serves several optimizer steps' worth of
-micro-batches from them. Stages may also call `step`, `evaluate`, `save` themselves.
-
-Each stage's config has a batch section of its own: `sprout.engine.configs.TokenBatchConfig`
-(tokens per step and per micro-batch) for pretraining and SFT; rows, pairs or prompts for the
-others.
+`Stage` lists what a stage has; `TokenStage` gives the defaults for batches of token rows. A
+loss is a sum over the batch's n targets, never a mean, and each metric a (sum, count) pair over
+its own denominator, so the Trainer divides by counts reduced over the global batch. A stage
+whose loss reads frozen models (a reference policy, a reward model) gets them from
+`trainer.prepare_frozen(model)` in `setup`: placed, sharded under FSDP, in eval mode without
+gradients, never in the optimizer or a checkpoint. Each stage's config has a batch section of
+its own: `sprout.engine.configs.TokenBatchConfig` (tokens per step and per micro-batch) for
+pretraining and SFT; rows, pairs or prompts for the others.
 """
 
 from __future__ import annotations
@@ -55,7 +20,37 @@ from sprout.errors import SproutError
 
 
 class Stage(Protocol):
-    """The required part of the protocol (see the module docstring for the optional part)."""
+    """What a stage has (`TokenStage` gives the defaults marked *; the required part is typed below):
+
+        name: str
+        next_micro_batches(step) -> list[dict] | None
+            this rank's micro-batches of the step; None = data exhausted (every rank stops).
+            Timed apart from the optimizer step: rollouts are generated here.
+        generated_tokens: int                                       * 0
+            tokens this rank generated in the last next_micro_batches call (generation tokens/s)
+        loss(model, batch) -> (loss_sum, n, {name: (sum, count)})
+            loss_sum: the loss summed over the batch's n targets (never a mean); each metric as
+            its sum and its own denominator on this micro-batch: per token (KL, entropy, clip
+            fraction: count = tokens), per sequence (reward, length: count = rows), per pair
+            (accuracy: count = pairs). Every rank returns the same metric names.
+        count_targets(batch) -> int | Tensor                        * targets.numel()
+            the n that loss() will return for this batch, counted without a forward
+        num_tokens(batch) -> int                                    * input_ids.numel()
+            tokens the forward/backward processes (tokens seen, training tokens/s)
+        flops(model, batch) -> float                                * model.flops_per_token(T) × tokens
+            training FLOPs of the batch's forward + backward (MFU); 0 = no MFU
+        derived_metrics(reduced) -> {name: float}                   optional; figures that are no sum / count
+                                                                    (a std), from the step's reduced metrics
+        evaluate(model) -> {"val_...": float}                       reduced over ranks (all_reduce_sums)
+        state_dict() -> dict ; load_state_dict(dict)                loader position, saved in meta.json
+        tensor_state() -> dict ; load_tensor_state(dict | None)     optional; this rank's tensors (rollout
+                                                                    buffer, generator state) on the CPU,
+                                                                    saved in train_state.pt
+        param_groups(model) -> list[dict]                           optional; see sprout.engine.optim
+        setup(trainer)                                              optional; called once, after a resume's
+                                                                    checks and before its loading and
+                                                                    training: prepare frozen models
+    """
 
     name: str
 

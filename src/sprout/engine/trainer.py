@@ -1,30 +1,17 @@
-"""The one training loop that every stage shares: pretrain, SFT, reward model, DPO, PPO, GRPO.
+"""Trainer: one optimizer step over one global batch, the checkpoint and the resume.
 
-Two layers, so that stages which do not read "a batch from a loader" still share it:
-
-`Trainer.step(micro_batches, stage)` is one optimizer step over one global batch:
-  1. count the targets of every micro-batch on this process (`stage.count_targets`) and
-     all-reduce the count before any backward: N, the targets of the whole global batch;
-  2. for each micro-batch: forward, `loss_sum, n, metrics = stage.loss(model, batch)`, and
-     backward of `loss_sum * world_size / N` (DDP and FSDP average gradients over ranks,
-     so the world_size factor turns their mean into the sum we want); gradients are
-     synchronised only on the last micro-batch;
-  3. one all-reduce (`all_reduce_sums`) of the loss sum, n, the tokens and FLOPs of the
-     micro-batches (`stage.num_tokens`, `stage.flops`) and every metric's sum and count;
-     a NaN/inf loss or gradient norm stops the run before the weights change (`NonFiniteLoss`);
-  4. clip, set each parameter group's lr from the schedule, AdamW step.
-  The gradient is then d(sum of per-target losses)/N whatever the split into micro-batches
-  and processes, so 1 process with 2 micro-steps equals 2 processes with 1. The logged loss
-  is the reduced loss sum / N; each metric is its reduced sum / its reduced count. A stage
-  may add figures that are not such a ratio (a standard deviation) with an optional
-  `derived_metrics(reduced) -> dict`, called with those reduced metrics.
-
-`sprout.engine.training_loop.fit(trainer, stage)` repeats steps, logs, evaluates and checkpoints: the
-outer loop; the checkpoint and the resume are the Trainer's (`save`, `resume`).
-What a stage gives the loop (its micro-batches, loss and metrics, targets, tokens, FLOPs,
-parameter groups, frozen models) is the protocol in `sprout.engine.stage`; the optimizer and
-its schedule are in `sprout.engine.optim`; the loop's options (the `train` section) are
-`sprout.engine.configs.TrainConfig`.
+`Trainer.step(micro_batches, stage)` counts every micro-batch's targets (`stage.count_targets`)
+and all-reduces the count before any backward: N, the targets of the whole global batch. Each
+micro-batch backpropagates `loss_sum * world_size / N` (DDP and FSDP average gradients over
+ranks; the world_size factor turns their mean into the sum), gradients synchronised on the last
+micro-batch only. The gradient is then d(sum of per-target losses)/N whatever the split into
+micro-batches and processes: 1 process with 2 micro-steps equals 2 processes with 1. One
+all-reduce (`all_reduce_sums`) of the loss sum, n, tokens, FLOPs and every metric's sum and
+count follows: the logged loss is the reduced loss sum / N, each metric its reduced sum / its
+reduced count (`stage.derived_metrics`, optional, adds figures that are no such ratio, a std).
+A NaN/inf loss or gradient norm stops the run before the weights change (`NonFiniteLoss`);
+then clip, each parameter group's lr from the schedule, AdamW step. The stage protocol is
+`sprout.engine.stage`; the outer loop, `sprout.engine.training_loop.fit`.
 """
 
 from __future__ import annotations
@@ -146,7 +133,7 @@ class Uncompiled:
 
 
 class Trainer:
-    """Accelerate-backed step machinery; see the module docstring for the protocol.
+    """Accelerate-backed step machinery; see the module docstring for the step.
 
     `schedule(step, peak) -> lr` gives a parameter group's lr from its base lr (the lr it
     had when the optimizer was built; `lr_schedule`); `cfg.max_steps` must already be
