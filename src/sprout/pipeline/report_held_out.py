@@ -3,26 +3,17 @@
     evaluated = evaluated_stages(preset, state)   # {stage: {task: evaluate.py's JSON}}, preset order
     lines, data = held_out_section(evaluated)     # markdown lines, and what report_card.json keeps
 
-The stages read are those an eval stage evaluated (`eval_files`): train stages, and any other
-stage (a model import) whose out folder holds the checkpoint the JSON names. For each task:
-
-- figures: pass@k, greedy accuracy, greedy and sampled format rate of each stage, in
-  percent, with the 95 % interval scripts/evaluate.py wrote beside each (`<figure>_ci`: the
-  Wilson score interval when every problem scores 0 or 1, else a percentile bootstrap over
-  problems; `sprout.evaluation.statistics`). A file without it shows the figure alone.
-- changes: from the second evaluated stage on, each correctness figure (pass@k, greedy
-  accuracy) against the previous evaluated stage and against the first (the starting
-  model), in percentage points: the mean over problems of this stage's score minus the
-  other's, the per-problem scores read from the files' `problems` records
-  (`sprout.evaluation.evaluate.problem_scores`), with the paired percentile bootstrap interval over
-  problems (`sprout.evaluation.statistics.paired_difference_interval`: 10,000 resamples, seed 0,
-  the 2.5 % and 97.5 % quantiles). Marked ✓ (real) only when the interval excludes 0, else
-  "not significant". Two files are paired only when they hold the same problem ids and
-  were evaluated with the same max_new_tokens (and, for pass@k, temperature); otherwise
-  the cell says why they are not.
-
-`rate_interval` gives the reward model's and DPO's held-out accuracy its Wilson interval:
-round(accuracy × pairs) ranked right of `val_pairs` pairs.
+The stages read are those an eval stage evaluated (`eval_files`): train stages, and any stage (a
+model import) whose out folder holds the checkpoint the JSON names. Figures: each stage's pass@k,
+greedy accuracy and greedy and sampled format rate in percent, with the 95 % interval
+scripts/evaluate.py wrote beside each (`<figure>_ci`), or alone when the file has none. Changes,
+from the second evaluated stage on: each correctness figure (pass@k, greedy accuracy) against the
+previous evaluated stage and against the first, in percentage points: the mean over problems of
+this stage's score minus the other's (the files' `problems` records), with the paired bootstrap
+interval (`sprout.evaluation.statistics.paired_difference_interval`); ✓ only when it excludes 0,
+else "not significant". Files pair only with the same problem ids and max_new_tokens (and, for
+pass@k, temperature); otherwise the cell says why. `rate_interval`: the Wilson interval of the
+reward model's and DPO's held-out accuracy, round(accuracy × pairs) right of `val_pairs` pairs.
 """
 
 from __future__ import annotations

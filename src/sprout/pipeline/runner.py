@@ -1,46 +1,18 @@
 """The pipeline runner: every stage of a preset, in order, skipping what is done.
 
-A preset (configs/pipelines/*.yaml) is a YAML mapping:
-
-    out: runs/demo                # the output root; every stage's `out` is relative to it
-    launcher: python              # how train and eval stages run: python | accelerate
-    accelerate_config: null       # the --config_file of `accelerate launch` (launcher: accelerate)
-    model: null                   # what {model} in args stands for (a published model to import;
-                                  # run_pipeline.py --model overrides it)
-    stages:
-      - name: pretrain            # a word; other stages name it in `inputs` and as {pretrain}
-        kind: train               # prep | train | eval
-        script: scripts/pretrain.py
-        config: configs/demo/pretrain.yaml       # passed as --config; its sha256 is an input
-        inputs: [pretrain_data]   # the earlier stages whose outputs this one reads
-        out: base                 # its output: a folder, a file, or a file prefix
-        outputs: [...]            # prep/eval: the files that are its output (default: `out`)
-        args: [--data, "{pretrain_data}"]        # {stage} is that stage's out path, {out} its own,
-                                                 # {model} the preset's model (a train stage gets
-                                                 # --out <its out> at the end)
-
-Relative `script` and `config` paths are read from the repository root; `out` paths from
-the current directory. A prep stage runs as a plain process; a train or eval stage runs
-under `accelerate launch --config_file <accelerate_config>` when the launcher is
-`accelerate`, else as a plain process. `args` may be a list of argument lists: one command
-each, run in order (an eval stage's tasks).
-
-What happens to each stage (`<out>/pipeline_state.json`, written atomically, records for
-each its input hashes, its wall time, its peak resident memory (`peak_rss_mb`: the largest
-process it ran, `run_child`) and, once it completes, its output hashes):
-  - its inputs are the sha256 of its config file, its command line, and the input and output
-    hashes of the stages it reads, so a change anywhere upstream reaches it;
-  - done (same inputs, outputs verify) -> skipped with a note. Outputs verify when a prep or
-    eval stage's files have the sha256 recorded, and a train stage's latest checkpoint
-    verifies (`sprout.formats.checkpoint_meta.read_meta`) and holds the recorded weights;
-  - interrupted (same inputs, no completion recorded): a train stage with a checkpoint resumes
-    from it (`--out DIR --resume`, which says "nothing to do" for a complete run), any other
-    stage runs again;
-  - otherwise it runs afresh (`--overwrite` for a train stage whose folder holds a run).
-A stage whose script or config does not exist stops the pipeline with one line naming it,
-when that stage is reached. One runner at a time per output root (`pipeline.lock`); at start
-the temporaries a killed write left (`.tmp-*`, `sprout.atomic`) are removed from the root.
-A child process dies with the runner (Linux: PR_SET_PDEATHSIG).
+A preset (configs/pipelines/*.yaml; its format is `Preset`'s docstring) lists the stages: a prep
+stage runs as a plain process, a train or eval stage under `accelerate launch` when the launcher
+is `accelerate`. `<out>/pipeline_state.json` (written atomically) records for each stage its input
+hashes (the sha256 of its config file, its command line, the input and output hashes of the
+stages it reads, so a change anywhere upstream reaches it), its wall time, its peak resident
+memory (`peak_rss_mb`: the largest process it ran) and, once it completes, its output hashes.
+Same inputs and outputs that verify (a prep or eval stage's files have the recorded sha256; a
+train stage's latest checkpoint verifies and holds the recorded weights) -> skipped; same inputs,
+no completion: a train stage with a checkpoint resumes (`--out DIR --resume`), any other runs
+again; otherwise it runs afresh (`--overwrite` for a train stage whose folder holds a run). A
+missing script or config stops the pipeline with one line naming it, when its stage is reached.
+One runner per output root (`pipeline.lock`); at start the `.tmp-*` a killed write left are
+removed; a child process dies with the runner (Linux: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -92,6 +64,30 @@ class Stage:
 
 @dataclasses.dataclass
 class Preset:
+    """A preset (configs/pipelines/*.yaml) is a YAML mapping:
+
+        out: runs/demo                # the output root; every stage's `out` is relative to it
+        launcher: python              # how train and eval stages run: python | accelerate
+        accelerate_config: null       # the --config_file of `accelerate launch` (launcher: accelerate)
+        model: null                   # what {model} in args stands for (a published model to import;
+                                      # run_pipeline.py --model overrides it)
+        stages:
+          - name: pretrain            # a word; other stages name it in `inputs` and as {pretrain}
+            kind: train               # prep | train | eval
+            script: scripts/pretrain.py
+            config: configs/demo/pretrain.yaml       # passed as --config; its sha256 is an input
+            inputs: [pretrain_data]   # the earlier stages whose outputs this one reads
+            out: base                 # its output: a folder, a file, or a file prefix
+            outputs: [...]            # prep/eval: the files that are its output (default: `out`)
+            args: [--data, "{pretrain_data}"]        # {stage} is that stage's out path, {out} its own,
+                                                     # {model} the preset's model (a train stage gets
+                                                     # --out <its out> at the end)
+
+    Relative `script` and `config` paths are read from the repository root; `out` paths from
+    the current directory. `args` may be a list of argument lists: one command each, run in
+    order (an eval stage's tasks).
+    """
+
     path: Path
     out: Path
     launcher: str
