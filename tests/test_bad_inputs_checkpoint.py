@@ -1,5 +1,5 @@
-"""A tampered checkpoint met through the scripts: a meta.json whose step was edited and a
-`latest` that leads out of its run are refused with one line naming the file, nothing written."""
+"""A tampered checkpoint met through the scripts: a meta.json whose step was edited or that has
+no meta_sha256, and a `latest` that leads out of its run are refused with one line naming the file, nothing written."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def test_an_edited_step_and_a_latest_leading_out_are_refused(done, tmp_path):
     (ckpt / "meta.json").write_text(json.dumps({**meta, "step": 99}, indent=2))  # formerly: "nothing to do", exit 0
     before = tree(tmp_path)
     one_error(run("pretrain.py", "--out", done, "--resume"), str(ckpt / "meta.json"), "meta_sha256")
+    assert tree(tmp_path) == before
+
+    (ckpt / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"}))
+    before = tree(tmp_path)
+    one_error(run("pretrain.py", "--out", done, "--resume"), str(ckpt / "meta.json"), "earlier version of sprout")
     assert tree(tmp_path) == before
 
     (ckpt / "meta.json").write_text(original)

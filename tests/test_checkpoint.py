@@ -117,6 +117,13 @@ def test_an_edited_meta_and_a_latest_leading_out_are_refused(tmp_path):
     for verify in (True, False):
         with pytest.raises(SproutError, match=f"{path / 'meta.json'}: its contents do not match its meta_sha256"):
             read_meta(root, verify=verify)
+    del meta["meta_sha256"]  # a meta.json of an earlier version of sprout
+    (path / "meta.json").write_text(json.dumps(meta, indent=2))
+    for verify in (True, False):
+        with pytest.raises(SproutError) as err:
+            read_meta(root, verify=verify)
+        assert str(err.value) == (f"{path / 'meta.json'}: no meta_sha256 (written by an earlier version of "
+                                  f"sprout); train or import the run again")
     other = save_rotating(tmp_path / "other" / "checkpoints", 8, model, meta={"model_config": model.config})
     (root / "latest").write_text(f"../../other/checkpoints/{other.name}\n")
     with pytest.raises(SproutError, match="is not a plain file name"):

@@ -3,8 +3,7 @@ from typing import Literal
 
 import pytest
 
-from sprout.config import (FieldError, added_later, config_to_dict, fill_added_later, load_config, parse_overrides,
-                           require)
+from sprout.config import FieldError, config_to_dict, load_config, missing_fields, parse_overrides, require
 from sprout.config_help import config_help
 from sprout.errors import SproutError
 
@@ -203,26 +202,19 @@ def test_a_trl_option_name_in_a_config_file_is_named_with_sprouts_field(tmp_path
 
 
 @dataclass
-class Later:
+class Loss:
     x: int = 1
-    corrected: bool = field(default=True, metadata=added_later(False))
+    corrected: bool = True
 
 
 @dataclass
-class WithLater:
-    loss: Later = field(default_factory=Later)
+class WithLoss:
+    loss: Loss = field(default_factory=Loss)
+    steps: int = 2
 
 
-def test_an_option_added_later_is_recorded_unless_it_is_what_runs_did_before_it():
-    """A saved config without an `added_later` field is one from before the field: a resume
-    fills in what such runs did, not today's default, and that value is left out of the dict,
-    so its resume hash is the one the old run recorded."""
-    assert config_to_dict(WithLater()) == {"loss": {"x": 1, "corrected": True}}
-    assert config_to_dict(WithLater(Later(corrected=False))) == {"loss": {"x": 1}}
-    old = {"loss": {"x": 2}}
-    filled, keys = fill_added_later(WithLater, old)
-    assert filled == {"loss": {"x": 2, "corrected": False}} and keys == ["loss.corrected"]
-    assert old == {"loss": {"x": 2}}  # the saved dict itself is left as read
-    assert fill_added_later(WithLater, {"loss": {"x": 2, "corrected": True}}) == (
-        {"loss": {"x": 2, "corrected": True}}, [])
-    assert fill_added_later(WithLater, {}) == ({}, [])  # a missing section is the default section
+def test_every_field_is_recorded_and_a_saved_config_lacking_one_is_named():
+    assert config_to_dict(WithLoss()) == {"loss": {"x": 1, "corrected": True}, "steps": 2}
+    assert missing_fields(WithLoss, config_to_dict(WithLoss())) == []
+    assert missing_fields(WithLoss, {"loss": {"x": 2}}) == ["loss.corrected", "steps"]
+    assert missing_fields(WithLoss, {"loss": None, "steps": 2}) == []  # a value, not a section to search

@@ -127,8 +127,7 @@ def test_llama3_rope_tables_equal_transformers():
 
 def test_head_size_and_biases_of_imported_models():
     """`d_head` sets the head size apart from d_model / n_heads; `attention_bias` gives q, k and v
-    biases, zero at init; neither (nor rope_scaling) is in a config's dict at its default, so the
-    configs, meta and resume hashes of earlier runs read as before."""
+    biases, zero at init; a config's dict records both and rope_scaling, and builds the same config."""
     from sprout.config import config_to_dict
 
     m = tiny(d_head=12, n_kv_heads=2, attention_bias=True)
@@ -139,7 +138,8 @@ def test_head_size_and_biases_of_imported_models():
     assert m(torch.randint(0, 64, (2, 9))).shape == (2, 9, 64)
     plain = config_to_dict(ModelConfig())
     assert list(plain) == ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
-                           "rope_theta", "norm_eps", "tie_embeddings", "init_std"]
+                           "rope_theta", "norm_eps", "tie_embeddings", "init_std", "d_head", "attention_bias",
+                           "rope_scaling"]
     assert ModelConfig(**plain) == ModelConfig()
     full = config_to_dict(ModelConfig(d_head=16, attention_bias=True, rope_scaling=dict(LLAMA3)))
     assert (full["d_head"], full["attention_bias"], full["rope_scaling"]) == (16, True, LLAMA3)

@@ -244,26 +244,26 @@ def test_bad_values_are_refused_in_one_line(data, tmp_path, args, message):
     assert not (tmp_path / "x").exists()
 
 
-def test_a_run_saved_before_an_option_existed_resumes_as_it_ran(tmp_path, monkeypatch, capsys):
-    """grpo.use_bias_correction_kl (TRL's default, true) came after GRPO runs that computed the KL
-    without it: a run whose config.yaml does not record it resumes as false, says so in one
-    line, and keeps the resume hash it recorded; a new run records true."""
+def test_a_run_whose_config_lacks_a_field_is_refused_on_resume(tmp_path, monkeypatch):
+    """A config.yaml without one of the config's fields was written by an earlier version of
+    sprout: --resume refuses it in one line naming the file and the field."""
     from sprout.config import config_to_dict, from_dict
+    from sprout.formats.checkpoint_meta import meta_digest
     from sprout.stages.configs import GRPOConfig
 
     fresh = config_to_dict(from_dict(GRPOConfig, {"grpo": {"beta": 0.1}, "train": {"max_steps": 4}}))
-    assert fresh["grpo"]["use_bias_correction_kl"] is True
     old = {**fresh, "grpo": {k: v for k, v in fresh["grpo"].items() if k != "use_bias_correction_kl"}}
     out = tmp_path / "grpo"
     ckpt = out / "checkpoints" / "step_00000002"
     ckpt.mkdir(parents=True)
-    (ckpt / "meta.json").write_text(json.dumps({"format": "sprout-checkpoint-v1", "stage": "grpo", "step": 2}))
+    meta = {"format": "sprout-checkpoint-v1", "stage": "grpo", "step": 2}
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "meta_sha256": meta_digest(meta)}))
     (out / "checkpoints" / "latest").write_text("step_00000002\n")
     (out / "config.yaml").write_text(dump_yaml(old))
     monkeypatch.setattr(sys, "argv", ["scripts/train_grpo.py", "--out", str(out), "--resume"])
-    cfg = parse_run_config(run_parser("doc", "configs/*/grpo.yaml"), GRPOConfig)[1]
-    assert cfg.grpo.use_bias_correction_kl is False and cfg.grpo.beta == 0.1
-    assert capsys.readouterr().out == (f"note: {out / 'config.yaml'} does not record grpo.use_bias_correction_kl "
-                                       f"(saved before sprout had it): the run continues as it started, "
-                                       f"grpo.use_bias_correction_kl=false\n")
-    assert config_to_dict(cfg)["grpo"] == old["grpo"]  # what the old checkpoint's resume hash was made of
+    with pytest.raises(SproutError) as err:
+        parse_run_config(run_parser("doc", "configs/*/grpo.yaml"), GRPOConfig)
+    assert str(err.value) == (f"{out / 'config.yaml'}: no grpo.use_bias_correction_kl (written by an earlier "
+                              f"version of sprout); train the run again (--overwrite)")
+    (out / "config.yaml").write_text(dump_yaml(fresh))
+    assert parse_run_config(run_parser("doc", "configs/*/grpo.yaml"), GRPOConfig)[1].grpo.use_bias_correction_kl

@@ -19,7 +19,7 @@ partial left. A run keeps its checkpoints under `<out>/checkpoints/step_XXXXXXXX
 (same `run_id` in meta.json) are kept. Loading checks every file's sha256 against meta.json
 and refuses a corrupted or modified file, or a meta.json without the hashes, with an error
 that names it; meta.json itself is checked against its `meta_sha256` on every read (a meta
-written before that field existed is read as it is). `latest` must name a checkpoint folder
+without one is refused). `latest` must name a checkpoint folder
 in its own folder: one that points elsewhere (another run's) is refused.
 
 Architecture: meta.json `architecture` says which module the weights belong to ("lm",

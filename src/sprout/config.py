@@ -2,30 +2,17 @@
 
     python scripts/pretrain.py --config configs/demo/pretrain.yaml --train.max_steps 50
 
-Each script declares a dataclass tree; `load_config` reads the YAML, applies
-`--section.field VALUE` overrides (top-level fields as `--field VALUE`; `-` and `_` are the
-same in a name; values parsed as YAML scalars, so `50`, `3e-4`, `true`, `null` and `[1, 2]`
-work; only true and false are booleans there, so `--train.mixed_precision no` is the word
-"no"), and builds the dataclasses. Every value is checked against its field's type at load
-(`int`, `float`, `str`, `bool`, `list`, `X | None`, a nested dataclass, and `Literal[...]` for
-a field with a fixed set of values): an unknown key, a value of the wrong type, a choice
-outside the allowed ones or a NaN/inf float is refused in one line naming where it came from
-(the file or the command line), the field, the value and what was expected. A number outside
-its field's valid range (`sprout.ranges.in_range`, declared beside the field) is refused the
-same way, before the dataclass is built. A dataclass's own checks (`__post_init__`, for what
-involves several fields) raise `FieldError` to be named the same way. `config_to_dict` gives
-the resolved config back for printing and saving beside a run's outputs.
+`load_config` reads the YAML, applies `--section.field VALUE` overrides (`-` and `_` alike;
+values are YAML scalars with only true and false as booleans) and builds the script's
+dataclass tree. Every value is checked against its field's type (`Literal[...]` for a fixed
+set of values) and valid range (`sprout.ranges.in_range`) before the dataclass is built; a
+dataclass's own checks raise `FieldError`. Anything refused is one line naming its source
+(the file or the command line), the field, the value and what was expected.
 
-A config's --help text is `sprout.config_help`.
-
-Which fields a resumed run may change is declared on the field itself:
-`resume_free(default)` (run length, logging, paths) instead of `default`; `resume_config(cfg)`
-is the config without those fields, the part a checkpoint records and a resume must match.
-A field added to a config after runs were made with it is declared with `RECORDED_WHEN_SET`
-metadata: `config_to_dict` writes it only when it differs from its default, so those runs'
-configs, checkpoint meta and resume hashes stay what they were. One whose default is not what
-those runs did is declared `added_later(before)` instead: written unless it holds `before`, and
-a resume of a run whose config lacks it continues as `before` (`fill_added_later`).
+`config_to_dict` gives every field back, for printing and for saving beside a run's outputs.
+A field declared `resume_free(default)` (run length, logging, paths) may change on resume;
+`resume_config(cfg)` is the config without those fields, what a checkpoint records and a
+resume must match. `missing_fields` names the fields a saved config lacks.
 """
 
 from __future__ import annotations
@@ -367,42 +354,27 @@ def field_default(f: dataclasses.Field) -> Any:
 
 
 RESUME_FREE = {"resume": "free"}  # field metadata: this field may change when a run is resumed
-RECORDED_WHEN_SET = {"record": "when set"}  # field metadata: left out of `config_to_dict` at its default
 
 
-def added_later(before: Any) -> dict:
-    """Field metadata of an option added after runs were made, whose default is not what those
-    runs did (`before`): `config_to_dict` leaves it out while it holds `before`, so their saved
-    configs and resume hashes stay what they were, and a resume of such a run fills it in as
-    `before` (`fill_added_later`), not as today's default."""
-    return {**RECORDED_WHEN_SET, "before": before}
-
-
-def fill_added_later(cls: type, data: dict, prefix: str = "") -> tuple[dict, list[str]]:
-    """A saved config with every `added_later` field it does not hold set to what runs did
-    before the field existed; and those dotted fields."""
+def missing_fields(cls: type, data: dict, prefix: str = "") -> list[str]:
+    """The dotted fields of dataclass `cls` that the saved config `data` does not hold (a section
+    it holds is searched in turn): `config_to_dict` writes every field, so a config that lacks
+    one was not written by this version of sprout."""
     hints = typing.get_type_hints(cls)
-    data, filled = dict(data), []
+    missing = []
     for f in dataclasses.fields(cls):
         tp = unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(tp) and isinstance(data.get(f.name), dict):
-            data[f.name], inner = fill_added_later(tp, data[f.name], f"{prefix}{f.name}.")
-            filled += inner
-        elif "before" in f.metadata and f.name not in data:
-            data[f.name] = copy.deepcopy(f.metadata["before"])
-            filled.append(prefix + f.name)
-    return data, filled
+        if f.name not in data:
+            missing.append(prefix + f.name)
+        elif dataclasses.is_dataclass(tp) and isinstance(data[f.name], dict):
+            missing += missing_fields(tp, data[f.name], f"{prefix}{f.name}.")
+    return missing
 
 
 def config_to_dict(cfg: Any) -> Any:
-    """`dataclasses.asdict(cfg)`, leaving out the fields declared `RECORDED_WHEN_SET` while they hold
-    their default (`added_later` ones: while they hold what runs did before them): fields added
-    after configs were written, which those configs (their YAML, checkpoint meta and resume
-    hash) therefore keep reading exactly as before."""
+    """`dataclasses.asdict(cfg)`, every field written (lists and tuples kept as they are)."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-                if not (f.metadata.get("record") == "when set"
-                        and getattr(cfg, f.name) == f.metadata.get("before", field_default(f)))}
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, (list, tuple)):
         return type(cfg)(config_to_dict(v) for v in cfg)
     if isinstance(cfg, dict):

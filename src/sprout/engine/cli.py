@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import shutil
@@ -33,11 +32,11 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from sprout.atomic import hold_lock
-from sprout.config import fill_added_later, load_config, parse_overrides, read_yaml
+from sprout.config import load_config, missing_fields, parse_overrides, read_yaml
 from sprout.config_help import add_config_help
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import META, read_meta, resolve_checkpoint
-from sprout.formats.verify_data import VERIFY_MODES
+from sprout.formats.verify_inputs import VERIFY_MODES
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
@@ -261,15 +260,14 @@ def _resume_config(args, overrides: dict, config_cls):
     saved_yaml = out / "config.yaml"
     saved = read_yaml(saved_yaml) if saved_yaml.is_file() else meta.get("config") or {}
     source = saved_yaml if saved_yaml.is_file() else ckpt / META
+    missing = missing_fields(config_cls, saved)
+    if missing:
+        raise SproutError(f"{source}: no {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} (written by "
+                          f"an earlier version of sprout); train the run again (--overwrite)")
     if args.config:
         cfg = load_config(config_cls, args.config, overrides)
     else:
-        saved, filled = fill_added_later(config_cls, saved)
         cfg = load_config(config_cls, None, overrides, base=saved, where=str(source))
-        if filled:
-            print_rank0(f"note: {source} does not record {', '.join(filled)} (saved before sprout had "
-                        f"{'them' if len(filled) > 1 else 'it'}): the run continues as it started, "
-                        + ", ".join(f"{k}={_yaml_scalar(_get(cfg, k))}" for k in filled))
     cfg.out = str(args.out) if args.out else (cfg.out if args.config else str(out))
     saved_steps = (saved.get("train") or {}).get("max_steps")
     if "max_steps" in (overrides.get("train") or {}):
@@ -287,16 +285,6 @@ def _resume_config(args, overrides: dict, config_cls):
                     + "; pass --train.max_steps N to train longer")
         raise SystemExit(0)
     return cfg
-
-
-def _get(cfg, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def _yaml_scalar(value) -> str:
-    return json.dumps(value)  # true, false, null, numbers and strings as YAML reads them
 
 
 def resolve_resume(resume: str | None, out: str | Path) -> Path | None:

@@ -16,7 +16,6 @@ training.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -28,7 +27,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sprout.atomic import atomic_write, sha256_file
-from sprout.formats.checkpoint_meta import META, WEIGHTS
 from sprout.engine.metrics import METRICS, duration, read_metrics
 
 
@@ -182,18 +180,6 @@ def run_section(segs: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def _init_sha256(init: dict) -> str | None:
-    """The base checkpoint's weights sha256: recorded in the meta (`sprout.checkpoint.init_record`),
-    else, for a run saved before the record had it, read from the base's meta.json."""
-    if init.get("weights_sha256"):
-        return init["weights_sha256"]
-    try:
-        meta = json.loads((Path(init["path"]) / META).read_text())
-        return meta.get("files", {}).get(WEIGHTS)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def _data_files(meta: dict) -> list[tuple[str, str, str | None, str]]:
     """(role, path, sha256, when) of the run's data: `meta["data"]` when the stage recorded it
     ({role: {"path", "sha256"}}), else the config's data paths hashed now."""
@@ -217,10 +203,9 @@ def provenance_section(meta: dict) -> list[str]:
     init = meta.get("init")
     if not isinstance(init, dict):
         return []
-    sha = _init_sha256(init)
     lines = ["## Inputs", "",
              f"- init checkpoint: {code(init.get('path'))} ({init.get('stage')} step {init.get('step')}); "
-             f"weights sha256 `{sha or 'unknown'}`"]
+             f"weights sha256 `{init.get('weights_sha256')}`"]
     for role, path, digest, when in _data_files(meta):
         lines.append(f"- {role} data: {code(path)}; sha256 `{digest or 'unknown'}` ({when})")
     return lines + [""]

@@ -72,7 +72,10 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
     if verify and (not isinstance(files, dict) or not {WEIGHTS, STATE} <= set(files)):
         raise SproutError(f"{path / META}: no sha256 for {WEIGHTS} and {STATE} (`files` missing or incomplete); "
                           f"refusing an unverifiable checkpoint")
-    if META_DIGEST in meta and meta_digest(meta) != meta[META_DIGEST]:
+    if META_DIGEST not in meta:
+        raise SproutError(f"{path / META}: no {META_DIGEST} (written by an earlier version of sprout); "
+                          f"train or import the run again")
+    if meta_digest(meta) != meta[META_DIGEST]:
         raise SproutError(f"{path / META}: its contents do not match its {META_DIGEST}; the file was modified")
     if verify:
         for name, digest in files.items():

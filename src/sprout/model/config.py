@@ -6,9 +6,8 @@ fields; no torch, so configs and a trainer's --help read it without loading the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from sprout.config import RECORDED_WHEN_SET
 from sprout.ranges import in_range
 from sprout.errors import SproutError
 
@@ -28,10 +27,9 @@ class ModelConfig:
     norm_eps: float = in_range(1e-5, "(0, inf)")  # RMSNorm epsilon
     tie_embeddings: bool = False        # the output head shares the embedding matrix
     init_std: float = in_range(0.02, "(0, inf)")  # std of the normal initial weights
-    # Recorded only when set (`sprout.config.RECORDED_WHEN_SET`): earlier configs read and hash as before.
-    d_head: int | None = in_range(None, "[2, inf)", metadata=RECORDED_WHEN_SET)  # None -> d_model / n_heads
-    attention_bias: bool = field(default=False, metadata=RECORDED_WHEN_SET)  # biases on q, k, v (Qwen2)
-    rope_scaling: dict | None = field(default=None, metadata=RECORDED_WHEN_SET)  # None, or Llama 3's (see LLAMA3_ROPE)
+    d_head: int | None = in_range(None, "[2, inf)")  # None -> d_model / n_heads
+    attention_bias: bool = False        # biases on q, k, v (Qwen2)
+    rope_scaling: dict | None = None    # None, or Llama 3's (see LLAMA3_ROPE)
 
     def __post_init__(self) -> None:
         if self.d_head is None and self.d_model % self.n_heads:

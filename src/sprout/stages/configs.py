@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sprout.config import RECORDED_WHEN_SET, RESUME_FREE, added_later, require, resume_free
+from sprout.config import RESUME_FREE, require, resume_free
 from sprout.ranges import in_range
 from sprout.losses.loss_types import CLIPPED_LOSS_TYPES, PREFERENCE_LOSS_TYPES
 from sprout.model.config import ModelConfig
@@ -97,8 +97,8 @@ class PairDataConfig:
 @dataclass
 class RewardLossConfig:
     # head: a score head read at the response's eot; logprob: β × the LM's summed log-prob of the response
-    score: Literal["head", "logprob"] = field(default="head", metadata=RECORDED_WHEN_SET)
-    beta: float = in_range(0.1, "(0, inf)", metadata=RECORDED_WHEN_SET)  # β of score logprob (DPO's β, no reference)
+    score: Literal["head", "logprob"] = "head"
+    beta: float = in_range(0.1, "(0, inf)")  # β of score logprob (DPO's β, no reference)
     center_rewards_coefficient: float = in_range(0.0, "[0, inf)")  # TRL's RewardConfig; 0.01 is its suggested value
     use_margin: bool = True             # subtract each record's margin (Llama 2); false: ignore margins
 
@@ -180,7 +180,7 @@ class RolloutConfig:
     compile: bool = resume_free(False)  # compile the decode step (single process only; see model/generate.py)
     # consecutive steps whose every completion is out of the loss (truncated and masked: loss 0, no
     # gradient) before the run stops; the first such step is warned about
-    max_all_masked_steps: int = in_range(5, "[1, inf)", metadata={**RESUME_FREE, **RECORDED_WHEN_SET})
+    max_all_masked_steps: int = in_range(5, "[1, inf)", metadata=RESUME_FREE)
 
 
 @dataclass
@@ -237,10 +237,9 @@ class GRPOLossConfig:
     scale_rewards: Literal["group", "batch", "none"] | bool | None = None
     # sum_then_normalize: weighted sum of the reward functions, then the group statistics; normalize_then_sum
     # (advantage grpo): each function normalised within its group, summed, then normalised over the global batch
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = field(
-        default="sum_then_normalize", metadata=RECORDED_WHEN_SET)
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     # TRL's RLOO option: advantages normalised to mean 0, std 1 over the global batch (not with dr_grpo)
-    normalize_advantages: bool = field(default=False, metadata=RECORDED_WHEN_SET)
+    normalize_advantages: bool = False
     # the surrogate and its normaliser: clipped ratio for grpo (sequence means), bnpo and dapo (tokens),
     # dr_grpo (sequences × max_completion_length); cispo: capped stop-gradient weight × log-prob (tokens);
     # sapo: sigmoid-gated soft clip (sequence means)
@@ -250,9 +249,9 @@ class GRPOLossConfig:
     epsilon_high: float | None = in_range(None, "(0, inf)")
     delta: float | None = in_range(None, "(1, inf)")  # two-sided clipping: the ratio is capped at delta
     # sapo's gate -(4/tau) sigmoid(tau (ratio - 1)) A: tau where the advantage is > 0
-    sapo_temperature_pos: float = in_range(1.0, "(0, inf)", metadata=RECORDED_WHEN_SET)
+    sapo_temperature_pos: float = in_range(1.0, "(0, inf)")
     # sapo's tau where the advantage is <= 0 (larger: the gate closes faster off-policy)
-    sapo_temperature_neg: float = in_range(1.05, "(0, inf)", metadata=RECORDED_WHEN_SET)
+    sapo_temperature_neg: float = in_range(1.05, "(0, inf)")
     # token; sequence (GSPO: the mean log-ratio); sequence_sum (TRL's RLOO: exp of the summed log-ratios);
     # unset or null: sequence_sum with advantage rloo (TRL's RLOO), token otherwise
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] | None = None
@@ -261,9 +260,8 @@ class GRPOLossConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
     # kl_in loss, beta > 0: the per-token KL × the importance ratio (TRL's default, true), so its
-    # gradient is the reverse KL's; the ratio carries a gradient, so even on-policy the KL gradient differs.
-    # Runs saved before this option resume as they ran: false
-    use_bias_correction_kl: bool = field(default=True, metadata=added_later(False))
+    # gradient is the reverse KL's; the ratio carries a gradient, so even on-policy the KL gradient differs
+    use_bias_correction_kl: bool = True
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
     max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
