@@ -1,26 +1,15 @@
 """A multi-turn chat with a checkpoint: history -> chat template -> KV-cache sampling -> reply.
 
-`ChatSession` keeps the conversation as messages and, for every user message, renders the
-whole history with `sprout.chat.render(..., add_generation_prompt=True)` (the same
-template the SFT data was made with), samples the answer with `sprout.model.generate.generate`
-until the end-of-turn token, and appends the decoded answer to the history. So the model
-sees at inference exactly the token layout it was fine-tuned on.
-
-- Stop tokens: `sprout.model.generate.default_stop_ids`: the end-of-turn id, plus the role
-  headers when they are single control ids (SentencePiece models trained here), in case a
-  model starts a new turn without closing its own. With plain-text markers (tiktoken) a reply is
-  cut at the first marker text (any reserved string of the chat format).
-- Context: when the rendered history leaves no room for an answer, the oldest exchanges
-  are dropped (the system message stays); a single message that does not fit raises
-  `ChatError`, as does a message the template refuses (e.g. one containing marker text),
-  and the history is left as it was.
-- An empty answer (the model closed its turn at once) is returned but not kept, since the
-  template refuses empty turns.
-
-`load_chat_model` opens a checkpoint with the tokenizer it was trained with (the copy in its
-run folder, checked by sha256: `sprout.checkpoint.checkpoint_tokenizer`), so it works from
-any working directory and after the run folder was moved, and checks that it was fine-tuned
-with the chat format its tokenizer renders (`sprout.chat_formats.format_for`).
+`ChatSession` renders the whole history with `sprout.chat.render(..., add_generation_prompt=True)`
+(the template the SFT data was made with) for every user message, samples the answer with
+`sprout.model.generate.generate` until a stop token (`default_stop_ids`: the end-of-turn id,
+plus single-id role headers; with plain-text markers a reply is cut at the first marker text)
+and appends it. Invariants: when the history leaves no room for an answer the oldest
+exchanges are dropped (the system message stays); a message that does not fit alone, or that
+the template refuses, raises `ChatError` and leaves the history as it was; an empty answer is
+returned but not kept. `load_chat_model` opens a checkpoint with the tokenizer copy in its run
+folder (checked by sha256: `sprout.checkpoint.checkpoint_tokenizer`) and checks that it was
+fine-tuned with the chat format that tokenizer renders (`sprout.chat_formats.format_for`).
 """
 
 from __future__ import annotations

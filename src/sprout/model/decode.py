@@ -4,32 +4,15 @@
     logits = decoder.prefill(ids, mask, repeats=G)  # [N, V]: each prompt's last token, on its G rows
     logits = decoder.step(tokens)                   # [N, V]: tokens [N] appended, one per row
 
-`Decoder` runs the model's blocks in their decoding forms (`Block.prefill`, `Block.step` of
-`sprout.model.transformer`) on KV buffers of its own and on copies of the matmul weights
-(`DecodeWeights`) made once per `generate_tokens` call (the parameters change between calls,
-as RL updates them, never within one; the copies hold the matmul weights once more for the
-call). They compute the forward's function to float rounding (the tests hold their logits to
-its within 1e-5 of their scale), differently for speed:
-
-- q, k and v are one matmul, gate and up one, oneDNN-packed on a CPU where that multiplies
-  faster (`sprout.model.onednn`);
-- the prefill runs once per distinct prompt (B, not B × G rows; its keys/values are then
-  written to the prompt's G rows), its matmuls on the real tokens only;
-- a step attends with one query per row over the filled slots plus an additive bias (-inf on
-  a row's padding slots), grouped-query heads reading their shared keys/values in place;
-- logits for the last prompt token and the new tokens only, float32 as the model's.
-
-Compiled (`compile=True`): a step's blocks (`decode_step`) under `torch.compile(fullgraph=True)`,
-the slot dimension of the cache and of the bias marked dynamic, so one graph serves every step,
-prompt length, cache size and model class (per number of rows and model shape). A graph takes
-dense tensors only, so packed matmuls go through `onednn_linear` there (the "onednn_op" kind).
-The prefill runs eager.
-
-`ModelDecoder` has the same two methods through the module's forward: one forward over the
-B prompts into a `KVCache` (copied to their G rows), then one `model(tokens [N, 1],
-cache=...)` per step. Generation uses it for anything that is not a `Transformer` with an
-lm_head in one process: under FSDP the sharded parameters are gathered by the module's
-forward alone, so every step must be one.
+`Decoder` runs the blocks' decoding forms (`Block.prefill`, `Block.step`) on KV buffers of its
+own and on fused copies of the matmul weights (`DecodeWeights`: q/k/v one matmul, gate/up one,
+oneDNN-packed where faster), made once per `generate_tokens` call (parameters change between
+calls, never within one). It computes the model's forward to float rounding (tests: logits
+within 1e-5 of their scale); the prefill runs once per distinct prompt. `compile=True` runs a
+step under `torch.compile(fullgraph=True)`, one graph for every step, prompt length and cache
+size. `ModelDecoder` has the same two methods through the module's forward, for anything that
+is not a `Transformer` with an lm_head in one process: under FSDP only a forward gathers the
+sharded parameters.
 """
 
 from __future__ import annotations

@@ -1,70 +1,17 @@
-"""Export a checkpoint to a folder that Hugging Face transformers loads (`LlamaForCausalLM`, or
-`Qwen2ForCausalLM` for a model with q/k/v biases).
+"""Export a checkpoint to a folder that Hugging Face transformers loads: `LlamaForCausalLM`, or
+`Qwen2ForCausalLM` for a model with q/k/v biases; a reward model as *ForSequenceClassification
+(one label, `score.weight`), a value-head policy as its LM (`ExportResult.dropped`: the head).
 
     export_hf("runs/demo/sft_model", "exports/sft")   # a checkpoint dir, a run dir or its checkpoints/
 
-What the folder holds:
-
-    config.json              LlamaConfig or Qwen2Config (the table below), bos/eos/pad ids (below)
-    model.safetensors        the weights under transformers' names: `model.` before every name
-                             but `lm_head.weight` (`hf_weight_name`; `sprout.model.hf_import`
-                             reads them back with `sprout_weight_name`); tied embeddings stored
-                             once, as `model.embed_tokens.weight` (transformers ties lm_head to it)
-    generation_config.json   eos = the chat format's end-of-turn id (sprout's SentencePiece: also the
-                             three role ids, the stop tokens of `sprout.model.chat_session`), bos/pad
-                             where the tokenizer has them; do_sample true, temperature 0.7
-                             (scripts/chat.py's default), top_p 1.0, top_k 0 (off)
-    tokenizer files          `sprout.model.export_tokenizer`: for tiktoken and SentencePiece a
-                             `tokenizers` pipeline giving sprout's ids and a chat template rendering
-                             `sprout.chat.render`'s layout; for an imported model's tokenizer (`hf:`)
-                             the source's own files, unchanged: tokenizer.json, tokenizer_config.json,
-                             special_tokens_map.json and chat_template.jinja where the source had them,
-                             so its original Jinja chat template travels as it came
-
-    sprout ModelConfig   LlamaConfig / Qwen2Config   sprout ModelConfig   LlamaConfig / Qwen2Config
-    vocab_size           vocab_size                  max_seq_len          max_position_embeddings
-    d_model              hidden_size                 rope_theta           rope_theta
-    n_layers             num_hidden_layers           norm_eps             rms_norm_eps
-    n_heads              num_attention_heads         tie_embeddings       tie_word_embeddings
-    kv_heads             num_key_value_heads         init_std             initializer_range
-    ff_dim               intermediate_size           head_dim             head_dim
-    attention_bias       Qwen2 (below)               rope_scaling         rope_scaling (None, or Llama 3's)
-
-Without q/k/v biases the model is a Llama (hidden_act "silu", attention_bias and mlp_bias
-false): sprout's own models and imported Llama and Mistral models (an import refuses a
-Mistral whose sliding window is shorter than its context, so its attention is Llama's). With
-them (`attention_bias`, an imported Qwen2) it is a Qwen2: `Qwen2ForCausalLM`, whose q_proj,
-k_proj and v_proj carry the biases under the names `sprout.model.hf_import` read them from,
-sliding-window attention off. The special ids in config.json are the tokenizer's bos and pad
-ids and, as eos, the chat format's end-of-turn id (`sprout.chat.template_for`: the end-of-text
-id for sprout's format, `<|im_end|>` for chatml, `<|eot_id|>` for llama3).
-
-Rotary embeddings need no weight permutation: sprout rotates in transformers' own
-`rotate_half` convention with the same inverse frequencies (`sprout.model.transformer`).
-
-Architectures (`sprout.model.heads`): "lm" exports as *ForCausalLM; "lm+value" exports its
-policy LM as *ForCausalLM and drops the value head (reported in `ExportResult.dropped`);
-"reward" exports as *ForSequenceClassification with one label, `score.weight` = the score
-head. transformers reads that score at the last token that is not `pad_token_id`, which is
-sprout's `last_index` for a row that ends with its end-of-turn token; a tokenizer without a
-pad id (tiktoken) then scores one unpadded row per call (transformers refuses a batch). So does
-one whose pad token is the end-of-turn token (SmolLM2's `<|im_end|>`): transformers would read
-the score before it, so a reward model's config.json names no pad id then. A log-probability
-reward model (`reward.score: logprob`: `sprout.formats.checkpoint_meta.reward_score_of`) exports as
-*ForCausalLM, and its scoring rule travels in config.json as `sprout_reward_score` ({"kind":
-"logprob", "beta": β}; transformers keeps the key: `config.sprout_reward_score`): a response's
-score is β × its summed log-probability given the prompt.
-
-The folder is written whole or not at all (built beside it, renamed into place). An existing
-`out` that is not empty is refused; with `overwrite` it is replaced only when it holds nothing
-but what an export writes (`EXPORT_FILES`: an earlier export), so an overwrite never deletes
-anything else. `export_hf` also refuses an `out` that is, holds or lies inside the source
-checkpoint's run folder.
-
-`verify_export` loads the folder with transformers and checks it against the sprout model and
-tokenizer: logits (or scores) on a batch of random ids, ids on sample texts, chat-template ids
-on sample conversations and, for an LM, the greedy answers to them;
-`scripts/export_hf.py` runs it after every export.
+The folder: config.json (`hf_config`; eos = the chat format's end-of-turn id; a log-probability
+reward model's rule as `sprout_reward_score`), model.safetensors (`hf_weight_name`: `model.`
+before every name but `lm_head.weight`; tied embeddings stored once), generation_config.json
+(`generation_config`) and the tokenizer files (`sprout.model.export_tokenizer`). It is written
+whole or not at all (built beside it, renamed into place); an `out` that is not empty is
+refused, and with `overwrite` replaced only when it holds nothing but `EXPORT_FILES`; an `out`
+that is, holds or lies inside the source's run folder is refused. `verify_export` loads the
+folder with transformers and compares logits, token ids, chat-template ids and greedy answers.
 """
 
 from __future__ import annotations
@@ -166,7 +113,7 @@ LM_HEAD = "lm_head.weight"  # the one LM weight that keeps its name in transform
 
 
 def hf_weight_name(name: str) -> str:
-    """transformers' name of a sprout LM weight (`model.` before all but `LM_HEAD`; the module doc's table)."""
+    """transformers' name of a sprout LM weight: `model.` before all but `LM_HEAD`."""
     return name if name == LM_HEAD else f"model.{name}"
 
 

@@ -2,45 +2,17 @@
 
     names = write_tokenizer(tok, folder, max_len)   # writes the files, returns their names
 
-What each kind writes:
-
     tiktoken r50k_base   tokenizer.json, tokenizer_config.json, vocab.json, merges.txt
-    SentencePiece        tokenizer.json, tokenizer_config.json, tokenizer.model (the run's .model file,
-                         unchanged)
-    hf: (an import)      the source's own files, byte for byte: tokenizer.json, and beside it those of
-                         tokenizer_config.json, special_tokens_map.json (`sprout.tokenizer.HF_SIDE_FILES`)
-                         and chat_template.jinja (`sprout.chat_detect.CHAT_TEMPLATE_FILE`) that the
-                         tokenizer's folder holds; sprout's own chat_format.json stays behind
+    SentencePiece        tokenizer.json, tokenizer_config.json, tokenizer.model (the run's, unchanged)
+    hf: (an import)      the source's own files, byte for byte: tokenizer.json, tokenizer_config.json,
+                         special_tokens_map.json, chat_template.jinja (those its folder holds)
 
 For tiktoken and SentencePiece, tokenizer.json is a `tokenizers` pipeline that gives sprout's
-ids and tokenizer_config.json names PreTrainedTokenizerFast, the special tokens, no BOS or EOS
-added, and `chat_template`, a Jinja template rendering `sprout.chat.render`'s layout
-(`chat_template`). An imported tokenizer keeps the source's Jinja chat template, the one its
-chat format was detected from (`sprout.model.hf_import`): `chat_template.jinja` when the import
-wrote one (transformers prefers that file), and tokenizer_config.json's `chat_template` when the
-source had it there. sprout's `HFTokenizer` runs that same tokenizer.json, and so does
-transformers, except that for some model types it builds the architecture's own tokenizer class
-from the file's vocabulary and merges (Qwen2's, with Qwen2's normalizer and pre-tokenizer, which
-a published Qwen2 tokenizer.json has anyway); `sprout.model.export.verify_export` compares the ids.
-
-tiktoken r50k_base becomes GPT-2's byte-level BPE: `vocab.json` maps each token's bytes through
-GPT-2's `bytes_to_unicode`; `merges.txt` is recovered by re-running BPE on each token's bytes
-with only the lower ranks (the last merge is the token's own), which rebuilds GPT-2's original
-50,000 merges. The SentencePiece models sprout trains (BPE, byte fallback, identity
-normalisation, no dummy prefix, see `sprout.prep.tokenizer_train`) become a BPE with byte
-fallback whose merges are ranked by piece score, spaces written "▁", and words split as
-SentencePiece splits them (a word is a run of "▁" and the text up to the next "▁"). Control
-pieces (`<|pad|>`, `<|bos|>`, `<|endoftext|>`, the role markers) and `<unk>` are special
-tokens; nothing is added at the start or end of a text, as in sprout.
-
-One difference from sprout's `encode` is transformers' convention: a special token's text
-inside a string becomes that token (that is how the chat template's markers get their ids).
-`tokenizer(text, split_special_tokens=True)` encodes such text as plain text, as sprout does.
-With tiktoken the role markers are plain text, and the pipeline cuts the text after each
-`<|role|>\\n` header before byte-level splitting, as `render` encodes a header apart from
-the content after it; plain text where a marker and newline are followed by more whitespace
-therefore splits there, where sprout's `encode` would not (the chat template refuses marker
-text inside messages anyway).
+ids, and tokenizer_config.json names PreTrainedTokenizerFast, the special tokens, no BOS or EOS
+added, and a Jinja `chat_template` rendering `sprout.chat.render`'s layout. An import keeps the
+source's own chat template. `sprout.model.export.verify_export` compares the ids. transformers
+turns a special token's text inside a string into that token (`split_special_tokens=True`
+encodes it as plain text, as sprout does).
 """
 
 from __future__ import annotations
@@ -162,7 +134,9 @@ def _processor(tok):
 
 
 def sentencepiece_pipeline(tok):
-    """A `tokenizers` BPE that encodes like the SentencePiece model of `tok` (see the module doc)."""
+    """A `tokenizers` BPE that encodes like the SentencePiece model of `tok`: byte fallback, merges
+    ranked by piece score, spaces written "▁", words split as SentencePiece splits them (`SP_WORD`),
+    control pieces and `<unk>` special, nothing added at the start or end of a text."""
     tk = _tokenizers()
     sp = _processor(tok)
     probe = "  a  b\t\n ﬁＡe\u0301 "

@@ -3,64 +3,15 @@
     rollout = generate_tokens(model, input_ids, attention_mask, max_new_tokens=256,
                               num_generations=8, tokenizer=tok, generator=g)
 
-`generate_tokens` takes and returns tensors, as transformers' `generate` does: prompts
-`input_ids` [B, P] with an `attention_mask` (1 = real token; padding on either side, the
-prompts are left-aligned first) and returns a `Rollout`: completions [B*G, L] right-padded
-with their mask, each sampled token's log-prob, why each row ended, and its length. The G
-samples of prompt i are rows i*G .. i*G+G-1, side by side, so group statistics (GRPO's
-advantages) need no communication. `generate` is the list-in, list-out form for chat.
-
-Left-padded prompts: the padding gets segment id 0 and each prompt segment 1, and rotary
-positions count only real tokens, so every row computes exactly what it would alone (see
-`sprout.model.transformer.KVCache`). One prefill forward fills the cache and computes the
-logits of each prompt's last position only; then each step feeds one token per row.
-
-Sampling follows transformers' order: divide the logits by the temperature, keep the top-k,
-then keep the smallest set of tokens whose probability reaches top-p (Holtzman et al. 2020,
-"The Curious Case of Neural Text Degeneration"). Each sampled token's log-prob is taken under
-that processed distribution, the one it was drawn from; at temperature 1 without top-k/top-p
-that is the policy's own distribution, which is what the RL losses need. Greedy decoding
-(`greedy=True` or temperature 0) is a point mass on the argmax: log-probs 0. A token is drawn
-by inverse-CDF sampling (`inverse_cdf_sample`: one uniform number per row against the
-cumulative probabilities), the distribution `torch.multinomial` draws from. The defaults
-differ from transformers' (its values come from the checkpoint's generation_config):
-
-    setting       generate_tokens                      transformers generate
-    sampling      on (greedy=False)                    off (do_sample=False: greedy)
-    temperature   1.0                                  1.0
-    top_k         None = off                           50
-    top_p         None = off (same as 1.0)             1.0
-    stop ids      with tokenizer=: `default_stop_ids`  eos_token_id of the generation_config
-                  (the end-of-turn id); else none
-
-Stopping: a row stops at its first token in the stop ids (kept, `eos` True); the rest run to
-`max_new_tokens` or until the context is full (`truncated` True). When the longest prompt
-plus `max_new_tokens` exceeds the model's context (`max_seq_len`), the steps are cut to fit
-and a one-line warning says so, once per process. Whether every row has stopped is read
-back every `STOP_CHECK_EVERY` steps (every step on a CPU, where reading a flag costs nothing;
-on an accelerator each read waits for the queued work): the steps run past the last stop are
-cut from the output, so the rollout is the same, only the generator has drawn more numbers.
-
-Decoding (`sprout.model.decode`): each prompt is prefilled once, its keys/values copied to
-its G rows, and each step is `decode_step`, the forward of one token per row on fused
-weights copied once per call (oneDNN-packed on a CPU). `compile=True` runs that step under `torch.compile`: one graph
-for every step, prompt length and cache size (per number of rows), compiled on the first
-call (seconds to minutes on a CPU) and reused by later ones. Sampling stays eager, so the
-same logits give the same tokens for a generator. `compile="auto"` compiles when one call
-generates at least `AUTO_COMPILE_TOKENS` tokens (rows × steps) and runs eager otherwise.
-Measured in benchmarks/rl_throughput.py.
-
-Several processes (torch.distributed initialised, world size > 1): under FSDP every forward
-is a collective (each rank gathers the others' parameter shards), so no rank may leave the
-loop while another still decodes. Each step all-reduces one "this rank is done" flag, and a
-rank whose rows have all stopped keeps running one-token forwards whose output is thrown
-away (no cache, no sampling, so its tokens and its generator are exactly those of a run
-alone) until every rank is done. Steps there go through the module's forward
-(`ModelDecoder`: only a forward gathers the shards), `compile` is ignored: pass the
-uncompiled module (the Trainer's `generation_model`). Each rank computes what one process
-computes on its prompts; one process decodes on the fused weights, whose matmuls round
-differently, so the two agree to float rounding (the same tokens unless a uniform draw lands
-within that rounding of a cumulative-probability boundary). A single process does no collective.
+`generate_tokens` takes prompts [B, P] with a mask (padding on either side) and returns a
+`Rollout`: completions [B*G, L] right-padded with their mask, each token's log-prob, `eos`,
+`truncated` and lengths; prompt i's G samples are rows i*G .. i*G+G-1. A padded row computes
+exactly what it would alone. Each log-prob is under the distribution its token was drawn from
+(temperature, top-k, top-p, in transformers' order): at temperature 1 without top-k/top-p the
+policy's own, as the RL losses need; greedy gives 0. A row stops at its first stop id (kept);
+steps are cut to fit the context, with a one-line warning. Under torch.distributed every rank
+runs forwards until all are done (an FSDP forward is a collective) and computes what one
+process computes on its prompts, to float rounding. `generate` is the list form for chat.
 """
 
 from __future__ import annotations
@@ -198,7 +149,8 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     `vocab_size = tok.vocab_size`. `stop_ids` (None = those defaults, or none without a tokenizer).
     `vocab_size`: the ids the tokenizer can decode; a model whose vocab is padded beyond it
     (e.g. 50,257 -> 50,304) never samples the padding ids, and log-probs are over the real ids.
-    `compile`: True, False or "auto" (see the module doc).
+    `compile`: True (the decode step under torch.compile), False, or "auto" (compile when rows ×
+    steps reaches `AUTO_COMPILE_TOKENS`); ignored under torch.distributed. Sampling stays eager.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise SproutError(f"generate: input_ids must be [batch, length] with batch >= 1, got {tuple(input_ids.shape)}")

@@ -1,9 +1,8 @@
 """The transformer with a scalar head: a reward model (score head) and a policy with a value head.
 
-Both subclass `sprout.model.transformer.Transformer`, so the backbone's parameters keep
-their names (`embed_tokens`, `layers.*`, `norm`) and an LM checkpoint (pretrain or SFT)
-loads into the backbone as it is; the head adds one parameter. The head reads the final
-normed hidden state, the same input lm_head reads.
+Both subclass `sprout.model.transformer.Transformer`, so the backbone's parameter names stay and
+an LM checkpoint loads into the backbone as it is; the head, `Linear(d_model, 1, bias=False)`
+initialised N(0, init_std), reads the final normed hidden state, as lm_head does.
 
     architecture  module            parameters beyond the backbone            forward returns
     "lm"          Transformer       lm_head.weight                            logits [B, T, V]
@@ -11,22 +10,10 @@ normed hidden state, the same input lm_head reads.
                                                                               (logits, values [B, T])
     "reward"      RewardModel       score_head.weight [1, d] (no lm_head)     scores [B, T]
 
-Heads are `Linear(d_model, 1, bias=False)`, like every other projection of the model (a
-Bradley-Terry reward loss does not see a constant offset anyway), initialised N(0, init_std)
-as the backbone's Linears are. Scores and values are float32, as logits are. The reward
-model has no lm_head: a checkpoint of an LM loads into it without its `lm_head.weight`
-(`sprout.model.load.init_from_lm`). `PolicyWithValue.forward` without `return_values` is
-the plain LM forward, so `sprout.model.generate.generate` samples from it unchanged.
-
-Everything goes through `forward` (never a separate method): under FSDP2 only a module's
-forward gathers its sharded parameters.
-
-A reward is read at one position per row, the response's last token (its end-of-turn
-token): `last_index(attention_mask)` finds it under left or right padding alike and
-`score_at(scores, index)` picks it. `padding_inputs(attention_mask)` gives the segment
-and position ids that make a padded row compute what the row computes alone (padding is
-segment 0, real tokens segment 1, positions count real tokens only), whichever side the
-padding is on.
+Scores and values are float32. Everything goes through `forward` (under FSDP2 only a forward
+gathers sharded parameters). A reward is read at the response's last token: `last_index`
+finds it under left or right padding, `score_at` picks it; `padding_inputs` gives the segment
+and position ids that make a padded row compute what it computes alone.
 """
 
 from __future__ import annotations
@@ -40,7 +27,8 @@ from sprout.model.transformer import KVCache, Transformer
 
 def _scalar_head(config: ModelConfig) -> nn.Linear:
     head = nn.Linear(config.d_model, 1, bias=False)
-    nn.init.normal_(head.weight, 0.0, config.init_std)
+    if not head.weight.is_meta:  # no values to draw on the meta device (`sprout.model.transformer.uninitialised`)
+        nn.init.normal_(head.weight, 0.0, config.init_std)
     return head
 
 

@@ -4,45 +4,15 @@
     result = write_run(imported, "runs/smollm2")
     print(summary(result))
 
-A source is one of
-  - a local Hugging Face folder: config.json, model.safetensors (or the shards a
-    model.safetensors.index.json names) and the tokenizer files (tokenizer.json,
-    tokenizer_config.json, ...);
-  - a hub id (`owner/name`), fetched into the usual cache by `huggingface_hub.snapshot_download`
-    (which honours HF_HUB_OFFLINE and HF_HOME), the revision recorded as the snapshot's commit;
-  - a `.gguf` file, read by transformers' own GGUF loader (the `import` extra: transformers and
-    gguf): the model dequantised to float32 by `AutoModelForCausalLM.from_pretrained(folder,
-    gguf_file=name)`, which also undoes llama.cpp's permutation of the q and k rows, and the
-    tokenizer rebuilt by `AutoTokenizer.from_pretrained(folder, gguf_file=name)` and saved as
-    tokenizer files.
-
-The architectures are those sprout's `Transformer` computes exactly: `LlamaForCausalLM` (with
-`rope_scaling` of type llama3 or none, tied or untied embeddings, any head and key/value head
-count, a `head_dim` other than hidden_size / heads), `Qwen2ForCausalLM` (biases on q, k and v)
-and `MistralForCausalLM`, when the sliding window (Mistral's, or Qwen2's when
-`use_sliding_window`) is null or at least the context used (max_position_embeddings, or a
-smaller `max_seq_len`). Anything else is refused in one line naming the config.json field:
-another architecture, rope type or activation than silu, mixture-of-experts fields,
-`quantization_config`, a shorter sliding window, Llama's `attention_bias` / `mlp_bias`.
-The config fields map as `sprout.model.export`'s table shows, read backwards; the weight names
-through `sprout.model.export.sprout_weight_name`, every weight stored as float32.
-
-The run folder (`write_run`) is what a training stage leaves: `checkpoints/step_00000000/`
-(`sprout.checkpoint.save_rotating`: architecture "lm", stage "import", step 0) with `latest`
-pointing at it, and the tokenizer in `tokenizer/NAME/` (`sprout.checkpoint.bundle_tokenizer`:
-tokenizer.json, tokenizer_config.json, special_tokens_map.json, the original Jinja template as
-`chat_template.jinja`, and `chat_format.json`, each with its sha256 in meta). The chat format
-is `sprout.chat_detect.detect_chat_format` run on the tokenizer's own template: a template no
-format matches is refused (the detector's message names the first differing token); a
-tokenizer without a template gets no chat_format.json, so sprout's default format applies.
-meta.json records the source (`source`: folder path, hub id and revision, or GGUF path and
-sha256) and its config.json (`source_config`), so `read_meta`, `load_model`, `--init RUN`,
-`scripts/chat.py` and `scripts/sample.py` open the run as any other. A config.json with
-`sprout_reward_score` (what `sprout.model.export` writes for a log-probability reward model) gives
-meta.json that `reward_score` (`import_reward_score`), so a reward model exported and imported
-back scores with the same rule (PPO's `reward_model`); a value other than {"kind": "logprob",
-"beta": a finite number above 0} is refused, naming the config.json. A GGUF carries no
-`sprout_reward_score` (its config is rebuilt from the GGUF's metadata): it imports as a plain LM.
+A source is a local Hugging Face folder, a hub id (`huggingface_hub.snapshot_download`, the
+revision recorded as the snapshot's commit) or a `.gguf` file (transformers' GGUF loader,
+dequantised to float32). Only what `Transformer` computes exactly is imported (`ARCHITECTURES`,
+no sliding window shorter than the context used); anything else is refused in one line naming
+the config.json field. Config fields map as `sprout.model.export` writes them, read backwards;
+weights by `sprout.model.export.sprout_weight_name`, every weight float32. The run folder
+(`write_run`) is what a training stage leaves: an "lm" checkpoint of stage "import", step 0,
+whose meta.json records the source and its config.json, and the tokenizer bundle with the
+chat format detected from its own template (`sprout.chat_detect.detect_chat_format`).
 """
 
 from __future__ import annotations
