@@ -5,28 +5,14 @@
     python scripts/evaluate.py runs/demo/sft_model --prompts runs/demo/rl_prompts/prompts_test.jsonl
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/evaluate.py RUN --task arith
 
-RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint); its
-tokenizer is the copy its run folder keeps. Problems (`sprout.evaluation.tasks`): `--task
-arith` the arithmetic generator's held-out test problems, levels 1-4 (200 unless
---max-examples); `--task gsm8k` GSM8K's test file from the data mirror (--mirror DIR, else
-$SPROUT_MIRROR, else ../shared/data), else the hub; `--prompts FILE` a prompt file
-(`sprout.formats.prompts`, e.g. a prepared prompts_test.jsonl).
-
-Each prompt gets --n samples at --temperature (default 1: the policy's own distribution)
-and, with --greedy, one greedy answer; answers are read from <answer>…</answer> only
-(`sprout.evaluation.evaluate` says how each figure is computed). Under several processes the
-prompts are split over them and the figures equal a one-process run with the same --batch-size.
-
-Writes --out (default: <run folder>/eval/<task>_step<step>.json, atomically): the figures,
-per level, the settings, the checkpoint (path, step, weights sha256), a few answers, and
-`problems`, one record per problem (its id, source, level, n, samples correct and
-formatted, greedy answer correct and formatted), by which two files of the same problems
-are paired (`sprout.pipeline.report_card` does). Each figure in [0, 1] (pass@k,
-greedy/accuracy, greedy/format_rate, format/rate), over all prompts and per level, gains
-`<figure>_ci` = [lo, hi], its 95 % interval over problems: the Wilson score interval when
-every problem scores 0 or 1 (the greedy figures; pass@1 from --n 1), else a percentile
-bootstrap over problems (10,000 resamples, seed 0, whatever --seed; `sprout.evaluation.statistics`
-gives the formulas). Prints a table, each interval on the row under its figure.
+RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint). Problems
+(`sprout.evaluation.tasks`): --task arith (held-out, levels 1-4, 200 unless --max-examples),
+--task gsm8k (the mirror's test file, else the hub) or --prompts FILE. Each prompt gets --n
+samples at --temperature and, with --greedy, one greedy answer, read from <answer>…</answer>
+only; split over processes, the figures equal one process's with the same --batch-size. Writes
+--out (default <run folder>/eval/<task>_step<step>.json): figures, settings, the checkpoint, and
+`problems` (one record per problem, by which two files are paired); each figure in [0, 1] gets
+`<figure>_ci`, its 95 % interval over problems (a fixed seed, not --seed; `sprout.evaluation.statistics`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Export a checkpoint to a Hugging Face transformers folder (LlamaForCausalLM or Qwen2ForCausalLM
-and its tokenizer).
+"""Export a checkpoint to a Hugging Face transformers folder (Llama/Qwen2ForCausalLM and its tokenizer).
 
     python scripts/export_hf.py runs/demo/sft_model exports/sft
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer; \\

@@ -6,18 +6,13 @@
         --source-format gsm8k --source gsm8k_train.jsonl:0.5 --source-format arithmetic --source 500 \\
         --tokenizer tiktoken:r50k_base --seq-len 512 --out runs/mine/sft.h5
 
-Without a config, `--source PATH[:WEIGHT]` (repeatable; replaces the config's sources) reads
-a file in the `--source-format` (or its short name `--format`) given last before it (a source
-before any --source-format takes the last one on the command line): alpaca, dolly, gsm8k, chat or arithmetic, whose PATH is the number
-of problems to generate. Each source is named after its file, weight 1 by default.
-
-`${SPROUT_MIRROR}` in source paths is the data mirror: --mirror DIR, else $SPROUT_MIRROR, else
-../shared/data beside the repository when it exists (`sprout.mirror`); without one, the
-sources' hub ids are used.
-
-Writes OUT (train) and OUT with `_val` before the suffix (val split), in the format of
-`sprout.formats.packed_sft`; see `sprout.prep.sft_data` for the steps and `sprout.prep.packing` for the
-over-long policy. Flags override the config; other `--field value` pairs too.
+`--source PATH[:WEIGHT]` (repeatable; replaces the config's sources) reads a file in the
+`--source-format` (`--format`) given last before it (before any: the last on the command line):
+alpaca, dolly, gsm8k, chat, or arithmetic, whose PATH is the number of problems to generate.
+`${SPROUT_MIRROR}` in paths is the data mirror: --mirror DIR, else $SPROUT_MIRROR, else
+../shared/data when it exists (`sprout.mirror`); without one, the sources' hub ids are used.
+Writes OUT (train) and OUT with `_val` before the suffix (val), in the format of
+`sprout.formats.packed_sft` (steps: `sprout.prep.sft_data`). Flags override the config.
 """
 
 from __future__ import annotations

@@ -6,15 +6,12 @@
     python scripts/run_pipeline.py --preset gpt2-small --out runs/gpt2 --mirror ../shared/data
     python scripts/run_pipeline.py --preset my_chain.yaml --report-only
     python scripts/run_pipeline.py --preset smollm2 --model HuggingFaceTB/SmolLM2-135M-Instruct
-    python scripts/run_pipeline.py --preset smollm2-gpu                # the same chain on 8 GPUs
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
-runs again with everything after it; `<out>/pipeline_state.json` records why (see
-sprout/pipeline/runner.py for the preset format and the rules). Stopped or killed at any moment, the
-same command carries on. The report card (`<out>/report.md`, `<out>/report/`) compares every
-stage's checkpoint on one table, read from the stages' metrics.jsonl and evaluation files
-(sprout/pipeline/report_card.py).
+runs again with everything after it (sprout/pipeline/runner.py: the preset format and the
+rules); killed at any moment, the same command carries on. The report card (`<out>/report.md`)
+compares every stage's checkpoint on one table (sprout/pipeline/report_card.py).
 """
 
 from __future__ import annotations

@@ -6,11 +6,7 @@
     python scripts/train_grpo.py --config ... --out runs/x --resume            # latest checkpoint in --out
     python scripts/train_grpo.py --config ... --grpo.loss_type grpo --grpo.beta 0.04 --grpo.num_iterations 2
     python scripts/train_grpo.py --config ... --grpo.advantage rloo --grpo.loss_type grpo   # TRL's RLOO loss
-    python scripts/train_grpo.py --config ... --grpo.advantage rloo --grpo.normalize_advantages true
-    python scripts/train_grpo.py --config ... --grpo.multi_objective_aggregation normalize_then_sum
-    python scripts/train_grpo.py --config ... --grpo.scale_rewards false   # TRL's booleans: true group, false none
     python scripts/train_grpo.py --config ... --grpo.loss_type cispo --grpo.epsilon_high 5.0
-    python scripts/train_grpo.py --config ... --grpo.loss_type sapo --grpo.sapo_temperature_neg 1.05
 
 --data takes the folder the prep wrote or any file of it; the held-out file is
 prompts_test.jsonl beside the train file (data.val_path to change it). Any
