@@ -1,26 +1,18 @@
 """Reasoning answers, `<think>…</think><answer>N</answer>`, and their numbers: what data prep
 writes, the RL prompt format checks and `sprout.rl.verifiers` rewards. No torch, no sprout imports.
 
-Answers. `format_reasoning` writes the shape SFT data teaches; `parse_answer` reads the
-answer back from `<answer>…</answer>` only. When a completion holds several blocks, the
-last complete block counts: a block is `<answer>X</answer>` whose X holds no answer tag,
-so in `<answer>1</answer> no, <answer>2</answer>` the answer is 2, in the nested
-`<answer><answer>5</answer></answer>` it is the inner 5, and an unclosed `<answer>5` is no
-answer. (open-r1 and TRL take the last match when they extract a tagged block; their
-accuracy rewards run math_verify over the whole completion, which a tag-based verifier
-has no use for.) A fallback to the last number anywhere in the text exists behind a flag,
-off by default: it rewards rambling that happens to end on the right number.
-
-Numbers. `parse_number` turns answer text into an exact `fractions.Fraction`, never a
-float, and never evaluates the text as code. It accepts a leading `+` or `-` (also the
-unicode minus U+2212 and its small and full-width forms), a `$`, thousands separators in
-groups of three (`1,000`), decimals (`0.50`, `.5`, `5.`), fractions (`3/4`), a trailing
-`%` (dropped: the number of percent is the answer) and surrounding whitespace. Anything
-else (`1e3`, `seven`, `5 apples`, `1,00`, more than `MAX_NUMBER_CHARS` characters) is not
-a number (`not_a_number_reason` says which, quoting at most a few characters).
-`normalise_number` writes a number's canonical text (what a gold holds).
-`answers_match` compares integers exactly, at any size; when the gold is not an integer
-(a decimal or a fraction) the answer may differ by `rel_tol` × |gold|.
+`format_reasoning` writes the shape SFT data teaches; `parse_answer` reads the last complete
+block only, a block being `<answer>X</answer>` whose X holds no answer tag: in `<answer>1</answer>
+no, <answer>2</answer>` the answer is 2, in `<answer><answer>5</answer></answer>` the inner 5,
+and an unclosed `<answer>5` is no answer. A fallback to the last number in the text exists
+behind a flag, off by default: it rewards rambling that happens to end on the right number.
+`parse_number` gives an exact `fractions.Fraction`, never a float, and never evaluates the text:
+a leading `+`/`-` (also U+2212 and its small and full-width forms), `$`, thousands separators in
+groups of three (`1,000`), decimals (`0.50`, `.5`, `5.`), fractions (`3/4`), a trailing `%`
+(dropped) and surrounding whitespace; anything else (`1e3`, `seven`, `5 apples`, `1,00`, more
+than `MAX_NUMBER_CHARS` characters) is not a number (`not_a_number_reason` says which).
+`normalise_number` writes a gold's canonical text; `answers_match` compares integers exactly,
+at any size, else allows `rel_tol` × |gold|.
 """
 
 from __future__ import annotations

@@ -1,39 +1,20 @@
-"""Atomic file writes (a crash never leaves a file that looks valid), write errors as one
-line, and file hashing.
+"""Atomic file writes (a crash never leaves a file that looks valid), write errors as one line,
+file hashing and folder locks.
 
-Every writer in sprout writes to a temporary name in the destination folder, fsyncs,
-and renames into place (`os.replace` is atomic on POSIX). A reader therefore sees
-either the old file, the complete new file, or nothing; never a half-written one.
-Temporary files are named `.tmp-<final name>.<random>` and are removed on failure; a
-process killed mid-write leaves one behind, which `remove_stale_temps` deletes when the
-same output is written again. `SPROUT_FSYNC=0` in the environment skips the fsyncs, for
-outputs that may be lost with the machine (the test suite sets it, `tests/conftest.py`): the
-rename still makes each write atomic for readers and for a process killed mid-write; only a
-power loss or a kernel crash could then leave a renamed file whose bytes never reached the disk.
-
-A folder that cannot be created or written, a full disk (ENOSPC), a quota (EDQUOT) or a
-file size limit (EFBIG) raise `SproutError` naming the output path, never a traceback.
-HDF5 files are written by h5py through a Python file object (`AtomicH5`): HDF5 crashes
-the process (SIGSEGV) when it closes a file after a failed write, so the file object
-records the first failed write, drops the writes after it, and the error is raised once
-h5py has closed the file.
-
-`sha256_file(path, remember=True)` (checkpoint verification, `read_meta`) remembers, for the
-life of the process, the digest of a file that had not changed for `SETTLED_NS` before it was
-read, keyed by its device, inode, size, mtime and ctime. On a local filesystem whose timestamps
-come from this host's clock, any later write to the file, or a new file in its place, changes
-that key (the kernel sets ctime on every write, and no call can set it back), so a remembered
-digest is never that of older bytes (one read while the file was written is kept under
-the state before, which the file never has again). A file changed just before it was read is hashed again
-each time: timestamps are coarse, and a write in the same tick could leave the key as it was
-(git's index treats such "racily clean" files alike). A run verifies its init checkpoint on
-opening it and again when loading it; the second read of a 135M model's 1.6 GB is then free.
-Every other caller (prep manifests, data verification, benchmarks) hashes the bytes each time.
-
-A folder one process at a time may write (a run folder, a pipeline's output root) is held
-with `hold_lock` / `locked`: an exclusive `flock` on a lock file in it, which records the
-holder's pid; a second process is refused with one line naming the folder and that pid.
-The kernel drops the lock when its holder exits, however it exits, so no stale lock is left.
+Every writer in sprout writes to `.tmp-<final name>.<random>` in the destination folder, fsyncs
+and renames into place (`os.replace`), so a reader sees the old file, the complete new one or
+nothing, never a half-written one. Temporaries are removed on failure; one a killed process
+left is deleted by `remove_stale_temps` when the same output is written again. `SPROUT_FSYNC=0`
+(set by the test suite) skips the fsyncs: writes stay atomic for readers and killed processes,
+only a power loss or kernel crash could leave a renamed file whose bytes never reached the disk.
+A folder that cannot be written, ENOSPC, EDQUOT or EFBIG raise `SproutError` naming the output
+path. `AtomicH5` hands h5py a file object that records the first failed write and raises once
+h5py has closed the file (HDF5 crashes the process when it closes a file after a failed write).
+`sha256_file(path, remember=True)` reuses a digest for the life of the process while the file's
+(device, inode, size, mtime, ctime) is unchanged, and only for a file that had not changed for
+`SETTLED_NS` before it was read. `hold_lock` / `locked` hold a folder for one process (an
+exclusive `flock` recording the pid; a second process is refused naming it); the kernel drops
+the lock when its holder exits.
 """
 
 from __future__ import annotations

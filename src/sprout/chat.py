@@ -1,36 +1,18 @@
 """The chat template: one conversation -> (ids, loss_mask), and back again.
 
-Every stage that turns messages into tokens (SFT prep, preference and RL batches, the
-chat CLI) goes through `render`, so training and inference see the same bytes. The layout is
-the tokenizer's chat format (`sprout.chat_formats.format_for`: sprout's own unless the
-tokenizer says otherwise); `template_for` turns it into token ids. sprout's layout:
+Every stage that turns messages into tokens (SFT prep, preference and RL batches, the chat
+CLI) goes through `render`, so training and inference see the same bytes. The layout is the
+tokenizer's chat format (`sprout.chat_formats.format_for`); `template_for` turns it into ids,
+each header and each content encoded on its own so their ids never merge.
 
-    <|system|>\\n{system}<eot><|user|>\\n{question}<eot><|assistant|>\\n{answer}<eot>...
-
-- tiktoken r50k_base has no spare special tokens, so the role headers are the plain text
-  `<|system|>\\n`, `<|user|>\\n`, `<|assistant|>\\n`, encoded as ordinary text (each header
-  encoded on its own, so its ids never merge with the content's). `<|endoftext|>` (the
-  tokenizer's eot id) closes every turn.
-- SentencePiece models trained here carry `<|system|>`, `<|user|>`, `<|assistant|>` as
-  control symbols: the header is that single id; `<|endoftext|>` closes every turn.
-
-Other formats (chatml, llama3) build each header from special tokens (`tok.special_id`) and
-the text around them (`tok.encode`, each part on its own); they may open with a BOS token,
-follow every end-of-turn token with untrained text (chatml's newline), and insert a default
-system message when a conversation has none.
-
-`loss_mask[i] == 1` means token i is a training *target*: the tokens of every assistant
-turn's content and the end-of-turn token that closes it (so the model learns to stop). BOS,
-role headers, system and user text, the text after an end-of-turn token and (later) padding
-are 0. Trainers feed ids[:-1] and score ids[1:] with mask[1:]. Because the header is never
-trained, the first token of a packed document is never a target, so no loss crosses a
-document boundary.
-
-Content may not contain the marker strings themselves (a plain-text `<|user|>` inside a
-message would be indistinguishable from a real turn): `validate` refuses sprout's markers,
-`render` also the special pieces of the tokenizer's format. `segment` parses a rendered
-sequence back into turns; the loss-mask checker relies on it. Reasoning answers use
-`<think>...</think><answer>N</answer>`, written and parsed by `sprout.answers`.
+`loss_mask[i] == 1` means token i is a training *target*: the tokens of every assistant turn's
+content and the end-of-turn token that closes it (so the model learns to stop). BOS, role
+headers, system and user text, text after an end-of-turn token and padding are 0. Trainers feed
+ids[:-1] and score ids[1:] with mask[1:]; as a header is never trained, the first token of a
+packed document is never a target, so no loss crosses a document boundary. `validate` refuses
+content holding sprout's marker strings, `render` also the special pieces of the tokenizer's
+format. `segment` parses a rendered sequence back into turns (the loss-mask checker relies on
+it). Reasoning answers, `<think>...</think><answer>N</answer>`, are `sprout.answers`'.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Which chat format a Jinja chat template writes: `detect_chat_format(template, tok)`.
 
-A published chat model ships its layout as a Jinja template (`chat_template` in its
-tokenizer_config.json). sprout renders conversations itself (`sprout.chat.render`), so an
-imported model needs the format (`sprout.chat_formats`) that gives exactly the template's ids.
-
-`detect_chat_format` renders every case of `detection_cases()` (every prefix of
-`CONVERSATIONS` that ends a turn: with and without a system message, single and multi-turn,
-ending on an answer, or on a question with the generation prompt) through the template as
-transformers' `apply_chat_template` does: a sandboxed jinja2 environment with trim_blocks
-and lstrip_blocks, `raise_exception`, `tojson` and `strftime_now`, and `messages`,
-`add_generation_prompt`, `bos_token`, `eos_token` in the context. Each text is tokenized as
-transformers tokenizes it: every special piece of a candidate format (and the BOS and EOS
-text) that the tokenizer has becomes its id (`tok.special_id`), the text between them goes
-through `tok.encode`. The candidates are sprout, chatml and llama3, in that order, each with
-the default system message the template writes for a conversation without one (found by
-rendering such a conversation). The first candidate whose `sprout.chat.render_as` gives the
-same ids on every case is the answer; when none does, `SproutError` names the candidate that
-matched longest and its first differing token (conversation, position, the template's id
-and the format's, each decoded).
-
-`read_chat_template` finds a Hugging Face tokenizer folder's template (its `chat_template.jinja`,
-else tokenizer_config.json's `chat_template`).
-
-The contents of the cases have no whitespace at either end, so templates that trim message
-contents (Llama 3's) can match; `render` itself never trims. jinja2 comes with torch.
+A published chat model ships its layout as a Jinja template; sprout renders conversations
+itself (`sprout.chat.render`), so an imported model needs the format (`sprout.chat_formats`)
+that gives exactly the template's ids. Every case of `detection_cases()` (each prefix of
+`CONVERSATIONS` that ends a turn) is rendered as transformers' `apply_chat_template` renders it
+and tokenized as transformers tokenizes it (special pieces to their ids, the text between
+through `tok.encode`). The candidates sprout, chatml and llama3, in that order, each with the
+default system message the template writes, are rendered by `sprout.chat.render_as`: the first
+with the same ids on every case is the answer; when none matches, `SproutError` names the one
+that matched longest and its first differing token. `read_chat_template` finds a tokenizer
+folder's template (`chat_template.jinja`, else tokenizer_config.json's `chat_template`). Case
+contents have no whitespace at either end, so templates that trim contents (Llama 3's) can
+match; `render` itself never trims.
 """
 
 from __future__ import annotations
@@ -86,7 +74,7 @@ def detection_cases() -> list[tuple[list, bool]]:
 
 def jinja_renderer(template: str, bos_token: str, eos_token: str):
     """`render(messages, add_generation_prompt) -> str` for a chat template, set up as
-    transformers' `apply_chat_template` sets it up (see the module docstring)."""
+    transformers' `apply_chat_template` sets it up (a sandboxed environment, trim_blocks, lstrip_blocks)."""
     try:
         import jinja2
         from jinja2.ext import loopcontrols

@@ -1,34 +1,20 @@
 """Chat formats as data: how one conversation is laid out as text, one table entry per format.
 
-A `ChatFormat` says, for every role, the header written before a message's content; the
-end-of-turn piece that closes every turn (trained on assistant turns, and where generation
-stops); text after the end-of-turn piece that is never trained; an optional BOS piece at the
-start; and an optional default system message, inserted when a conversation opens without one.
+A `ChatFormat` gives each role's header, the end-of-turn piece closing every turn (trained on
+assistant turns; where generation stops), untrained text after it, an optional BOS piece and an
+optional default system message (inserted when a conversation has none); `specials` names the
+pieces that are single special tokens, the rest is text (`sprout.chat.template_for` gives ids).
 
-    sprout   <|system|>\\n{system}<|endoftext|><|user|>\\n{question}<|endoftext|><|assistant|>\\n{answer}<|endoftext|>
-    chatml   <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{question}<|im_end|>\\n
-             <|im_start|>assistant\\n{answer}<|im_end|>\\n
-    llama3   <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\n{question}<|eot_id|>
-             <|start_header_id|>assistant<|end_header_id|>\\n\\n{answer}<|eot_id|>
+    sprout   <|user|>\\n{question}<|endoftext|><|assistant|>\\n{answer}<|endoftext|>
+    chatml   <|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n{answer}<|im_end|>\\n
+    llama3   <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\n{question}<|eot_id|>...
 
-`specials` names the pieces of the header (with `{role}` standing for the role), the
-end-of-turn piece and the BOS piece that are single special tokens of the tokenizer; the
-rest of a header is text. sprout's role markers are special tokens in the SentencePiece
-models trained here, where the header is that one token (`header`), and plain text in
-tiktoken r50k_base, which has no spare special tokens, where the header is the marker and a
-newline (`plain_header`). Its end-of-turn piece `<|endoftext|>` stands for the tokenizer's
-own end-of-text id (`tok.eot_id`). chatml and llama3 need their special tokens.
-`sprout.chat.template_for` turns a format into token ids for one tokenizer.
-
-`version` is what data files, checkpoints and caches record: sprout's is `sprout-chat-v1`
-(unchanged since before there were formats); a default system message adds a digest of its text.
-SmolLM2's instruct models use `chatml` with `SMOLLM2_SYSTEM`, Qwen2.5's with `QWEN25_SYSTEM`.
-
-A tokenizer's format (`format_for`): its `chat_format` attribute when its loader set one (a
-`ChatFormat`, a format name or a `to_json` dict), else `chat_format.json` (a `to_json`
-dict, `write_chat_format`) in the folder of its files, for tokenizer kinds other than
-tiktoken and sentencepiece (spec `KIND:PATH`), else sprout. `sprout.chat_detect` finds the
-format of a Jinja chat template.
+sprout's markers are one control token in the SentencePiece models trained here (`header`) and
+plain text plus a newline in tiktoken r50k_base (`plain_header`); its `<|endoftext|>` is the
+tokenizer's eot id. `version` is what data files, checkpoints and caches record (sprout's
+`sprout-chat-v1`; a default system message adds a digest of its text). `format_for(tok)`: the
+tokenizer's `chat_format` attribute, else a `chat_format.json` beside its files (not for
+tiktoken or sentencepiece), else sprout; `sprout.chat_detect` finds a Jinja template's.
 """
 
 from __future__ import annotations

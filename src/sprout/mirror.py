@@ -1,19 +1,16 @@
-"""The local data mirror: a folder holding the same files the Hugging Face hub (and
-tiktoken's download) would give, so every stage runs without the internet.
+"""The local data mirror: a folder holding the files the Hugging Face hub (and tiktoken's
+download) would give, so every stage runs without the internet.
 
 `mirror_dir(explicit)` is the one place that decides which folder that is:
-
 1. `explicit` (a `--mirror DIR` flag or a config's `mirror:` field), when given;
-2. else `$SPROUT_MIRROR`, when set; set to the empty string it means "no mirror" (use the
-   hub) and turns the default below off;
-3. else `DEFAULT_MIRROR`, `../shared/data` beside the repository: found from this file's
-   location (`src/sprout/mirror.py` -> the repository root -> its parent), never from the
-   current directory, so it is the same folder from wherever a script is run; used only
-   when that folder exists (an installed, non-editable copy of sprout has none);
+2. else `$SPROUT_MIRROR` when set; set to the empty string it means "no mirror" (use the hub)
+   and turns the default below off;
+3. else `DEFAULT_MIRROR`, `../shared/data` beside the repository, found from this file's
+   location, never the current directory; used only when that folder exists (an installed,
+   non-editable copy of sprout has none);
 4. else None: readers go to the hub (or tiktoken's download).
-
-Config paths name mirror files as `${SPROUT_MIRROR}/...`; `expand_path` fills the variable
-with `mirror_dir(...)` and fails naming the path when there is no mirror.
+Config paths name mirror files as `${SPROUT_MIRROR}/...`; `expand_path` fills the variable with
+`mirror_dir(...)` and fails naming the path when there is no mirror.
 """
 
 from __future__ import annotations

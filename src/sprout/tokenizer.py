@@ -1,44 +1,19 @@
-"""Runtime tokenizers behind one spec string.
+"""Runtime tokenizers behind one spec string. `EOT` (`<|endoftext|>`) is the end-of-text piece
+every module uses: the document separator, the eot id's piece, the chat template's turn end.
 
-    load_tokenizer("tiktoken:r50k_base")          # GPT-2's BPE (tiktoken), 50,257 ids
-    load_tokenizer("tiktoken:gpt2")                # same ranks as r50k_base
-    load_tokenizer("sentencepiece:PATH.model")     # a SentencePiece model (e.g. one trained by
-                                                   # `sprout.prep.tokenizer_train`)
-    load_tokenizer("hf:FOLDER")                    # an imported model's Hugging Face tokenizer:
-    load_tokenizer("hf:PATH.json")                 # FOLDER/tokenizer.json, or the file named
+    load_tokenizer("tiktoken:r50k_base")        # GPT-2's BPE, 50,257 ids ("tiktoken:gpt2": same ranks)
+    load_tokenizer("sentencepiece:PATH.model")  # e.g. one trained by `sprout.prep.tokenizer_train`
+    load_tokenizer("hf:FOLDER")                 # an imported model's FOLDER/tokenizer.json ("hf:PATH.json")
 
-tiktoken ranks load offline from the data mirror (`sprout.mirror.mirror_dir`: `mirror=`,
-else $SPROUT_MIRROR, else `../shared/data` beside the repository) holding
-`tokenizers/gpt2.tiktoken`, which is byte-identical to r50k_base.tiktoken (sha256 pinned by
-tiktoken); without a mirror, `tiktoken.get_encoding` downloads them as usual.
-
-`EOT` (`<|endoftext|>`) is the end-of-text string every module uses: the document separator
-in text sources, the eot id's piece, and the turn terminator of the chat template.
-
-Every tokenizer exposes `byte_luts()`, three per-id tables for bits per byte (the method of
-parameter-golf's `build_sentencepiece_luts`): bytes of the piece, whether the piece
-starts with SentencePiece's "▁", and whether the id is a boundary (control) token. A target
-token then covers `base[t] + (lead[t] & ~boundary[prev])` bytes (see `sprout.bpb`).
-Two refinements keep the count exact: a "▁" inside a piece counts as the one-byte space it
-decodes to (not the 3 UTF-8 bytes of U+2581), and for models trained without a dummy prefix
-(those of `sprout.prep.tokenizer_train`) every "▁" is a real space, so it is folded into the
-base bytes instead of being dropped after a boundary. tiktoken ids count their exact byte length.
-
-`hf:` reads a `tokenizer.json` through the `tokenizers` library, the tokenizer transformers
-runs, and behaves as `AutoTokenizer.from_pretrained(folder)` does with
-`add_special_tokens=False`: unlike the other kinds, an added token typed in the text (e.g.
-`<|im_start|>`) IS encoded as its single id, and decode writes special tokens back as text.
-A PATH ending in `.json` is the file itself; any other PATH is a folder holding
-`tokenizer.json`. Beside it, `tokenizer_config.json` names the bos, eos and pad tokens;
-`special_tokens_map.json` overrides it only when the config has no `added_tokens_decoder`
-(transformers' rule for the older layout). vocab_size is one past the largest id, added tokens
-included (the embedding rows). eot, the document separator of pretraining data, is
-`<|endoftext|>` when that is a special token of the vocab, else the config's eos token.
-bos_id and pad_id are the config's tokens (None when it names none). The fingerprint is the
-sha256 of tokenizer.json. Byte tables exist for byte-level tokenizers (decoder `ByteLevel`):
-an id counts the bytes its piece maps back to through GPT-2's `bytes_to_unicode`, special
-tokens count 0 and are boundaries; any other decoder (a SentencePiece-style `Metaspace` one)
-is refused with one line rather than counted wrongly.
+tiktoken ranks load offline from the data mirror's `tokenizers/gpt2.tiktoken` (`sprout.mirror`;
+byte-identical to r50k_base.tiktoken), else through tiktoken's download. `hf:` encodes as
+`AutoTokenizer.from_pretrained(folder)` with `add_special_tokens=False` (an added token typed
+in the text IS its single id); bos, eos and pad come from `tokenizer_config.json`.
+`byte_luts()` gives `sprout.bpb` three per-id tables: bytes of the piece, a leading "▁", and
+boundary (control) ids; a target covers `base[t] + (lead[t] & ~boundary[prev])` bytes. A "▁"
+inside a piece counts as one byte; without a dummy prefix (`sprout.prep.tokenizer_train`'s
+models) every "▁" is folded into the base bytes; tiktoken ids count their exact bytes; `hf:`
+tables exist only for byte-level tokenizers (others are refused rather than counted wrongly).
 """
 
 from __future__ import annotations
@@ -272,7 +247,12 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizer.json` through the `tokenizers` library (see the module docstring)."""
+    """A Hugging Face `tokenizer.json` through the `tokenizers` library, encoding and decoding as
+    `AutoTokenizer.from_pretrained(folder)` with `add_special_tokens=False` (decode writes special
+    tokens back as text). `tokenizer_config.json` beside it names bos, eos and pad
+    (`special_tokens_map.json` overrides it only when the config has no `added_tokens_decoder`);
+    eot is `<|endoftext|>` when that is a special token, else eos; vocab_size is one past the
+    largest id, added tokens included; the fingerprint is the sha256 of tokenizer.json."""
 
     def __init__(self, spec: str, path: Path, mirror: str | None) -> None:
         super().__init__(spec, mirror)

@@ -1,18 +1,19 @@
 """RL prompt prep (`scripts/prepare_rl_prompts.py`): GSM8K, the arithmetic generator and local
 JSONL -> the prompt JSONL contract of `sprout.formats.prompts` (prompt, gold answer, level).
 
-A prompt is one user message holding the question as the SFT data shows it (plus `instruction`
-after a blank line, when set, for GSM8K and arithmetic); the gold is normalised by
-`sprout.answers.normalise_number`. Records that cannot be rewarded are dropped and counted
-(`no_final_answer`, `unparsable_gold`: never guessed, and the chat template's reasons). Dedup is
-exact across sources on `conversation_key(prompt)`, first wins; a duplicate with another gold
-(`duplicates_other_gold`) or whose kept copy is in the other split (`duplicates_in_<split>`) is
-warned about. Split: a source with `own_split: true` keeps its `split` (GSM8K's test questions
-stay the published test set); every other record goes by `is_val(conversation_key(prompt),
-test_fraction)`. With dedup on no prompt is in both files; with it off the manifest counts them
-(`split.in_both`) and the RL trainers refuse such files. `prompts.jsonl`, `prompts_test.jsonl`
-and, last, `manifest.json` are written. Formats: `gsm8k`, `arithmetic` (its level recorded) and
-`jsonl`; a record that is not what its format says stops the run naming the file and line.
+A GSM8K or arithmetic prompt is one user message holding the question as the SFT data shows it
+(plus `instruction` after a blank line, when set); local JSONL prompts are kept as written. The
+gold is normalised by `sprout.answers.normalise_number`. Records that cannot be rewarded are
+dropped and counted (`no_final_answer`, `unparsable_gold`: never guessed, and the chat
+template's reasons). Dedup is exact across sources on `conversation_key(prompt)`, first wins; a
+duplicate with another gold (`duplicates_other_gold`) or whose kept copy is in the other split
+(`duplicates_in_<split>`) is warned about. Split: a source with `own_split: true` keeps its
+`split` (GSM8K's test questions stay the published test set); every other record goes by
+`is_val(conversation_key(prompt), test_fraction)`. With dedup on no prompt is in both files;
+with it off the manifest counts them (`split.in_both`) and the RL trainers refuse such files.
+`prompts.jsonl`, `prompts_test.jsonl` and, last, `manifest.json` are written. Formats: `gsm8k`,
+`arithmetic` (its level recorded) and `jsonl`; a record that is not what its format says stops
+the run naming the file and line.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def _gold(value, where: str) -> str:
 
 
 def jsonl_item(row, where: str, instruction: str | None) -> Item:
-    """A local row in the contract (see the module docstring for what is relaxed)."""
+    """A local row in the contract, relaxed: `prompt` may be a string (one user message), `gold` an
+    integer or any text `normalise_number` takes; an `id` and `source` in the row are replaced."""
     if not isinstance(row, dict):
         raise SproutError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for key in ("prompt", "gold"):
