@@ -67,8 +67,6 @@ their forward maths as plain functions, without the Functions' per-call overhead
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -389,7 +387,10 @@ class Transformer(nn.Module):
         if config.vocab_size is None:
             raise SproutError("model config: vocab_size is not set (pretraining takes it from the data)")
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        weight = torch.empty(config.vocab_size, config.d_model)
+        if not weight.is_meta:  # nn.Embedding's own init, skipped on the meta device (`uninitialised`)
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model, _weight=weight)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -480,7 +481,7 @@ def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | tor
     """A `cls(config)` (the Transformer or a head model) whose parameters hold no values yet,
     for weights that are loaded next: built on the meta device, then allocated on `device`.
     The tied lm_head is tied again and the rotary tables are computed, as `__init__` does."""
-    with torch.device("meta"), _no_normal_init():
+    with torch.device("meta"):
         model = cls(config)
     # to_empty's empty_like would run torch's Python reference for meta tensors (a 0.4 s first import)
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -490,10 +491,3 @@ def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | tor
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
 
-
-@contextmanager
-def _no_normal_init():
-    """`nn.init.normal_` as a no-op (nn.Embedding's own init, a head's): for a model built on the
-    meta device, where it would only import torch._dynamo (module doc)."""
-    with mock.patch.object(nn.init, "normal_", lambda tensor, *args, **kwargs: tensor):
-        yield
