@@ -2,7 +2,7 @@
 
     python scripts/verify_shards.py runs/demo/data
 
-Exit 0 when every check in `sprout.formats.verify` holds; otherwise exit 1 with one line per
+Exit 0 when every check in `sprout.formats.audit_tokens` holds; otherwise exit 1 with one line per
 failure, each naming the file.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from sprout.errors import run_main
-from sprout.formats.verify import verify_dir
+from sprout.formats.audit_tokens import verify_dir
 
 
 def main() -> int:

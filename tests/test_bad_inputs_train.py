@@ -313,7 +313,7 @@ def test_an_rl_run_without_held_out_prompts_is_refused_naming_the_file_before_th
 
 
 def test_preference_files_are_checked_against_their_manifest(tmp_path):
-    from sprout.formats.verify_data import verify_jsonl_data
+    from sprout.formats.verify_inputs import verify_jsonl_data
 
     train, test = tmp_path / "preferences.jsonl", tmp_path / "preferences_test.jsonl"
     train.write_text('{"id": "a"}\n')

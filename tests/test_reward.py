@@ -331,7 +331,7 @@ def test_a_file_edited_after_prep_is_refused_unless_data_verify_sizes(base, tmp_
     """Prep writes the files and their sha256 into manifest.json; one changed answer afterwards
     is refused at start with one line (data.verify full), and let through by data.verify sizes,
     which checks only that both files are listed."""
-    from sprout.formats.verify_data import verify_jsonl_data
+    from sprout.formats.verify_inputs import verify_jsonl_data
     from sprout.prep.preference_data import PreferenceDataConfig as PrepConfig
     from sprout.prep.preference_data import prepare
 

@@ -13,7 +13,9 @@ from sprout.atomic import write_json_atomic
 from sprout.atomic import sha256_file
 from sprout.prep.pretrain import PrepConfig, prepare
 from sprout.formats.shards import HEADER_BYTES, open_shard, write_shard
-from sprout.formats.verify import verify_dir
+from sprout.formats.audit_tokens import verify_dir
+from sprout.formats.verify_inputs import verify_token_data
+from sprout.errors import SproutError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,12 +45,12 @@ def manifest(d):
 
 
 def rewrite_shard(d, split, index, tokens):
-    """Replace a shard with valid bytes and update the manifest, as a careless tool would."""
+    """Replace a shard with valid bytes and update the manifest to match, as a careless tool would."""
     m = manifest(d)
     entry = m["shards"][split][index]
     old = int(entry["num_tokens"])
     entry["sha256"] = write_shard(d / entry["file"], tokens, np.uint16)
-    entry["num_tokens"] = len(tokens)
+    entry["num_tokens"], entry["max_token_id"] = len(tokens), int(tokens.max())
     m["splits"][split]["tokens"] += len(tokens) - old
     write_json_atomic(d / "manifest.json", m)
     return entry["file"]
@@ -159,3 +161,55 @@ def test_script_exit_codes(data, monkeypatch, capsys):
     code, out = run_script(monkeypatch, capsys, data)
     fail_lines = [line for line in out.err.splitlines() if line.startswith("FAIL ")]
     assert code == 1 and fail_lines and all(name in line or "h5" in line for line in fail_lines)
+
+
+def test_a_manifest_without_max_token_id_is_refused_by_the_audit_and_at_start(data):
+    m = manifest(data)
+    del m["hdf5"]["val"]["max_token_id"]
+    write_json_atomic(data / "manifest.json", m)
+    line = f"{data / 'manifest.json'}: hdf5.val has no max_token_id (written by an older prep); prepare the data again"
+    assert failures(data) == [line]
+    for given in (data, data / "v_train.h5"):
+        with pytest.raises(SproutError) as exc:
+            verify_token_data(given, "sizes")
+        assert str(exc.value) == line
+
+
+def test_start_up_check_follows_the_audit_rules(data):
+    """The trainers' check (`verify_token_data`) runs the same per-file rules as the audit."""
+    assert verify_token_data(data).files == len(manifest(data)["shards"]["train"]) + len(manifest(data)["shards"]["val"])
+    assert verify_token_data(data / "v_train.h5", "sizes").files == 2
+    shutil.copy(data / "v_val.h5", data / "w_val.h5")  # an .h5 of another prep beside the shards
+    for given in (data, data / "v_train.h5"):
+        with pytest.raises(SproutError, match=r"w_val.h5: not listed in .*manifest.json"):
+            verify_token_data(given)
+    (data / "w_val.h5").unlink()
+    with h5py.File(data / "v_val.h5", "r+") as f:
+        f["tokens"].attrs["eot_id"] = 4
+    with pytest.raises(SproutError, match=r"v_val.h5: attribute eot_id=4 but .*manifest.json says 3"):
+        verify_token_data(data / "v_train.h5", "sizes")
+    assert any("v_val.h5: attribute eot_id=4" in f for f in failures(data))
+
+
+def test_hdf5_files_without_their_manifest_are_refused(data):
+    (data / "manifest.json").unlink()
+    with pytest.raises(SproutError, match="no manifest"):
+        verify_token_data(data / "v_train.h5")
+
+
+def test_an_sft_pair_without_prep_run_id_is_refused(tmp_path):
+    from sprout.formats.packed_sft import write_sft_files
+    from sprout.formats.verify_inputs import verify_sft_pair
+
+    row = {"tokens": [5, 6, 0, 0], "loss_mask": [0, 1, 0, 0], "segment_ids": [1, 1, 0, 0], "position_ids": [0, 1, 0, 0]}
+    arrays = {k: np.array([v], np.uint8 if k == "loss_mask" else np.uint16) for k, v in row.items()}
+    attrs = {"tokenizer_spec": "x", "tokenizer_name": "x", "tokenizer_fingerprint": "", "vocab_size": 10, "eot_id": 6,
+             "pad_id": 0, "template_version": "v", "template": {}, "counts": {}}
+    train, val = tmp_path / "sft.h5", tmp_path / "sft_val.h5"
+    write_sft_files([(train, arrays, {**attrs, "split": "train"}), (val, arrays, {**attrs, "split": "val"})])
+    assert verify_sft_pair(train, val).files == 2
+    with h5py.File(train, "r+") as f:
+        del f.attrs["prep_run_id"]
+    with pytest.raises(SproutError) as exc:
+        verify_sft_pair(train, val, "sizes")
+    assert str(exc.value) == f"{train}: no prep_run_id (written by an older prep); prepare the data again"

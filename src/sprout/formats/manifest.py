@@ -10,9 +10,8 @@ a folder without one is unfinished. A JSON object with these fields (* = require
     token_dtype*  "uint16" | "uint32"
     shards*       {"train": [{file, num_tokens, sha256, max_token_id}, ...], "val": [...]}: the
                   `.bin` shards (`sprout.formats.shards`), in stream order; empty lists for
-                  hdf5 only. `max_token_id` (the largest id in the shard, -1 when empty) lets
-                  a trainer check the model's vocabulary without reading the ids; manifests
-                  written before it have none
+                  hdf5 only. `max_token_id`: the largest id in the shard (-1 when empty),
+                  so a trainer checks the model's vocabulary without reading the ids
     hdf5*         {"train": {file, num_tokens, sha256, tokens_sha256, max_token_id}, "val": {...}}:
                   the `.h5` files (`sprout.formats.h5tokens`); {} for bin only
     splits*       {"train": {documents, tokens}, "val": {documents, tokens}}
@@ -112,10 +111,17 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         if split not in ("train", "val") or not isinstance(entries, list):
             raise SproutError(f"{path}: shards.{split} must be a list under train/val")
         for i, entry in enumerate(entries):
-            _check_fields(path, entry, {"file": str, "num_tokens": int, "sha256": str}, f"shards.{split}[{i}].")
+            _check_entry(path, entry, f"shards.{split}[{i}]")
     for split, entry in data["hdf5"].items():
-        _check_fields(path, entry, {"file": str, "num_tokens": int, "sha256": str}, f"hdf5.{split}.")
+        _check_entry(path, entry, f"hdf5.{split}")
     return data
+
+
+def _check_entry(path: Path, entry, where: str) -> None:
+    """One listed file: {file, num_tokens, sha256, max_token_id}."""
+    if isinstance(entry, dict) and "max_token_id" not in entry:
+        raise SproutError(f"{path}: {where} has no max_token_id (written by an older prep); prepare the data again")
+    _check_fields(path, entry, {"file": str, "num_tokens": int, "sha256": str, "max_token_id": int}, f"{where}.")
 
 
 def _check_fields(path: Path, data, fields: dict, prefix: str) -> None:

@@ -20,7 +20,7 @@ dataset over its C-order bytes, checked by `SFTFile.verify` and, streaming, `che
 and `prep_run_id`: the same in both files of a pair (the first 32 hex digits of the sha256
 of the prep config, command and every dataset's sha256 of both files, `run_id_of`), so a train
 file and a val file from different prep runs are told apart, and a recorded sha256 or config
-changed after prep no longer matches the id (`sprout.formats.verify_data.verify_sft_pair`).
+changed after prep no longer matches the id (`sprout.formats.verify_inputs.verify_sft_pair`).
 
 Each row holds whole examples (conversations rendered by `sprout.chat.render`), packed
 best fit by `sprout.prep.packing`, never cut across rows (an over-long one is truncated at
@@ -98,7 +98,7 @@ def run_id_of(files: list[tuple[dict, dict]]) -> str:
     """The `prep_run_id` of files written together, `(attrs, {dataset: sha256})` each: the first
     32 hex digits of the sha256 of each file's config, command and split and of every dataset's
     sha256. The same inputs give the same id (the files' bytes stay reproducible); a reader
-    recomputes it from what the files record (`sprout.formats.verify_data.verify_sft_pair`)."""
+    recomputes it from what the files record (`sprout.formats.verify_inputs.verify_sft_pair`)."""
     h = hashlib.sha256()
     for attrs, digests in files:
         h.update(json.dumps([attrs.get(k) for k in ("config", "command", "split")], sort_keys=True, default=str).encode())

@@ -2,7 +2,7 @@
 
 This module is the single source of truth for the format; every reader and writer
 in sprout goes through it (`data_loader.token_batches` reads, `sprout.prep.store` writes,
-`sprout.formats.verify` and `sprout.formats.verify_data` check).
+`sprout.formats.verify_inputs` and `sprout.formats.audit_tokens` check).
 
 Layout of one shard:
     header   256 little-endian int32 (1024 bytes)

@@ -18,7 +18,7 @@ sides then the rejected sides, right-padded (see that module for every tensor). 
   does with other models, such as a reference forward, is not counted: MFU is the trained
   model's);
 - `open_preference_run`: checks both files against the preference `manifest.json` beside
-  them (`sprout.formats.verify_data.verify_jsonl_data`: listed, and their sha256 unless
+  them (`sprout.formats.verify_inputs.verify_jsonl_data`: listed, and their sha256 unless
   data.verify is `sizes`; its report printed on rank 0), reads the init checkpoint's meta
   and tokenizer, refuses an init checkpoint trained with another chat format than its tokenizer
   renders (`sprout.chat_formats.check_trained_format`) and data the model cannot take (a side
@@ -47,7 +47,7 @@ from sprout.checkpoint import checkpoint_tokenizer, init_record, read_meta
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
 from sprout.formats.preference_pairs import kind_group, read_preferences
-from sprout.formats.verify_data import verify_jsonl_data
+from sprout.formats.verify_inputs import verify_jsonl_data
 from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
 from sprout.engine.run_stage import start_run, with_epochs

@@ -27,7 +27,7 @@ from sprout.checkpoint import read_meta
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
 from sprout.formats.data_paths import token_data_path
-from sprout.formats.verify_data import DataCheck, verify_token_data
+from sprout.formats.verify_inputs import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import Transformer
 from sprout.tokenizer import load_tokenizer
@@ -97,7 +97,7 @@ class PretrainStage(TokenStage):
 
 
 def verify_data(data: TokenDataConfig) -> DataCheck:
-    """The start-up check of the token data (`sprout.formats.verify_data.verify_token_data`): the
+    """The start-up check of the token data (`sprout.formats.verify_inputs.verify_token_data`): the
     manifest, every shard's presence, size and (data.verify full) sha256, and the largest token
     id; prints what was checked and how long it took (rank 0)."""
     check = verify_token_data(data.dir, data.verify, show_progress=is_rank0())

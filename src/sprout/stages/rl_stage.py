@@ -64,7 +64,7 @@ from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, init_record, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PROMPT_FILES, resolve_data
-from sprout.formats.verify_data import verify_jsonl_data
+from sprout.formats.verify_inputs import verify_jsonl_data
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
 from sprout.model.heads import padding_inputs
@@ -384,7 +384,7 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     (RLDataConfig), batch (PromptBatchConfig), rollout, train and out; `num_iterations`: the
     optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO).
     Before anything is written, both prompt files are checked against the prep's `manifest.json`
-    beside them (`sprout.formats.verify_data.verify_jsonl_data`: listed, and their sha256 unless
+    beside them (`sprout.formats.verify_inputs.verify_jsonl_data`: listed, and their sha256 unless
     data.verify is `sizes`) and against each other (`data_loader.prompt_batches.check_held_out`: no
     prompt in both, by id or by prompt key)."""
     if not cfg.init:

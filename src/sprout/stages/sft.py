@@ -22,7 +22,7 @@ answers `sample_prompts` greedily (`SFTStage.samples`), shown in report.md.
 `run_sft(cfg, resume)` is what `scripts/train_sft.py` does after parsing its arguments:
 start from a base checkpoint (`init`; the model config comes from its meta), refuse a train
 and val file from different prep runs or whose datasets no longer match their recorded
-sha256 (`sprout.formats.verify_data.verify_sft_pair`; data.verify `sizes` skips the hashes), refuse
+sha256 (`sprout.formats.verify_inputs.verify_sft_pair`; data.verify `sizes` skips the hashes), refuse
 SFT data made with another tokenizer, chat template or a longer context than the model's, and
 a file with a row that trains nothing (`check_trained_rows`, naming the rows), then
 train with the same loop, checkpoints, resume and multi-process support as pretraining.
@@ -50,7 +50,7 @@ from sprout.model.config import ModelConfig
 from sprout.model.transformer import Transformer, uninitialised
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.packed_sft import SFTFile
-from sprout.formats.verify_data import verify_sft_pair
+from sprout.formats.verify_inputs import verify_sft_pair
 from sprout.ranges import check_ranges
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.stage import TokenStage, micro_steps

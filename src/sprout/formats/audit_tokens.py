@@ -1,18 +1,14 @@
-"""Verify a folder of pretraining tokens against its manifest (`scripts/verify_shards.py DIR`).
+"""The full audit of a folder of pretraining tokens, behind `scripts/verify_shards.py DIR`.
 
-Checks, each failure reported as one line naming the file:
-- the manifest is valid, and every .bin/.h5 file in the folder is listed in it;
-- each .bin shard: header magic and version, file size against the token count
-  (`sprout.formats.shards.read_header`), the dtype the manifest names, the token count and sha256
-  the manifest lists; each .h5 file: the `sprout.formats.h5tokens` contract, sha256, attributes;
-- every id is below the vocab size; end-of-text occurs (rate > 0) and ends each split;
+`verify_dir` runs the rules a trainer checks at start (`sprout.formats.verify_inputs`: every
+`.bin`/`.h5` file listed, each listed file's contract, count, sha256 and largest id, ids below
+the vocab size) in mode "full" on every file, one line per failing file, then checks the
+tokens themselves, each failure one line naming the file:
+- each split holds the token count `splits` records, has end-of-text (rate > 0) and ends with it;
 - when both formats are present, the .bin shards and the .h5 file hold the same tokens;
-- zero train/val overlap, twice: the documents found between end-of-text tokens in the val
-  output never occur in the train output (an independent check on the tokens themselves),
-  and the sidecar of dedup keys (`doc_hashes.npz`) holds no key in both splits.
-
-What a trainer checks of its inputs at start is the part of this that proves the files are the
-ones prep wrote: `sprout.formats.verify_data`.
+- zero train/val overlap, twice: the documents between end-of-text tokens in the val output
+  never occur in the train output, and the sidecar of dedup keys (`doc_hashes.npz`) holds no
+  key in both splits.
 """
 
 from __future__ import annotations
@@ -23,12 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sprout.formats import manifest as mf
 from sprout.atomic import sha256_file
 from sprout.errors import SproutError
-from sprout.formats.h5tokens import open_tokens_h5
-from sprout.formats.shards import open_shard, read_header
-from sprout.formats.verify_data import BLOCK
+from sprout.formats import manifest as mf
+from sprout.formats.verify_inputs import TOKEN_SUFFIXES, check_content, check_file, check_listed, token_blocks
 
 
 @dataclass
@@ -36,7 +30,6 @@ class _Scan:
     """Running per-split statistics over a token stream that may span several files."""
 
     eot: int
-    vocab: int
     val_docs: set | None = None  # when scanning train: the val document hashes to look for
     docs: set = field(default_factory=set)
     tokens: int = 0
@@ -46,13 +39,9 @@ class _Scan:
     sha: object = field(default_factory=hashlib.sha256)  # of the ids, to compare bin with hdf5
     _carry: list = field(default_factory=list)
 
-    def feed(self, arr: np.ndarray, where: str, failures: list[str]) -> None:
+    def feed(self, arr: np.ndarray) -> None:
         if len(arr) == 0:
             return
-        top = int(arr.max())
-        if top >= self.vocab:
-            bad = int(np.flatnonzero(arr >= self.vocab)[0])
-            failures.append(f"{where}: token id {int(arr[bad])} at position {self.tokens + bad:,} is >= vocab size {self.vocab:,}")
         ends = np.flatnonzero(arr == self.eot)
         start = 0
         for end in ends:  # one iteration per document
@@ -75,33 +64,43 @@ class _Scan:
         self.last = int(arr[-1])
 
 
+def _passes(failures: list[str], rule, *args) -> bool:
+    """Run one rule of `sprout.formats.verify_inputs`; its SproutError becomes a failure line."""
+    try:
+        rule(*args)
+    except SproutError as exc:
+        failures.append(str(exc))
+        return False
+    return True
+
+
 def verify_dir(directory: str | Path) -> tuple[list[str], list[str]]:
     """(failures, notes). No failures means every check held."""
     directory = Path(directory)
-    failures: list[str] = []
     notes: list[str] = []
     try:
         man = mf.read_manifest(directory)
     except SproutError as exc:
         return [str(exc)], notes
-    tok = man["tokenizer"]
-    vocab, eot, dtype = tok["vocab_size"], tok["eot_id"], np.dtype(man["token_dtype"])
-    listed = {e["file"] for entries in man["shards"].values() for e in entries} | {e["file"] for e in man["hdf5"].values()}
+    failures: list[str] = []
     for p in sorted(directory.iterdir()):
-        if p.suffix in (".bin", ".h5") and p.name not in listed:
-            failures.append(f"{p}: not listed in {directory / mf.MANIFEST} (another dataset's or a stale file)")
-
+        if p.suffix in TOKEN_SUFFIXES:
+            _passes(failures, check_listed, p, man)
+    eot = man["tokenizer"]["eot_id"]
     digests: dict = {}
     for kind in ("bin", "hdf5"):
-        val_scan = _Scan(eot, vocab)
+        val_scan = _Scan(eot)
         for split in ("val", "train"):  # val first: train is then checked against its documents
-            scan = val_scan if split == "val" else _Scan(eot, vocab, val_docs=val_scan.docs)
+            scan = val_scan if split == "val" else _Scan(eot, val_docs=val_scan.docs)
             entries = man["shards"].get(split, []) if kind == "bin" else [man["hdf5"][split]] if split in man["hdf5"] else []
             if not entries:
                 continue
             for entry in entries:
-                check = _check_bin if kind == "bin" else _check_h5
-                check(directory / entry["file"], entry, man, dtype, scan, failures)
+                path = directory / entry["file"]
+                if _passes(failures, check_file, path, entry, man):
+                    _passes(failures, check_content, path, entry, man, "full")
+                    for block in token_blocks(path):
+                        scan.feed(block)
             first = directory / entries[0]["file"]
             _check_split(first, split, kind, man, scan, failures, notes)
             digests.setdefault(split, {})[kind] = (first, scan.sha.hexdigest())
@@ -110,51 +109,6 @@ def verify_dir(directory: str | Path) -> tuple[list[str], list[str]]:
             failures.append(f"{by_kind['hdf5'][0]}: holds different {split} tokens than the .bin shards")
     _check_sidecar(directory, man, failures)
     return failures, notes
-
-
-def _check_bin(path: Path, entry: dict, man: dict, dtype: np.dtype, scan: _Scan, failures: list[str]) -> None:
-    try:
-        header = read_header(path)
-    except SproutError as exc:
-        failures.append(str(exc))
-        return
-    if header.dtype != dtype:
-        failures.append(f"{path}: shard holds {header.dtype.name} ids but the manifest says {dtype.name}")
-    if header.num_tokens != entry["num_tokens"]:
-        failures.append(f"{path}: header says {header.num_tokens:,} tokens, manifest says {entry['num_tokens']:,}")
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        failures.append(f"{path}: sha256 {digest[:16]}… does not match the manifest's {entry['sha256'][:16]}… (corrupted)")
-    tokens = open_shard(path)
-    for start in range(0, len(tokens), BLOCK):
-        scan.feed(np.asarray(tokens[start : start + BLOCK]), str(path), failures)
-
-
-def _check_h5(path: Path, entry: dict, man: dict, dtype: np.dtype, scan: _Scan, failures: list[str]) -> None:
-    try:
-        h5 = open_tokens_h5(path)
-    except SproutError as exc:
-        failures.append(str(exc))
-        return
-    try:
-        if h5.tokens.dtype != dtype:
-            failures.append(f"{path}: holds {h5.tokens.dtype.name} ids but the manifest says {dtype.name}")
-        tok = man["tokenizer"]
-        for attr, want in (("vocab_size", tok["vocab_size"]), ("eot_id", tok["eot_id"]),
-                           ("tokenizer_fingerprint", tok["fingerprint"]), ("num_tokens", entry["num_tokens"])):
-            if h5.attrs.get(attr) != want:
-                failures.append(f"{path}: attribute {attr}={h5.attrs.get(attr)!r} but the manifest says {want!r}")
-        sha = hashlib.sha256()
-        for block in h5.iter_blocks(BLOCK):
-            sha.update(block.astype(dtype.newbyteorder("<"), copy=False).tobytes())
-            scan.feed(block, str(path), failures)
-        if sha.hexdigest() != h5.attrs["tokens_sha256"]:
-            failures.append(f"{path}: tokens do not match their tokens_sha256 attribute (corrupted)")
-    finally:
-        h5.close()
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        failures.append(f"{path}: sha256 {digest[:16]}… does not match the manifest's {entry['sha256'][:16]}… (corrupted)")
 
 
 def _check_split(first: Path, split: str, kind: str, man: dict, scan: _Scan, failures: list[str], notes: list[str]) -> None:
