@@ -1,61 +1,17 @@
 """GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO) on verifiable rewards, one stage of the loop.
 
 The rollout buffer, prompts, rewards and held-out eval are `sprout.stages.rl_stage`'s. Per
-generation batch (`GRPOStage.fill_buffer`):
-
-- each prompt of this rank gets G = batch.num_generations completions, scored by the reward
-  functions; with `grpo.dynamic_sampling` a group whose rewards all agree (it teaches
-  nothing) is set aside and more prompts are drawn, round after round, until every rank
-  holds its share of informative groups or `grpo.max_generation_rounds` rounds were run;
-  a batch still short is topped up with set-aside groups (advantage 0) and counted in
-  `dynamic_sampling/short_batches`; `dynamic_sampling/rounds` is the rounds it took;
-- old log-probs come from one no-grad forward per buffer when the buffer serves more than one
-  optimizer step (`grpo.num_iterations` > 1) or the KL goes into the reward; otherwise the
-  policy that computes the loss is the one that sampled, so its own detached log-probs are
-  the old ones (ratio 1, the same gradient, as TRL does) and that forward is skipped;
-  the frozen reference's log-probs (`grpo.beta` > 0) come from one no-grad forward per
-  buffer; `grpo.kl_in: reward` subtracts β × the sequence's summed KL from
-  its reward before the advantages; `loss` (default) adds β × KL per token to the loss;
-- advantages per group (`sprout.rl.advantages.group_advantages`: `grpo.advantage` grpo |
-  rloo | dr_grpo, `grpo.scale_rewards` group | batch | none, or TRL's true (group) | false
-  (none); batch scaling divides by the std of the rewards of the whole global batch,
-  gathered from every rank). That is `grpo.multi_objective_aggregation: sum_then_normalize`
-  (the weighted sum of the reward functions, then its group statistics); `normalize_then_sum`
-  normalises each function within its group, sums them with their weights, and normalises
-  the sum over the global batch (`normalize_then_sum`, `batch_normalize`; a group then
-  teaches nothing, for dynamic sampling and frac_reward_zero_std, when each function's
-  rewards agree within it). `grpo.normalize_advantages` (TRL's RLOO option) then normalises
-  the advantages to mean 0, std 1 over the global batch. Every batch-wide figure is taken
-  over the gathered global batch, so 2 processes compute what 1 does.
-
-The buffer then serves `grpo.num_iterations` (μ) optimizer steps. Per micro-batch the loss is
-`sprout.losses.policy.policy_loss`: the clipped ratio (`epsilon`, `epsilon_high`, `delta`)
-of token or sequence importance weights (`importance_sampling_level`: token; sequence, GSPO's
-mean log-ratio; sequence_sum, TRL's RLOO: the summed log-ratio, the default with advantage
-rloo), or for `loss_type: cispo` the weight capped at `epsilon_high` (no gradient) × the
-log-prob, or for `sapo` the sigmoid gate (`sapo_temperature_pos`/`_neg`), + β × KL (k1, k2 or
-k3; × the importance ratio with `use_bias_correction_kl`, the default) per token,
-- entropy_coef × entropy, normalised by `grpo.loss_type` over the whole global batch: the
-stage's `count_targets` is `sprout.losses.policy.denominator` of the micro-batch's loss mask,
-so the loop divides the summed loss by
-  grpo/sapo       the sequences of the global batch (each sequence's token mean, then their mean),
-  bnpo/dapo/cispo the completion tokens of the global batch,
-  dr_grpo         the sequences × rollout.max_completion_length,
-whatever the split into micro-batches and processes (a global batch with no completion token
-left in the loss counts 1, as TRL clamps its token count). `mask_truncated_completions`: a
-completion that hit max_completion_length without a stop id leaves the loss mask (its
-tokens count in no loss and no token denominator; it still counts as a sequence for grpo
-and dr_grpo, as TRL). With β = 0 no reference model is built at all; with one, checkpoints
-record it in `frozen_models` and a resume refuses it once its weights changed
-(`sprout.engine.trainer.check_frozen_models`).
-
-Metrics (TRL's names): reward, reward_std, rewards/<fn>/mean|std, frac_reward_zero_std
-(over every group generated, set-aside ones included), completions/mean_length|max_length|
-min_length|clipped_ratio, kl, entropy (per completion token), clip_ratio/low_mean|
-high_mean|region_mean (cispo: cispo_clip_ratio; sapo: none), sampling/logp_diff_mean|max,
-dynamic_sampling/rounds|short_batches;
-the loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's (val_pass@1,
-val_accuracy, val_format, val_mean_length, ...).
+generation batch: G = batch.num_generations completions per prompt, scored by the reward
+functions (`sample_groups`, with dynamic sampling's rounds); old log-probs from one no-grad
+forward unless the buffer serves one step and no KL enters the reward (then the loss's own
+detached log-probs are the old ones: ratio 1, the same gradient, as TRL); group advantages
+(`advantages`), every batch-wide figure over the gathered global batch. The buffer then
+serves `grpo.num_iterations` steps of `sprout.losses.policy.policy_loss`. Normaliser
+(`count_targets` = `denominator` of the loss mask): grpo/sapo the sequences of the global batch
+(each one's token mean), bnpo/dapo/cispo its completion tokens, dr_grpo its sequences ×
+rollout.max_completion_length; a global batch with no completion token left counts 1 (TRL's
+clamp). `mask_truncated_completions` takes truncated completions out of the loss mask (still a
+sequence for grpo and dr_grpo). With β = 0 no reference model is built.
 """
 
 from __future__ import annotations
@@ -86,7 +42,7 @@ class GRPOStage(RLStage):
         super().__init__(*args, num_iterations=grpo.num_iterations, **kw)
         self.cfg, self.ref_model = grpo, ref_model
         self.scale = DEFAULT_SCALE[grpo.advantage] if grpo.scale_rewards is None else grpo.scale_rewards
-        # the loss's own detached log-probs are the old ones (module doc): no old-logprob forward
+        # the loss's own detached log-probs are the old ones: no old-logprob forward
         self.old_from_loss = grpo.num_iterations == 1 and not (ref_model is not None and grpo.kl_in == "reward")
         # sampling/logp_diff_max over this step's micro-batches (old_from_loss), kept on the device
         self.step_logp_diff_max = torch.zeros(())
@@ -99,8 +55,10 @@ class GRPOStage(RLStage):
 
     # ---- rollouts ----
     def sample_groups(self) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
-        """(rollout, reward totals [N], per-function values [N, F], counts) of this rank's groups,
-        with dynamic sampling's rounds (module doc)."""
+        """(rollout, reward totals [N], per-function values [N, F], counts) of this rank's groups.
+        With dynamic sampling a group whose rewards all agree is set aside and more prompts are
+        drawn until every rank holds its share or max_generation_rounds were run; a batch still
+        short is topped up with set-aside groups (advantage 0)."""
         c, G, need = self.cfg, self.G, self.loader.per_rank
         kept, spare, counts = [], [], {"rounds": 0, "groups": 0, "zero_std": 0}
         while True:
@@ -163,7 +121,9 @@ class GRPOStage(RLStage):
 
     def advantages(self, rewards: torch.Tensor, per_fn: torch.Tensor, batch_rewards: torch.Tensor) -> torch.Tensor:
         """This rank's advantages [n] from its rewards [n], its per-function values [n, F] and the
-        rewards of the global batch (module doc); each batch-wide figure is taken over the global
+        rewards of the global batch: `group_advantages` (sum_then_normalize; batch scaling by the
+        global batch's reward std) or `normalize_then_sum` + `batch_normalize`, then optionally
+        `batch_normalize` (normalize_advantages); each batch-wide figure is taken over the global
         batch, gathered, so N processes compute what one does."""
         c, G = self.cfg, self.G
         if c.multi_objective_aggregation == "normalize_then_sum":
@@ -187,7 +147,11 @@ class GRPOStage(RLStage):
                   f"check rewards.reward_funcs and the prompts' gold", file=sys.stderr, flush=True)
 
     def buffer_stats(self, table: torch.Tensor, rollout: dict, counts: dict, kl_sums) -> dict:
-        """The buffer's figures over the global batch as {name: (sum, count)} (rl_stage doc)."""
+        """The buffer's figures over the global batch as {name: (sum, count)}, TRL's names: reward,
+        reward_std (mean over groups), rewards/<fn>/mean|std, frac_reward_zero_std (over every
+        group generated, set-aside ones included), completions/mean_length|max_length|min_length|
+        clipped_ratio, kl (per completion token, kl_in: reward), sampling/logp_diff_mean|max,
+        dynamic_sampling/rounds|short_batches. The loss adds kl, entropy and clip ratios."""
         acc, G = self.acc, self.G
         red = all_reduce_sums(acc, {"groups": counts["groups"], "zero_std": counts["zero_std"],
                                     "short": counts["short"], **dict(zip(("kl", "kl_n"), kl_sums or (0, 0)))})

@@ -1,71 +1,17 @@
 """PPO (RLHF's classic stage): a policy with a value head, rewards from a reward model and/or verifiers,
 per-token KL to a frozen reference, GAE, clipped policy and value losses, as one stage of the shared loop.
 
-Models. The trained module is `sprout.model.heads.PolicyWithValue`: the policy and its critic
-share one backbone, the value head is one more Linear (architecture "lm+value"; the head is
-in every checkpoint and resumes with it). It is built from the init LM (`init_from_lm`); its
-value head is fresh (`ppo.value_init: policy`) or a copy of the reward model's score head
-(`value_init: reward`; a log-probability reward model has no score head to copy). TRL keeps
-a separate value model initialised from the whole reward model; sharing the backbone costs no
-second model, optimizer state or forward, at the price of a critic whose features are the
-policy's (only the head comes from the reward model, so it starts as the reward model's head
-read on the policy's backbone, not as the reward model).
-The value head has its own learning rate (`ppo.value_lr`, or optim.lr × `ppo.vf_lr_scale`).
-Frozen (`Trainer.prepare_frozen`): the reference (a copy of the init LM) and the reward model
-(`reward_model`, a `scripts/train_reward.py` run, or an import of one's export; same tokenizer as
-the policy; every checkpoint's meta records both in `frozen_models`, the reward model with how it scores; a resume refuses
-either once changed, `sprout.engine.trainer.check_frozen_models`).
-
-Rewards, per generation batch (`PPOStage.fill_buffer`): each of this rank's prompts gets
-`batch.num_generations` completions (default 1). A completion's score is
-`ppo.reward_model_weight` × the reward model's score (`sprout.formats.checkpoint_meta.reward_score_of`): a
-score head read at the completion's last token (its end-of-turn; `score_sequences` on prompt +
-completion), or, for a log-probability reward model, β × the completion's summed log-probability
-under it (at temperature 1, whatever the sampling temperature), plus the weighted
-verifier rewards (`rewards.reward_funcs`, `rewards.reward_weights`; weights 0 for a reward model
-alone). A completion without an end-of-turn token (truncated) has `ppo.missing_eos_penalty`
-subtracted from its score (`ppo.missing_eos: penalty`) or is scored 0 (`zero`). Token rewards
-(`sprout.rl.advantages.token_rewards`): -kl_coef × KL on every completion token
-(`ppo.kl_in: reward`, the default; KL = k1 or k3 of the old policy against the reference,
-`ppo.kl_estimator`) plus the score on the last completion token; with `kl_in: loss` the token
-rewards are the score alone and kl_coef × KL per token is added to the loss instead. kl_coef is
-fixed (`ppo.kl_coef`) or, with `ppo.adaptive_kl`, steered towards `ppo.target_kl` over
-`ppo.horizon` (`sprout.rl.kl.AdaptiveKLController`), updated after each batch from that
-batch's objective/kl with n_steps = the batch's completions; its value is resume state.
-`ppo.whiten_rewards` whitens the token rewards (mean kept, TRL). Advantages and returns by GAE
-(`ppo.gamma`, `ppo.lam`; `sprout.rl.advantages.gae`: no bootstrap past a completion's last
-token); advantages are whitened. Both whitenings run over the completion tokens of the whole
-global batch (`whiten_global`: sums all-reduced over processes).
-
-Updates. The buffer serves `ppo.num_ppo_epochs` passes, each over `batch.num_mini_batches`
-mini-batches (this rank's rows shuffled per pass, a seeded permutation held in the buffer):
-one optimizer step per mini-batch, in micro-batches of `batch.micro_completions`. Per token:
-
-    clipped surrogate (ppo.cliprange; ppo.dual_clip c bounds a negative advantage's loss by -c A)
-  + vf_coef × 0.5 max((V - R)^2, (clip(V, V_old ± cliprange_value) - R)^2)
-  - entropy_coef × entropy           (when entropy_coef > 0)
-  + kl_coef × KL                     (kl_in: loss only)
-
+The trained module is `PolicyWithValue` (architecture "lm+value": one backbone, the value head
+fresh or a copy of the reward model's score head, at its own lr). Frozen: the reference (a copy
+of the init LM) and the reward model; checkpoints record both in `frozen_models` and a resume
+refuses either once changed. Per generation batch (`fill_buffer`): score = reward_model_weight
+× the reward model's score + the weighted verifier rewards (missing-eos rule applied); token
+rewards -kl_coef × KL on every completion token plus the score on the last (`kl_in: reward`);
+GAE; advantages whitened over the completion tokens of the whole global batch. The buffer
+serves num_ppo_epochs × num_mini_batches optimizer steps. Per token: clipped surrogate
++ vf_coef × clipped value loss - entropy_coef × entropy (+ kl_coef × KL with `kl_in: loss`).
 Normaliser: the completion tokens of the global mini-batch (every micro-batch on every
-process; `count_targets` = the micro-batch's completion tokens), so the step's loss is the
-token mean of the sum above whatever the split into micro-batches and processes (TRL takes
-the token mean per micro-batch).
-
-Metrics (TRL's names). Of the rollout batch, over the global batch (sum, count pairs):
-objective/kl (mean over sequences of the summed per-token KL of the estimator in use),
-objective/kl_k1 and objective/kl_k3 (both estimators, always), objective/kl_coef,
-objective/entropy (mean over sequences of -sum log pi_old), objective/scores (mean score),
-objective/non_score_reward (mean over sequences of -kl_coef × summed KL), objective/rlhf_reward
-(scores + non_score_reward), rewards/reward_model/mean, rewards/<fn>/mean|std,
-val/explained_variance (1 - Var(R - V_old) / Var(R) over completion tokens),
-val/num_eos_tokens, completions/mean_length|max_length|min_length|clipped_ratio, and rank 0's
-seconds per batch in time/generation_s, time/reward_model_s, time/reference_s,
-time/values_s (old log-probs and values). Per token of the step's mini-batch: loss/policy
-(the clipped surrogate), val/loss, val/clipfrac (share where the clipped value loss is the
-larger), policy/clipfrac (share where the ratio's clip is active), clip_ratio/low_mean|
-high_mean, policy/approxkl (0.5 × mean (log pi - log pi_old)^2), policy/entropy, kl (kl_in:
-loss). The loop adds time/batch_s and generation/tokens_per_s. Eval: rl_stage's held-out
-figures (`RLStage.evaluate`).
+process), so the step's loss is that token mean whatever the split.
 """
 
 from __future__ import annotations
@@ -258,7 +204,16 @@ class PPOStage(RLStage):
         return rollout, stats
 
     def buffer_stats(self, table: torch.Tensor, rollout: dict, kl_coef: float, times: dict) -> dict:
-        """The rollout batch's figures over the global batch as {name: (sum, count)} (module doc)."""
+        """The rollout batch's figures over the global batch as {name: (sum, count)}, TRL's names:
+        objective/kl (mean over sequences of the summed per-token KL of the estimator in use),
+        objective/kl_k1 and objective/kl_k3 (both estimators, always), objective/kl_coef,
+        objective/entropy (mean over sequences of -sum log pi_old), objective/scores (mean score),
+        objective/non_score_reward (mean over sequences of -kl_coef × summed KL),
+        objective/rlhf_reward (scores + non_score_reward), rewards/reward_model/mean,
+        rewards/<fn>/mean|std, val/explained_variance (1 - Var(R - V_old) / Var(R) over completion
+        tokens), val/num_eos_tokens, completions/mean_length|max_length|min_length|clipped_ratio,
+        and rank 0's seconds per batch in time/generation_s, time/reward_model_s,
+        time/reference_s, time/values_s (old log-probs and values)."""
         mask = rollout["completion_mask"].double()
         R, V = rollout["returns"].double(), rollout["old_values"].double()
         s = all_reduce_sums(self.acc, {"n": mask.sum(), "r": (R * mask).sum(), "r2": (R * R * mask).sum(),
@@ -312,6 +267,11 @@ class PPOStage(RLStage):
         return batch["completion_mask"].long().sum()
 
     def loss(self, model, batch: dict):
+        """The per-token loss summed, its denominator (the micro-batch's completion tokens) and,
+        per completion token: loss/policy (the clipped surrogate), val/loss, val/clipfrac (share
+        where the clipped value loss is the larger), policy/clipfrac (share where the ratio's clip
+        is active), clip_ratio/low_mean|high_mean, policy/approxkl (0.5 × mean (log pi - log
+        pi_old)^2), policy/entropy, kl (kl_in: loss)."""
         c = self.cfg
         mask = batch["completion_mask"]
         real = mask.bool()

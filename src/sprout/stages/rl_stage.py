@@ -1,51 +1,16 @@
 """What the RL stages (GRPO, PPO) share: prompts, rollouts, rewards, a rollout buffer, held-out eval.
 
-An RL stage keeps a rollout buffer and feeds the shared loop (`sprout.engine.trainer`) from it:
-
-  1. prompts: `data_loader.prompt_batches.PromptLoader` reads an RL prompt file (`sprout.formats.prompts`), renders each
-     prompt with the chat template (`sprout.chat.render`, ending on the assistant header) and
-     drops prompts longer than `data.max_prompt_length` tokens (counted and printed). Each
-     epoch is a seeded permutation; every global batch of `batch.global_prompts` prompts is
-     cut into one contiguous slice per rank, so ranks never share a prompt. Its position
-     (epoch, batch) is the stage's `state_dict`.
-  2. rollouts: `RLStage.sample` generates `batch.num_generations` (G) completions of each of
-     this rank's prompts with `trainer.generation_model` (`sprout.model.generate.generate_tokens`,
-     no gradients) and the stage's own `torch.Generator` (seeded by train.seed and the rank),
-     so all G completions of a prompt stay on its rank, adjacent. The default sampling
-     (temperature 1, no top-k, no top-p) draws from the policy's own distribution.
-  3. rewards: the completions, decoded without their stop token, are scored by
-     `rewards.reward_funcs` weighted by `rewards.reward_weights` (the functions built by
-     `sprout.stages.rl_rewards.build_rewards`; combined by `sprout.rl.verifiers.combine_rewards`).
-  4. log-probs: `completion_logps` (the loss's own forward, no gradient) gives the old
-     log-probs (GRPO with one optimizer step per buffer takes them from the loss itself),
-     and the frozen reference's when the stage has one, once per buffer.
-  5. the stage subclass (GRPO, PPO) turns rewards into advantages, then the buffer serves
-     `num_iterations` optimizer steps, each over all of its completions in micro-batches of
-     `batch.micro_completions`.
-
-Old log-probs are always recomputed by that forward (one extra forward per buffer), never
-taken from the sampler: the sampler's come from the KV-cached decode, which differs from
-the full forward by float error, and from a processed distribution when temperature,
-top-k or top-p change it. Their difference is logged as `sampling/logp_diff_mean` (per
-completion token) and `sampling/logp_diff_max`. With a temperature other than 1 every
-log-prob (old, reference, current) is that of logits / temperature, as TRL's GRPO does.
-
-The buffer (its tensors, how many of its iterations were served) and the generator's state
-are the stage's `tensor_state`, saved in each checkpoint, so a checkpoint may fall inside a
-buffer and a resume continues exactly where the run was.
-
-Figures of the buffer itself (reward, lengths, ...) are computed once over the global batch
-(gathered from every rank) and ride on the first micro-batch of each step as (sum, count)
-pairs on rank 0 ((0, 0) elsewhere), so the loop's reduction gives them exactly and each
-step logs the figures of the rollouts it trains on.
-
-Held-out eval (`evaluate`): the prompts of `data.val_path` (the first `data.eval_prompts`)
-through `sprout.evaluation.evaluate.evaluate_prompts` (greedy, and `data.eval_num_generations`
-samples each at temperature 1, seeded by train.seed: the same answers on any number of
-processes). Logged: every total it gives, prefixed `val_` (val_pass@1, val_pass@n,
-val_greedy/accuracy, val_format/rate, ...; scripts/evaluate.py also gives them per level),
-and the short names `val_accuracy` (greedy accuracy), `val_format` (greedy format rate) and,
-with samples, `val_mean_length` (sampled completion tokens).
+Per buffer: `PromptLoader` gives this rank its contiguous slice of each global batch of
+prompts (a seeded permutation per epoch; ranks never share a prompt); `sample` generates G
+completions of each with the stage's own generator (seeded by train.seed and the rank), the
+G of a prompt adjacent on its rank; the reward functions score them; `completion_logps` (the
+loss's own forward, no gradient) gives the old and the reference's log-probs, never the
+sampler's (their difference is logged as `sampling/logp_diff_mean|max`); the subclass turns
+rewards into advantages; the buffer serves `num_iterations` optimizer steps. With a
+temperature other than 1 every log-prob is that of logits / temperature, as TRL's GRPO. The
+buffer and the generator are `tensor_state`, so a resume inside a buffer continues exactly.
+Buffer figures are computed once over the gathered global batch and ride on each step's first
+micro-batch as (sum, count) on rank 0 ((0, 0) elsewhere), so the loop's reduction is exact.
 """
 
 from __future__ import annotations
@@ -160,7 +125,7 @@ def pack_stats(stats: dict[str, tuple[float, float]], main: bool) -> torch.Tenso
 
 # ---- the stage ----------------------------------------------------------------------------------
 class RLStage(LoaderPosition):
-    """The rollout buffer and everything around it (module doc). A subclass gives `name`,
+    """The rollout buffer and everything around it. A subclass gives `name`,
     `fill_buffer()` -> (buffer dict of [N, ...] tensors, stats {name: (sum, count)}),
     `loss` and `count_targets`. `mini_batches`: the optimizer steps one pass over the buffer
     is cut into (PPO's; `accum_steps` counts the micro-batches of one of them)."""
@@ -334,7 +299,10 @@ class RLStage(LoaderPosition):
 
     # ---- held-out eval ----
     def evaluate(self, model) -> dict:
-        """`sprout.evaluation.evaluate.evaluate_prompts` on the held-out prompts (module doc)."""
+        """`sprout.evaluation.evaluate.evaluate_prompts` on the held-out prompts (greedy, and
+        data.eval_num_generations samples each, seeded by train.seed): every total prefixed
+        `val_`, plus `val_accuracy` (greedy accuracy), `val_format` (greedy format rate) and, with
+        samples, `val_mean_length` (sampled completion tokens)."""
         n = self.eval_generations
         ev = evaluate_prompts(self.model if self.model is not None else model, self.tok, self.val.records, n=n,
                               ks=sorted({1, n}) if n else (), greedy=True,
