@@ -1,59 +1,20 @@
 """One short, prepared GPU check of every training path (for a session lent a GPU).
 
-Every stage runs as its real CLI on inputs this script makes itself (benchmarks/gpu_check_inputs.py),
-so nothing is downloaded and no data mirror is needed. On a GPU each run is bf16
-(`--train.mixed_precision bf16`); `--tiny` runs the same on the CPU in fp32 ("no") with the
-demo-size model, to check the script itself where there is no GPU.
-
-  peak      the best bf16 (GPU) or fp32 (CPU) matmul FLOP/s measured here, the MFU denominator
-            (passed to every run as --train.peak_tflops);
-  eager     scripts/pretrain.py, gpt2-small (124M, configs/gpt2-small/pretrain.yaml) on random
-            token shards of its 50,257-token vocabulary, a few steps;
-  compiled  the same with torch.compile (the first steps include compilation);
-  fsdp      the same model under `accelerate launch` with configs/accelerate/fsdp.yaml on the
-            GPUs present; then a second run resumed from the first run's half-way checkpoint
-            (FSDP save, then FSDP load): its losses must equal the uninterrupted run's;
-  base      scripts/pretrain.py, the same model shape with the vocabulary of a 512-piece
-            SentencePiece tokenizer trained here, on synthetic text it encodes (val_bpb too):
-            the checkpoint every post-training run of the gpt2-small chain starts from, which
-            records that tokenizer;
-  sft       scripts/train_sft.py from base, on packed arithmetic chat rows (the real SFT prep);
-  reward    scripts/train_reward.py from sft, on arithmetic preference pairs (the real prep);
-  dpo       scripts/train_dpo.py from sft, the same pairs, reference run live;
-  dpo_precomputed  the same with --dpo.precompute_ref_logps true (reference log-probs cached first);
-  ppo       scripts/train_ppo.py from sft, with the reward model of `reward` (also the value
-            head's start) and the correctness/format verifiers, on arithmetic RL prompts;
-  grpo      scripts/train_grpo.py from sft, on the same prompts;
-  evaluate  scripts/evaluate.py on the grpo policy: the held-out prompts, sampled and greedy;
-  smollm2_base, smollm2_sft, smollm2_reward, smollm2_dpo, smollm2_ppo, smollm2_grpo
-            the same chain for the smollm2-gpu preset: a base of SmolLM2-135M's shape (30
-            layers, d_model 576, 9 heads with 3 key/value heads, tied embeddings, context
-            2,048) with the same tokenizer, then each trainer from it on the same inputs.
-
-Each post-training run is its preset's config (configs/gpt2-small/*.yaml for the runs without
-a prefix, configs/smollm2-gpu/*.yaml for the smollm2_ ones) for a few steps: on a GPU with the
-preset's own batch and lengths (on this one GPU: the preset's micro-batch, with the gradient
-accumulation of all its processes), with `--tiny` shrunk to a few rows. Every run checkpoints
-only at the end and evaluates only before and after (32 held-out prompts, greedy, for PPO and
-GRPO), without torch.compile of the forward; GRPO keeps truncated completions in the loss (a
-base trained for a few steps rarely ends an answer) and draws at most 2 generation rounds a
-step (dynamic sampling). PPO and GRPO of the gpt2-small chain keep
-their configs' rollout.compile on a GPU (the compiled decode step of one process); the smollm2_
-runs, whose 30-layer step takes longest to compile, and every `--tiny` run decode eagerly. The
-script prints one table (tokens/s and MFU of the last logged window of each run, generation
-tokens/s for PPO and GRPO, the last loss, wall time) and writes <out>/gpu_check.json, rewritten
-after every stage so that a check cut short keeps what it measured, each run's log beside it
-(<out>/<stage>.log). A stage that fails, logs a non-finite loss, or (fsdp) does
-not shard or resume exactly is reported by name; the stages that do not depend on it still run,
-and the script then exits with status 1 naming every failed stage.
+Every stage runs as its real CLI (bf16 on a GPU) on inputs this script makes itself
+(benchmarks/gpu_check_inputs.py), so nothing is downloaded: the matmul peak (the MFU
+denominator); gpt2-small pretraining eager, compiled and under FSDP with a resume that must give
+the same losses; then a base, SFT, reward, DPO (live and precomputed reference), PPO, GRPO and
+evaluate.py with the gpt2-small presets' configs, and the same chain (smollm2_*) with
+smollm2-gpu's, each a few steps. `--tiny` runs the same on the CPU in fp32 with the demo-size
+model, to check the script itself. Prints one table, writes <out>/gpu_check.json after every
+stage with each run's log beside it, and exits 1 naming every stage that failed, logged a
+non-finite loss, or (fsdp) did not shard or resume exactly.
 
     python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, a few minutes
 
-On one H200 a run with 4 trainer steps had finished 15 stages when its 540 s limit stopped it
-(their runs 460 s without the FSDP resume, the compiled one 90 s, mostly compiling), so under a
-10-minute limit per command run it as two, each with its own --out:
-`--stages eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate` (the gpt2-small chain) and
+Under a 10-minute limit per command, run it as two, each with its own --out:
+`--stages eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate` and
 `--stages smollm2_dpo,smollm2_ppo,smollm2_grpo`.
 """
 
@@ -362,8 +323,7 @@ def chain_runs(check: Check, chain: Chain, size: Sizes, flags: list[str], tok, t
                ("--batch.micro_completions", size.group * size.grpo_prompts)),
         "--grpo.mask_truncated_completions", "false",  # short rollouts of a fresh model are all truncated
         # dynamic sampling (smollm2-gpu) redraws while every group scores alike, as every group of a
-        # base a few steps old does: at most 2 rounds a step (the 30-layer model's 4 took 13 s a step
-        # on an H200)
+        # base a few steps old does: at most 2 rounds a step
         "--grpo.max_generation_rounds", "2"])
     runs = [("base", base), ("sft", sft), ("reward", reward), ("dpo", dpo),
             ("dpo_precomputed", dpo + ["--dpo.precompute_ref_logps", "true"]), ("ppo", ppo), ("grpo", grpo)]

@@ -4,7 +4,7 @@
 - `random_shards`: uniform random token ids with an unnamed tokenizer, for the throughput
   runs of the real pretraining shapes (gpt2-small's 50,257-token vocabulary);
 - `train_tokenizer`: a 512-piece SentencePiece model (`sprout.prep.tokenizer_train`, with
-  the chat role pieces) trained in well under a second on `synthetic_texts`;
+  the chat role pieces) trained on `synthetic_texts`;
 - `text_shards`: `synthetic_texts` encoded with that tokenizer, each document followed by
   its eot: the shards of the base model every post-training run starts from, so the base
   checkpoint records the tokenizer and its vocabulary is the tokenizer's;

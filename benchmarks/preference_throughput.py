@@ -1,21 +1,14 @@
 """Preference-stage throughput: a DPO step and a reward-model step against an SFT step over the same tokens, in one run.
 
-Every row is one `Trainer.step` of a real stage on the same micro-batch: B pairs, each side
-a row of T tokens (a prompt of T/2 tokens, then the response), so 2B rows and 2B·T tokens
-per step, all real (no padding), on the same model shape (d_model 256, 6 layers, 8 heads,
-vocab 4096, seq 256, untied lm_head as the demo's, fp32 on CPU by default):
-- SFT: `SFTStage.loss` (masked cross-entropy on the response tokens) on the 2B rows;
-- DPO, precomputed reference: `DPOStage` with the reference log-probs in the batch
-  (`ref_logps`, as `dpo.precompute_ref_logps` gives them): the policy's forward and
-  backward over both sides, summed response log-probs, the sigmoid loss, TRL's metrics;
-- DPO, live reference: the same plus a forward of a frozen copy (`Trainer.prepare_frozen`)
-  on every micro-batch;
-- reward model: `RewardStage` (a `RewardModel`: the backbone without lm_head plus a score
-  head, scored at each side's last token).
-Steps alternate between the rows (ABCD ABCD ...) so load from other processes hits all of
-them alike; each row's time is the median of its timed steps. Ratios are step times over the
-SFT step's (lower is better): targets ≤ 1.1× (DPO precomputed, reward model), ≤ 1.45× (DPO
-live: the reference forward is about a third of a step's work).
+Every row is one `Trainer.step` of a real stage on the same micro-batch of B pairs, each side a
+row of T tokens (a prompt of T/2 tokens, then the response): 2B rows, 2B·T real tokens, on the
+same model shape (d_model 256, 6 layers, 8 heads, vocab 4096, seq 256, untied lm_head as the
+demo's, fp32 on CPU by default). Rows: SFT (`SFTStage.loss` on the 2B rows); DPO with the
+reference log-probs in the batch (as `dpo.precompute_ref_logps` gives them); DPO with a live
+frozen reference (`Trainer.prepare_frozen`); the reward model (`RewardStage`). Steps alternate
+between the rows (ABCD ABCD ...); each row's time is the median of its timed steps. Ratios are
+step times over the SFT step's (lower is better): targets ≤ 1.1× (DPO precomputed, reward
+model), ≤ 1.45× (DPO live: the reference forward is about a third of a step's work).
 
     python benchmarks/preference_throughput.py [--steps 10] [--pairs 8] [--threads N]
 """

@@ -1,24 +1,13 @@
 """Pretraining-data prep throughput against raw tiktoken, and peak memory against input size.
 
-Input: the mirror's pretraining samples (TinyStories, FineWeb, C4/Dolma web text, arXiv,
-Shakespeare), cleaned once so every document survives the pipeline's filters, then repeated
-into a JSONL file of at least --mb MB; each copy carries a "(copy k)" line so exact dedup
-keeps it. Both sides see the same documents:
-
-    raw    tiktoken r50k_base `encode_ordinary_batch` on the documents already in memory
-           (num_threads=1 against one prep worker, num_threads=N against N workers)
-    prep   `sprout.prep.pretrain.prepare` end to end: read JSONL, clean, dedup, split, tokenize in a
-           process pool, mixture, write .bin shards + manifest (eot tokens not counted)
-
-Raw and prep are timed alternately for --rounds rounds and the median is reported, so load
-from other processes hits both alike. Peak RSS is measured in fresh child processes on the
-1x and 10x inputs (main process, and the largest worker).
-The shard size (50M tokens) exceeds the 1x output, so a shard buffer would show up here.
-
-Hashing (what start-up verification and `verify_shards.py` spend their time on): on one
-core, over a --hash-mb file already in the page cache, `sprout.atomic.sha256_file` against
-reading the same bytes with no hashing and against `hashlib.file_digest`; the median of
---rounds passes each. It needs no mirror (`--hash-only` runs just this).
+Input: the mirror's pretraining samples, cleaned once so every document survives the filters,
+repeated into a JSONL file of at least --mb MB (each copy marked so exact dedup keeps it). `raw`
+is tiktoken r50k_base `encode_ordinary_batch` on the documents in memory (num_threads=N against
+N prep workers); `prep` is `sprout.prep.pretrain.prepare` end to end (eot tokens not counted).
+The two alternate for --rounds rounds; the median is reported. Peak RSS is measured in fresh
+child processes on the 1x and 10x inputs (main process and largest worker). Hashing
+(`--hash-only`, no mirror needed): `sprout.atomic.sha256_file` on one core over a cached
+--hash-mb file, against plain reading and `hashlib.file_digest`, the median of --rounds passes.
 
     .venv/bin/python benchmarks/prep_throughput.py [--mb 50] [--rounds 3]   # mirror: sprout.mirror.mirror_dir()
     .venv/bin/python benchmarks/prep_throughput.py --hash-only [--hash-mb 256]

@@ -1,33 +1,15 @@
 """RL throughput: rollout generation (new tokens/s), sprout against transformers at equal weights.
 
-Setup: the demo-sized model (d_model 256, 6 layers, 8 heads, vocab 4096) with random weights,
-fp32 on this machine's CPU; prompts of 16..128 random tokens, left-padded; 256 new tokens per
-row, sampled at temperature 1 with no top-k/top-p and no stop id, so every row generates all
-256 tokens in every engine. Cases (B prompts × G samples per prompt = rows):
-
-    rollouts     4 × 4 = 16   (GRPO-style groups; `generate_tokens(..., num_generations=4)`)
-    chat shape  16 × 1 = 16   (benchmarks/generate_throughput.py's batch)
-
-Engines, timed in alternation within one run, best of --rounds each:
-
-- sprout eager: `sprout.model.generate.generate_tokens`, compile=False: `sprout.model.decode`,
-  each prompt prefilled once for its samples, then one token per row per step (fused q/k/v
-  and gate/up on oneDNN-packed weight copies on a CPU, attention over the filled cache slots).
-- sprout compiled: compile=True, the same step under torch.compile (one graph for every
-  length). The first call compiles; its time is reported on its own and left out of the rate.
-- transformers: `LlamaForCausalLM.generate` with the sprout weights exported by
-  `sprout.model.export` (config and state dict); do_sample=True, top_k=0, top_p=1.0,
-  temperature=1.0, min_new_tokens = max_new_tokens, no eos. Before timing, its logits on
-  the padded prompts are checked against sprout's to 1e-4. Skipped when transformers is
-  not installed (`pip install -e '.[export]'`). Aim: sprout at >= 2x transformers' new tokens/s.
-
-Then GRPO (`sprout.stages.grpo.GRPOStage`, one process, no Trainer) on the rollouts shape:
-
-- GRPO generation: the stage's `sample` (the rollout call of its generation batch) against
-  `generate_tokens` eager at the same prompts and shape, in alternation: the ratio is the
-  overhead GRPO adds around the engine (target >= 0.9).
-- GRPO step breakdown: generation, old log-probs, reference log-probs (beta 0.04) and the
-  policy update, seconds and share of one generation batch, as PPO's below.
+The demo-sized model (d_model 256, 6 layers, 8 heads, vocab 4096), random weights, fp32 on this
+machine's CPU; prompts of 16..128 random tokens, left-padded; 256 new tokens per row at
+temperature 1, no top-k/top-p, no stop id, so every row generates all 256 in every engine.
+Shapes: rollouts 4 prompts × 4 samples, chat 16 × 1. Engines, alternating, best of --rounds:
+sprout eager and compiled (`sprout.model.generate.generate_tokens`; the compile call is reported
+apart) and transformers' `LlamaForCausalLM.generate` on the weights exported by
+`sprout.model.export`, its logits first checked against sprout's to 1e-4 (skipped without
+transformers). Aim: sprout at >= 2x transformers' new tokens/s. Then, on the rollouts shape,
+GRPO's own rollouts (`GRPOStage.sample`) against `generate_tokens` (target >= 0.9) and the
+seconds and shares of a GRPO and a PPO step.
 
     .venv/bin/python benchmarks/rl_throughput.py [--new-tokens 256] [--rounds 2] [--no-compile]
                                                  [--no-grpo] [--no-ppo]

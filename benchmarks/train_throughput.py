@@ -1,21 +1,14 @@
 """Training throughput: sprout's trainer against a plain nanoGPT-style loop, in one run.
 
-All rows train the same shape (d_model 256, 6 layers, 8 heads, vocab 4096, seq 256,
-batch 16, fp32 on CPU by default) on the same random tokens, at equal parameter count:
-sprout's SwiGLU hidden size is the multiple of 16 nearest 8/3 d_model (688 for 256),
-whose three matrices hold the parameters of the reference's 4 d_model GELU MLP (the
-model's own default rounds up to a multiple of 64, 704, which is 3 % more MLP):
-- sprout Trainer: `Transformer` (tied embeddings, so the parameter count matches the
-  reference's) driven by `Trainer.step`, the real loop: target counting, loss
-  normalisation, clipping, lr schedule, fused AdamW; eagerly, and under torch.compile;
-- reference: `benchmarks/reference_gpt.py` (nanoGPT: learned positions, LayerNorm, GELU)
-  with nanoGPT's own step: forward with loss, backward, clip, AdamW step;
-- sprout model, plain loop: sprout's eager model under the reference's step, which
-  separates the cost of the model from the cost of the Trainer.
-Steps alternate between the rows (ABCD ABCD ...) so that load from other processes hits
-all of them alike; tokens/s is the median over the timed steps. MFU = FLOPs per token
-(6 N_matmul + 12 L d T, PaLM appendix B, for both models) × tokens/s ÷ the best fp32
-matmul FLOP/s measured at the start of this same run.
+All rows train the same shape (d_model 256, 6 layers, 8 heads, vocab 4096, seq 256, batch 16,
+fp32 on CPU by default) on the same random tokens at equal parameter count (sprout's SwiGLU
+hidden: the multiple of 16 nearest 8/3 d_model, 688 for 256). Rows: sprout's `Trainer.step`
+(tied embeddings; eager and under torch.compile); the reference (`benchmarks/reference_gpt.py`)
+with nanoGPT's own step; sprout's eager model under the reference's step, which separates the
+cost of the model from the cost of the Trainer. Steps alternate between the rows (ABCD ABCD
+...); tokens/s is the median over the timed steps. MFU = FLOPs per token (6 N_matmul + 12 L d T,
+PaLM appendix B, for both models) × tokens/s ÷ the best fp32 matmul FLOP/s measured at the start
+of this same run.
 
     python benchmarks/train_throughput.py [--steps 10] [--threads N] [--no-compile]
 """

@@ -1,52 +1,16 @@
 """sprout against TRL and transformers on the same weights: GRPO, DPO and SFT steps, and generation.
 
-One run, one process, CPU, fp32, the same torch threads for every row. sprout loads the run
-folder (--run, by default runs/smollm2: make it with
-`python scripts/import_model.py HuggingFaceTB/SmolLM2-135M-Instruct --out runs/smollm2`);
-TRL and transformers load its transformers export (`sprout.model.export.export_hf`, written
-once per run into a temporary folder, or --hf-folder), so every side starts from the same
-weights, tokenizer and chat template. Data: arithmetic problems (`sprout.prep.arithmetic`) in
-conversational form, the same records on both sides. TRL's configs: CPU, bf16 off, gradient
-checkpointing off (TRL's default is on), no saving, no logging, constant lr, AdamW without
-weight decay, clipping at 1; sprout's loop (`sprout.engine.trainer.Trainer`) alike.
-
-Rows (benchmarks/trl_compare_rows.py builds the trainer rows):
-
-- GRPO step: `GRPOStage` against `GRPOTrainer` (no vLLM): same prompts in the same order, G
-  (--generations), --completion-length, --temperature, --loss-type (with cispo and sapo),
-  --epsilon, --epsilon-high, beta 0, the
-  batch (--prompts per step, --micro-completions per micro-batch) and a correctness reward.
-  A step generates, scores, computes log-probs and updates, so its time follows the sampled
-  completion lengths, printed for both. Sampling makes whole runs incomparable, so the check
-  feeds TRL's first step's micro-batches (ids, masks, advantages) to sprout's loss and
-  compares the losses and the per-token log-probs.
-- DPO step: `DPOStage` with a live reference against `DPOTrainer` with a reference model;
-  same pairs, beta, sigmoid loss, --pairs per micro-batch, --accum micro-batches per step.
-- SFT step: `SFTStage`'s loss against `SFTTrainer` with completion-only loss on the same
-  prompt/completion conversations, one per row, padded to the micro-batch's longest (--rows
-  per micro-batch, --accum per step).
-  DPO and SFT checks: TRL's collated first micro-batch through TRL's compute_loss and through
-  sprout's loss (the same tensors), and sprout's own rendering of it (whose ids and trained
-  tokens are compared with TRL's apply_chat_template ones and any difference named: with
-  chatml, TRL also trains the newline after <|im_end|>, which sprout leaves out). DPO at the
-  initial weights has policy = reference, so its loss is log 2 on both sides; the summed
-  log-probs of each side are compared too.
-- generate: `sprout.model.generate.generate_tokens` (KV cache) against transformers'
-  `generate` (KV cache) on --gen-rows chat prompts, --new-tokens each, sampled at
-  --temperature with no top-k/top-p and no stop id (every row runs every step), timed in
-  alternation; the check is the largest |logit difference| on the prompts.
-
-Step times are medians over --steps steps after --warmup untimed ones, the two sides in
-alternation: each TRL optimizer step ends in a callback that runs one sprout step, and TRL's
-time runs from the end of that sprout step to the end of its own next step. Load from other
-processes then falls on both alike, but a machine shared with other work still blurs the
-figures: measure on an otherwise idle one. The table gives sprout's median, the
-other's, the ratio sprout speed / other speed, the target it is held to (GRPO 1.5x, DPO and
-SFT 1.1x, generation 2x) and the check's largest |difference|. --profile then runs one more
-sprout step of each row under torch.profiler: its phases (generation, forwards, backward,
-optimizer step, ...) and the top ops by self CPU time.
-
-Needs the 'bench' extra (trl, transformers): pip install -e '.[bench]'.
+One process, CPU, fp32, the same torch threads for every row. sprout loads the run folder (--run,
+default runs/smollm2: `python scripts/import_model.py HuggingFaceTB/SmolLM2-135M-Instruct --out
+runs/smollm2`); TRL and transformers load its transformers export (or --hf-folder), so both
+start from the same weights, tokenizer and chat template, on the same arithmetic problems.
+Rows (the trainer rows: benchmarks/trl_compare_rows.py): GRPO, DPO and SFT steps, each with a
+first-batch check that feeds the same tensors to both losses, and generation (KV cache on both
+sides; the check: the largest |logit difference|). Step times are medians over --steps steps
+after --warmup untimed ones, the two sides alternating; measure on an otherwise idle machine.
+The table gives both medians, the speed ratio, its target (GRPO 1.5x, DPO and SFT 1.1x,
+generation 2x) and the check's largest |difference|; --profile adds one profiled sprout step per
+row. Needs the 'bench' extra (trl, transformers): pip install -e '.[bench]'.
 
     python benchmarks/trl_compare.py [--run runs/smollm2] [--hf-folder DIR] [--only grpo,dpo,sft,generate]
                                      [--steps 5] [--warmup 1] [--threads N] [--profile] [sizes: see --help]
