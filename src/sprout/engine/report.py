@@ -97,14 +97,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def hardware(device) -> dict:
-    """{"cpu": model, "cpu_count": n, "gpu": name or None, "gpu_count": n} of this machine."""
+def hardware(device="cuda") -> dict:
+    """{"cpu": model, "cpu_count": n, "gpu": name or None, "gpu_count": n} of this machine; the GPU
+    only when `device` is a cuda one and there is one."""
     import torch
 
     gpu = str(device).startswith("cuda") and torch.cuda.is_available()
     return {"cpu": cpu_model(), "cpu_count": os.cpu_count() or 0,
             "gpu": torch.cuda.get_device_name(0) if gpu else None,
             "gpu_count": torch.cuda.device_count() if gpu else 0}
+
+
+def hardware_line(hw: dict) -> str:
+    """`hardware`'s record in words: "<cpu> (<n> cores); <n> × <gpu>" or "...; no GPU"."""
+    cpu = f"{hw.get('cpu', 'unknown')} ({hw.get('cpu_count', '?')} cores)"
+    gpu = f"{hw['gpu_count']} × {hw['gpu']}" if hw.get("gpu") else "no GPU"
+    return f"{cpu}; {gpu}"
 
 
 def start_record(step: int, *, peak_flops: float, peak_source: str, device, world_size: int,
@@ -142,12 +150,6 @@ def _wall_s(segment: dict) -> float | None:
     return max(times) if times else None
 
 
-def _hardware_line(hw: dict) -> str:
-    cpu = f"{hw.get('cpu', 'unknown')} ({hw.get('cpu_count', '?')} cores)"
-    gpu = f"{hw['gpu_count']} × {hw['gpu']}" if hw.get("gpu") else "no GPU"
-    return f"{cpu}; {gpu}"
-
-
 def _peak(seg: dict) -> str:
     if seg.get("peak_tflops", 0) <= 0:
         return "no MFU (train.peak_tflops < 0)"
@@ -162,7 +164,7 @@ def run_section(segs: list[dict]) -> list[str]:
     lines = ["## Run", "",
              f"- command: {code(first.get('command', 'unknown'))}",
              f"- git commit: `{first.get('git_commit', 'unknown')}`",
-             f"- hardware: {_hardware_line(first.get('hardware', {}))}",
+             f"- hardware: {hardware_line(first.get('hardware', {}))}",
              f"- world size {first.get('world_size')}; precision {first.get('precision')}",
              f"- started {first.get('time')}; wall-clock time {duration(sum(walls)) if walls else 'unknown'}"
              + (f" over {len(segs)} segments" if len(segs) > 1 else ""), ""]
@@ -176,7 +178,7 @@ def run_section(segs: list[dict]) -> list[str]:
     for i, seg in enumerate(segs[1:], 2):
         if seg.get("git_commit") != first.get("git_commit") or seg.get("hardware") != first.get("hardware"):
             lines.append(f"\nSegment {i} ran on commit `{seg.get('git_commit')}`, "
-                         f"{_hardware_line(seg.get('hardware', {}))}, world size {seg.get('world_size')}.")
+                         f"{hardware_line(seg.get('hardware', {}))}, world size {seg.get('world_size')}.")
     return lines + [""]
 
 

@@ -40,12 +40,11 @@ paired bootstrap interval over problems; "✓" marks a change whose interval exc
 from __future__ import annotations
 
 import json
-import platform
 from pathlib import Path
 
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
-from sprout.engine.report import code, text
+from sprout.engine.report import code, hardware, hardware_line, text
 from sprout.pipeline.report_held_out import eval_files, evaluated_stages, held_out_section, rate_interval
 from sprout.stages.configs import SAMPLE_PROMPTS
 
@@ -238,15 +237,6 @@ def greedy_answers(preset, rows: list[dict], cache_path: Path, prompts=SAMPLE_PR
     return result
 
 
-def hardware() -> str:
-    import torch
-
-    cpu = f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} CPU cores"
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}; {cpu}"
-    return cpu
-
-
 def write_report_card(preset, state: dict, *, answers: bool = True, log=None) -> Path:
     """Write report.md, report/report_card.json and the plots for the done stages; returns report.md.
     With `log` (print), the tables, the preference figures and the answers are shown there too."""
@@ -272,7 +262,7 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
              "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |"]
     for r in rows:
         lines.append(f"| {r['stage']} | {r['step']} | " + " | ".join(_fmt(r[c], c) for c in columns) + " |")
-    lines += ["", f"## Wall time and throughput ({hardware()})", "", "| stage | kind | wall time | peak RSS | train tokens/s |",
+    lines += ["", f"## Wall time and throughput ({hardware_line(hardware())})", "", "| stage | kind | wall time | peak RSS | train tokens/s |",
               "| --- | --- | ---: | ---: | ---: |"]
     tps = {r["stage"]: r["tokens_per_s"] for r in rows}
     for s in preset.stages:
