@@ -1,27 +1,17 @@
 """Shared fixtures, and how the suite splits over pytest-xdist workers (`make test`: `-n 2
 --dist loadgroup`).
 
-Each worker builds its own session- and module-scoped fixtures. So that an expensive one is
-built once, `pytest_itemcollected` puts the tests that share one in one xdist group:
-the tests of the real SmolLM2 model (the `smollm2` fixture) in one, and the tests of a module
-that use a module- or session-scoped fixture of that module's own in one per module. The
-other session fixtures here are cheap and built by each worker. Every other test is handed to
-whichever worker is free. The tests of the real model carry the `real_model` mark (those of
-the `smollm2` fixture here, and one that reads the model's file itself marked by hand), so a
-checkout without the mirror's model, or a quick run, can leave them out (`-m "not real_model"`).
-On a worker, the scripts a test starts get one torch thread (OMP_NUM_THREADS=1, unless set):
-the workers already keep every core busy, and two threads per process on top of them only
-contend.
-
-The suite starts hundreds of Python processes (scripts, launches, workers), most importing
-sprout: so that each does not compile sprout's sources again (about 0.3 s of CPU a process),
-the suite writes bytecode (git-ignored `__pycache__` folders) even where PYTHONDONTWRITEBYTECODE
-is set; the variable is dropped for the processes it starts too.
-
-Every file the suite writes is thrown away, so its writes skip the fsync (SPROUT_FSYNC=0,
-`sprout.atomic`; unless set): they stay atomic for readers and killed processes, and the
-suite does not wait for the disk (a 135M model's checkpoint is 1.6 GB). tests/test_atomic.py
-checks that outside the suite every atomic write is fsynced.
+Each worker builds its own session- and module-scoped fixtures, so `pytest_itemcollected` puts
+the tests that share an expensive one in one xdist group: those of the real SmolLM2 model (the
+`smollm2` fixture), and per module those using a module- or session-scoped fixture of that
+module's own; every other test goes to whichever worker is free. Tests of the real model carry
+the `real_model` mark, so a checkout without the mirror's model can leave them out
+(`-m "not real_model"`). On a worker, the scripts a test starts get one torch thread
+(OMP_NUM_THREADS=1, unless set). The suite writes bytecode (git-ignored `__pycache__`) even
+where PYTHONDONTWRITEBYTECODE is set, and drops the variable for the processes it starts, so its
+hundreds of processes do not each compile sprout again. Its writes skip the fsync (SPROUT_FSYNC=0,
+`sprout.atomic`; unless set): every file it writes is thrown away, and they stay atomic for
+readers and killed processes; tests/test_atomic.py checks that outside the suite they are fsynced.
 """
 
 import os

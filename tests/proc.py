@@ -1,27 +1,19 @@
 """Running the CLI for tests: in a subprocess without leaving stragglers behind, or in the test's
 own process when only what the script prints and its exit status are checked.
 
-Commands run under `accelerate launch` start worker processes of their own; a timeout that
-killed only the launcher would leave a hung worker holding its port and the output pipe.
-`run_group` kills every descendant of the command on timeout before raising. `free_port` gives
-each 2-process launch a port of its own, so launches on parallel test workers never meet.
-
-`run_here` runs `python SCRIPT ARGS...` as `python` would, inside the test's process: the script
-file executed as `__main__` with that argv, working directory and environment, its stdout and
-stderr captured, its exit status the `SystemExit` it ends with (1 and the traceback on stderr for
-any other exception, as the interpreter prints it), its warnings printed as a new interpreter
-prints them (tests/test_proc.py compares the two). A new interpreter costs about 2 s of CPU
-before the script's first line (importing torch), most of a refusal's time; run here, a refusal
-costs what the script itself does. What a new interpreter reads from the environment at startup
-or import (PYTHONPATH, OMP_NUM_THREADS, a library's settings) is not read again, and a warning a
-module gives once, when first imported, is not given again. Use it for one-process runs whose
-outcome is their output and files: not for launches, signals, kills, resource limits, locks the
-test's own process holds, or what is read at startup, which need a real process. What such a run
-may change in the process is put back, and what a new interpreter starts without it starts
-without: environment, working directory, argv, sys.path, warning filters, logging handlers'
-streams, signal handlers, torch's thread count, the Python, NumPy and torch random states,
-accelerate's state, the run folders it held and the old runs --overwrite was to delete
-(`sprout.engine.cli`), and the warnings `sprout.model.generate` gives once.
+`run_group` kills every descendant of the command on timeout before raising (a command under
+`accelerate launch` starts workers that would otherwise keep its port and the output pipe);
+`free_port` gives each 2-process launch a port of its own, so parallel test workers never meet.
+`run_here` runs `python SCRIPT ARGS...` inside the test's process, as `python` would: the script
+as `__main__` with that argv, working directory and environment, stdout and stderr captured, the
+exit status its `SystemExit` (1 and the traceback for any other exception), warnings printed as a
+new interpreter prints them (tests/test_proc.py compares the two). It skips the interpreter's
+start-up (importing torch), but what is read at startup or on first import is not read again:
+use it for one-process runs whose outcome is their output and files, not for launches, signals,
+kills, resource limits, locks the test's process holds, or start-up settings. What a run may
+change is put back (environment, cwd, argv, sys.path, warning filters, logging streams, signal
+handlers, torch threads, Python/NumPy/torch random states, accelerate's state, the run folders it
+held, `sprout.engine.cli`'s pending --overwrite deletions, `sprout.model.generate`'s once-warnings).
 """
 
 import contextlib

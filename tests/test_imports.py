@@ -1,45 +1,17 @@
 """The import rules of the repository, read from the source with `ast` (no module is imported).
 
 Every import statement counts, at module level or inside a function, and so do the package
-`__init__`s that importing a module runs. Each rule below is a named check; a violation is
-one line that starts with the rule's name.
-
-- layers: every module stands in one layer, lowest first, and imports only modules of its
-  own layer or of a lower one (a module that is in no layer is a violation too):
-
-      base        sprout (the package itself), sprout.errors, sprout.atomic, sprout.ranges,
-                  sprout.option_names, sprout.config, sprout.config_help, sprout.mirror,
-                  sprout.answers
-      text        sprout.tokenizer, sprout.chat, sprout.bpb
-      formats     sprout.formats
-      prep        sprout.prep
-      checkpoint  sprout.checkpoint
-      model       sprout.model, sprout.losses
-      rl          sprout.rl
-      evaluation  sprout.evaluation
-      data_loader data_loader
-      engine      sprout.engine
-      stages      sprout.stages
-      pipeline    sprout.pipeline
-      scripts     scripts
-
-- prep and formats never reach torch: no module of `sprout.prep` or `sprout.formats`
-  imports torch (nor accelerate or safetensors.torch), directly or through any module it
-  imports, at any depth;
-- a trainer's configs and command line never reach torch: the same for the modules a
-  trainer's --help imports (`TORCH_FREE`: the config modules and `sprout.engine.cli`),
-  so --help and the config checks run without loading it;
-- the engine never imports a stage: nothing `sprout.engine` imports, at any depth, is in
-  `sprout.stages`;
-- checkpoint I/O never imports the model: nothing `sprout.checkpoint` imports, at any
-  depth, is in `sprout.model` (building a model from a checkpoint is `sprout.model.load`);
-- formats import nothing above them: everything `sprout.formats` imports, at any depth, is
-  in the formats, text or base layer;
-- no import cycles (function-level imports counted): no module imports itself around a
-  loop of imports, and no package does either, each of `sprout.X` (with all its
-  submodules), `data_loader` and `scripts` counted as one node;
-- no cross-module private names: no module imports a `_name` from another module of
-  `sprout`, `data_loader` or `scripts`; a name shared between modules is public;
+`__init__`s that importing a module runs. Each rule is a named check (`RULES`); a violation is
+one line that starts with the rule's name:
+- layers: every module stands in one layer of `LAYERS` (lowest first) and imports only modules
+  of its own layer or a lower one; a module in no layer is a violation too;
+- prep and formats never reach torch (nor accelerate or safetensors.torch), at any depth; nor
+  do the modules a trainer's --help imports (`TORCH_FREE`), so --help runs without loading it;
+- at any depth: the engine never imports a stage; checkpoint I/O never imports `sprout.model`;
+  formats import only the formats, text and base layers;
+- no import cycles (function-level imports counted), between modules or between packages
+  (each `sprout.X`, `data_loader` and `scripts` one node);
+- no cross-module private names (`_name`) within sprout, data_loader and scripts;
 - nothing in sprout or data_loader imports scripts, benchmarks or tests.
 """
 
