@@ -34,7 +34,8 @@ import numpy as np
 
 from sprout.chat import ChatError, Template, segment
 from sprout.errors import SproutError
-from sprout.formats.maskcheck_sft import CSS_CLASS, Violations, describe_position, html_head, styled, token_runs
+from sprout.formats.maskcheck_sft import Violations, describe_position
+from sprout.formats.maskcheck_views import CSS_CLASS, html_head, styled, token_runs
 from sprout.formats.preference_tokens import SIDES, PairTokens, fit_pair, records_to_render
 
 

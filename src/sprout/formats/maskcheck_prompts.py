@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sprout.chat import ChatError, Template, render, segment
-from sprout.formats.maskcheck_sft import CSS_CLASS, Violations, html_head, styled, token_runs
+from sprout.formats.maskcheck_sft import Violations
+from sprout.formats.maskcheck_views import CSS_CLASS, html_head, styled, token_runs
 from sprout.formats.prompts import read_prompts
 
 

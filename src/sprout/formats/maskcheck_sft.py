@@ -37,6 +37,7 @@ import numpy as np
 
 from sprout.chat import ChatError, Template, ends_turn, mask_for, segment
 from sprout.errors import SproutError
+from sprout.formats.maskcheck_views import CSS_CLASS, CUT, EOT_LABEL, PROMPT, TRAINED, html_head, spans, styled
 
 
 @dataclass
@@ -261,63 +262,14 @@ def prep_warnings(counts: dict) -> list[str]:
 
 # ---- showing rows ------------------------------------------------------------------------
 
-PAD, HEADER, PROMPT, TRAINED, CUT = range(5)
-_ANSI = {PAD: "\x1b[2m", HEADER: "\x1b[1;34m", PROMPT: "", TRAINED: "\x1b[30;42m", CUT: "\x1b[1;31m"}
-CSS_CLASS = {PAD: "pad", HEADER: "hdr", PROMPT: "prompt", TRAINED: "trained", CUT: "cut"}
-EOT_LABEL = "<end-of-turn>"
 CUT_LABEL = " ✂ truncated here (no end-of-turn) "
 
 
-def _spans(tokens, mask, seg, tpl: Template, tok, eot_label: str = EOT_LABEL) -> list[tuple[int, int, str, int, int]]:
-    """(doc, kind, text, start, end) runs for one row: headers by their role names, the
-    end-of-turn token as `eot_label`, padding as its length."""
-    names = {tpl.eot_id: eot_label}
-    kind = np.where(seg == 0, PAD, np.where(mask == 1, TRAINED, PROMPT))
-    if tpl.bos:  # the BOS token shows by its piece, as a header
-        names[tpl.bos[0]] = tpl.format.bos
-        kind[(tokens == tpl.bos[0]) & (kind == PROMPT)] = HEADER
-    for role, h in tpl.headers.items():  # mark header tokens
-        if len(h) == 1:
-            names[h[0]] = f"<|{role}|>"
-        if len(tokens) < len(h):
-            continue
-        windows = np.lib.stride_tricks.sliding_window_view(tokens, len(h))
-        for i in np.flatnonzero((windows == np.asarray(h)).all(axis=1)):
-            kind[i:i + len(h)] = np.where(kind[i:i + len(h)] == TRAINED, TRAINED, HEADER)
-    runs = []
-    cut = np.flatnonzero((np.diff(kind) != 0) | (np.diff(seg.astype(np.int64)) != 0)
-                         | np.isin(tokens[1:], list(names)) | np.isin(tokens[:-1], list(names))) + 1
-    for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, len(tokens)].tolist()):
-        piece = tokens[a:b]
-        if kind[a] == PAD:
-            text = f"<pad×{b - a}>"
-        elif len(piece) == 1 and int(piece[0]) in names:
-            text = names[int(piece[0])]
-        else:
-            text = tok.decode(piece.tolist())
-        runs.append((int(seg[a]), int(kind[a]), text, a, b))
-    return runs
-
-
-def token_runs(tokens, mask, tpl: Template, tok) -> list[tuple[int, str]]:
-    """(kind, text) runs of one unpacked token sequence (pairs and prompts show theirs with it);
-    the end-of-turn token shown by its text marker."""
-    seg = np.ones(len(tokens), dtype=np.int64)
-    return [(kind, text) for _, kind, text, _, _ in _spans(tokens, mask, seg, tpl, tok, tpl.format.eot)]
-
-
-def styled(kind: int, text: str, color: bool = True) -> str:
-    """One run as terminal text: in its kind's ANSI colour, or without color trained runs as [[text]]."""
-    if color:
-        return f"{_ANSI[kind]}{text}\x1b[0m" if _ANSI[kind] else text
-    return f"[[{text}]]" if kind == TRAINED else text
-
-
 def _row_spans(arrays: dict, r: int, tpl: Template, tok) -> list[tuple[int, int, str, int, int]]:
-    """`_spans` of packed row `r`, plus a CUT marker after a document that fills the row without
+    """`spans` of packed row `r`, plus a CUT marker after a document that fills the row without
     its end-of-turn token (an answer the prep truncated)."""
     tokens, seg = arrays["tokens"][r], arrays["segment_ids"][r]
-    runs = _spans(tokens, arrays["loss_mask"][r], seg, tpl, tok)
+    runs = spans(tokens, arrays["loss_mask"][r], seg, tpl, tok)
     if len(tokens) and seg[-1] != 0 and not ends_turn(tokens, tpl):
         runs.append((int(seg[-1]), CUT, CUT_LABEL, len(tokens), len(tokens)))
     return runs
@@ -342,33 +294,19 @@ def _figure(v) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
-def html_head(title: str, css: str, intro: str, totals: dict) -> list[str]:
-    """The opening of a self-contained check page: `title`, the style sheet `css`, a heading,
-    the `intro` paragraph (HTML) and a table of `totals` (as `str` gives them)."""
-    return [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>", css, "</style>",
-            f"<h1>{html.escape(title)}</h1><p>{intro}</p><table>",
-            *[f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in totals.items()],
-            "</table>"]
-
-
 def rows_html(arrays: dict, rows, tpl: Template, tok, title: str, totals: dict, warnings=()) -> str:
     """A self-contained HTML page showing `rows`: every token in its own box (id on hover),
     trained tokens highlighted, headers, the end-of-turn token and padding named, truncated
     answers marked; the totals rounded and the prep's warnings above."""
-    parts = [f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title><style>",
-             "body{font-family:sans-serif;margin:2em} .row{white-space:pre-wrap;font-family:monospace;"
-             "border:1px solid #ccc;padding:.5em;margin:1em 0;line-height:1.8}"
-             " .t{border:1px solid #ddd;border-radius:2px;margin:0 1px;padding:0 1px} .trained{background:#b6f2b6}"
-             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .doc{color:#888;font-size:80%}"
-             " .eot{font-weight:bold;color:#7a4b00} .cut{background:#f6c0c0;color:#900;font-weight:bold}"
-             " .warn{color:#900}</style>",
-             f"<h1>{html.escape(title)}</h1><p>Each box is one token (hover for its id). Green: trained "
-             f"tokens (loss_mask = 1). Blue: role headers. {html.escape(EOT_LABEL)}: the end-of-turn token "
-             f"(id {tpl.eot_id}). Red: an answer the prep truncated at the end of the row.</p>"]
-    parts += [f"<p class='warn'>{html.escape(w)}</p>" for w in warnings]
-    parts.append("<table>")
-    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(_figure(v))}</td></tr>" for k, v in totals.items()]
-    parts.append("</table>")
+    parts = html_head(title, "body{font-family:sans-serif;margin:2em} .row{white-space:pre-wrap;font-family:monospace;"
+                             "border:1px solid #ccc;padding:.5em;margin:1em 0;line-height:1.8}"
+                             " .t{border:1px solid #ddd;border-radius:2px;margin:0 1px;padding:0 1px} .trained{background:#b6f2b6}"
+                             " .hdr{color:#1f4fbf;font-weight:bold} .pad{color:#aaa} .doc{color:#888;font-size:80%}"
+                             " .eot{font-weight:bold;color:#7a4b00} .cut{background:#f6c0c0;color:#900;font-weight:bold}"
+                             " .warn{color:#900}",
+                      f"Each box is one token (hover for its id). Green: trained tokens (loss_mask = 1). Blue: role "
+                      f"headers. {html.escape(EOT_LABEL)}: the end-of-turn token (id {tpl.eot_id}). Red: an answer the "
+                      f"prep truncated at the end of the row.", totals, warnings, _figure)
     for r in rows:
         ids = arrays["tokens"][r]
         parts.append(f"<h3>row {r}</h3><div class='row'>")
