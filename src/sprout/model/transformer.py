@@ -1,67 +1,17 @@
 """The sprout model: a decoder-only transformer with Llama's parameter layout.
 
-Architecture (Touvron et al. 2023, "LLaMA"): pre-norm blocks with RMSNorm (Zhang &
-Sennrich 2019), rotary position embeddings (Su et al. 2021, RoFormer) in Hugging Face's
-`rotate_half` convention (the first and second halves of each head are the rotated
-pairs), a SwiGLU MLP (Shazeer 2020), no biases, optional grouped-query attention
-(Ainslie et al. 2023) and optional tied input/output embeddings. What imported models
-(`sprout.model.hf_import`) need besides: biases on the q, k and v projections (Qwen2's,
-`attention_bias`), a head size other than d_model / n_heads (`d_head`), and Llama 3's rotary
-frequency scaling (`rope_scaling`, computed as transformers' `_compute_llama3_parameters`).
+Pre-norm blocks with RMSNorm, rotary embeddings in Hugging Face's `rotate_half` convention, a
+SwiGLU MLP, optional grouped-query attention and tied embeddings; for imported models, q, k, v
+biases (`attention_bias`), a head size apart from d_model / n_heads (`d_head`) and Llama 3's
+rotary scaling. Module names map 1:1 onto `LlamaForCausalLM` (`model.` before all but
+`lm_head`), so a checkpoint exports with equal logits.
 
-Module names map 1:1 onto Hugging Face `LlamaForCausalLM` (prefix `model.` on all but
-`lm_head`), so a checkpoint exports with equal logits:
-
-    embed_tokens                       -> model.embed_tokens
-    layers[i].input_layernorm          -> model.layers.i.input_layernorm
-    layers[i].self_attn.{q,k,v,o}_proj -> model.layers.i.self_attn.{q,k,v,o}_proj
-    layers[i].post_attention_layernorm -> model.layers.i.post_attention_layernorm
-    layers[i].mlp.{gate,up,down}_proj  -> model.layers.i.mlp.{gate,up,down}_proj
-    norm, lm_head                      -> model.norm, lm_head
-
-Attention is `F.scaled_dot_product_attention`: the `is_causal` fast path when there are
-no segment ids and no cache; otherwise a boolean mask that is causal AND block-diagonal
-over segment ids, so documents packed into one row never see each other (padding is a
-segment of its own, id 0 by convention, so no query row is ever fully masked).
-`position_ids` restart the rotary positions per packed document.
-
-KV cache (`KVCache`): preallocated per-layer keys/values plus, per slot, the segment id
-of the token stored there. A batch of prompts of different lengths is left-padded, the
-padding given segment 0 and the prompts segment 1, so cached padding is never attended
-to; the cache also keeps each row's next rotary position, so decode steps need no
-arguments beyond the new tokens. A padded row therefore computes the same function as
-the same prompt decoded alone. The forward uses a cache only through `reserve` (claim the
-next slots: positions, mask) and, per layer, `update` (store the new keys/values, return
-those to attend to), so another cache with these two methods plugs in unchanged.
-
-Sampling (`sprout.model.decode`) runs the blocks in two more forms with the same norm and
-rotary, on KV buffers of its own and on fused weight copies (`fused_weights`): `Block.prefill`
-over left-padded prompts and `Block.step` for one new token per row.
-
-Initialisation (GPT-2, Radford et al. 2019; as in nanoGPT): every Linear and the
-embedding ~ N(0, init_std); the two projections that write into the residual stream
-(o_proj, down_proj) ~ N(0, init_std / sqrt(2 * n_layers)), since each layer adds two
-such terms to the residual and this keeps its variance independent of depth; RMSNorm
-weights = 1. A model whose every weight is loaded next (a checkpoint, a resume) is built
-by `uninitialised(cls, config)` instead: allocated on the meta device, then given memory
-without values, so no time goes into random numbers that the load overwrites (at 135M
-parameters the init takes about as long as reading the weights). No normal_ runs on the meta
-device either: a meta tensor's normal_ is torch's Python reference, whose first call imports
-torch._dynamo (about 1.6 s of CPU per process, more than a small model's whole load).
-
-FLOPs per token (training, forward + backward) follow Kaplan et al. 2020 (sec. 2.1) and
-PaLM (Chowdhery et al. 2022, appendix B): 6 * N_matmul + 12 * n_layers * d_model * seq_len,
-where N_matmul is every parameter but the input embedding table (a lookup, not a matmul;
-the lm_head counts even when tied to it; the RMSNorm weights are in, negligibly) and the
-second term is attention's QK^T and AV products (over the full square, as PaLM and
-nanochat count it, although a causal kernel skips half).
-
-Speed (CPU): `F.rms_norm` has no fused CPU kernel and autograd differentiates its
-decomposition op by op, so `RMSNorm` uses a small autograd Function whose backward is
-the closed form (about half the elementwise passes); rotary uses full-width tables and
-an autograd Function whose backward is the inverse rotation, with no saved activations
-and no swapped copy of the input. Without grad mode (sampling, evaluation) both run
-their forward maths as plain functions, without the Functions' per-call overhead.
+Invariants: attention never crosses segment ids (packed documents; padding is segment 0, so no
+query row is fully masked) and `position_ids` restart per document; a left-padded row in a
+`KVCache` computes what its prompt computes alone, and a cache is used only through `reserve`
+and `update`. Init (GPT-2): N(0, init_std), o_proj and down_proj N(0, init_std / sqrt(2
+n_layers)), norms 1, biases 0; `uninitialised` builds a model whose weights are loaded next
+without drawing any. `flops_per_token` = 6 N_matmul + 12 n_layers d seq_len (PaLM appendix B).
 """
 
 from __future__ import annotations
@@ -79,11 +29,9 @@ from sprout.model.onednn import linear, matmul_weight
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(`RMSNorm`'s output, 1/rms [..., 1]). Eager, the output is scaled in place (no second
-    buffer of x's size: a forward and backward took 3.3 ms against 4.4 ms out of place at
-    [16, 256, 256] on 2 threads); traced by torch.compile, out of place, which costs nothing
-    once fused, and without which torch 2.11 gave wrong gradients (zero below every norm)
-    when `_RMSNormFunction.forward` scaled its output in place: tests/test_fsdp.py's compiled
-    run against the eager one shows it."""
+    buffer of x's size); traced by torch.compile, out of place, which costs nothing once fused,
+    and without which torch 2.11 gave wrong gradients (zero below every norm): tests/test_fsdp.py's
+    compiled run against the eager one shows it."""
     if torch.compiler.is_compiling():
         rstd = torch.rsqrt(torch.linalg.vecdot(x, x) / x.shape[-1] + eps).unsqueeze(-1)
         return (x * rstd * weight).to(x.dtype), rstd  # x's dtype, as the in-place product keeps it
@@ -483,7 +431,7 @@ def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | tor
     The tied lm_head is tied again and the rotary tables are computed, as `__init__` does."""
     with torch.device("meta"):
         model = cls(config)
-    # to_empty's empty_like would run torch's Python reference for meta tensors (a 0.4 s first import)
+    # not to_empty: its empty_like would run torch's Python reference for meta tensors (an import)
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if config.tie_embeddings and hasattr(model, "lm_head"):
         model.lm_head.weight = model.embed_tokens.weight
