@@ -183,9 +183,7 @@ def aot_loss(
     micro-batch's summed entries over the pairs of the global batch) is the mean of the
     micro-batches' own losses when they hold equal numbers of pairs. It does not depend on which
     process or accumulation step runs a micro-batch, but it does depend on how the global batch
-    is cut into micro-batches: one sort over 8 pairs is not the mean of two sorts over 4. Exact
-    equality with one sort over the whole global batch would need every pair's log-probs of the
-    step before the first backward, which gradient accumulation rules out. Returns [B].
+    is cut into micro-batches: one sort over 8 pairs is not the mean of two sorts over 4. Returns [B].
     """
     margins, _ = torch.sort(chosen_logps - rejected_logps, dim=0)
     ref_margins, _ = torch.sort(ref_chosen_logps - ref_rejected_logps, dim=0)

@@ -1,7 +1,18 @@
-"""The training stages, one module per algorithm (pretrain, sft, reward, dpo, ppo, grpo), on the
-bases they share (`preference_stage` for the reward model and DPO, with DPO's cached
-`reference_logps`; `rl_stage` for PPO and GRPO, with the reward functions of `rl_rewards`). A
-stage gives the engine (`sprout.engine`) its batches, its loss and its metrics; the loop is
-never copied here. Every stage's config is in `configs`, which imports no torch, so a
-trainer parses its command line (and prints its --help) before loading it.
+"""The training stages: each gives the engine (`sprout.engine`) its batches, loss and metrics;
+the loop is never copied here.
+
+    configs.py           every stage's config sections; no torch, so a trainer parses its
+                         command line (and prints --help) before loading a stage
+    pretrain.py          next-token prediction over token shards; val loss and bits per byte
+    sft.py               masked next-token loss on packed chat rows
+    preference_stage.py  what the reward model and DPO share: pair loaders, pairs as targets,
+                         held-out groups, the run's checks
+    reward.py            the reward model: a score head, or β × the summed log-probability
+    reference_logps.py   DPO's reference log-probs, computed once and cached beside the data
+    dpo.py               DPO and its variants against a live or cached reference
+    rl_rewards.py        the RL stages' reward functions (built-in verifiers, module:function)
+    rl_stage.py          what PPO and GRPO share: prompts, rollouts, the rollout buffer,
+                         held-out eval
+    ppo.py               PPO: a value head, a reward model and/or verifiers, KL, GAE
+    grpo.py              GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO)
 """

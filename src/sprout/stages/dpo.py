@@ -1,45 +1,16 @@
 """DPO and its variants on preference pairs, as one stage of the shared loop.
 
-The policy starts from an LM checkpoint (the SFT model). For each micro-batch of pairs, the
-chosen and rejected sides go through one forward; a side's log-probability is summed over
-its response tokens (the final assistant content and its end-of-turn token;
-`sprout.losses.tokens.sequence_logps`). The loss per pair is
-`sprout.losses.preference.preference_loss` with TRL's DPOConfig options (`dpo` section):
-`loss_type` (one name or a list), `loss_weights`, `beta`, `label_smoothing`, `simpo_gamma`,
-`discopop_tau`. Normalisation: the loop divides the summed per-pair losses by the pairs of
-the whole global batch (all micro-batches, all processes); within a pair, each variant's
-own rule (none for sigmoid; per-token means for sigmoid_norm, ipo, sft, simpo and orpo).
-aot and aot_unpaired sort over each micro-batch (`sprout.losses.dpo.aot_loss`), as TRL sorts
-within its per-device batch: a step's loss is the mean of its micro-batches' losses. For a
-given `batch.micro_pairs` the micro-batches hold the same pairs whatever the number of
-processes (`data_loader.order`), so training is the same on 1 or N processes; another
-`micro_pairs` changes the loss. Held-out pairs are striped over the ranks, so their val_loss
-for these two depends on the number of processes (the other val figures do not); an eval
-batch's padding pairs never enter the sort.
-
-The reference, for every loss_type outside `REFERENCE_FREE` (sft, simpo, orpo need none,
-and then no reference is built at all), is the checkpoint `dpo.ref` (default: init):
-- live: a frozen copy (`Trainer.prepare_frozen`: sharded like the policy under FSDP, in eval
-  mode, never trained or saved) runs a forward on each micro-batch;
-- `dpo.precompute_ref_logps: true`: the reference log-probs of every train and held-out pair
-  are computed once before training (`sprout.stages.reference_logps`), cached beside the data
-  file and read from the cache by every later run; the reference model is then freed.
-Either way checkpoints record it in `frozen_models`, and a resume refuses a reference whose
-weights changed since (`sprout.engine.trainer.check_frozen_models`).
-
-Training metrics (TRL's names, each over its own count): per pair, rewards/chosen,
-rewards/rejected (β(logp − ref_logp); β·logp for reference-free losses), rewards/margins,
-rewards/accuracies (chosen strictly above rejected), logps/chosen, logps/rejected (summed);
-per response token, logits/chosen and logits/rejected (the mean logit over the vocabulary).
-Eval over every held-out pair: val_loss (per pair), val_rewards/accuracies,
-val_rewards/margins, val_rewards/chosen, val_rewards/rejected, val_logps/chosen,
-val_logps/rejected, and their denominator val_pairs (the held-out pairs); and
-val_rewards/accuracies/<source> and val_rewards/accuracies/rejected_<kind> per group of held-out
-pairs (`sprout.stages.preference_stage.pair_groups`), each with its denominator
-val_pairs/<group>.
-
-FLOPs and MFU count the policy's forward and backward only (`PreferenceStage.flops`): the
-live reference forward (a third of a step's FLOPs more) is extra work that MFU leaves out.
+The policy starts from an LM checkpoint; both sides of each pair go through one forward, a
+side's log-probability summed over its response tokens (`sequence_logps`). The loss per pair
+is `sprout.losses.preference.preference_loss` with TRL's DPOConfig options (`dpo` section).
+Normaliser: the pairs of the whole global batch (all micro-batches, all processes); within a
+pair, each variant's own rule. aot and aot_unpaired sort within each micro-batch, so their
+loss depends on `batch.micro_pairs`, not on the number of processes (their held-out val_loss
+does, eval pairs being striped over ranks). The reference (every loss_type outside
+`REFERENCE_FREE`; none is built otherwise) is `dpo.ref` (default: init), a frozen copy run on
+each micro-batch or, with `precompute_ref_logps`, cached once (`sprout.stages.reference_logps`);
+checkpoints record it in `frozen_models` and a resume refuses it once changed. Metrics are
+TRL's (`preference_metric_sums`); FLOPs and MFU count the policy only, not the reference forward.
 """
 
 from __future__ import annotations
@@ -150,12 +121,19 @@ class DPOStage(PreferenceStage):
         return per_pair, metrics, rc > rr
 
     def loss(self, model, batch: dict):
+        """Summed per-pair losses over the real pairs, their count, and TRL's metrics: per pair
+        rewards/chosen|rejected (β(logp − ref_logp); β·logp reference-free), rewards/margins,
+        rewards/accuracies (chosen strictly above), logps/chosen|rejected (summed); per response
+        token logits/chosen|rejected (the mean logit over the vocabulary)."""
         per_pair, metrics, _ = self.pair_terms(model, batch)
         keep = batch["pair_mask"]
         return torch.where(keep, per_pair, torch.zeros((), device=per_pair.device)).sum(), keep.sum(), metrics
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
+        """Over every held-out pair (denominator `val_pairs`): val_loss (per pair) and the per-pair
+        metrics prefixed val_, and val_rewards/accuracies/<group> per source and rejected_kind
+        with its val_pairs/<group> (`group_figures`)."""
         names = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
                  "logps/rejected")
         sums: dict[str, torch.Tensor | float] = {"loss": 0.0, "n": 0.0}

@@ -1,35 +1,16 @@
-"""What the preference stages (reward model, DPO) share: config sections, loaders, micro-batches, checks.
+"""What the preference stages (reward model, DPO) share: loaders, micro-batches, held-out groups, checks.
 
-Both stages read preference pairs (`sprout.formats.preference_pairs`) through
-`data_loader.preference_batches.PreferenceLoader`: a micro-batch of B pairs is 2B rows, the chosen
-sides then the rejected sides, right-padded (see that module for every tensor). Here:
-
-- `PairBatchConfig`: the batch in pairs, `global_pairs` per optimizer step (all processes)
-  and `micro_pairs` per forward/backward on one process; the micro-steps per step follow
-  from the number of processes (`sprout.engine.stage.micro_steps`);
-- `PairDataConfig`: the train file, the held-out file (`preferences_test.jsonl`
-  beside it by default), the longest side in tokens (the model's context by default) and
-  what happens to a pair that does not fit (`truncation`: drop or keep_end);
-- `PreferenceStage`: the protocol's parts both stages share. Targets (`count_targets`) are
-  pairs: each real pair (`pair_mask`) counts 1, so the loop divides the summed per-pair
-  losses by the pairs of the whole global batch (all micro-batches, all processes). Tokens
-  (`num_tokens`) are every non-padding token of both sides; FLOPs (`flops`) are the trained
-  model's FLOPs per token at the micro-batch's row length × those tokens (work the stage
-  does with other models, such as a reference forward, is not counted: MFU is the trained
-  model's);
-- `open_preference_run`: checks both files against the preference `manifest.json` beside
-  them (`sprout.formats.verify_inputs.verify_jsonl_data`: listed, and their sha256 unless
-  data.verify is `sizes`; its report printed on rank 0), reads the init checkpoint's meta
-  and tokenizer, refuses an init checkpoint trained with another chat format than its tokenizer
-  renders (`sprout.chat_formats.check_trained_format`) and data the model cannot take (a side
-  longer than its context), builds the accelerator and both
-  loaders, prints what was dropped or truncated, and resolves train.max_steps from
-  data.epochs when it is null.
-
-Every rank walks the held-out pairs in the same number of micro-batches (the loader pads
-ranks with pairs that count nothing), so evaluation works under FSDP, and per-group results
-(by source, and by the kind of rejected answer: `pair_groups`) are reduced over ranks with the
-same keys everywhere.
+Both read preference pairs through `data_loader.preference_batches.PreferenceLoader`: a
+micro-batch of B pairs is 2B rows, the chosen sides then the rejected sides, right-padded;
+their config sections (`PairBatchConfig`, `PairDataConfig`) are in `sprout.stages.configs`.
+`PreferenceStage`: targets (`count_targets`) are pairs, each real pair (`pair_mask`) counting
+1, so the loop divides the summed per-pair losses by the pairs of the whole global batch (all
+micro-batches, all processes); tokens are every non-padding token of both sides; FLOPs are the
+trained model's only (a reference forward is not counted). `open_preference_run` checks both
+files against their manifest, the init checkpoint's chat format and the model's context, and
+builds the accelerator and loaders. Every rank walks the held-out pairs in the same number of
+micro-batches (padding pairs count nothing), so eval works under FSDP and per-group results
+(`pair_groups`) reduce with the same keys everywhere.
 """
 
 from __future__ import annotations
@@ -70,7 +51,7 @@ def pair_groups(path: str | Path, loader: PreferenceLoader) -> list[list[str | N
 
 
 class PreferenceStage(LoaderPosition):
-    """The protocol parts the preference stages share (see the module docstring). A subclass
+    """The protocol parts the preference stages share. A subclass
     gives `name`, `loss` and `evaluate`; `extend(batch, held_out)` may add tensors to each
     micro-batch (of the train file, or of the held-out file when `held_out`)."""
 
@@ -172,7 +153,12 @@ class PreferenceRun:
 
 
 def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> PreferenceRun:
-    """Checks, accelerator, tokenizer and loaders for a preference stage (see the module docstring).
+    """Checks, accelerator, tokenizer and loaders for a preference stage: both files against the
+    preference manifest.json beside them (`verify_jsonl_data`; sha256 unless data.verify is
+    `sizes`), an init checkpoint trained with another chat format than its tokenizer renders
+    refused, as are data.seq_len beyond the model's context and a tokenizer beyond its vocab; a
+    pair that does not fit is dropped or its prompt shortened (`data.truncation`), counted and
+    printed; train.max_steps resolved from data.epochs when null.
 
     `cfg` has init, data (PairDataConfig), batch (PairBatchConfig), train and out."""
     if not cfg.init:

@@ -1,7 +1,7 @@
 """Reference log-probs computed once and cached beside the data (DPO's `precompute_ref_logps`).
 
-For each preference file a run reads (train and held-out), the reference model's summed
-response log-probs of every kept pair are computed once, before training, and kept in
+For each preference file a run reads (train and held-out), the reference's summed response
+log-probs of every kept pair are computed once, before training, and kept in
 
     <data file>.ref_logps.<key>.safetensors
         chosen    float32 [N]   log p_ref(chosen response | prompt), summed over its tokens
@@ -10,17 +10,9 @@ response log-probs of every kept pair are computed once, before training, and ke
         metadata: the key's parts (data_sha256, ref_weights_sha256, template_version,
                   tokenizer_fingerprint, seq_len, truncation)
 
-`key` is the first 16 hex digits of the sha256 of those parts, so a change to the data file,
-the reference checkpoint's weights (the sha256 its meta.json records), the chat template,
-the tokenizer, seq_len or truncation names another file and the log-probs are computed
-again; a cache whose lines do not match the loader's pairs is computed again too. Older
-cache files are left where they are (another run may still use them).
-
-Computation: the pairs are split over the ranks as in eval (rank k takes pairs k, k+W, ...,
-padded so every rank runs the same number of forwards, which FSDP needs), in micro-batches
-of `micro_pairs` pairs under the run's autocast, then gathered so every rank holds all N;
-rank 0 writes the file atomically (`sprout.atomic`). Whether to compute is decided together:
-if any rank cannot read the cache, every rank computes.
+`key` is the first 16 hex digits of the sha256 of those parts, so a change to any of them names
+another file; a cache whose lines do not match the loader's pairs is computed again; older
+files are left in place. Every rank computes when any rank cannot read the cache.
 """
 
 from __future__ import annotations
@@ -51,7 +43,7 @@ class ReferenceLogps:
 
 
 def cache_parts(loader: PreferenceLoader, ref_path: str, tokenizer_fingerprint: str) -> dict:
-    """What the cached log-probs depend on (see the module docstring)."""
+    """What the cached log-probs depend on: the parts of the cache file's key."""
     return {"data_sha256": sha256_file(loader.path),
             "ref_weights_sha256": read_meta(ref_path, verify=False)["files"][WEIGHTS],
             "template_version": loader.template_version, "tokenizer_fingerprint": tokenizer_fingerprint,
@@ -86,7 +78,9 @@ def response_logps(model, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def compute_logps(accelerator, ref, loader: PreferenceLoader, micro_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen [N], rejected [N]) of every kept pair of `loader`, on the CPU on every rank."""
+    """(chosen [N], rejected [N]) of every kept pair of `loader`, on the CPU on every rank: rank k
+    takes pairs k, k+W, ... (padded so every rank runs the same number of forwards, as FSDP
+    needs), in micro-batches of `micro_pairs` under the run's autocast, then all are gathered."""
     dev = accelerator.device
     idx, real = loader.eval_pairs()
     rows = []

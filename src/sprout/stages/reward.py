@@ -1,56 +1,16 @@
 """Reward model: a scalar score per response, trained on preference pairs as one stage of the shared loop.
 
-Two kinds of score (`reward.score`), both built by `sprout.model.load.init_from_lm` from an
-LM checkpoint (the SFT model); the chosen and rejected sides of every pair of a micro-batch
-go through one forward (`pair_scores`):
-
-- `head` (TRL's RewardTrainer): `sprout.model.heads.RewardModel`, the LM's backbone without
-  its lm_head and a fresh score head. A sequence's score is the head's output at its last real
-  token, the end-of-turn token that closes the response (`score_sequences`; the loader's
-  `end_index`). Checkpoints: meta.json `architecture: reward`.
-- `logprob`: the LM itself, every weight kept. A response's score is β × its summed
-  log-probability given the prompt, over the response tokens (the final assistant content
-  and its end-of-turn token, the tokens DPO sums; `reward.beta`): r = β · log π(y | x), DPO's
-  implicit reward without a reference. A near miss that differs from the right answer in one number is ranked by the model's
-  own prediction of that number, which a fresh score head has to learn from the pairs.
-  Checkpoints: `architecture: lm` with `reward_score: {kind: logprob, beta}` in meta.json,
-  so they load, chat, sample and export as the causal LM they are; PPO scores a completion
-  the same way (`sprout.formats.checkpoint_meta.reward_score_of`, `sprout.stages.ppo`). Always at most 0, so
-  `center_rewards_coefficient` is refused with it. Summed, not averaged over tokens: of two
-  answers the model finds equally likely per token, the shorter scores higher (PPO, scoring
-  completions this way, rewards brevity unless the verifiers outweigh it).
-
-Loss per pair (`sprout.losses.preference.reward_pair_loss`, TRL's RewardTrainer):
-
-    −log σ(r_c − r_r − m) + center_rewards_coefficient · (r_c + r_r)²
-
-with m the record's `margin` when `reward.use_margin` (0 for records without one); with
-score logprob this is −log σ(β(log π(y_c|x) − log π(y_r|x)) − m), CPO's preference term
-without its NLL term. The loop divides the summed per-pair losses by the pairs of the whole
-global batch (all micro-batches, all processes): normaliser = pairs, nothing within a pair.
-
-Training metrics, each over the step's pairs (count = pairs): `accuracy` (r_c > r_r
-strictly; a tie counts as wrong), `margin` (r_c − r_r), `rewards/chosen` and
-`rewards/rejected` (mean scores) and `rewards/chosen_sq`, `rewards/rejected_sq` (mean
-squared scores). The loop reduces every metric as Σsum / Σcount, which a standard deviation
-is not; `RewardStage.derived_metrics` then gives `rewards/chosen_std` and
-`rewards/rejected_std` from the reduced means (`population_std`): the population standard
-deviation over the real pairs of the whole global batch (all micro-batches, all processes),
-sqrt(mean(r²) − mean(r)²), not an average of per-micro-batch stds. Each eval reports the
-same over every held-out pair (`val_rewards/chosen_std`).
-
-Eval over every held-out pair: `val_loss` (the loss above per pair), `val_accuracy`,
-`val_margin`, `val_rewards/{chosen,rejected}` and their `_std`, `val_accuracy/<source>`
-for each `source` of the held-out records (HH-RLHF, UltraFeedback, arithmetic, ...) and
-`val_accuracy/rejected_<kind>` for each `rejected_kind` among them (the arithmetic pairs'
-`near_miss` and `broken_format`: which wrong answers the score ranks below the right one),
-each with its denominator: `val_pairs`, `val_pairs/<source>` and `val_pairs/rejected_<kind>`,
-the held-out pairs that fit.
-
-With score head the checkpoints hold a RewardModel (meta.json `architecture: reward`), so
-`sprout.model.load.load_model` returns a scorer: `score_sequences(model, ids, mask)`
-scores left- or right-padded batches alike. With score logprob, `load_model` returns the LM
-and `sprout.formats.checkpoint_meta.reward_score_of(meta)` says how to score with it.
+`reward.score`, both built by `init_from_lm` from an LM checkpoint, both sides of every pair in
+one forward (`pair_scores`): `head`, a `RewardModel` (the LM's backbone and a fresh score head)
+read at the response's end-of-turn token (`score_sequences`; meta.json `architecture: reward`);
+or `logprob`, the LM itself, a response scoring β × its summed log-probability given the prompt
+(`architecture: lm` with `reward_score: {kind: logprob, beta}`, read by
+`sprout.formats.checkpoint_meta.reward_score_of`; always <= 0, so center_rewards_coefficient is
+refused with it). Loss per pair (`sprout.losses.preference.reward_pair_loss`):
+−log σ(r_c − r_r − m) + center_rewards_coefficient · (r_c + r_r)². Normaliser: the pairs of the
+whole global batch (all micro-batches, all processes), nothing within a pair. Training metrics
+are per pair; `derived_metrics` gives the population std over the global batch's real pairs
+from the reduced mean and mean square, not an average of per-micro-batch stds.
 """
 
 from __future__ import annotations
@@ -128,6 +88,8 @@ class RewardStage(PreferenceStage):
         return reward_batch_loss(model, batch, self.loss_cfg)
 
     def loss(self, model, batch: dict):
+        """Summed per-pair losses over the real pairs, their count, and per pair: accuracy (r_c > r_r
+        strictly; a tie is wrong), margin (r_c − r_r), rewards/chosen|rejected and their squares."""
         per_pair, rc, rr = self._pair_loss(model, batch)
         keep = batch["pair_mask"]
         n = keep.sum()
@@ -141,12 +103,15 @@ class RewardStage(PreferenceStage):
 
     def derived_metrics(self, reduced: dict) -> dict:
         """rewards/chosen_std and rewards/rejected_std of the step: population std over the global
-        batch's real pairs, from the reduced mean and mean square (see the module docstring)."""
+        batch's real pairs, sqrt(mean(r²) − mean(r)²) from the reduced mean and mean square."""
         return {f"rewards/{side}_std": population_std(reduced[f"rewards/{side}"], reduced[f"rewards/{side}_sq"])
                 for side in ("chosen", "rejected") if f"rewards/{side}_sq" in reduced}
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
+        """Over every held-out pair (denominator `val_pairs`): val_loss, val_accuracy, val_margin,
+        val_rewards/{chosen,rejected} and their population `_std`, and val_accuracy/<group> per
+        source and rejected_kind with its val_pairs/<group> (`group_figures`)."""
         sums: dict[str, torch.Tensor | float] = dict.fromkeys(
             ("loss", "n", "correct", "margin", "rc", "rc2", "rr", "rr2"), 0.0)
         model.eval()

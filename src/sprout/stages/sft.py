@@ -1,33 +1,17 @@
 """Supervised fine-tuning (SFT): masked next-token loss on packed chat rows, as one stage of the shared loop.
 
-`SFTStage` feeds the loop (`sprout.engine.trainer`) with micro-batches of rows from
-`data_loader.sft_batches.SFTLoader`: conversations rendered by `sprout.chat` and packed several to
-a row by `sprout.prep.sft_data` (format: `sprout.formats.packed_sft`). For each micro-batch (`sft_batch_loss`):
-
-- attention stays inside each packed conversation (`segment_ids`) and rotary positions
-  restart per conversation (`position_ids`), so a row computes what each conversation
-  would alone;
-- the loss is the cross-entropy summed over the *trained* targets only: `loss_mask` marks
-  assistant content and the end-of-turn token that closes it (`sprout.chat`). The loop
-  divides by the trained targets of the whole global batch (all micro-batches, all
-  processes), so every trained token weighs the same however the answers fall into
-  micro-batches (TRL's SFTTrainer with `average_tokens_across_devices`);
-- metrics, per trained target: token accuracy (argmax == target) and mean entropy of the
-  predicted distribution; the loop also logs `targets`, the trained tokens of the step.
-
-Eval: masked loss and token accuracy over every row of the val file (`sft_val.h5`), rows
-split across processes and the sums reduced over them. At the end of training the stage
-answers `sample_prompts` greedily (`SFTStage.samples`), shown in report.md.
-
-`run_sft(cfg, resume)` is what `scripts/train_sft.py` does after parsing its arguments:
-start from a base checkpoint (`init`; the model config comes from its meta), refuse a train
-and val file from different prep runs or whose datasets no longer match their recorded
-sha256 (`sprout.formats.verify_inputs.verify_sft_pair`; data.verify `sizes` skips the hashes), refuse
-SFT data made with another tokenizer, chat template or a longer context than the model's, and
-a file with a row that trains nothing (`check_trained_rows`, naming the rows), then
-train with the same loop, checkpoints, resume and multi-process support as pretraining.
-Each checkpoint's meta carries the tokenizer spec and fingerprint, the chat-template version
-and the base checkpoint it started from, which `scripts/chat.py` and later stages read.
+`SFTStage` feeds the loop micro-batches of `data_loader.sft_batches.SFTLoader` rows
+(conversations rendered by `sprout.chat`, packed by `sprout.prep.sft_data`; format
+`sprout.formats.packed_sft`). Per micro-batch (`sft_batch_loss`): attention stays inside each
+packed conversation and positions restart per conversation, so a row computes what each
+conversation would alone; the loss is the cross-entropy summed over the trained targets only
+(`loss_mask`: assistant content and its end-of-turn token). Normaliser: the trained targets of
+the whole global batch (all micro-batches, all processes). Metrics, per trained target: token
+accuracy and mean entropy. Eval: masked loss and token accuracy over every val row, sums reduced
+over processes. `run_sft` refuses a train/val pair from different prep runs or no longer
+matching their sha256, data of another tokenizer, chat template or longer context, and a row
+that trains nothing (`check_trained_rows`); each checkpoint's meta records the tokenizer,
+chat-template version and base checkpoint.
 """
 
 from __future__ import annotations
