@@ -1,42 +1,27 @@
-"""Batches of preference pairs (`sprout.formats.preference_pairs`) for reward-model and DPO-style trainers.
+"""Batches of preference pairs (`sprout.formats.preference_pairs`) for reward-model and DPO trainers.
 
-Every pair is rendered once, at construction, by `sprout.formats.preference_tokens` (the
-same code `scripts/check_loss_mask.py` checks) in the tokenizer's chat format (its version is
-`template_version`): pairs that do not fit `seq_len` are
-dropped or have their prompt shortened per `truncation`, and `counts` says how many
-(pairs_read, pairs, dropped_too_long, truncated, prompt_turns_dropped).
-
-A micro-batch of B pairs is one dict of torch tensors with 2B rows: rows 0..B-1 are the
-chosen sides and rows B..2B-1 the rejected sides of the same pairs in the same order (pair
-i is rows i and B+i, TRL's concatenated forward), right-padded with `pad_id` to the longest
-row of the micro-batch (T <= seq_len):
-
-    input_ids        int64   (2B, T)  the whole rendered side: prompt, response, its eot, then padding
+Every pair is rendered once, at construction, by `sprout.formats.preference_tokens` (what
+`scripts/check_loss_mask.py` checks) in the tokenizer's chat format (`template_version`); `counts`
+says how many (pairs_read, pairs, dropped_too_long, truncated, prompt_turns_dropped). A micro-batch
+of B pairs has 2B rows, the chosen sides then the rejected sides of the same pairs in the same
+order (pair i is rows i and B+i), right-padded with `pad_id` to its longest row (T <= seq_len):
+    input_ids        int64   (2B, T)  the whole side: prompt, response, its eot, then padding
     targets          int64   (2B, T)  targets[:, t] = input_ids[:, t+1]; the last column is padding
     loss_mask        bool    (2B, T)  True where targets[:, t] is a response token (final assistant
                                       content or the eot closing it); never prompt, header or padding
     attention_mask   bool    (2B, T)  True on real tokens
-    segment_ids      int64   (2B, T)  1 on real tokens, 0 on padding (padding never attends to them)
+    segment_ids      int64   (2B, T)  1 on real tokens, 0 on padding
     position_ids     int64   (2B, T)  0, 1, ... over real tokens, 0 on padding
     response_lengths int64   (2B,)    response tokens per row (= loss_mask.sum(1)), eot included
-    end_index        int64   (2B,)    index in input_ids of the eot closing the response, the
-                                      row's last real token: a reward model reads its score there
+    end_index        int64   (2B,)    index of the eot closing the response, the row's last real
+                                      token: a reward model reads its score there
     pair_mask        bool    (B,)     False for the padding pairs of `eval_batches` (count nothing)
     margin           float32 (B,)     the record's margin, 0.0 when it has none
     pair_index       int64   (B,)     the pair's index in `pairs` (file order of the kept pairs)
-
-Unlike packed SFT rows (which feed tokens[:-1]) the whole side is the input, so the eot that
-closes the response is an input position the reward model can score; the extra column is
-never a target. Nothing is normalised here: a trainer sums per-token terms per row (or per
-pair) and divides by its global-batch denominator.
-
-Training order: `data_loader.order` over the kept pairs (seeded per epoch, W*B pairs a step,
-rank k taking the k-th block of B; the state dict (epoch, step) resumes exactly).
-
-`eval_batches()` walks the pairs in file order once, rank k taking pairs k, k+W, k+2W, ...;
-every rank is padded to ceil(N/W) pairs with copies of pair 0 whose `pair_mask` is False
-and whose loss_mask and response_lengths are 0, so every rank runs the same number of
-forwards (FSDP needs it) and every pair counts exactly once.
+Nothing is normalised here. Training order: `data_loader.order` over the kept pairs.
+`eval_batches()` walks the pairs in file order once, rank k taking pairs k, k+W, ...; every rank
+is padded to ceil(N/W) pairs with copies of pair 0 (`pair_mask` False, loss_mask 0), so every rank
+runs the same number of forwards (FSDP) and every pair counts exactly once.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
-"""Token loaders for pretraining: sequential streams, per-rank spans and random windows.
+"""Token loaders for pretraining over 1-D token arrays: the memmaps of `.bin` shards
+(`sprout.formats.shards`) or the `tokens` dataset of an HDF5 file (`sprout.formats.h5tokens`).
 
-Sources are 1-D token arrays: the memmaps of `.bin` shards (`sprout.formats.shards`) or the
-`tokens` dataset of a pretraining HDF5 file. Three loaders read them:
-
-- `TokenStream`: reads the sources in order and wraps from the last back to the first,
-  as parameter-golf's TokenStream does. No randomness.
-- `DistributedTokenLoader`: each call takes one contiguous chunk of `world * (rows*T + 1)`
-  tokens from the stream and gives rank r the r-th span of it (parameter-golf's
-  DistributedTokenLoader). Micro-step a of rank r therefore reads chunk a*world + r, so a
-  run on 1 process with 2 micro-steps sees exactly the tokens of 2 processes with 1.
-- `RandomWindowSampler`: nanoGPT's `get_batch`: windows of T+1 tokens at uniformly random
-  offsets, from a seeded generator shared by all ranks; each rank keeps its slice of the
-  global draw, so again the set of windows does not depend on the number of processes.
-
-Every loader has a small `state_dict()` (shard, offset, RNG state) that checkpoints store
-in meta.json and `load_state_dict()` restores for an exact resume. Loaders return int64
-torch tensors `(inputs, targets)` of shape [rows, T]; targets are inputs shifted by one.
+- `TokenStream`: the sources in order, wrapping from the last back to the first
+  (parameter-golf's TokenStream). No randomness.
+- `DistributedTokenLoader`: each call takes one contiguous chunk of `world * (rows*T + 1)` tokens
+  from the stream and gives rank r its r-th span (parameter-golf's), so micro-step a of rank r
+  reads chunk a*world + r: 1 process with 2 micro-steps sees exactly the tokens of 2 with 1.
+- `RandomWindowSampler`: nanoGPT's `get_batch`: windows of T+1 tokens at uniformly random offsets
+  from a seeded generator shared by all ranks, each rank keeping its slice of the global draw.
+Loaders return int64 torch tensors `(inputs, targets)` of shape [rows, T], targets shifted by
+one; `state_dict()` (shard, offset, RNG state), kept in a checkpoint's meta.json, and
+`load_state_dict()` resume exactly.
 """
 
 from __future__ import annotations

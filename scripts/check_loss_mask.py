@@ -1,33 +1,16 @@
 """Check every row of a packed SFT file's loss mask, print totals, show rows highlighted.
 
     python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --show 3 --html mask.html
-    python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --rows 5,17,2328
-    python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --random 4 --seed 1
+    python scripts/check_loss_mask.py runs/demo/sft/sft.h5 --rows 5,17,2328   # or --random 4 --seed 1
+    python scripts/check_loss_mask.py prefs/preferences.jsonl --tokenizer SPEC --seq-len 256 [--truncation keep_end]
+    python scripts/check_loss_mask.py rl_prompts/prompts.jsonl --tokenizer SPEC [--seq-len 256]
 
-Rows shown: by default --show rows that hold a packing boundary, a trained end-of-turn token
-and padding; --rows picks them by number, --random N draws N with --seed (the same rows for
-the same seed). Examples the prep truncated or dropped are summarised in warning lines.
-Rows, pairs and prompts are parsed in the tokenizer's chat format (`sprout.chat_formats`:
-sprout, chatml, llama3); an SFT file made with another format than its tokenizer's is refused.
-Exit status: 0 when every invariant of `sprout.formats.maskcheck_sft` holds, 1 on any violation
-(each printed with its row and position), 2 when the file is missing, corrupted
-(checksum mismatch), not an SFT file, or holds no rows.
-
-A preference file (`.jsonl`) is checked pair by pair as the preference loader renders it
-(`sprout.formats.maskcheck_pairs`); it needs the tokenizer and the context length:
-
-    python scripts/check_loss_mask.py prefs/preferences.jsonl --tokenizer sentencepiece:sp.model \
-        --seq-len 256 [--truncation keep_end] --show 2 --html pairs.html
-
-Pairs the loader would drop or shorten are listed; a violation is printed with its line.
-
-An RL prompt file (`.jsonl` whose records have a `gold`, `sprout.formats.prompts`) is
-rendered prompt by prompt with the generation header, as the policy sees it
-(`sprout.formats.maskcheck_prompts`); --seq-len, when given, lists prompts that leave no
-room to generate:
-
-    python scripts/check_loss_mask.py rl_prompts/prompts.jsonl --tokenizer sentencepiece:sp.model \
-        [--seq-len 256] --show 2 --html prompts.html
+The rules: SFT rows `sprout.formats.maskcheck_sft`; preference pairs `maskcheck_pairs`, as the
+pair loader renders them; RL prompts (records with a `gold`) `maskcheck_prompts`, as the policy
+sees them; each in the tokenizer's chat format (an SFT file made with another format than its
+tokenizer's is refused). Exit status: 0 when every rule holds, 1 on any violation (each printed
+with its row or line and position), 2 when the file is missing, corrupted (checksum mismatch),
+not of its format, or holds no rows.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """The HDF5 pretraining-token contract (h5py), the alternative to `.bin` shards.
 
-One file per split, `<dataset>_<split>.h5` (beside the `.bin` shards and `manifest.json`
-when the pipeline writes both), holding one dataset and no other object:
-    tokens   1-D, little-endian uint16 (vocab <= 65,536) or uint32, chunked by 65,536
-             tokens, uncompressed; the split's documents back to back, each followed by eot
-    attrs    on the `tokens` dataset (not the file): format="sprout-tokens-v1", dataset,
-             split, num_tokens, num_documents, token_dtype, vocab_size, eot_id, bos_id
-             (-1 = none), tokenizer_spec, tokenizer_name, tokenizer_fingerprint,
-             tokens_sha256 (of the little-endian token bytes), seed; and as JSON strings
-             `sources` (name, path, weight each), `split_rule` (`sprout.prep.keys.SplitRule`)
-             and `cleaning` (the `sprout.prep.clean.CleanConfig` used)
-Required on read: format, split, num_tokens, num_documents, token_dtype, vocab_size,
-eot_id, tokenizer_spec, tokenizer_fingerprint, tokens_sha256 (`REQUIRED_ATTRS`).
-The writer appends blocks and renames into place only when finished (`sprout.atomic.AtomicH5`,
-which also turns a full disk into one line naming the file);
-timestamps are off, so the same tokens and attributes give the same file bytes. `open_tokens_h5`
-validates all of the above and refuses anything else with an error naming the file
-(an SFT file's 2-D `tokens`, a wrong dtype, a missing attribute, a truncated file).
+One file per split, `<dataset>_<split>.h5`, listed in the `manifest.json` beside it, holding
+one dataset and no other object:
+    tokens   1-D little-endian uint16 (vocab <= 65,536) or uint32, chunked by 65,536 tokens,
+             uncompressed; the split's documents back to back, each followed by eot
+    attrs    on `tokens`: format="sprout-tokens-v1", dataset, split, num_tokens, num_documents,
+             token_dtype, vocab_size, eot_id, bos_id (-1 = none), tokenizer_spec, tokenizer_name,
+             tokenizer_fingerprint, tokens_sha256 (of the little-endian token bytes), seed; as JSON
+             strings `sources` (name, path, weight each), `split_rule` (`sprout.prep.keys.SplitRule`)
+             and `cleaning` (`sprout.prep.clean.CleanConfig`)
+Required on read (`REQUIRED_ATTRS`): format, split, num_tokens, num_documents, token_dtype,
+vocab_size, eot_id, tokenizer_spec, tokenizer_fingerprint, tokens_sha256. Written by blocks and
+renamed into place when finished (`sprout.atomic.AtomicH5`), timestamps off: the same tokens and
+attributes give the same bytes. `open_tokens_h5` refuses anything else, naming the file.
 """
 
 from __future__ import annotations

@@ -1,36 +1,30 @@
 """The `manifest.json` contract: what a folder of pretraining tokens holds and how it was made.
 
-Written last and atomically by `sprout.prep.pretrain` (after the previous one is removed), so
-a folder without one is unfinished. A JSON object with these fields (* = required on read):
+Written last and atomically by `sprout.prep.pretrain` (the old one removed first): a folder
+without one is unfinished.
+A JSON object (* = required on read; `read_manifest` names the file and field otherwise):
     format*       "sprout-pretrain-v1"
     dataset*      the file name prefix: `<dataset>_<split>_<6 digits>.bin`, `<dataset>_<split>.h5`
-    tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*}; the
-                  fingerprint is the sha256 of the tokenizer's file (SentencePiece model,
-                  tiktoken ranks or tokenizer.json), so a loader can refuse a mismatched tokenizer
+    tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*}; fingerprint:
+                  sha256 of the tokenizer's file (SentencePiece model, tiktoken ranks, tokenizer.json)
     token_dtype*  "uint16" | "uint32"
-    shards*       {"train": [{file, num_tokens, sha256, max_token_id}, ...], "val": [...]}: the
-                  `.bin` shards (`sprout.formats.shards`), in stream order; empty lists for
-                  hdf5 only. `max_token_id`: the largest id in the shard (-1 when empty),
-                  so a trainer checks the model's vocabulary without reading the ids
-    hdf5*         {"train": {file, num_tokens, sha256, tokens_sha256, max_token_id}, "val": {...}}:
+    shards*       {"train": [{file*, num_tokens*, sha256*, max_token_id*}, ...], "val": [...]}: the
+                  `.bin` shards (`sprout.formats.shards`) in stream order, [] for hdf5 only;
+                  max_token_id: the largest id (-1 when empty), to check a vocabulary unread
+    hdf5*         {"train": {file*, num_tokens*, sha256*, tokens_sha256, max_token_id*}, "val": {...}}:
                   the `.h5` files (`sprout.formats.h5tokens`); {} for bin only
     splits*       {"train": {documents, tokens}, "val": {documents, tokens}}
-    sources*      one object per source: name, path (as given), text_field, weight, files,
-                  documents_read, invalid_json, invalid_unicode (texts with a lone surrogate),
-                  unterminated, too_short, non_ascii,
-                  duplicates, documents_kept, train_documents, val_documents, normalised
-                  (documents changed per cleaning rule), tokens {train_natural, train, val},
-                  train_share
-    split_rule*   {method: "hash-fraction" | "hash-count", val_frac | val_docs_per_source,
-                  key}: `sprout.prep.keys.SplitRule.describe`
+    sources*      per source: name, path (as given), text_field, weight, files, documents_read,
+                  invalid_json, invalid_unicode (a lone surrogate), unterminated, too_short,
+                  non_ascii, duplicates, documents_kept, train_documents, val_documents,
+                  normalised (per cleaning rule), tokens {train_natural, train, val}, train_share
+    split_rule*   {method: "hash-fraction" | "hash-count", val_frac | val_docs_per_source, key}
+                  (`sprout.prep.keys.SplitRule.describe`)
     mixture       {seed, run_tokens, train_tokens, weights}
-    cleaning      the `sprout.prep.clean.CleanConfig` used
-    doc_hashes*   {file: "doc_hashes.npz", sha256}: a zip of `train.npy` and `val.npy`, each
-                  the (N, 16) uint8 keys (`sprout.prep.keys.text_key`) of that split's
-                  documents, so a verifier can prove train and val share no document
-    config        the resolved prep config
-    command*      the command line that produced it, as a list of arguments
-`read_manifest` validates the structure and names the file and field when it is wrong;
+    cleaning      the `sprout.prep.clean.CleanConfig` used; config: the resolved prep config
+    doc_hashes*   {file: "doc_hashes.npz", sha256}: `train.npy` and `val.npy`, the (N, 16) uint8
+                  keys (`sprout.prep.keys.text_key`) of each split's documents
+    command*      the command line, as a list of arguments
 `check_output_dir` refuses to write into a folder holding another dataset's outputs.
 """
 

@@ -1,27 +1,15 @@
-"""The loss-mask checker for preference pairs, behind `scripts/check_loss_mask.py FILE.jsonl`.
+"""The loss-mask checker of preference pairs, behind `scripts/check_loss_mask.py FILE.jsonl`.
 
-Each pair of a preference file (`sprout.formats.preference_pairs`) is rendered by
-`sprout.formats.preference_tokens.fit_pair`, the code `data_loader.preference_batches` uses, with
-the same `seq_len` and `truncation`, and the result is then checked from its tokens alone:
-
-- each side parses back into turns with `sprout.chat.segment` in the tokenizer's chat format
-  (BOS, role headers, every turn closed by its end-of-turn token and the format's text after
-  it, roles in order) and its last turn is an assistant turn, ending the side;
-- the side's mask is 1 exactly on that final assistant turn's content and the end-of-turn
-  token closing it, and 0 on everything before: role headers, system and user text, and
-  earlier assistant turns of the prompt (a 1 or a 0 out of place is named by what it sits on);
-- the masked tokens decode to the record's answer for that side followed by the end-of-turn
-  token;
-- the two sides' prompt tokens (everything before the response) are identical;
-- the prompt's turns decode to the record's prompt messages, minus the exchanges `keep_end`
-  removed (the system message and the last user turn always among those kept), after the
-  format's default system message when the record has no system message;
-- each side fits `seq_len`, so nothing is cut by the context.
-
-Pairs the loader would drop (too long) or shorten (`keep_end`) are listed with their lines;
-they are not violations. A violation names the file line, the pair id, the side and the
-position. `format_pair` and `pairs_html` show both sides of a pair with the trained tokens
-highlighted, as the SFT view (`sprout.formats.maskcheck_sft`) does for rows.
+Each pair is rendered by `sprout.formats.preference_tokens.fit_pair` (the pair loader's code,
+with the same `seq_len` and `truncation`) and checked from its tokens alone:
+- each side parses into turns (`sprout.chat.segment`) and ends with an assistant turn;
+- its mask is 1 exactly on that turn's content and the eot closing it (a 1 or a 0 out of place
+  is named by what it sits on), and those tokens decode to the record's answer and the eot;
+- both sides' prompt tokens are identical and decode to the record's prompt, minus the exchanges
+  `keep_end` removed, after the format's default system message when the record has none;
+- each side fits `seq_len`.
+Pairs the loader would drop or shorten are listed, not violations. A violation names the file
+line, pair id, side and position. `format_pair` and `pairs_html` show both sides of a pair.
 """
 
 from __future__ import annotations

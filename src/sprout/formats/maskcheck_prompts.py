@@ -1,25 +1,14 @@
-"""The prompt checker for RL prompt files, behind `scripts/check_loss_mask.py prompts.jsonl`.
+"""The prompt checker of RL prompt files, behind `scripts/check_loss_mask.py prompts.jsonl`.
 
-Each prompt of a prompt file (`sprout.formats.prompts`) is rendered as the policy will see
-it before it generates: `sprout.chat.render(prompt, tok, add_generation_prompt=True)`.
-The result is then checked from its tokens alone:
-
-- it ends with the assistant role header (generation continues with the answer);
-- the tokens parse back into turns with `sprout.chat.segment` as a conversation whose
-  answer has begun (the prompt plus one answer token, the last turn open) in the tokenizer's
-  chat format: BOS, role headers, every prompt turn closed by its end-of-turn token and the
-  format's text after it, the record's roles in order (after the format's default system
-  message when the record has none), and each turn decodes to the record's message
-  (compared after stripping whitespace).
-
-RL trains on the generated completion only, so no prompt token is ever a target: the mask
-`render` returns (1 on earlier assistant turns, as for SFT) is not used, and the views
-show every prompt token as untrained.
-
-With `seq_len`, prompts of `seq_len` tokens or more (no room left to generate) are listed
-with their lines; they are not violations. A violation names the file line, the prompt id
-and the position. `format_prompt` and `prompts_html` show rendered prompts with the role
-headers marked, as the SFT view (`sprout.formats.maskcheck_sft`) does for rows.
+Each prompt (`sprout.formats.prompts`) is rendered as the policy sees it,
+`sprout.chat.render(prompt, tok, add_generation_prompt=True)`, and checked from its tokens alone:
+it ends with the assistant header, and the prompt plus one answer token parses
+(`sprout.chat.segment`) into the record's turns in order, after the format's default system
+message when the record has none, each decoding to the record's message (compared stripped).
+RL trains on the completion only, so no prompt token is a target: the views show every prompt
+token untrained. With `seq_len`, prompts of `seq_len` tokens or more (no room to generate) are
+listed, not violations. A violation names the file line, prompt id and position.
+`format_prompt` and `prompts_html` show rendered prompts with the role headers marked.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
-"""The loss-mask checker behind `scripts/check_loss_mask.py`.
-
-A misaligned loss mask silently wrecks SFT, so every row of a packed SFT file
-(`sprout.formats.packed_sft`) is re-derived from its tokens and compared with what is stored:
-
-- layout: segment ids are 1, 2, ... k then 0-padding only at the end; position ids restart
-  at 0 for every document; padding holds `pad_id` and mask 0; mask values are 0/1; ids are
-  inside the vocabulary; column 0 of the mask (never a target) is 0;
-- each document parses back into turns with `sprout.chat.segment` in the tokenizer's chat
-  format (its BOS first when it has one, role headers, eot after every turn followed by the
-  format's untrained text such as chatml's newline, roles in order, no header inside a
-  turn's content);
-- the stored mask equals the template's mask for those turns: 1 exactly on every assistant
-  turn's content and the eot that closes it, 0 on BOS, role headers, system and user tokens
-  and the text after each eot
-  (so every run of 1s is one assistant turn plus its eot, and every assistant turn is
-  covered). A mask shifted by one position (marking inputs instead of targets) is named as such;
-- a document may lack its final eot only when it fills its row to the last column (an
-  answer cut by `overlong: truncate`), and the number of such documents must equal the
-  `truncated_open` count the prep stored.
-
-Violations name the row and the position in the row. `format_row` and `rows_html` show
-rows with trained tokens highlighted (ANSI in the terminal, a page for `--html` with every
-token in its own box, the end-of-turn token named and truncated answers marked); rows are
-chosen by number (`parse_rows`), at random with a seed (`random_rows`) or, by default, as
-the rows that show the most (`telling_rows`: a packing boundary, a trained end-of-turn
-token, padding). `prep_warnings` turns the prep's counts of truncated and dropped examples
-into warning lines.
+"""The loss-mask checker of packed SFT rows (`sprout.formats.packed_sft`), behind
+`scripts/check_loss_mask.py FILE.h5`: every row is re-derived from its tokens and compared with
+what is stored. Rules, each violation named by row and position:
+- layout (`check_layout`, also run at every SFT start): segment ids 1, 2, ... k then 0 padding;
+  position ids restart at 0 per document; padding holds `pad_id` and mask 0; mask values 0/1;
+  ids inside the vocabulary; mask column 0 (never a target) is 0;
+- each document parses back into turns (`sprout.chat.segment`) in the tokenizer's chat format;
+- the stored mask is the template's for those turns (`sprout.chat.mask_for`): 1 exactly on each
+  assistant turn's content and the eot closing it; a mask shifted by one position is named so;
+- a document may lack its final eot only when it fills its row (an answer cut by `overlong:
+  truncate`), and there are as many of those as the prep's `truncated_open` count.
+Rows to show are chosen by number (`parse_rows`), at random with a seed (`random_rows`) or as the
+rows that show the most (`telling_rows`); `format_row` and `rows_html` show them, and
+`prep_warnings` turns the prep's counts of truncated and dropped examples into warnings.
 """
 
 from __future__ import annotations

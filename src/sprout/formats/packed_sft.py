@@ -1,37 +1,26 @@
-"""The packed-SFT HDF5 contract: single source of truth for `sft.h5` / `sft_val.h5`.
+"""The packed-SFT HDF5 contract: `sft.h5` (train) and `sft_val.h5` (val) beside it, written
+atomically and renamed into place together (`write_sft_files`). Datasets, all (N, L) with
+L = `seq_len`, chunked by rows and fletcher32-checksummed (a flipped byte fails on read):
+    tokens        uint16 (vocab <= 65,536) | uint32   packed ids, `pad_id` in padding
+    loss_mask     uint8 0/1   1 = a training target (assistant content and the eot closing it)
+    segment_ids   uint16      1..k for the row's k documents, 0 on padding
+    position_ids  uint16      0.. within each document (restart per document), 0 on padding
+Attributes: format "sprout-sft", format_version 1, split ("train"|"val"), seq_len, num_rows,
+tokenizer_spec, tokenizer_name, tokenizer_fingerprint, vocab_size, eot_id, pad_id,
+template_version (e.g. `sprout-chat-v1`), command, prep_run_id; as JSON: template (role header
+ids, eot; for other chat formats also the format, the ids after each eot and the BOS), counts
+(per-source reads, drops by reason, dedup, split, packing totals), config (the resolved prep
+config), sha256 (per dataset over its C-order bytes: `SFTFile.verify`, `check_hashes`).
+`prep_run_id` (`run_id_of`), the same in both files of a pair: the first 32 hex digits of the
+sha256 of the config, command and every dataset's sha256 of both files, so a pair from two
+prep runs, or a sha256 or config changed after prep, is told apart (`sprout.formats.verify_inputs`).
 
-One file per split (`sft.h5` for train, `sft_val.h5` beside it for val), written
-atomically and renamed into place together (`write_sft_files`). Datasets, all shape (N, L) with L = `seq_len`, chunked by rows and
-fletcher32-checksummed so a flipped byte fails loudly on read:
-
-    tokens        uint16 (vocab <= 65,536) or uint32   packed token ids, `pad_id` in padding
-    loss_mask     uint8  0/1    1 = this token is a training target (assistant content + eot)
-    segment_ids   uint16        1..k for the k documents of the row, 0 on padding
-    position_ids  uint16        0.. within each document (restart per document), 0 on padding
-
-Attributes: `format` = "sprout-sft", `format_version` = 1, `split` ("train"|"val"),
-`seq_len`, `num_rows`, `tokenizer_spec`, `tokenizer_name`, `tokenizer_fingerprint`,
-`vocab_size`, `eot_id`, `pad_id`, `template_version` (the chat format's version, e.g.
-`sprout-chat-v1`), `template` (JSON: role header ids, eot; for other formats than sprout's
-also the format, the ids after each eot and the BOS), `counts` (JSON: per-source reads,
-drops by reason, dedup, split, packing totals),
-`config` (JSON: the resolved prep config), `command`, `sha256` (JSON: a sha256 per
-dataset over its C-order bytes, checked by `SFTFile.verify` and, streaming, `check_hashes`),
-and `prep_run_id`: the same in both files of a pair (the first 32 hex digits of the sha256
-of the prep config, command and every dataset's sha256 of both files, `run_id_of`), so a train
-file and a val file from different prep runs are told apart, and a recorded sha256 or config
-changed after prep no longer matches the id (`sprout.formats.verify_inputs.verify_sft_pair`).
-
-Each row holds whole examples (conversations rendered by `sprout.chat.render`), packed
-best fit by `sprout.prep.packing`, never cut across rows (an over-long one is truncated at
-the row end or dropped), then padding. `loss_mask[r, i] == 1` says token i is a training
-*target*: assistant content and the eot that closes each assistant turn; role headers,
-system and user text, a BOS, the text after an eot (chatml's newline) and padding are 0.
-`segment_ids` tell examples apart so attention never crosses one; `position_ids` restart
-at 0 for each example (rotary positions).
-Models read row r as inputs `tokens[r, :-1]`, targets `tokens[r, 1:]`, loss mask
-`loss_mask[r, 1:]`, with `segment_ids[r, :-1]` and `position_ids[r, :-1]`.
-`SFTFile` refuses any file that is not this contract with an error naming the file.
+A row holds whole examples (`sprout.chat.render`) packed best fit (`sprout.prep.packing`), never
+cut across rows (an over-long one is truncated at the row end or dropped), then padding.
+loss_mask is 0 on role headers, system and user text, a BOS, the text after an eot (chatml's
+newline) and padding. Models read row r as inputs `tokens[r, :-1]`, targets `tokens[r, 1:]`,
+loss mask `loss_mask[r, 1:]`, with `segment_ids[r, :-1]` (attention never crosses an example)
+and `position_ids[r, :-1]` (rotary positions). `SFTFile` refuses anything else, naming the file.
 """
 
 from __future__ import annotations

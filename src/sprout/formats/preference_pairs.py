@@ -1,35 +1,24 @@
-"""The preference-pair JSONL contract: single source of truth, reader, verifier, writer.
+"""The preference-pair JSONL contract (TRL's conversational preference format): reader, verifier, writer.
 
-TRL's conversational preference format, one JSON object per line, UTF-8:
-
-    {"id": str,                       unique within the file, non-empty
-     "source": str,                   the prep source it came from, non-empty
-     "prompt": [{"role": "system"|"user"|"assistant", "content": str}, ...],
-                                      the conversation so far, earlier turns kept as their
-                                      own messages; [system?] user, assistant, user, ...,
-                                      ending with a user turn
-     "chosen":   [{"role": "assistant", "content": str}],   exactly one message
-     "rejected": [{"role": "assistant", "content": str}],   exactly one message
-     "margin": float,                 optional: how much better chosen is (e.g. a score
-                                      difference); finite
-     "rejected_kind": str}            optional: how the rejected answer was made (e.g.
-                                      `near_miss`), a lowercase identifier [a-z][a-z0-9_]*;
-                                      a reward model's held-out evaluation reports its
-                                      accuracy per kind
-
-Every content is a non-empty string without the chat template's reserved markers, so
-`prompt + chosen` and `prompt + rejected` are conversations `sprout.chat.render` accepts.
-The two answers differ (compared after stripping surrounding whitespace). No other keys.
-
-A prepared folder holds `preferences.jsonl` (train), `preferences_test.jsonl` (test;
-a prompt is in one file or the other, by a hash of the prompt) and `manifest.json`
-(`sprout.prep.preference_data` writes it: counts, the split rule, the command).
-
-`read_preferences` yields checked records and refuses anything else with one line naming
-the file and line; `verify_preferences` checks a whole file and returns counts and the
-first errors instead of raising; `write_preferences` checks each record and writes the
-file atomically (the line handling is `sprout.formats.jsonl`'s, shared with the other
-JSONL contracts).
+One JSON object per line, UTF-8, no other keys:
+    id             str, non-empty, unique within the file
+    source         str, non-empty: the prep source it came from
+    prompt         [{"role": "system"|"user"|"assistant", "content": str}, ...]: the conversation
+                   so far, earlier turns as their own messages: [system?] user, assistant, user,
+                   ..., ending with a user turn
+    chosen         [{"role": "assistant", "content": str}]: exactly one message
+    rejected       [{"role": "assistant", "content": str}]: exactly one message; the two answers
+                   differ (compared after stripping surrounding whitespace)
+    margin         optional, finite float: how much better chosen is (e.g. a score difference)
+    rejected_kind  optional, [a-z][a-z0-9_]*: how the rejected answer was made (e.g. `near_miss`);
+                   a reward model's held-out evaluation reports its accuracy per kind
+Every content is a non-empty string without the chat template's reserved markers, so `prompt +
+chosen` and `prompt + rejected` are conversations `sprout.chat.render` accepts. A prepared folder
+holds `preferences.jsonl` (train), `preferences_test.jsonl` (test; a prompt is in one or the other,
+by a hash of the prompt) and `manifest.json` (`sprout.prep.preference_data`: counts, split rule,
+command). `read_preferences` yields checked records and refuses anything else in one line naming
+file and line; `verify_preferences` returns counts and the first errors instead of raising;
+`write_preferences` checks each record and writes atomically (line handling: `sprout.formats.jsonl`).
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
 """Preference pairs as token sequences: the one rendering the pair loader and the mask checker share.
 
-Each side of a pair (`sprout.formats.preference_pairs`) is one conversation rendered by
-`sprout.chat.render`: the prompt messages, then that side's single assistant message.
-
+Each side of a pair (`sprout.formats.preference_pairs`) is one conversation (`sprout.chat.render`):
     prompt_ids = render(prompt, add_generation_prompt=True)   ends with the assistant header
     ids        = render(prompt + [answer])                    = prompt_ids + answer + [eot]
     mask[i]    = 1 for len(prompt_ids) <= i < len(ids), else 0
-
-(a side ends with that end-of-turn token: text a chat format writes after it, such as
-chatml's newline, is left out, so a reward model reads its score at the end-of-turn token)
-
-so the response mask covers exactly the final assistant turn's content and the end-of-turn
-token that closes it. Earlier assistant turns inside the prompt, every role header, system
-and user text are 0 (SFT trains every assistant turn; a pair scores only its final answer).
-`mask[i]` says whether token i itself is a response token; a batch shifts it onto targets.
-Both sides must start with the same prompt tokens (`prompt_ids`); a pair where they do not
-is an error naming the file and line.
-
-A side fits the context when `len(ids) <= seq_len`; a pair fits when both sides do.
-`truncation` decides what happens to a pair that does not:
-
-- `drop` (default): the pair is dropped and counted (`dropped_too_long`);
-- `keep_end`: whole exchanges leave the front of the prompt, oldest first: a user turn
-  together with the assistant turn answering it, so the roles still alternate. The system
-  message (when the prompt opens with one) and the last user turn always stay, and nothing
-  inside a response or its end-of-turn token is ever cut. A pair that still does not fit
-  is dropped and counted (`dropped_too_long`); a kept pair that lost turns counts in
-  `truncated` (and its messages in `prompt_turns_dropped`).
-
-Records come from `sprout.formats.preference_pairs.read_preferences`; every line of that file is
-one record (an empty line is an error), so record n is line n. `tokenize_preferences` hands
-`render` a tokenizer that remembers the contents it encoded for the current chunk of
-records, so a prompt is encoded once rather than once per side (and per `keep_end` retry).
+A side ends with that end-of-turn token (text a chat format writes after it, such as chatml's
+newline, is left out) and its mask covers exactly the final answer and that eot; `mask[i]` marks
+token i itself (a batch shifts it onto targets). Both sides start with the same `prompt_ids`,
+else an error names the file and line. A pair fits when both sides have `len(ids) <= seq_len`;
+`truncation` decides what happens to one that does not: `drop` (default) drops and counts it
+(`dropped_too_long`); `keep_end` removes whole exchanges (a user turn and the assistant turn
+answering it) from the front of the prompt, oldest first, always keeping the system message and
+the last user turn and never cutting a response or its eot; a pair that still does not fit is
+dropped (`dropped_too_long`), a kept one that lost turns counts in `truncated` (its messages in
+`prompt_turns_dropped`). Record n is line n of the file (`read_preferences`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,23 @@
-"""The RL prompt JSONL contract: single source of truth, reader, verifier, writer.
+"""The RL prompt JSONL contract (TRL's prompt-only conversational format plus a verifiable gold
+answer, for PPO and GRPO): reader, verifier, writer.
 
-Prompts with a verifiable gold answer, for PPO and GRPO (TRL's prompt-only
-conversational format plus the gold), one JSON object per line, UTF-8:
-
-    {"id": str,               unique within the file, non-empty
-     "source": str,           the prep source it came from, non-empty
-     "prompt": [{"role": "system"|"user"|"assistant", "content": str}, ...],
-                              the conversation so far: [system?] user, assistant, user, ...,
-                              ending with a user turn; the policy writes the next
-                              assistant turn
-     "gold": str,             the answer, a normalised number: exactly what
-                              `sprout.answers.normalise_number` writes for it
-                              (`1080`, `-3`, `2.5`, `1/3`; never `1,080`, `$5` or `0.50`)
-     "level": int | null}     the curriculum level (an integer >= 0, e.g. the arithmetic
-                              generator's 1-4), or null when the source has none
-
+One JSON object per line, UTF-8, no other keys:
+    id      str, non-empty, unique within the file
+    source  str, non-empty: the prep source it came from
+    prompt  [{"role": "system"|"user"|"assistant", "content": str}, ...]: the conversation so far,
+            [system?] user, assistant, user, ..., ending with a user turn; the policy writes the
+            next assistant turn
+    gold    str: the answer as a normalised number, exactly what `sprout.answers.normalise_number`
+            writes for it (`1080`, `-3`, `2.5`, `1/3`; never `1,080`, `$5` or `0.50`)
+    level   int >= 0 | null: the curriculum level (e.g. the arithmetic generator's 1-4), null when
+            the source has none
 Every content is a non-empty string without the chat template's reserved markers, so
-`sprout.chat.render(prompt, tok, add_generation_prompt=True)` accepts the prompt. No other
-keys.
-
-A prepared folder holds `prompts.jsonl` (train), `prompts_test.jsonl` (test; a prompt is
-in one file or the other) and `manifest.json` (`sprout.prep.rl_prompts` writes it:
-counts, the split rule, the command).
-
-`read_prompts` yields checked records and refuses anything else with one line naming the
-file and line; `verify_prompts` checks a whole file and returns counts and the first
-errors instead of raising; `write_prompts` checks each record and writes the file
-atomically (the line handling is `sprout.formats.jsonl`'s, shared with the other JSONL
-contracts).
+`sprout.chat.render(prompt, tok, add_generation_prompt=True)` accepts the prompt. A prepared folder
+holds `prompts.jsonl` (train), `prompts_test.jsonl` (test; a prompt is in one or the other) and
+`manifest.json` (`sprout.prep.rl_prompts`: counts, split rule, command). `read_prompts` yields
+checked records and refuses anything else in one line naming file and line; `verify_prompts`
+returns counts and the first errors instead of raising; `write_prompts` checks each record and
+writes atomically (line handling: `sprout.formats.jsonl`).
 """
 
 from __future__ import annotations

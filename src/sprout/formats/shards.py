@@ -1,25 +1,17 @@
-"""The `.bin` token-shard contract (nanoGPT / llm.c / parameter-golf layout).
+"""The `.bin` token-shard contract (nanoGPT / llm.c / parameter-golf layout); every reader and
+writer of shards goes through this module.
 
-This module is the single source of truth for the format; every reader and writer
-in sprout goes through it (`data_loader.token_batches` reads, `sprout.prep.store` writes,
-`sprout.formats.verify_inputs` and `sprout.formats.audit_tokens` check).
-
-Layout of one shard:
-    header   256 little-endian int32 (1024 bytes)
-             [0] magic, [1] version, [2] num_tokens, [3..255] zero
+    header   256 little-endian int32 (1024 bytes): [0] magic, [1] version, [2] num_tokens, [3..255] 0
     payload  num_tokens little-endian token ids
+    (magic, version), as llm.c defines them: 20240520/1 -> uint16 ids (vocab <= 65,536),
+    20240801/7 -> uint32 ids
 
-Two (magic, version) pairs are accepted, as llm.c defines them:
-    20240520 / 1  -> uint16 ids (vocab <= 65,536)
-    20240801 / 7  -> uint32 ids (larger vocabularies)
-
-The file size must equal 1024 + num_tokens * itemsize. Anything else is refused with
-a `ShardError` that names the file. Shards are named `<dataset>_<split>_<index:06d>.bin`
-(split: train | val) and sit beside a `manifest.json` (`sprout.formats.manifest`) that
-records each shard's token count and sha256. The payload is the split's documents back to
-back, each followed by the tokenizer's eot id; the shards of a split, in index order, form
-one stream, and a document may continue into the next shard. Validation documents are
-chosen by a hash of each document (`sprout.prep.keys`), never a prefix of the stream.
+The file size must equal 1024 + num_tokens * itemsize; anything else is a `ShardError` naming
+the file. Shards are named `<dataset>_<split>_<index:06d>.bin` (split: train | val), each listed
+with its token count and sha256 in the `manifest.json` beside them (`sprout.formats.manifest`).
+A split's shards, in index order, are one stream: its documents back to back, each followed by
+the eot id (a document may continue into the next shard). Val documents are chosen by a hash of
+each document (`sprout.prep.keys`), never a prefix of the stream.
 """
 
 from __future__ import annotations
