@@ -1,7 +1,9 @@
-"""Torch-facing readers over sprout's on-disk formats.
+"""Torch-facing readers over sprout's on-disk formats (`sprout.formats`). Loaders never import
+trainers; trainers take the iterables these produce and never open files themselves.
 
-Token streams and windows over `.bin` shards and HDF5 (`data_loader.token_batches`), packed
-SFT rows (`data_loader.sft_batches`), preference pairs (`data_loader.preference_batches`), RL prompts
-(`data_loader.prompt_batches`). Loaders never import trainers; trainers take the iterables these
-produce and never open files themselves.
+    token_batches.py       pretraining: token streams, per-rank spans, random windows over `.bin`/HDF5
+    sft_batches.py         packed SFT rows, shifted for next-token prediction
+    preference_batches.py  preference pairs, chosen and rejected sides of a micro-batch
+    prompt_batches.py      RL prompts, rendered once, split over ranks; `check_held_out`
+    order.py               the seeded, resumable training order of whole items (rows, pairs, prompts)
 """
