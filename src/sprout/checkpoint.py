@@ -1,54 +1,17 @@
 """Checkpoints: safetensors weights, a JSON meta and the training state, written atomically.
 
-One checkpoint is a directory:
+The folder layout and meta.json's fields are `sprout.formats.checkpoint_meta`'s contract.
+train_state.pt (optimizer, scheduler, RNG and a stage's tensor state under `extra`) holds
+tensors and plain containers only, read back with torch.load(weights_only=True). A checkpoint
+is written into a temporary sibling and renamed into place, so a crash leaves the old one or
+the complete new one, and a full disk is one line naming it; `save_rotating` writes `latest`
+last and keeps the newest K of the run's own checkpoints (same `run_id`). Every read checks
+meta.json against its `meta_sha256`; a load checks every file's sha256 too.
 
-    model.safetensors   the weights (safetensors: a flat tensor file, nothing to unpickle)
-    train_state.pt      optimizer, scheduler and RNG state: tensors and plain containers only,
-                        read back with torch.load(weights_only=True), which refuses pickled code
-    meta.json           format, architecture, model config, tokenizer, stage, step, tokens seen,
-                        loader state, the run's config and its hash, the run's `run_id`, the sha256 of both
-                        files above, and `meta_sha256`, the sha256 of everything else in meta.json
-                        (`meta_digest`), so an edited step or config is refused too; read
-                        without torch by `sprout.formats.checkpoint_meta.read_meta`
-
-It is written into a temporary sibling directory and renamed into place, so a crash leaves
-either the old checkpoint or the complete new one (the next save removes the temporary a
-killed save left), and a full disk ends in one line naming the checkpoint, with nothing
-partial left. A run keeps its checkpoints under `<out>/checkpoints/step_XXXXXXXX/` next to
-`latest`, a one-line pointer written last; only the newest K of the run's own checkpoints
-(same `run_id` in meta.json) are kept. Loading checks every file's sha256 against meta.json
-and refuses a corrupted or modified file, or a meta.json without the hashes, with an error
-that names it; meta.json itself is checked against its `meta_sha256` on every read (a meta
-without one is refused). `latest` must name a checkpoint folder
-in its own folder: one that points elsewhere (another run's) is refused.
-
-Architecture: meta.json `architecture` says which module the weights belong to ("lm",
-"lm+value" or "reward"): `save_checkpoint` takes what the module declares (`architecture_of`),
-or for a gathered state dict what `meta` says. A checkpoint without the field is an "lm".
-Building a module from a checkpoint is the model's side: `sprout.model.load`.
-
-Inputs: a run started from a checkpoint records it in meta.json's `init` (`init_record`: path,
-stage, step, weights sha256), which the run's report names.
-
-Frozen models: a stage that scores with other checkpoints after its first step (the reference of
-DPO, PPO and GRPO, PPO's reward model) records each in meta.json's `frozen_models` ({role:
-`frozen_model_record`: path, weights sha256, how it is used}); a resume refuses one whose weights
-or use changed since (`sprout.engine.trainer.check_frozen_models`), so a run never continues
-against another model.
-
-Tensor state of a stage (a rollout buffer, a sampler's generator) goes in train_state.pt
-under `extra`, read back with weights_only=True like the rest, never in meta.json.
-
-Tokenizer: a run keeps its own copy of the tokenizer file in `<run>/tokenizer/`
-(`bundle_tokenizer`; SentencePiece and hf: specs, a tiktoken spec is a name, nothing to copy),
-and every checkpoint's meta records `tokenizer_file` (relative to the run folder, e.g.
-"tokenizer/sp4096.model", or "tokenizer/FOLDER/tokenizer.json" for hf:) and `tokenizer_sha256`
-next to the original `tokenizer` spec; an hf: tokenizer also records the sha256 of the
-tokenizer_config.json / special_tokens_map.json / chat_format.json / chat_template.jinja
-copied beside it, in `tokenizer_side_sha256`
-({file name: sha256}). `checkpoint_tokenizer(meta)` opens that copy, from the checkpoint's own
-run folder wherever it now lies, and refuses a file whose sha256 differs; a checkpoint with
-only a `tokenizer` spec (the older form) loads that spec as before.
+meta.json also records what the run depends on: the checkpoint it started from (`init_record`),
+the frozen models it scores with (`frozen_model_record`; a resume refuses one that changed) and
+the run's own copy of its tokenizer (`bundle_tokenizer`), which `checkpoint_tokenizer` opens
+from the run folder wherever it lies, refusing a file whose sha256 differs.
 """
 
 from __future__ import annotations
@@ -344,7 +307,7 @@ def checkpoint_tokenizer(meta: dict, spec: str | None = None):
     With `tokenizer_file` in meta: that file in the checkpoint's run folder (with the side files
     of `tokenizer_side_sha256`), refused when a sha256 differs, loaded as the kind of the
     recorded `tokenizer` spec (sentencepiece unless that is hf:). Otherwise the `tokenizer` spec
-    (older checkpoints). A recorded `tokenizer_fingerprint` must match either way.
+    (tiktoken: a name, no file). A recorded `tokenizer_fingerprint` must match either way.
     """
     from sprout.tokenizer import load_tokenizer
 

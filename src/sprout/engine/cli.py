@@ -1,22 +1,16 @@
 """A training script's command line and its run folder, before the stage loads torch.
 
-A training script parses its arguments with `run_parser` + `parse_run_config`, which
-  - lists every config field in --help (`sprout.config_help.config_help`),
-  - refuses a fresh run into a folder that already holds a run (its checkpoints, metrics,
-    config.yaml, report, plot, tokenizer copy or tracker logs) unless --overwrite, which
-    deletes those files and only those (`clear_run`), once the stage has checked its inputs
-    (`clear_deferred`, called by `sprout.engine.run_stage.train_stage` before the new run's first write),
-  - on --resume, reads the run's own <out>/config.yaml (so `--out DIR --resume` is enough),
-    keeps the run's length unless --train.max_steps is given on the command line (printing
-    the change), and exits 0 with "nothing to do" when the run is already complete.
-Nothing here imports torch, so --help, a refused folder and "nothing to do" never load it; the
-script imports its stage's `run_*` function after parsing.
-
-One trainer at a time per run folder: `sprout.engine.run_stage.train_stage` holds `<out>/run.lock`
-(`run_lock`, rank 0; `sprout.atomic.hold_lock`) while it trains, and --overwrite takes it before
-deleting anything, so a second trainer on the same --out exits 2 naming the folder and the
-holder's pid.
-An interrupted run (Ctrl-C or SIGTERM: `sprout.engine.callbacks.StopSignals`) prints the command that resumes it
+`run_parser` + `parse_run_config` give every script --help with each config field, and:
+  - a fresh run into a folder that holds a run (`run_files`) is refused unless --overwrite,
+    which deletes those files and only those, once the stage has checked its inputs
+    (`clear_deferred`, before the new run's first write);
+  - --resume reads the run's own <out>/config.yaml (refused, naming it, when it lacks a field),
+    keeps the run's length unless --train.max_steps is given, and exits 0 with "nothing to do"
+    when the run is complete.
+Nothing here imports torch, so --help, a refused folder and "nothing to do" never load it.
+One trainer at a time per run folder: `run_lock` holds `<out>/run.lock` (rank 0) while it
+trains, and --overwrite takes it before deleting anything; a second trainer exits 2 naming the
+folder and the holder's pid. An interrupted run prints the command that resumes it
 (`resume_command`) and exits with 128 + the signal number.
 """
 

@@ -1,18 +1,18 @@
 """A checkpoint's meta.json and the folder names around it, read without torch (`read_meta`).
 
 A checkpoint is a directory holding `model.safetensors` (WEIGHTS), `train_state.pt` (STATE) and
-`meta.json` (META); a folder of checkpoints has a `latest` pointer (LATEST), one line naming
-the newest. meta.json holds the format (FORMAT), architecture, model config, tokenizer, stage,
-step, tokens seen, loader state, the run's config and its hash, the run's `run_id`, the sha256
-of both files above (`files`), and `meta_sha256` (META_DIGEST), the sha256 of everything else
-in meta.json (`meta_digest`), so an edited step or config is refused too. Writing checkpoints
-and loading their tensors is `sprout.checkpoint`'s.
+`meta.json` (META); a folder of checkpoints has a `latest` pointer (LATEST), one line naming the
+newest, which must lie in that folder. meta.json holds the format (FORMAT), architecture ("lm",
+"lm+value" or "reward"), model config, tokenizer (and the run's copy of it: `tokenizer_file`,
+`tokenizer_sha256`), stage, step, tokens seen, loader state, the run's config and its hash,
+`run_id`, `init` and `frozen_models` (`sprout.checkpoint`, which writes checkpoints), the sha256
+of both files above (`files`) and `meta_sha256` (META_DIGEST), the sha256 of every other field
+(`meta_digest`), so an edited step or config is refused too, as is a meta.json without it.
 
-A reward model's checkpoint says how it scores a response (`reward_score_of`): a RewardModel
-(architecture "reward") by its score head; an LM trained with `reward.score: logprob`
-(`sprout.stages.reward`), or imported from an export of one (`sprout.model.hf_import`), by β ×
-the response's summed log-probability, its meta.json holding `reward_score: {"kind": "logprob",
-"beta": β}` (`logprob_rule`: β a finite number above 0).
+A reward model's checkpoint says how it scores a response (`reward_score_of`): a RewardModel by
+its score head; an LM whose meta.json holds `reward_score: {"kind": "logprob", "beta": β}` (β a
+finite number above 0: `logprob_rule`; `reward.score: logprob` or an import of its export) by
+β × the response's summed log-probability.
 """
 
 from __future__ import annotations

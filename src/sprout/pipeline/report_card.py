@@ -1,40 +1,17 @@
 """The report card of a pipeline run: every stage's checkpoint compared on one table.
 
-`write_report_card(preset, state)` writes, for the stages `sprout.pipeline.runner` recorded as done,
-
-    <out>/report.md                 the table, the held-out evaluation with 95 % intervals and
-                                    each policy's change, the plots, the answers, wall time and tokens/s
-    <out>/report/report_card.json   the table's figures, as read (what a test compares), and
-                                    `held_out`: the evaluation's figures, intervals and changes
-    <out>/report/*.png              loss curves of every train stage; reward-model accuracy;
-                                    DPO margins and chosen log-probs; RL reward, KL, entropy and
-                                    completion length; pass@1 by stage with its 95 % interval
-    <out>/report/answers.json       the same prompts answered greedily by each policy, kept
-                                    with the weights' sha256 so a later report reuses them
-
-Every figure is read back from a train stage's own metrics.jsonl (its last eval record:
-`val_bpb`; `val_loss` of an SFT run, the masked loss per trained token; `val_accuracy` of a
-reward model, held-out pairs ranked right / pairs; `val_rewards/accuracies` of DPO) or from
-the JSON scripts/evaluate.py wrote for it (an eval stage whose input it is: `arith.json`
-pass@1, pass@8 and `completions/mean_length`, sampled completion tokens / (prompts × n);
-`gsm8k.json` pass@1; greedy accuracy of both). The table leaves out a column no stage has a
-figure for. The reward-model and DPO stages' held-out accuracy and margin (and the
-reward model's accuracy per source and per kind of rejected answer) are shown first eval ->
-last eval, each accuracy with the Wilson 95 % interval of the last eval, round(accuracy ×
-`val_pairs`) of `val_pairs` pairs (`sprout.evaluation.statistics.wilson_interval`; also `<column>_ci`
-in the JSON rows).
-Tokens/s is the mean of the training records' `tokens_per_s`; wall time
-is the runner's, summed over a stage's interrupted segments. A stage without a figure shows
-a dash. Role of a stage (what it is read for): the preset's `role`, by default its script's
-name without `train_` (pretrain, sft, reward, dpo, ppo, grpo).
-
-The held-out evaluation (`sprout.pipeline.report_held_out`): every figure of the eval
-JSONs in percent with its 95 % interval over problems (Wilson when every problem scores 0
-or 1, else a percentile bootstrap over problems, as scripts/evaluate.py wrote it), and from
-the second evaluated stage on the change of pass@k and greedy accuracy against the previous
-evaluated stage and against the first, on the same problems (paired by problem id), with a
-paired bootstrap interval over problems; "✓" marks a change whose interval excludes 0, else
-"not significant"; files of different problems are not paired and the cell says so.
+`write_report_card(preset, state)` writes, for the stages `sprout.pipeline.runner` recorded done,
+<out>/report.md (the table, the held-out evaluation, plots, answers, wall time and tokens/s),
+<out>/report/report_card.json (the table's figures as read, and `held_out`), <out>/report/*.png
+and <out>/report/answers.json (each policy's greedy answers, kept with its weights' sha256 so a
+later report reuses them). Every figure is read back, never recomputed: from a train stage's
+last eval record (`val_bpb`; SFT `val_loss`, masked loss per trained token; reward `val_accuracy`
+and DPO `val_rewards/accuracies`, pairs ranked right / pairs, with the Wilson 95 % interval of
+round(accuracy × `val_pairs`) of `val_pairs`) or from scripts/evaluate.py's JSON (pass@1, pass@8
+and greedy accuracy; `completions/mean_length`, completion tokens / (prompts × n)). Tokens/s is
+the mean of the training records' `tokens_per_s`; wall time is the runner's, summed over a
+stage's segments. A missing figure is a dash, a column no stage has is left out, and the
+held-out section is `sprout.pipeline.report_held_out`'s.
 """
 
 from __future__ import annotations
