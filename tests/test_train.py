@@ -312,7 +312,10 @@ def test_a_resume_refuses_frozen_models_that_changed_and_accepts_moved_ones():
         return {"frozen_models": roles}
 
     check_frozen_models(saved, now(reward_model={**rm, "path": "b/rm/ckpt"}, reference=ref))  # moved: fine
-    check_frozen_models({"path": "old"}, now(reference=ref))  # a checkpoint saved before the record
+    check_frozen_models({"path": "pre"}, {})  # a stage without frozen models
+    with pytest.raises(SproutError, match=r"^old/meta.json: no frozen_models \(written by an earlier version of "
+                                          r"sprout\); train the run again \(--overwrite\)$"):
+        check_frozen_models({"path": "old"}, now(reference=ref))
     cases = [(now(reward_model={**rm, "weights_sha256": "33"}, reference=ref),
               r"reward_model was a/rm/ckpt, now a/rm/ckpt \(weights_sha256 '11' != '33'\)"),
              (now(reward_model={**rm, "score": {"kind": "logprob", "beta": 0.1}}, reference=ref),

@@ -101,11 +101,14 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 def check_frozen_models(saved: dict, now: dict) -> None:
     """A resume scores with the frozen models its run started with (`frozen_models`, see
     `sprout.checkpoint.frozen_model_record`): one whose weights or use differ now, or one added or
-    dropped, is refused in one line naming it. The paths may differ (a moved run folder); a
-    checkpoint saved without the record resumes as before."""
+    dropped, is refused in one line naming it, as is a checkpoint without the record. The paths
+    may differ (a moved run folder). Stages without frozen models record none."""
     before, after = saved.get("frozen_models"), now.get("frozen_models")
-    if before is None or after is None:
+    if after is None:
         return
+    if before is None:
+        raise SproutError(f"{saved['path']}/meta.json: no frozen_models (written by an earlier version of sprout); "
+                          f"train the run again (--overwrite)")
 
     def use(record):  # what must match: everything but the path
         return {k: v for k, v in record.items() if k != "path"} if record else None
