@@ -98,7 +98,7 @@ def main() -> int:
     main_rank = accelerator.is_main_process
     say = print if main_rank else (lambda *a, **k: None)
     model, meta = load_model(args.checkpoint, accelerator.device)
-    if meta.get("architecture") == "reward":
+    if meta["architecture"] == "reward":
         raise SproutError(f"{meta['path']}/meta.json: a reward model scores text; it has no LM head to answer with")
     tok = checkpoint_tokenizer(meta, args.tokenizer)
     if tok.vocab_size > model.config.vocab_size:

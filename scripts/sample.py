@@ -39,7 +39,7 @@ def main() -> None:
     if args.max_new_tokens < 1:
         raise SproutError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
     model, meta = load_model(args.checkpoint, args.device)
-    if meta.get("architecture") == "reward":
+    if meta["architecture"] == "reward":
         raise SproutError(f"{meta['path']}/meta.json: a reward model scores text; it has no LM head to sample from")
     tok = checkpoint_tokenizer(meta, args.tokenizer)
     if tok.vocab_size > model.config.vocab_size:

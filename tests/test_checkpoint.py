@@ -124,6 +124,13 @@ def test_an_edited_meta_and_a_latest_leading_out_are_refused(tmp_path):
             read_meta(root, verify=verify)
         assert str(err.value) == (f"{path / 'meta.json'}: no meta_sha256 (written by an earlier version of "
                                   f"sprout); train or import the run again")
+    del meta["architecture"]  # hashed, but without the field load_model builds its module from
+    (path / "meta.json").write_text(json.dumps({**meta, "meta_sha256": meta_digest(meta)}, indent=2))
+    for read in (read_meta, load_model):
+        with pytest.raises(SproutError) as err:
+            read(root)
+        assert str(err.value) == (f"{path / 'meta.json'}: no architecture (written by an earlier version of "
+                                  f"sprout); train or import the run again")
     other = save_rotating(tmp_path / "other" / "checkpoints", 8, model, meta={"model_config": model.config})
     (root / "latest").write_text(f"../../other/checkpoints/{other.name}\n")
     with pytest.raises(SproutError, match="is not a plain file name"):

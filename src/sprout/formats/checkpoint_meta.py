@@ -7,7 +7,7 @@ newest, which must lie in that folder. meta.json holds the format (FORMAT), arch
 `tokenizer_sha256`), stage, step, tokens seen, loader state, the run's config and its hash,
 `run_id`, `init` and `frozen_models` (`sprout.checkpoint`, which writes checkpoints), the sha256
 of both files above (`files`) and `meta_sha256` (META_DIGEST), the sha256 of every other field
-(`meta_digest`), so an edited step or config is refused too, as is a meta.json without it.
+(`meta_digest`), so an edited step or config is refused too, as is a meta.json lacking it or `architecture`.
 
 A reward model's checkpoint says how it scores a response (`reward_score_of`): a RewardModel by
 its score head; an LM whose meta.json holds `reward_score: {"kind": "logprob", "beta": β}` (β a
@@ -72,8 +72,9 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
     if verify and (not isinstance(files, dict) or not {WEIGHTS, STATE} <= set(files)):
         raise SproutError(f"{path / META}: no sha256 for {WEIGHTS} and {STATE} (`files` missing or incomplete); "
                           f"refusing an unverifiable checkpoint")
-    if META_DIGEST not in meta:
-        raise SproutError(f"{path / META}: no {META_DIGEST} (written by an earlier version of sprout); "
+    missing = [key for key in (META_DIGEST, "architecture") if key not in meta]
+    if missing:
+        raise SproutError(f"{path / META}: no {' or '.join(missing)} (written by an earlier version of sprout); "
                           f"train or import the run again")
     if meta_digest(meta) != meta[META_DIGEST]:
         raise SproutError(f"{path / META}: its contents do not match its {META_DIGEST}; the file was modified")
@@ -105,7 +106,7 @@ def reward_score_of(meta: dict) -> dict | None:
     whose meta.json has that `reward_score` (trained with score logprob, or imported from its
     export), None for any other checkpoint. A logprob record without a finite positive β is
     refused, naming the meta.json."""
-    arch = meta.get("architecture", "lm")
+    arch = meta["architecture"]
     if arch == "reward":
         return {"kind": "head"}
     score = meta.get("reward_score") or {}

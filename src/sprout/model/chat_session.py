@@ -36,7 +36,7 @@ class Reply:
 def load_chat_model(path, device="cpu", tokenizer: str | None = None):
     """(model, tokenizer, meta) of a checkpoint; `tokenizer` (a spec) overrides the one in its meta."""
     model, meta = load_model(path, device)
-    if meta.get("architecture") == "reward":
+    if meta["architecture"] == "reward":
         raise SproutError(f"{meta['path']}/meta.json: a reward model scores text; it has no LM head to chat with")
     tok = checkpoint_tokenizer(meta, tokenizer)
     check_trained_format(meta.get("template_version"), format_for(tok), f"{meta['path']}/meta.json")

@@ -17,8 +17,8 @@ from sprout.model.transformer import uninitialised
 
 
 def model_class(meta: dict):
-    """The module class of a checkpoint's architecture (an old meta without one: the LM)."""
-    arch = meta.get("architecture", "lm")
+    """The module class of a checkpoint's architecture."""
+    arch = meta["architecture"]
     if arch not in ARCHITECTURES:
         raise SproutError(f"{Path(meta['path']) / META}: unknown architecture {arch!r} "
                           f"(known: {', '.join(ARCHITECTURES)})")
@@ -33,7 +33,7 @@ def check_init_architecture(meta: dict, stage: str, allowed: tuple[str, ...] = (
     """Refuse a checkpoint that `stage` cannot start from, saying what it is and what the stage
     needs: `{path}/meta.json: a reward model checkpoint (architecture reward); SFT needs an lm
     checkpoint`."""
-    arch = meta.get("architecture", "lm")
+    arch = meta["architecture"]
     if arch not in allowed:
         what = ARCHITECTURE_NAMES.get(arch, "a")
         needs = " or ".join(allowed)

@@ -168,7 +168,7 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     ref_model, ref_path = None, None
     if needs_reference(cfg.dpo):
         ref_meta = read_meta(cfg.dpo.ref) if cfg.dpo.ref else run.base
-        if ref_meta["model_config"] != run.base["model_config"] or ref_meta.get("architecture", "lm") != "lm":
+        if ref_meta["model_config"] != run.base["model_config"] or ref_meta["architecture"] != "lm":
             raise SproutError(f"{ref_meta['path']}: dpo.ref must be an LM with the init checkpoint's model config")
         ref_model, ref_path = uninitialised(Transformer, run.model_config), ref_meta["path"]
         load_weights(ref_model, ref_path, ref_meta)

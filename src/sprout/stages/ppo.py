@@ -315,7 +315,7 @@ def load_reward_model(path: str, policy_meta: dict, longest: int):
     if kind is None:
         raise SproutError(f"{where}: reward_model must be a reward model checkpoint (scripts/train_reward.py, "
                           f"or an import of one's export), not a checkpoint of stage {meta.get('stage')!r} (architecture "
-                          f"{meta.get('architecture', 'lm')!r})")
+                          f"{meta['architecture']!r})")
     if meta.get("tokenizer_fingerprint") != policy_meta.get("tokenizer_fingerprint"):
         raise SproutError(f"{where}: the reward model's tokenizer differs from the policy's "
                           f"({meta.get('tokenizer')} vs {policy_meta.get('tokenizer')})")

@@ -331,7 +331,7 @@ class RLRun:
     def init_lm(self, load: bool = True) -> Transformer:
         """A plain LM of the init checkpoint's shape, with its weights when `load`: an LM's as
         they are, a PPO policy's (architecture lm+value) without its value head."""
-        if load and self.base.get("architecture", "lm") != "lm":
+        if load and self.base["architecture"] != "lm":
             return init_from_lm(self.base["path"], "lm")[0]  # the backbone and lm_head, no value head
         model = uninitialised(Transformer, self.model_config)  # its weights loaded here, or by the resume
         if load:
