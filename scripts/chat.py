@@ -6,8 +6,8 @@
 
 A base (pretraining) checkpoint is not chat-tuned: chat says so on stderr and carries on;
 scripts/sample.py continues raw text instead. The checkpoint may be a checkpoint dir, a run dir or its checkpoints/ folder (newest one).
-The tokenizer is the copy its run folder keeps (or, for older checkpoints, the spec its meta
-names; `--tokenizer SPEC` to point elsewhere), so this works from any directory. The history
+The tokenizer is the copy its run folder keeps (a tiktoken one, which has no file: the spec its
+meta names; `--tokenizer SPEC` to point elsewhere), so this works from any directory. The history
 is rendered with the chat template and answered with KV-cache sampling until the
 end-of-turn token; see sprout/model/chat_session.py.
 """
