@@ -182,13 +182,8 @@ def run_section(segs: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def _data_files(meta: dict) -> list[tuple[str, str, str | None, str]]:
-    """(role, path, sha256, when) of the run's data: `meta["data"]` when the stage recorded it
-    ({role: {"path", "sha256"}}), else the config's data paths hashed now."""
-    recorded = meta.get("data")
-    if isinstance(recorded, dict) and recorded:
-        return [(role, d.get("path", "?"), d.get("sha256"), "recorded at the start")
-                for role, d in recorded.items() if isinstance(d, dict)]
+def _data_files(meta: dict) -> list[tuple[str, str, str]]:
+    """(role, path, sha256) of the run's data: the config's data paths, hashed now."""
     data = meta.get("config", {}).get("data", {})
     out = []
     for role, key in (("train", "path"), ("val", "val_path")):
@@ -196,7 +191,7 @@ def _data_files(meta: dict) -> list[tuple[str, str, str | None, str]]:
         if role == "val" and not path and data.get("path", "").endswith(".h5"):
             path = data["path"][:-3] + "_val.h5"
         if path and Path(path).is_file():
-            out.append((role, path, sha256_file(path), "at the end of the run"))
+            out.append((role, path, sha256_file(path)))
     return out
 
 
@@ -208,8 +203,8 @@ def provenance_section(meta: dict) -> list[str]:
     lines = ["## Inputs", "",
              f"- init checkpoint: {code(init.get('path'))} ({init.get('stage')} step {init.get('step')}); "
              f"weights sha256 `{init.get('weights_sha256')}`"]
-    for role, path, digest, when in _data_files(meta):
-        lines.append(f"- {role} data: {code(path)}; sha256 `{digest or 'unknown'}` ({when})")
+    for role, path, digest in _data_files(meta):
+        lines.append(f"- {role} data: {code(path)}; sha256 `{digest}` (at the end of the run)")
     return lines + [""]
 
 
