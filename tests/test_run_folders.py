@@ -256,7 +256,7 @@ def test_a_run_whose_config_lacks_a_field_is_refused_on_resume(tmp_path, monkeyp
     out = tmp_path / "grpo"
     ckpt = out / "checkpoints" / "step_00000002"
     ckpt.mkdir(parents=True)
-    meta = {"format": "sprout-checkpoint-v1", "stage": "grpo", "step": 2}
+    meta = {"format": "sprout-checkpoint-v1", "architecture": "lm", "stage": "grpo", "step": 2}
     (ckpt / "meta.json").write_text(json.dumps({**meta, "meta_sha256": meta_digest(meta)}))
     (out / "checkpoints" / "latest").write_text("step_00000002\n")
     (out / "config.yaml").write_text(dump_yaml(old))
