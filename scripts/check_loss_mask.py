@@ -64,7 +64,7 @@ def main() -> int:
     if tpl.to_json() != attrs["template"]:
         raise SproutError(f"{args.file}: chat template {attrs['template_version']} differs from this sprout's "
                           f"{tpl.to_json()['version']} for {tok.spec}")
-    truncated = attrs["counts"].get("split", {}).get("truncated_open")
+    truncated = attrs["counts"]["split"]["truncated_open"]
     report = check_arrays(arrays, tpl, attrs["pad_id"], attrs["vocab_size"], truncated)
     totals = report.totals()
 

@@ -167,7 +167,8 @@ def test_a_manifest_without_max_token_id_is_refused_by_the_audit_and_at_start(da
     m = manifest(data)
     del m["hdf5"]["val"]["max_token_id"]
     write_json_atomic(data / "manifest.json", m)
-    line = f"{data / 'manifest.json'}: hdf5.val has no max_token_id (written by an older prep); prepare the data again"
+    line = (f"{data / 'manifest.json'}: hdf5.val has no max_token_id (written by an earlier version of sprout); "
+            f"prepare the data again")
     assert failures(data) == [line]
     for given in (data, data / "v_train.h5"):
         with pytest.raises(SproutError) as exc:
@@ -212,4 +213,5 @@ def test_an_sft_pair_without_prep_run_id_is_refused(tmp_path):
         del f.attrs["prep_run_id"]
     with pytest.raises(SproutError) as exc:
         verify_sft_pair(train, val, "sizes")
-    assert str(exc.value) == f"{train}: no prep_run_id (written by an older prep); prepare the data again"
+    assert str(exc.value) == (f"{train}: no prep_run_id (written by an earlier version of sprout); "
+                              f"prepare the data again")

@@ -272,7 +272,7 @@ def _resume_config(args, overrides: dict, config_cls):
             print_rank0(f"{args.config}: train.max_steps {cfg.train.max_steps} ignored: the run keeps its length of "
                         f"{saved_steps} steps (pass --train.max_steps N to change it)")
         cfg.train.max_steps = saved_steps
-    step = int(meta.get("step", 0))
+    step = int(meta["step"])
     if cfg.train.max_steps is not None and step >= cfg.train.max_steps:
         print_rank0(f"nothing to do: {out} is complete at step {step}"
                     + (f" (train.max_steps {cfg.train.max_steps})" if step > cfg.train.max_steps else "")

@@ -43,7 +43,7 @@ class Stage(Protocol):
                                                                     (a std), from the step's reduced metrics
         evaluate(model) -> {"val_...": float}                       reduced over ranks (all_reduce_sums)
         state_dict() -> dict ; load_state_dict(dict)                loader position, saved in meta.json
-        tensor_state() -> dict ; load_tensor_state(dict | None)     optional; this rank's tensors (rollout
+        tensor_state() -> dict ; load_tensor_state(dict)            optional; this rank's tensors (rollout
                                                                     buffer, generator state) on the CPU,
                                                                     saved in train_state.pt
         param_groups(model) -> list[dict]                           optional; see sprout.engine.optim

@@ -356,7 +356,7 @@ class Trainer:
     def resume(self, meta: dict, stage: Stage) -> dict:
         """Restore weights, optimizer, RNG, loader position and counters from the checkpoint of
         `meta`, what `check_resume` returned for it."""
-        self.meta["run_id"] = meta.get("run_id") or self.meta["run_id"]  # a resumed run continues its rotation
+        self.meta["run_id"] = meta["run_id"]  # a resumed run continues its rotation
         load_weights(self.raw_model, meta["path"], meta)  # FSDP2 shards it in place: each rank keeps its shard
         state = load_train_state(meta["path"], meta)
         self._load_optimizer_state(state["optimizer"])
@@ -364,7 +364,7 @@ class Trainer:
         set_rng_state(rngs[self.accelerator.process_index] if len(rngs) == self.world_size else rngs[0])
         stage.load_state_dict(meta["loader_state"])
         if hasattr(stage, "load_tensor_state"):  # this rank's entry (rank 0's when the world size changed)
-            tensors = (state.get("extra") or {}).get("stage") or [None]
+            tensors = state["extra"]["stage"]
             stage.load_tensor_state(tensors[self.accelerator.process_index] if len(tensors) == self.world_size
                                     else tensors[0])
         self.steps_done, self.tokens_seen = int(meta["step"]), int(meta["tokens_seen"])

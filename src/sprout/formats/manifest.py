@@ -114,7 +114,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 def _check_entry(path: Path, entry, where: str) -> None:
     """One listed file: {file, num_tokens, sha256, max_token_id}."""
     if isinstance(entry, dict) and "max_token_id" not in entry:
-        raise SproutError(f"{path}: {where} has no max_token_id (written by an older prep); prepare the data again")
+        raise SproutError(f"{path}: {where} has no max_token_id (written by an earlier version of sprout); "
+                          f"prepare the data again")
     _check_fields(path, entry, {"file": str, "num_tokens": int, "sha256": str, "max_token_id": int}, f"{where}.")
 
 

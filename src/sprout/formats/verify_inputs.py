@@ -258,7 +258,8 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
             if f.attrs["split"] != split:
                 raise SproutError(f"{f.path}: holds the {f.attrs['split']!r} split, expected {split!r}")
             if "prep_run_id" not in f.attrs:
-                raise SproutError(f"{f.path}: no prep_run_id (written by an older prep); prepare the data again")
+                raise SproutError(f"{f.path}: no prep_run_id (written by an earlier version of sprout); "
+                                  f"prepare the data again")
         ids = [f.attrs["prep_run_id"] for f in files]
         if ids[0] != ids[1]:
             raise SproutError(f"{paths[1]}: prep_run_id {ids[1]!r} differs from the train file {paths[0]}'s "

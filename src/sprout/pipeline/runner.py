@@ -285,7 +285,7 @@ def checkpoint_weights(run_dir: Path) -> tuple[str, int] | None:
         meta = read_meta(run_dir / "checkpoints", verify=True)
     except (SproutError, OSError):
         return None
-    return meta["files"][WEIGHTS], int(meta.get("step", 0))
+    return meta["files"][WEIGHTS], int(meta["step"])
 
 
 def outputs_verify(preset: Preset, stage: Stage, rec: dict) -> bool:
@@ -419,7 +419,7 @@ def run_stage(preset: Preset, stage: Stage, state: dict, env: dict, *, force: bo
             sys.stdout.flush()
             code, peak_rss = run_child(cmd, env)
             rss = state["stages"][stage.name]
-            rss["peak_rss_mb"] = max(rss.get("peak_rss_mb", 0.0), round(peak_rss / 2**20, 1))
+            rss["peak_rss_mb"] = max(rss["peak_rss_mb"], round(peak_rss / 2**20, 1))
             if code != 0:
                 raise _exit_message(stage, code)
     finally:

@@ -448,7 +448,7 @@ def summary_table(m: dict) -> str:
     rows = []
     for s in m["sources"]:
         t = s["tokens"]
-        rows.append([s["name"], s["documents_read"], s["invalid_json"], s.get("invalid_unicode", 0), s["unterminated"], s["too_short"],
+        rows.append([s["name"], s["documents_read"], s["invalid_json"], s["invalid_unicode"], s["unterminated"], s["too_short"],
                      s["non_ascii"], s["duplicates"], s["documents_kept"], s["val_documents"],
                      t["train"], t["train_natural"], f"{s['train_share']:.1%}", t["val"]])
     tot = ["total"] + [sum(r[i] for r in rows) for i in range(1, 12)] + ["100.0%", sum(r[13] for r in rows)]

@@ -257,10 +257,9 @@ class PPOStage(RLStage):
     def tensor_state(self) -> dict:
         return {**super().tensor_state(), "kl_ctl": self.kl_ctl.state_dict()}
 
-    def load_tensor_state(self, state: dict | None) -> None:
+    def load_tensor_state(self, state: dict) -> None:
         super().load_tensor_state(state)
-        if state:
-            self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
 
     # ---- the loss ----
     def count_targets(self, batch: dict) -> torch.Tensor:

@@ -290,12 +290,10 @@ class RLStage(LoaderPosition):
         return {"buffer": self.buffer, "served": self.served, "generator": self.generator.get_state(),
                 "all_masked": (self.buffer_all_masked, self.all_masked_steps)}
 
-    def load_tensor_state(self, state: dict | None) -> None:
-        if not state:
-            return
+    def load_tensor_state(self, state: dict) -> None:
         self.buffer, self.served = state["buffer"], int(state["served"])
         self.generator.set_state(state["generator"])
-        self.buffer_all_masked, self.all_masked_steps = state.get("all_masked", (False, 0))
+        self.buffer_all_masked, self.all_masked_steps = state["all_masked"]
 
     # ---- held-out eval ----
     def evaluate(self, model) -> dict:
