@@ -41,8 +41,8 @@ BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 class SourceSpec:
     """One input source. `path` is a file, folder, glob or hub id."""
 
-    path: str
-    name: str | None = None
+    path: str                          # file, folder, glob or hub id; `${SPROUT_MIRROR}/...` for the mirror
+    name: str | None = None            # its name in summaries and the manifest (None: the file stem or hub id tail)
     weight: float | None = in_range(None, "[0, inf)")  # documents taken per document read; None: 1
     text_field: str | None = None      # None -> the pipeline's default ("text")
     format: str = "auto"              # auto | txt | jsonl | json | parquet | hf
