@@ -3,13 +3,17 @@
     lo, hi = wilson_interval(81, 263)                       # a rate: 81 successes of 263
     lo, hi = mean_interval([0.25, 1.0, 0.0, 0.5])           # the mean of per-problem scores in [0, 1]
     diff, lo, hi = paired_difference_interval(before, after)  # {problem id: score} of two stages
+    mean, lo, hi = seeds_mean_interval([seed_a, seed_b, seed_c])   # {problem id: score} per seed
+    diff, lo, hi = seeds_paired_difference_interval(before, [seed_a, seed_b, seed_c])
     excludes_zero(lo, hi)                                   # the change is real
 
 Every interval is about the problems: the figures are means over held-out problems, and the
 interval says how far the mean could move on another draw of as many problems (a problem's
-own sampling noise is part of its score). z = 1.96 throughout. Bootstraps are seeded
-(numpy's PCG64 via `numpy.random.default_rng`): the same scores, resamples and seed give the
-same interval; problems are taken in the order of their ids. No torch here.
+own sampling noise is part of its score); over several training seeds, about the problems and
+the seeds together (a two-level bootstrap, `seeds_bootstrap_means`). z = 1.96 throughout.
+Bootstraps are seeded (numpy's PCG64 via `numpy.random.default_rng`): the same scores,
+resamples and seed give the same interval; problems are taken in the order of their ids.
+No torch here.
 """
 
 from __future__ import annotations
@@ -43,20 +47,52 @@ def wilson_interval(successes: int | float, n: int | float, z: float = Z95) -> t
     return lo, hi
 
 
+def _problem_draws(n: int, resamples: int, seed: int):
+    """(first resample, its indices) chunk by chunk: `resamples` rows of n problem indices drawn
+    uniformly with replacement from `numpy.random.default_rng(seed)`, in chunks whose size is a
+    function of n only, so the draws do not depend on the chunking otherwise."""
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    rng = np.random.default_rng(seed)
+    rows = max(1, _CHUNK_VALUES // n)
+    for start in range(0, resamples, rows):
+        yield start, rng.integers(0, n, size=(min(rows, resamples - start), n))
+
+
 def bootstrap_means(values: Sequence[float], *, resamples: int = RESAMPLES, seed: int = SEED) -> np.ndarray:
     """The means of `resamples` resamples of `values`, each as many values drawn with
     replacement (indices uniform from `numpy.random.default_rng(seed)`)."""
     v = np.asarray(values, dtype=np.float64)
     if v.ndim != 1 or len(v) == 0:
         raise ValueError("bootstrap_means needs a non-empty list of values")
-    if resamples < 1:
-        raise ValueError(f"resamples must be >= 1, got {resamples}")
-    rng = np.random.default_rng(seed)
-    rows = max(1, _CHUNK_VALUES // len(v))  # a function of len(v) only: the draws do not depend on it otherwise
     means = np.empty(resamples, dtype=np.float64)
-    for start in range(0, resamples, rows):
-        m = min(rows, resamples - start)
-        means[start:start + m] = v[rng.integers(0, len(v), size=(m, len(v)))].mean(axis=1)
+    for start, idx in _problem_draws(len(v), resamples, seed):
+        means[start:start + len(idx)] = v[idx].mean(axis=1)
+    return means
+
+
+def seeds_bootstrap_means(scores: Sequence[Sequence[float]], *, resamples: int = RESAMPLES,
+                          seed: int = SEED) -> np.ndarray:
+    """The two-level bootstrap of the mean over S seeds and P problems of x[s][i] (seed s's
+    score on problem i; every seed scored on the same P problems, in the same order).
+
+    Resample b draws S seeds s*_1..s*_S uniformly with replacement (numpy's default_rng
+    with entropy [seed, 1]), then P problems i*_1..i*_P uniformly with replacement, the same
+    draw for every drawn seed (they were scored on the same problems; the draw is
+    `bootstrap_means`' with this seed), and is the mean (1 / S P) Σ_j Σ_k x[s*_j][i*_k].
+    With one seed, or seeds that score alike, these are `bootstrap_means`' means of one
+    seed's scores."""
+    x = np.asarray(scores, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError("seeds_bootstrap_means needs one non-empty list of scores per seed, all as long")
+    n_seeds, n_problems = x.shape
+    seed_rng = np.random.default_rng([seed, 1])
+    means = np.empty(resamples, dtype=np.float64)
+    for start, idx in _problem_draws(n_problems, resamples, seed):
+        drawn = seed_rng.integers(0, n_seeds, size=(len(idx), n_seeds))
+        counts = (drawn[:, :, None] == np.arange(n_seeds)).sum(axis=1)  # times each seed was drawn
+        per_problem = counts @ x / n_seeds  # the drawn seeds' mean score on each problem
+        means[start:start + len(idx)] = np.take_along_axis(per_problem, idx, axis=1).mean(axis=1)
     return means
 
 
@@ -95,6 +131,48 @@ def paired_difference_interval(a: Mapping[str, float], b: Mapping[str, float], *
     d = [float(b[i]) - float(a[i]) for i in ids]
     diff = math.fsum(d) / len(d)
     lo, hi = percentile_interval(bootstrap_means(d, resamples=resamples, seed=seed), z)
+    return diff, lo, hi
+
+
+def _by_seed(seeds: Sequence[Mapping[str, float]], what: str) -> tuple[list[str], list[list[float]]]:
+    """(problem ids sorted, each seed's scores in that order); refused unless every seed has the same ids."""
+    if not seeds or not seeds[0]:
+        raise ValueError(f"{what} needs at least one seed with at least one problem")
+    ids = sorted(seeds[0])
+    for i, s in enumerate(seeds[1:], start=1):
+        if set(s) != set(ids):
+            raise ValueError(f"{what} needs the same problems for every seed, got {len(ids)} and {len(s)} "
+                             f"({len(set(s) & set(ids))} shared) for seeds 0 and {i}")
+    return ids, [[float(s[i]) for i in ids] for s in seeds]
+
+
+def seeds_mean_interval(seeds: Sequence[Mapping[str, float]], *, z: float = Z95, resamples: int = RESAMPLES,
+                        seed: int = SEED) -> tuple[float, float, float]:
+    """(mean, lo, hi): the mean over seeds of each seed's mean over problems ({problem id:
+    score} per seed, the same ids in each), and the percentile interval of
+    `seeds_bootstrap_means`: another draw of seeds and of problems together."""
+    _, x = _by_seed(seeds, "seeds_mean_interval")
+    mean = math.fsum(math.fsum(row) / len(row) for row in x) / len(x)
+    lo, hi = percentile_interval(seeds_bootstrap_means(x, resamples=resamples, seed=seed), z)
+    return mean, lo, hi
+
+
+def seeds_paired_difference_interval(before: Mapping[str, float], after: Sequence[Mapping[str, float]], *,
+                                     z: float = Z95, resamples: int = RESAMPLES,
+                                     seed: int = SEED) -> tuple[float, float, float]:
+    """(diff, lo, hi): the change from a single-seed stage `before` to the mean over the seeds
+    of `after` ({problem id: score} each, the same ids in all), diff = mean over seeds s and
+    problems i of d[s][i] = after[s][i] − before[i], with the percentile interval of
+    `seeds_bootstrap_means` of d: a drawn problem brings `before`'s score with each seed's.
+    With one seed it is `paired_difference_interval`."""
+    if after and set(before) != set(after[0]):
+        shared = len(set(before) & set(after[0]))
+        raise ValueError(f"seeds_paired_difference_interval needs the same problems, got {len(before)} and "
+                         f"{len(after[0])} ({shared} shared)")
+    ids, x = _by_seed(after, "seeds_paired_difference_interval")
+    d = [[row[k] - float(before[i]) for k, i in enumerate(ids)] for row in x]
+    diff = math.fsum(math.fsum(row) / len(row) for row in d) / len(d)
+    lo, hi = percentile_interval(seeds_bootstrap_means(d, resamples=resamples, seed=seed), z)
     return diff, lo, hi
 
 
