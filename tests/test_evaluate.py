@@ -120,13 +120,13 @@ def test_per_problem_records_and_intervals(sp, monkeypatch):
     monkeypatch.setattr(evaluation, "generate_tokens", fake_generate(sp, []))
     ev = evaluate_prompts(StubPolicy(), sp, PROMPTS, n=4, ks=(1, 2, 4), greedy=True, max_new_tokens=16)
     problems = ev.problems()
-    assert problems == [
-        {"id": "a", "source": None, "level": 1, "n": 4, "correct": 3, "formatted": 3, "greedy_correct": 1,
-         "greedy_formatted": 1},
-        {"id": "b", "source": None, "level": 1, "n": 4, "correct": 0, "formatted": 3, "greedy_correct": 0,
-         "greedy_formatted": 1},
-        {"id": "c", "source": None, "level": 2, "n": 4, "correct": 1, "formatted": 4, "greedy_correct": 1,
-         "greedy_formatted": 0}]
+    assert problems == [  # every answer here is in a block: the flexible counts equal the strict ones
+        {"id": "a", "source": None, "level": 1, "n": 4, "correct": 3, "formatted": 3, "flexible_correct": 3,
+         "greedy_correct": 1, "greedy_formatted": 1, "flexible_greedy_correct": 1},
+        {"id": "b", "source": None, "level": 1, "n": 4, "correct": 0, "formatted": 3, "flexible_correct": 0,
+         "greedy_correct": 0, "greedy_formatted": 1, "flexible_greedy_correct": 0},
+        {"id": "c", "source": None, "level": 2, "n": 4, "correct": 1, "formatted": 4, "flexible_correct": 1,
+         "greedy_correct": 1, "greedy_formatted": 0, "flexible_greedy_correct": 1}]
     for figure in ("pass@1", "pass@2", "pass@4", "greedy/accuracy", "greedy/format_rate", "format/rate"):
         scores = problem_scores(problems, figure)
         assert sum(scores) / 3 == pytest.approx(ev.metrics[figure])
@@ -139,7 +139,8 @@ def test_per_problem_records_and_intervals(sp, monkeypatch):
     assert total["pass@4_ci"] == list(wilson_interval(2, 3))  # pass@4 of 4 samples is 0 or 1 per problem
     assert total["format/rate_ci"] == list(mean_interval([0.75, 0.75, 1.0]))
     assert set(total) == {f"{f}_ci" for f in ("pass@1", "pass@2", "pass@4", "greedy/accuracy",
-                                              "greedy/format_rate", "format/rate")}
+                                              "greedy/format_rate", "format/rate", "flexible/pass@1",
+                                              "flexible/pass@2", "flexible/pass@4", "flexible/greedy/accuracy")}
     lo, hi = total["pass@1_ci"]
     assert 0.0 <= lo < ev.metrics["pass@1"] < hi <= 0.75
     assert by_level["1"]["greedy/accuracy_ci"] == list(wilson_interval(1, 2))
@@ -148,8 +149,9 @@ def test_per_problem_records_and_intervals(sp, monkeypatch):
 
     greedy_only = evaluate_prompts(StubPolicy(), sp, PROMPTS, n=0, greedy=True, max_new_tokens=16)
     assert greedy_only.problems()[0] == {"id": "a", "source": None, "level": 1, "n": 0, "greedy_correct": 1,
-                                         "greedy_formatted": 1}
-    assert set(greedy_only.intervals()[0]) == {"greedy/accuracy_ci", "greedy/format_rate_ci"}
+                                         "greedy_formatted": 1, "flexible_greedy_correct": 1}
+    assert set(greedy_only.intervals()[0]) == {"greedy/accuracy_ci", "greedy/format_rate_ci",
+                                               "flexible/greedy/accuracy_ci"}
 
 
 def test_a_record_without_an_id_is_paired_by_the_preps_id(sp, monkeypatch):
@@ -163,13 +165,15 @@ def test_a_record_without_an_id_is_paired_by_the_preps_id(sp, monkeypatch):
                                                 source_prompt_id("prompt", prompt_key(PROMPTS[2]["prompt"]))]
     assert ev.problems()[1]["source"] == "mine"
     assert ev.intervals()[0] == {"pass@1_ci": list(wilson_interval(2, 3)),  # first samples: 4, 11, 7
-                                 "format/rate_ci": list(wilson_interval(3, 3))}
+                                 "format/rate_ci": list(wilson_interval(3, 3)),
+                                 "flexible/pass@1_ci": list(wilson_interval(2, 3))}
 
 
 def test_greedy_only_and_refusals(sp, monkeypatch):
     monkeypatch.setattr(evaluation, "generate_tokens", fake_generate(sp, []))
     ev = evaluate_prompts(StubPolicy(), sp, PROMPTS, n=0, greedy=True, max_new_tokens=16)
-    assert ev.metrics == {"prompts": 3, "greedy/accuracy": pytest.approx(2 / 3), "greedy/format_rate": pytest.approx(2 / 3)}
+    assert ev.metrics == {"prompts": 3, "greedy/accuracy": pytest.approx(2 / 3), "greedy/format_rate": pytest.approx(2 / 3),
+                          "flexible/greedy/accuracy": pytest.approx(2 / 3)}
     with pytest.raises(evaluation.SproutError, match="every k must be in"):
         evaluate_prompts(StubPolicy(), sp, PROMPTS, n=4, ks=(8,), max_new_tokens=16)
     long = [{**PROMPTS[0], "id": "long", "prompt": [{"role": "user", "content": "apple " * 80}]}]

@@ -4,8 +4,8 @@ writes, the RL prompt format checks and `sprout.rl.verifiers` rewards. No torch,
 `format_reasoning` writes the shape SFT data teaches; `parse_answer` reads the last complete
 block only, a block being `<answer>X</answer>` whose X holds no answer tag: in `<answer>1</answer>
 no, <answer>2</answer>` the answer is 2, in `<answer><answer>5</answer></answer>` the inner 5,
-and an unclosed `<answer>5` is no answer. A fallback to the last number in the text exists
-behind a flag, off by default: it rewards rambling that happens to end on the right number.
+and an unclosed `<answer>5` is no answer. `fallback_last_number` adds the flexible reading
+(the text's last number when it has no block); it is off in rewards, where it would pay rambling.
 `parse_number` gives an exact `fractions.Fraction`, never a float, and never evaluates the text:
 a leading `+`/`-` (also U+2212 and its small and full-width forms), `$`, thousands separators in
 groups of three (`1,000`), decimals (`0.50`, `.5`, `5.`), fractions (`3/4`), a trailing `%`
@@ -63,8 +63,13 @@ def parse_answer(text: str, strict: bool = False, fallback_last_number: bool = F
     """The stripped text of the last complete `<answer>…</answer>` block, or None.
 
     With `strict`, `text` must have the full reasoning shape (`is_reasoning_format`).
-    With `fallback_last_number`, a text without a complete block gives its last number
-    (see the module doc for why this is off by default). An empty block gives ""."""
+    With `fallback_last_number` (the flexible reading), a text without a complete block gives
+    its last number, as lm-evaluation-harness's GSM8K "flexible-extract" takes the last match
+    of `(-?[$0-9.,]{2,})|(-?[0-9]+)`: a sign, a `$`, thousands separators and decimals belong
+    to the number, a trailing period does not (`The answer is 1,234.` gives `1,234`). Unlike
+    the harness, a comma joins digits only in groups of three (`2,3` is 2 then 3, not 23), a
+    `+` or a Unicode minus counts as a sign, and `3/4` is one number (the harness reads 4).
+    A block, even one holding no number, wins over any number outside it. An empty block gives ""."""
     if strict:
         parts = _reasoning_parts(text)
         return parts[1].strip() if parts is not None else None

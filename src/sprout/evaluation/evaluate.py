@@ -5,11 +5,14 @@
 
 Each prompt is rendered with the chat template's generation header, sampled n times at
 temperature 1 (the policy's own distribution) and, with `greedy`, once greedily; completions
-are checked by `sprout.rl.verifiers` (`correctness_reward` with no bare-number fallback,
-`format_reward`). `summarise` states each figure's normaliser; each figure in [0, 1] is a mean
-over problems, each counting once, with a 95 % interval (`figure_intervals`). Batch j samples
-with a generator seeded from (seed, j): completions depend on the seed, the prompts and
-batch_size, never on the number of processes, and every rank returns what one process would.
+are checked by `sprout.rl.verifiers` (`format_reward`, `correctness_reward`) in two readings:
+strict, the last complete `<answer>` block, and flexible, that block or else the text's last
+number (`fallback_last_number`); the flexible figures are named `flexible/<figure>` and a
+problem record's counts `flexible_correct`, `flexible_greedy_correct`. `summarise` states each
+figure's normaliser; each figure in [0, 1] is a mean over problems, each counting once, with a
+95 % interval (`figure_intervals`). Batch j samples with a generator seeded from (seed, j):
+completions depend on the seed, the prompts and batch_size, never on the number of processes,
+and every rank returns what one process would.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from sprout.model.generate import generate_tokens, pad_prompts
 from sprout.prep.rl_prompts import prompt_key, source_prompt_id
 from sprout.evaluation.statistics import mean_interval
 from sprout.rl.verifiers import correctness_reward, format_reward
+
+FLEXIBLE = "flexible/"  # the prefix of a figure under the flexible reading
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -65,6 +70,8 @@ class PromptOutcome:
     truncated: int = 0  # sampled completions without a stop token
     greedy_correct: int = 0
     greedy_formatted: int = 0
+    flexible_correct: int = 0  # sampled completions correct under the flexible reading
+    flexible_greedy_correct: int = 0
 
 
 @dataclass
@@ -107,26 +114,35 @@ def problem_id(record: dict) -> str:
 
 def problem_record(o: PromptOutcome, n: int, greedy: bool) -> dict:
     """What one prompt scored, as kept in evaluate.py's JSON: id, source, level, n, and the
-    sampled (when n > 0) and greedy (with greedy) completions correct and formatted."""
+    sampled (when n > 0) and greedy (with greedy) completions correct and formatted, and
+    correct under the flexible reading (`flexible_correct`, `flexible_greedy_correct`)."""
     record = {"id": o.id, "source": o.source, "level": o.level, "n": n}
     if n:
-        record.update(correct=o.correct, formatted=o.formatted)
+        record.update(correct=o.correct, formatted=o.formatted, flexible_correct=o.flexible_correct)
     if greedy:
-        record.update(greedy_correct=o.greedy_correct, greedy_formatted=o.greedy_formatted)
+        record.update(greedy_correct=o.greedy_correct, greedy_formatted=o.greedy_formatted,
+                      flexible_greedy_correct=o.flexible_greedy_correct)
     return record
 
 
 def problem_scores(problems: Sequence[dict], figure: str) -> list[float] | None:
     """Each problem's score in [0, 1] whose mean over `problems` (`problem_record`s) is
     `figure`: pass@k of pass_at_k(n, correct, k), greedy/accuracy of greedy_correct,
-    greedy/format_rate of greedy_formatted, format/rate of formatted / n; None for a figure that is no such mean (completion length) or
-    that the records cannot give (greedy figures without greedy answers, pass@k above n)."""
+    greedy/format_rate of greedy_formatted, format/rate of formatted / n, and the flexible
+    pass@k and greedy/accuracy the same of flexible_correct and flexible_greedy_correct; None for a
+    figure that is no such mean (completion length) or that the records cannot give (greedy
+    figures without greedy answers, pass@k above n)."""
+    reading = ""
+    if figure.startswith(FLEXIBLE):
+        reading, figure = "flexible_", figure[len(FLEXIBLE):]
+        if not figure.startswith("pass@") and figure != "greedy/accuracy":
+            return None
     if figure.startswith("pass@") and figure[5:].isdigit():
-        k = int(figure[5:])
-        if all("correct" in p and p["n"] >= k for p in problems):
-            return [pass_at_k(p["n"], p["correct"], k) for p in problems]
+        k, key = int(figure[5:]), reading + "correct"
+        if all(key in p and p["n"] >= k for p in problems):
+            return [pass_at_k(p["n"], p[key], k) for p in problems]
     elif figure in ("greedy/accuracy", "greedy/format_rate"):
-        key = "greedy_correct" if figure == "greedy/accuracy" else "greedy_formatted"
+        key = reading + ("greedy_correct" if figure == "greedy/accuracy" else "greedy_formatted")
         if all(key in p for p in problems):
             return [float(p[key]) for p in problems]
     elif figure == "format/rate" and all("formatted" in p and p["n"] for p in problems):
@@ -156,6 +172,10 @@ def summarise(outcomes: Sequence[PromptOutcome], n: int, ks: Sequence[int], gree
         completions/mean_length   sampled completion tokens (the stop token counted) / (P × n)
         completions/clipped_ratio sampled completions cut by max_new_tokens or the context,
                                   without a stop token / (P × n)
+        flexible/pass@k           mean over the P prompts of pass_at_k(n, flexible c, k)
+        flexible/greedy/accuracy  greedy completions correct under the flexible reading / P
+
+    The format rates are one figure each: they judge the format, not the answer.
     """
     P = len(outcomes)
     out: dict[str, float] = {"prompts": P}
@@ -169,6 +189,10 @@ def summarise(outcomes: Sequence[PromptOutcome], n: int, ks: Sequence[int], gree
         out["format/rate"] = sum(o.formatted for o in outcomes) / (P * n)
         out["completions/mean_length"] = sum(o.tokens for o in outcomes) / (P * n)
         out["completions/clipped_ratio"] = sum(o.truncated for o in outcomes) / (P * n)
+        for k in ks:
+            out[f"{FLEXIBLE}pass@{k}"] = mean_pass_at_k(((n, o.flexible_correct) for o in outcomes), k)
+    if greedy:
+        out[f"{FLEXIBLE}greedy/accuracy"] = sum(o.flexible_greedy_correct for o in outcomes) / P
     return out
 
 
@@ -257,12 +281,15 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
                 out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, num_generations=n,
                                       temperature=temperature, tokenizer=tokenizer, generator=gen)
                 flat = completion_texts(out, tokenizer)
-                correct = correctness_reward(flat, [g for g in golds for _ in range(n)])
+                repeated = [g for g in golds for _ in range(n)]
+                correct = correctness_reward(flat, repeated)
+                flexible = correctness_reward(flat, repeated, fallback_last_number=True)
                 formatted = format_reward(flat)
                 lengths, truncated = out.lengths.tolist(), out.truncated.tolist()
                 for b, o in enumerate(here):
                     rows = range(b * n, (b + 1) * n)
                     o.correct = sum(correct[i] == 1.0 for i in rows)
+                    o.flexible_correct = sum(flexible[i] == 1.0 for i in rows)
                     o.formatted = sum(formatted[i] == 1.0 for i in rows)
                     o.tokens = sum(lengths[i] for i in rows)
                     o.truncated = sum(bool(truncated[i]) for i in rows)
@@ -271,8 +298,10 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
                 out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, greedy=True, tokenizer=tokenizer)
                 flat = completion_texts(out, tokenizer)
                 correct, formatted = correctness_reward(flat, golds), format_reward(flat)
+                flexible = correctness_reward(flat, golds, fallback_last_number=True)
                 for b, o in enumerate(here):
                     o.greedy_correct, o.greedy_formatted = int(correct[b] == 1.0), int(formatted[b] == 1.0)
+                    o.flexible_greedy_correct = int(flexible[b] == 1.0)
                     texts[b].append(flat[b])
             outcomes += here
             for b, i in enumerate(batch):
@@ -293,12 +322,17 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
 
 
 def _sample(record: dict, index: int, texts: list[str], o: PromptOutcome, n: int, greedy: bool) -> dict:
-    """One shown answer: the prompt's question, gold, first sampled and greedy completions."""
+    """One shown answer: the prompt's question, gold, first sampled and greedy completions, each
+    with its answer in both readings."""
     s = {"index": index, "id": record.get("id"), "level": record.get("level"),
          "prompt": _last_user(record["prompt"]), "gold": record["gold"]}
     if n:
         s.update(completion=texts[0], answer=parse_answer(texts[0]), correct=bool(
-            correctness_reward([texts[0]], [record["gold"]])[0] == 1.0), correct_of_n=f"{o.correct}/{n}")
+            correctness_reward([texts[0]], [record["gold"]])[0] == 1.0), correct_of_n=f"{o.correct}/{n}",
+            flexible_answer=parse_answer(texts[0], fallback_last_number=True),
+            flexible_correct_of_n=f"{o.flexible_correct}/{n}")
     if greedy:
-        s.update(greedy_completion=texts[-1], greedy_answer=parse_answer(texts[-1]), greedy_correct=bool(o.greedy_correct))
+        s.update(greedy_completion=texts[-1], greedy_answer=parse_answer(texts[-1]), greedy_correct=bool(o.greedy_correct),
+                 greedy_flexible_answer=parse_answer(texts[-1], fallback_last_number=True),
+                 greedy_flexible_correct=bool(o.flexible_greedy_correct))
     return s
