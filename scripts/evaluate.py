@@ -28,7 +28,7 @@ from sprout.evaluation.tasks import TASKS, file_prompts, task_prompts
 
 DEFAULT_KS = (1, 8)  # those at most --n, when --k is not given
 ROWS = ("pass@{k}", "greedy/accuracy", "greedy/format_rate", "format/rate", "completions/mean_length",
-        "completions/clipped_ratio")
+        "completions/clipped_ratio", "flexible/pass@{k}", "flexible/greedy/accuracy")
 
 
 def parse_ks(text: str | None, n: int) -> list[int]:
