@@ -76,7 +76,7 @@ def test_train_and_test_are_disjoint_by_question_hash():
 
 def test_small_levels_run_out_instead_of_repeating():
     everything = {f"What is {a} + {b}?" for a in range(10) for b in range(10)}
-    train_space = {q for q in everything if not is_val(text_key(q), arithmetic.TEST_FRACTION)}
+    train_space = {q for q in everything if arithmetic.question_split(q) == "train"}
     got = [p.question for p in generate(1000, [1], seed=0, split="train")]
     assert len(got) == len(set(got)) and set(got) == train_space
 

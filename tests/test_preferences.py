@@ -226,7 +226,7 @@ def test_local_jsonl_bad_line_names_file_and_line(tmp_path, row, message):
 
 def test_arithmetic_pairs(tmp_path):
     manifest, train, test = _run(tmp_path, [{"name": "arith", "format": "arithmetic", "count": 60,
-                                             "levels": [2, 4], "broken_format_fraction": 0.5}])
+                                             "levels": [2, 4], "broken_format_fraction": 0.5}], dev_fraction=0.0)
     from sprout.answers import parse_answer
 
     pairs = train + test
@@ -254,7 +254,8 @@ def test_split_by_prompt_and_dedup(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", rows)
     b = _jsonl(tmp_path / "b.jsonl", rows[:4])  # a second source repeating the first's pairs
     manifest, train, test = _run(tmp_path, [{"name": "a", "format": "jsonl", "path": str(a)},
-                                            {"name": "b", "format": "jsonl", "path": str(b)}], test_fraction=0.3)
+                                            {"name": "b", "format": "jsonl", "path": str(b)}], test_fraction=0.3,
+                                 dev_fraction=0.0)
     assert manifest["sources"]["a"]["duplicates"] == 1 and manifest["sources"]["b"]["duplicates"] == 4
     assert len(train) + len(test) == 120 and 10 < len(test) < 60
     train_prompts = {r["prompt"][0]["content"] for r in train}
@@ -262,7 +263,8 @@ def test_split_by_prompt_and_dedup(tmp_path):
     assert not train_prompts & test_prompts
     assert all(is_val(prompt_key(r["prompt"]), 0.3) for r in test)
     assert manifest["files"]["test"]["records"] == len(test)
-    _, train2, test2 = _run(tmp_path, [{"name": "a", "format": "jsonl", "path": str(a)}], test_fraction=0.3, dedup=False)
+    _, train2, test2 = _run(tmp_path, [{"name": "a", "format": "jsonl", "path": str(a)}], test_fraction=0.3, dedup=False,
+                              dev_fraction=0.0)
     assert len(train2) + len(test2) == 121
 
 
@@ -307,8 +309,9 @@ def test_script_end_to_end(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["sources"]["hh"]["read"] == 10 and manifest["sources"]["arith"]["read"] == 40
     assert manifest["config"]["seed"] == 1 and "--max-examples" in manifest["command"]
-    total = sum(verify_preferences(out / f)["valid"] for f in ("preferences.jsonl", "preferences_test.jsonl"))
-    assert total == 50 == manifest["files"]["train"]["records"] + manifest["files"]["test"]["records"]
+    files = ("preferences.jsonl", "preferences_dev.jsonl", "preferences_test.jsonl")
+    total = sum(verify_preferences(out / f)["valid"] for f in files)
+    assert total == 50 == sum(manifest["files"][split]["records"] for split in ("train", "dev", "test"))
 
     _jsonl(mirror / "prefs/hh.jsonl.gz", [{"chosen": "x"}], gz=True)
     proc = _script("--config", str(config), "--mirror", str(mirror), "--out", str(tmp_path / "out2"))

@@ -153,7 +153,8 @@ def test_own_split_keeps_the_source_split(tmp_path):
         {"name": "gsm8k", "format": "gsm8k", "path": str(train_path), "split": "train", "own_split": True},
         {"name": "gsm8k_test", "format": "gsm8k", "path": str(test_path), "split": "test", "own_split": True}],
         test_fraction=0.5)
-    assert {r["source"] for r in train} == {"gsm8k"} and len(train) == 30
+    assert {r["source"] for r in train} == {"gsm8k"} and len(train) == 28  # 16 and 18: the dev slice
+    assert manifest["sources"]["gsm8k"]["dropped_held_out"] == 2 and manifest["held_out"]["dropped"]["gsm8k_dev"] == 2
     assert {r["source"] for r in test} == {"gsm8k_test"} and len(test) == 10
     assert manifest["sources"]["gsm8k_test"]["duplicates"] == 1 and manifest["split"]["in_both"] == 0
     assert manifest["split"]["own_split_sources"] == {"gsm8k": "train", "gsm8k_test": "test"}
@@ -162,10 +163,10 @@ def test_own_split_keeps_the_source_split(tmp_path):
 # ---- split, dedup, arithmetic, local JSONL -------------------------------------------------
 
 def test_hash_split_is_disjoint_by_prompt(tmp_path):
-    rows = [{"prompt": f"What is {i} + {i}?", "gold": str(2 * i)} for i in range(200)]
+    rows = [{"prompt": f"What is twice {i}?", "gold": str(2 * i)} for i in range(200)]
     path = _jsonl(tmp_path / "mine.jsonl", rows)
     manifest, train, test = _run(tmp_path, [{"name": "mine", "format": "jsonl", "path": str(path)}],
-                                 test_fraction=0.25)
+                                 test_fraction=0.25, dev_fraction=0.0)
     train_keys = {prompt_key(r["prompt"]) for r in train}
     test_keys = {prompt_key(r["prompt"]) for r in test}
     assert len(train) + len(test) == 200 and not train_keys & test_keys
@@ -244,7 +245,7 @@ def test_output_is_deterministic(tmp_path):
     ({"sources": [{"name": "g", "format": "gsm8k"}]}, "needs a path or a hub id"),
     ({"sources": [{"name": "g", "format": "math"}]}, "unknown format"),
     ({"sources": [{"name": "a", "format": "arithmetic", "count": 5, "split": "all", "own_split": True}]},
-     "own_split needs split train or test"),
+     "own_split needs split train, dev or test"),
     ({"sources": [{"name": "a", "format": "arithmetic", "count": 0}]}, "count must be > 0"),
     ({"sources": [{"name": "a", "format": "arithmetic", "count": 5, "levels": [9]}]}, "levels"),
     ({"test_fraction": 1.0, "sources": [{"name": "a", "format": "arithmetic", "count": 5}]}, "test_fraction"),

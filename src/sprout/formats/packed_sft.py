@@ -10,7 +10,8 @@ tokenizer_spec, tokenizer_name, tokenizer_fingerprint, vocab_size, eot_id, pad_i
 template_version (e.g. `sprout-chat-v1`), command, prep_run_id; as JSON: template (role header
 ids, eot; for other chat formats also the format, the ids after each eot and the BOS), counts
 (per-source reads, drops by reason, dedup, split, packing totals), config (the resolved prep
-config), sha256 (per dataset over its C-order bytes: `SFTFile.verify`, `check_hashes`).
+config), held_out (the held-out sets the prep excluded, `sprout.prep.held_out`; the SFT stage
+refuses a file without it), sha256 (per dataset over its C-order bytes: `SFTFile.verify`, `check_hashes`).
 `prep_run_id` (`run_id_of`), the same in both files of a pair: the first 32 hex digits of the
 sha256 of the config, command and every dataset's sha256 of both files, so a pair from two
 prep runs, or a sha256 or config changed after prep, is told apart (`sprout.formats.verify_inputs`).
@@ -45,7 +46,7 @@ TOKEN_DTYPES = (np.dtype("uint16"), np.dtype("uint32"))
 REQUIRED_ATTRS = ("format", "format_version", "split", "seq_len", "num_rows", "tokenizer_spec",
                   "tokenizer_name", "tokenizer_fingerprint", "vocab_size", "eot_id", "pad_id",
                   "template_version", "template", "counts", "sha256")
-JSON_ATTRS = ("template", "counts", "config", "sha256")
+JSON_ATTRS = ("template", "counts", "config", "sha256", "held_out")
 CHUNK_ROWS = 64
 
 

@@ -14,9 +14,10 @@ One JSON object per line, UTF-8, no other keys:
                    a reward model's held-out evaluation reports its accuracy per kind
 Every content is a non-empty string without the chat template's reserved markers, so `prompt +
 chosen` and `prompt + rejected` are conversations `sprout.chat.render` accepts. A prepared folder
-holds `preferences.jsonl` (train), `preferences_test.jsonl` (test; a prompt is in one or the other,
-by a hash of the prompt) and `manifest.json` (`sprout.prep.preference_data`: counts, split rule,
-command). `read_preferences` yields checked records and refuses anything else in one line naming
+holds `preferences.jsonl` (train), `preferences_dev.jsonl` (dev, what the reward and DPO stages
+evaluate on), `preferences_test.jsonl` (test; a prompt is in one file only, by a hash of the
+prompt) and `manifest.json` (`sprout.prep.preference_data`: counts, split rule, the `held_out`
+record, command). `read_preferences` yields checked records and refuses anything else in one line naming
 file and line; `verify_preferences` returns counts and the first errors instead of raising;
 `write_preferences` checks each record and writes atomically (line handling: `sprout.formats.jsonl`).
 """
@@ -35,6 +36,7 @@ from sprout.formats.jsonl import check_messages, check_prompt_record, read_recor
 FORMAT = "sprout-preferences"
 FORMAT_VERSION = 1
 TRAIN_FILE = "preferences.jsonl"
+DEV_FILE = "preferences_dev.jsonl"
 TEST_FILE = "preferences_test.jsonl"
 KEYS = ("id", "source", "prompt", "chosen", "rejected")
 OPTIONAL_KEYS = ("margin", "rejected_kind")

@@ -13,8 +13,9 @@ One JSON object per line, UTF-8, no other keys:
             the source has none
 Every content is a non-empty string without the chat template's reserved markers, so
 `sprout.chat.render(prompt, tok, add_generation_prompt=True)` accepts the prompt. A prepared folder
-holds `prompts.jsonl` (train), `prompts_test.jsonl` (test; a prompt is in one or the other) and
-`manifest.json` (`sprout.prep.rl_prompts`: counts, split rule, command). `read_prompts` yields
+holds `prompts.jsonl` (train), `prompts_dev.jsonl` (dev, what the RL stages evaluate on),
+`prompts_test.jsonl` (test; a prompt is in one file only) and `manifest.json`
+(`sprout.prep.rl_prompts`: counts, split rule, the `held_out` record, command). `read_prompts` yields
 checked records and refuses anything else in one line naming file and line; `verify_prompts`
 returns counts and the first errors instead of raising; `write_prompts` checks each record and
 writes atomically (line handling: `sprout.formats.jsonl`).
@@ -33,6 +34,7 @@ from sprout.formats.jsonl import check_prompt_record, read_records, verify_recor
 FORMAT = "sprout-prompts"
 FORMAT_VERSION = 1
 TRAIN_FILE = "prompts.jsonl"
+DEV_FILE = "prompts_dev.jsonl"
 TEST_FILE = "prompts_test.jsonl"
 KEYS = ("id", "source", "prompt", "gold", "level")
 

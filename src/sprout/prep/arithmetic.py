@@ -7,9 +7,10 @@ addition, 2 two-digit addition/subtraction (never below 0), 3 one-digit multipli
 integer as `sprout.answers.normalise_number` writes it) and a worked answer
 `<think>12 + 5 = 17. 17 - 9 = 8.</think><answer>8</answer>` (`sprout.answers.format_reasoning`).
 
-Split: a problem is a test problem when `sprout.prep.keys.is_val(text_key(question),
-TEST_FRACTION)`, whatever the seed, level mix or count, so a test problem never reaches data
-built from the train split. `generate` is deterministic for a seed and yields distinct problems,
+Split (`question_split`): a problem is a test problem when `sprout.prep.keys.is_val(
+text_key(question), TEST_FRACTION)`; else a dev problem when `is_val(text_key("dev:" + question),
+DEV_FRACTION)`; else a train problem. Whatever the seed, level mix or count, so a dev or test
+problem never reaches data built from the train split. `generate` is deterministic for a seed and yields distinct problems,
 round-robin over the levels, until `count` or until a level's problems in the split run out.
 `wrong_answer` gives a `near_miss` (last result off by 1..3, never the gold) or a `broken_format`
 (the right number without the required tags, so `sprout.answers.parse_answer` finds no answer).
@@ -27,8 +28,9 @@ from sprout.prep.keys import is_val, text_key
 
 LEVELS = {1: "one-digit addition", 2: "two-digit addition and subtraction",
           3: "one-digit multiplication", 4: "two-step expressions"}
-SPLITS = ("train", "test", "all")
+SPLITS = ("train", "dev", "test", "all")
 TEST_FRACTION = 0.1  # share of all problems held out as test problems (by question hash)
+DEV_FRACTION = 0.1  # share of the problems that are not test problems held out as dev problems
 WRONG_KINDS = ("near_miss", "broken_format")
 _MAX_MISSES = 200  # draws in a row without a new problem before a level counts as exhausted
 
@@ -47,7 +49,14 @@ class Problem:
 
     @property
     def split(self) -> str:
-        return "test" if is_val(text_key(self.question), TEST_FRACTION) else "train"
+        return question_split(self.question)
+
+
+def question_split(question: str) -> str:
+    """"test", "dev" or "train": the split of a generator question (module docstring)."""
+    if is_val(text_key(question), TEST_FRACTION):
+        return "test"
+    return "dev" if is_val(text_key("dev:" + question), DEV_FRACTION) else "train"
 
 
 def _apply(a: int, op: str, b: int) -> int:

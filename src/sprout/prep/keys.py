@@ -13,6 +13,8 @@ source order, and no document is in both splits (`SplitRule` holds either rule, 
   (`key_low`), are below `val_frac × 2^64` (`val_threshold`); `is_val` for one key,
   `val_mask_low` vectorised;
 - hash-count (`val_docs`, pretraining only): each source's N smallest such numbers go to val.
+A third split (dev, for the record preps) reads the FIRST 8 bytes the same way (`is_dev`), so it
+is independent of the val/test rule.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ def key_low(key: bytes) -> int:
 def is_val(key: bytes, val_frac: float | None) -> bool:
     """The hash-fraction rule for one key (see the module docstring)."""
     return key_low(key) < val_threshold(val_frac)
+
+
+def is_dev(key: bytes, dev_frac: float | None) -> bool:
+    """The dev rule for one key: its first 8 bytes, big-endian, below dev_frac × 2^64."""
+    return int.from_bytes(key[:8], "big") < val_threshold(dev_frac)
 
 
 def val_mask_low(lo: np.ndarray, val_frac: float | None, val_docs: int | None = None) -> np.ndarray:

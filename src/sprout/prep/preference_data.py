@@ -4,10 +4,13 @@ and arithmetic -> the preference JSONL contract of `sprout.formats.preference_pa
 Each record becomes a prompt (messages ending with a user turn) and two stripped answers. Pairs
 that cannot train anything are dropped and counted by reason (`malformed_transcript`,
 `mismatched_turns`, `empty_side`, `identical_sides` and the chat template's reasons). Dedup is
-exact across sources on `conversation_key(prompt + [chosen, rejected])`, first wins. The test
-split is by a hash of the PROMPT alone, `is_val(conversation_key(prompt), test_fraction)`, so
-every pair of one prompt lands in the same file. Each split is shuffled with `seed`, then
-`preferences.jsonl`, `preferences_test.jsonl` and, last, `manifest.json` are written.
+exact across sources on `conversation_key(prompt + [chosen, rejected])`, first wins. The split
+is by a hash of the PROMPT alone, test by `is_val(conversation_key(prompt), test_fraction)`, else
+dev by `is_dev(..., dev_fraction)`, so every pair of one prompt lands in the same file. A pair
+whose prompt is a held-out problem of another split (`sprout.prep.held_out`) is dropped
+(`held_out`; the manifest's `held_out` records the sets and counts). Each split is shuffled with
+`seed`, then `preferences.jsonl`, `preferences_dev.jsonl` (what the reward and DPO stages
+evaluate on), `preferences_test.jsonl` and, last, `manifest.json` are written.
 
 Formats (`format:`): `hh_rlhf`, `ultrafeedback` (`margin: true`: the score difference is the
 pair's margin), `jsonl` (the contract or TRL's forms; `margin` and `rejected_kind` kept) and
@@ -30,11 +33,12 @@ from sprout.chat import ChatError, validate
 from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 from sprout.ranges import SEED_RANGE, in_range
-from sprout.formats.preference_pairs import (FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, check_rejected_kind,
-                                        kind_group, write_preferences)
+from sprout.formats.preference_pairs import (DEV_FILE, FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE,
+                                             check_rejected_kind, kind_group, write_preferences)
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, string_field
-from sprout.prep.keys import SplitRule, conversation_key, is_val
+from sprout.prep.held_out import HeldOut, messages_held_out_set
+from sprout.prep.keys import SplitRule, conversation_key, is_dev, is_val
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
 
@@ -48,7 +52,7 @@ class PreferenceSourceConfig:
     path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
     hub: str | None = None  # dataset id for `datasets.load_dataset`
     hub_config: str | None = None  # the hub dataset's configuration (subset)
-    split: str = "train"  # hub split; for arithmetic the generator's split (train | test | all)
+    split: str = "train"  # hub split; for arithmetic the generator's split (train | dev | test | all)
     margin: bool = False  # ultrafeedback / jsonl: score_chosen - score_rejected becomes `margin`
     count: int = in_range(0, "[0, inf)")  # arithmetic: pairs to generate
     levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic
@@ -58,11 +62,12 @@ class PreferenceSourceConfig:
 
 @dataclass
 class PreferenceDataConfig:
-    out: str = "runs/demo/prefs"  # output folder: preferences.jsonl, preferences_test.jsonl
+    out: str = "runs/demo/prefs"  # output folder: preferences.jsonl, preferences_dev.jsonl, preferences_test.jsonl
     mirror: str | None = None  # fills ${SPROUT_MIRROR} in paths (default: sprout.mirror.mirror_dir)
     max_examples: int | None = in_range(None, "[0, inf)")  # records read per source, for quick runs
     seed: int = in_range(0, SEED_RANGE)  # generated sources and the order of each split
     test_fraction: float = in_range(0.05, "[0, 1)")  # share of pairs (by prompt hash) in the test file
+    dev_fraction: float = in_range(0.05, "[0, 1)")  # share of the other pairs (by prompt hash) in the dev file
     dedup: bool = True  # drop exact duplicates
     sources: list = field(default_factory=list)  # PreferenceSourceConfig fields, one mapping each
 
@@ -243,16 +248,17 @@ def check_config(cfg: PreferenceDataConfig) -> list[PreferenceSourceConfig]:
 
 
 def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
-    """Run the whole prep; writes the two JSONL files and the manifest, returns the manifest."""
+    """Run the whole prep; writes the three JSONL files and the manifest, returns the manifest."""
     specs = check_config(cfg)
     out = Path(cfg.out)
     seen: set[bytes] = set()
     ids: Counter = Counter()  # pair id -> times used
-    splits: dict[str, list] = {"train": [], "test": []}
+    splits: dict[str, list] = {"train": [], "dev": [], "test": []}
     per_source: dict[str, Counter] = {}
     first_drop: dict[str, str] = {}
+    held_out = HeldOut()
     for spec in specs:
-        c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
+        c = per_source[spec.name] = Counter(dict.fromkeys(("read", *splits, "duplicates"), 0))
         pairs = read_pairs(spec, cfg.mirror, cfg.seed, cfg.max_examples, c)
         for prompt, chosen, rejected, optional in kept_records(pairs, c, first_drop, spec.name,
                                                                lambda pair: check_content(*pair[:3])):
@@ -261,21 +267,31 @@ def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
                 c["duplicates"] += 1
                 continue
             seen.add(key)
-            split = "test" if is_val(prompt_key(prompt), cfg.test_fraction) else "train"
+            split_key = prompt_key(prompt)
+            split = ("test" if is_val(split_key, cfg.test_fraction) else
+                     "dev" if is_dev(split_key, cfg.dev_fraction) else "train")
+            found = messages_held_out_set(prompt)
+            if found is not None and not found.endswith(f"_{split}"):  # a held-out problem elsewhere
+                held_out.dropped[found] += 1
+                c["dropped_held_out"] += 1
+                first_drop.setdefault(f"{spec.name}/held_out", f"{spec.name}: a {found} problem in {split}")
+                continue
             c[split] += 1
             record = {"id": record_id(ids, f"{spec.name}-{key.hex()[:16]}"), "source": spec.name, "prompt": prompt,
                       "chosen": [_msg("assistant", chosen)], "rejected": [_msg("assistant", rejected)], **optional}
             splits[split].append(record)
     log_first_drops(first_drop, log)
 
-    files = write_split_files(out, splits, {"train": TRAIN_FILE, "test": TEST_FILE}, cfg.seed, write_preferences,
-                              "pairs", log)
+    files = write_split_files(out, splits, {"train": TRAIN_FILE, "dev": DEV_FILE, "test": TEST_FILE}, cfg.seed,
+                              write_preferences, "pairs", log)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
         "sources": {name: {"format": s.format, **dict(per_source[name])} for name, s in zip(per_source, specs)},
         "dropped": dropped_totals(per_source), "first_drops": first_drop,
-        "split": {"by": "prompt", "test_fraction": cfg.test_fraction,
-                  **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents")},
+        "split": {"by": "prompt", "test_fraction": cfg.test_fraction, "dev_fraction": cfg.dev_fraction,
+                  **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents"),
+                  "dev_key": "not test, and the key's first 8 bytes big-endian < dev_fraction * 2^64 goes to dev"},
+        "held_out": held_out.record(),
         "dedup": {"enabled": cfg.dedup, "key": "conversation_key(prompt + [chosen, rejected])"},
         "config": asdict(cfg), "command": command,
     }

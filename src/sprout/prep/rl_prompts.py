@@ -6,20 +6,24 @@ A GSM8K or arithmetic prompt is one user message holding the question as the SFT
 gold is normalised by `sprout.answers.normalise_number`. Records that cannot be rewarded are
 dropped and counted (`no_final_answer`, `unparsable_gold`: never guessed, and the chat
 template's reasons). Dedup is exact across sources on `conversation_key(prompt)`, first wins; a
-duplicate with another gold (`duplicates_other_gold`) or whose kept copy is in the other split
+duplicate with another gold (`duplicates_other_gold`) or whose kept copy is in another split
 (`duplicates_in_<split>`) is warned about. Split: a source with `own_split: true` keeps its
-`split` (GSM8K's test questions stay the published test set); every other record goes by
-`is_val(conversation_key(prompt), test_fraction)`. With dedup on no prompt is in both files;
-with it off the manifest counts them (`split.in_both`) and the RL trainers refuse such files.
-`prompts.jsonl`, `prompts_test.jsonl` and, last, `manifest.json` are written. Formats: `gsm8k`,
-`arithmetic` (its level recorded) and `jsonl`; a record that is not what its format says stops
-the run naming the file and line.
+`split` (GSM8K's test questions stay the published test set; a `gsm8k` source with split dev
+reads the train file's dev slice, `sprout.prep.held_out`); every other record goes to test by
+`is_val(conversation_key(prompt), test_fraction)`, else to dev by `is_dev(..., dev_fraction)`.
+A held-out problem (`sprout.prep.held_out`) assigned another split is dropped (`held_out`), so
+train never holds one; the manifest's `held_out` records the sets and counts. With dedup on no
+prompt is in two files; with it off the manifest counts those shared by train and a held-out
+file (`split.in_both`) and the RL trainers refuse such files. `prompts.jsonl`, `prompts_dev.jsonl`,
+`prompts_test.jsonl` and, last, `manifest.json` are written. Formats: `gsm8k`, `arithmetic` (its
+level recorded) and `jsonl`; a record that is not what its format says stops the run naming the
+file and line.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from sprout.answers import normalise_number, not_a_number_reason
@@ -28,16 +32,17 @@ from sprout.chat import ChatError, validate
 from sprout.chat_formats import ROLES
 from sprout.errors import SproutError
 from sprout.ranges import SEED_RANGE, in_range
-from sprout.formats.prompts import FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
+from sprout.formats.prompts import DEV_FILE, FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
-from sprout.prep.keys import SplitRule, conversation_key, is_val
+from sprout.prep.held_out import HeldOut, held_out_set, messages_held_out_set
+from sprout.prep.keys import SplitRule, conversation_key, is_dev, is_val
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
 from sprout.prep.sources import print_warning
 
 FORMATS = ("gsm8k", "arithmetic", "jsonl")
-SPLITS = ("train", "test")
+SPLITS = ("train", "dev", "test")
 ANSWER_FORMAT = ("Think step by step inside <think></think>, then give only the final number "
                  "inside <answer></answer>.")
 
@@ -49,8 +54,8 @@ class PromptSourceConfig:
     path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
     hub: str | None = None  # dataset id for `datasets.load_dataset`
     hub_config: str | None = None  # the hub dataset's configuration (subset)
-    split: str = "train"  # hub split / the split the file holds; arithmetic: the generator's (train | test | all)
-    own_split: bool = False  # keep `split` (train | test) instead of the hash split
+    split: str = "train"  # hub split / the split the file holds (gsm8k dev: the train file's dev slice); arithmetic: the generator's (train | dev | test | all)
+    own_split: bool = False  # keep `split` (train | dev | test) instead of the hash split
     count: int = in_range(0, "[0, inf)")  # arithmetic: problems to generate
     levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic
     seed: int | None = in_range(None, SEED_RANGE)  # arithmetic; None: the prep seed
@@ -63,6 +68,7 @@ class PromptDataConfig:
     max_examples: int | None = in_range(None, "[0, inf)")  # records read per source, for quick runs
     seed: int = in_range(0, SEED_RANGE)  # generated sources and the order of each split
     test_fraction: float = in_range(0.05, "[0, 1)")  # for sources without own_split
+    dev_fraction: float = in_range(0.05, "[0, 1)")  # for sources without own_split (of those not in test)
     dedup: bool = True  # drop exact duplicates
     instruction: str | None = None  # appended to GSM8K / arithmetic questions; None: the SFT shape
     sources: list = field(default_factory=list)  # PromptSourceConfig fields, one mapping each
@@ -75,6 +81,7 @@ class Item:
     prompt: list
     gold: str
     level: int | None
+    gsm8k_split: str | None = None  # the GSM8K split it was read from, for a gsm8k record (held-out rules)
 
 
 # ---- one record -> Item ----------------------------------------------------------------
@@ -88,8 +95,8 @@ def question_prompt(question: str, instruction: str | None = None) -> list:
     return [{"role": "user", "content": text}]
 
 
-def gsm8k_item(row, where: str, instruction: str | None) -> Item:
-    """A GSM8K row: the question, and the gold after the answer's last `####`."""
+def gsm8k_item(row, where: str, instruction: str | None, split: str = "train") -> Item:
+    """A GSM8K row of GSM8K's `split`: the question, and the gold after the answer's last `####`."""
     question, answer = string_field(row, "question", where), string_field(row, "answer", where)
     if "####" not in answer:
         raise Drop("no_final_answer", "the answer has no '#### N' final answer")
@@ -97,7 +104,7 @@ def gsm8k_item(row, where: str, instruction: str | None) -> Item:
         gold = gsm8k_gold(answer, where)
     except SproutError as exc:
         raise Drop("unparsable_gold", str(exc)) from None
-    return Item(question_prompt(question, instruction), gold, None)
+    return Item(question_prompt(question, instruction), gold, None, "test" if split == "test" else "train")
 
 
 def _gold(value, where: str) -> str:
@@ -109,7 +116,7 @@ def _gold(value, where: str) -> str:
     return gold
 
 
-def jsonl_item(row, where: str, instruction: str | None) -> Item:
+def jsonl_item(row, where: str, instruction: str | None, split: str = "train") -> Item:
     """A local row in the contract, relaxed: `prompt` may be a string (one user message), `gold` an
     integer or any text `normalise_number` takes; an `id` and `source` in the row are replaced."""
     if not isinstance(row, dict):
@@ -153,13 +160,23 @@ def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
             yield f"{spec.name}[{i}] (level {p.level})", Item(question_prompt(p.question, cfg.instruction), p.gold, p.level)
         return
     convert = CONVERTERS[spec.format]
-    for n, (where, row) in enumerate(file_or_hub_rows(spec, cfg.mirror)):
+    dev_slice = spec.format == "gsm8k" and spec.split == "dev"  # GSM8K's train file, its dev slice only
+    n = 0
+    for where, row in file_or_hub_rows(_hub_split(spec), cfg.mirror):
         if cfg.max_examples is not None and n >= cfg.max_examples:
             break
+        if dev_slice and held_out_set(string_field(row, "question", where), "train") != "gsm8k_dev":
+            continue
+        n += 1
         try:
-            yield where, convert(row, where, cfg.instruction)
+            yield where, convert(row, where, cfg.instruction, spec.split)
         except Drop as drop:
             yield where, drop
+
+
+def _hub_split(spec: PromptSourceConfig) -> PromptSourceConfig:
+    """GSM8K's dev slice is read from its train split."""
+    return replace(spec, split="train") if spec.format == "gsm8k" and spec.split == "dev" else spec
 
 
 def check_content(item: Item) -> None:
@@ -190,7 +207,9 @@ def _check_spec(spec: PromptSourceConfig, where: str) -> None:
     if spec.format == "arithmetic" and spec.split not in arithmetic.SPLITS:
         raise SproutError(f"{where}: split must be one of {', '.join(arithmetic.SPLITS)}, got {spec.split!r}")
     if spec.own_split and spec.split not in SPLITS:
-        raise SproutError(f"{where}: own_split needs split train or test, got {spec.split!r}")
+        raise SproutError(f"{where}: own_split needs split train, dev or test, got {spec.split!r}")
+    if spec.format == "gsm8k" and spec.split == "dev" and not spec.own_split:
+        raise SproutError(f"{where}: GSM8K's dev slice (split dev) needs own_split: true")
 
 
 def duplicate_warnings(spec: PromptSourceConfig, counts: Counter) -> list[str]:
@@ -212,24 +231,32 @@ def duplicate_warnings(spec: PromptSourceConfig, counts: Counter) -> list[str]:
 
 
 def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warning) -> dict:
-    """Run the whole prep; writes the two JSONL files and the manifest, returns the manifest.
+    """Run the whole prep; writes the three JSONL files and the manifest, returns the manifest.
     What dedup changed (`duplicate_warnings`) and an empty split are warned about."""
     specs = check_config(cfg)
     out = Path(cfg.out)
     seen: dict[bytes, tuple[str, str]] = {}  # prompt key -> (gold, split) of the kept prompt
     ids: Counter = Counter()  # prompt id -> times used
-    splits: dict[str, list] = {"train": [], "test": []}
-    split_keys: dict[str, set] = {"train": set(), "test": set()}
+    splits: dict[str, list] = {split: [] for split in SPLITS}
+    split_keys: dict[str, set] = {split: set() for split in SPLITS}
     per_source: dict[str, Counter] = {}
     first_drop: dict[str, str] = {}
+    held_out = HeldOut()
     for spec in specs:
-        c = per_source[spec.name] = Counter(dict.fromkeys(("read", "train", "test", "duplicates"), 0))
+        c = per_source[spec.name] = Counter(dict.fromkeys(("read", *SPLITS, "duplicates"), 0))
         for item in kept_records(read_items(spec, cfg), c, first_drop, spec.name, check_content):
             key = prompt_key(item.prompt)
             if spec.own_split:
                 split = spec.split
             else:
-                split = "test" if is_val(key, cfg.test_fraction) else "train"
+                split = ("test" if is_val(key, cfg.test_fraction) else
+                         "dev" if is_dev(key, cfg.dev_fraction) else "train")
+            found = messages_held_out_set(item.prompt, item.gsm8k_split, cfg.instruction)
+            if found is not None and not found.endswith(f"_{split}"):  # a held-out problem elsewhere
+                held_out.dropped[found] += 1
+                c["dropped_held_out"] += 1
+                first_drop.setdefault(f"{spec.name}/held_out", f"{spec.name}: a {found} problem in {split}")
+                continue
             if cfg.dedup and key in seen:
                 kept_gold, kept_split = seen[key]
                 c["duplicates"] += 1
@@ -248,11 +275,11 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
         for message in duplicate_warnings(spec, per_source[spec.name]):
             warn(message)
 
-    files = write_split_files(out, splits, {"train": TRAIN_FILE, "test": TEST_FILE}, cfg.seed, write_prompts,
-                              "prompts", log, warn)
-    in_both = len(split_keys["train"] & split_keys["test"])
+    files = write_split_files(out, splits, {"train": TRAIN_FILE, "dev": DEV_FILE, "test": TEST_FILE}, cfg.seed,
+                              write_prompts, "prompts", log, warn)
+    in_both = len(split_keys["train"] & (split_keys["dev"] | split_keys["test"]))
     if in_both:  # dedup off: the trainers refuse held-out prompts that are also trained on
-        warn(f"{out / TEST_FILE}: {in_both:,} of its prompts are also in {TRAIN_FILE} (dedup: false); "
+        warn(f"{out}: {in_both:,} prompts of {DEV_FILE} or {TEST_FILE} are also in {TRAIN_FILE} (dedup: false); "
              f"PPO and GRPO refuse these files (a held-out prompt must not be trained on)")
     levels = {split: dict(sorted(Counter("null" if r["level"] is None else str(r["level"])
                                          for r in records).items())) for split, records in splits.items()}
@@ -261,10 +288,12 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
         "sources": {s.name: {"format": s.format, "own_split": s.split if s.own_split else None,
                              **dict(per_source[s.name])} for s in specs},
         "dropped": dropped_totals(per_source), "first_drops": first_drop, "levels": levels,
-        "split": {"by": "prompt", "test_fraction": cfg.test_fraction,
+        "split": {"by": "prompt", "test_fraction": cfg.test_fraction, "dev_fraction": cfg.dev_fraction,
                   **SplitRule(cfg.test_fraction).describe("the prompt's roles and contents"),
+                  "dev_key": "not test, and the key's first 8 bytes big-endian < dev_fraction * 2^64 goes to dev",
                   "own_split_sources": {s.name: s.split for s in specs if s.own_split},
                   "in_both": in_both},
+        "held_out": held_out.record(),
         "dedup": {"enabled": cfg.dedup, "key": "conversation_key(prompt)"},
         "instruction": cfg.instruction,
         "config": asdict(cfg), "command": command,

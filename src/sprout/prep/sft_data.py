@@ -3,7 +3,9 @@ packed HDF5 rows.
 
 Sources are read by `sprout.prep.chat_sources`; each conversation is validated by the chat
 template (invalid ones dropped and counted by reason; a source with no usable row stops the prep
-naming it); dedup is exact across sources on `sprout.prep.keys.conversation_key`, first wins,
+naming it); a held-out problem (`sprout.prep.held_out`: arithmetic dev/test, GSM8K's dev
+slice; a `gsm8k` source must read GSM8K's train split) is dropped (`dropped_held_out`) and the
+files' `held_out` attribute records the sets and counts; dedup is exact across sources on `sprout.prep.keys.conversation_key`, first wins,
 and val is split by the same key (`is_val` with `val_fraction`: disjoint, stable, independent
 of `max_examples` and source order). Weights resample the train split
 (`sprout.prep.mixture.resample`, sizes 1): weight w gives each example floor(w) times plus a
@@ -31,6 +33,7 @@ from sprout.formats.data_paths import SFT_FILES
 from sprout.formats.packed_sft import val_path, write_sft_files
 from sprout.formats.shards import dtype_for_vocab
 from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
+from sprout.prep.held_out import HeldOut
 from sprout.prep.keys import conversation_key, is_val
 from sprout.prep.mixture import resample
 from sprout.prep.packing import OVERLONG_POLICIES, pack
@@ -67,6 +70,10 @@ def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise SproutError(f"source names must be unique, got {names}")
+    for spec in specs:
+        if spec.format == "gsm8k" and spec.split != "train":
+            raise SproutError(f"source {spec.name}: split {spec.split!r}: SFT reads GSM8K's train split only "
+                              f"(its test split and the dev slice of its train split are held out)")
     return specs
 
 
@@ -80,10 +87,16 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_wa
     train: dict[str, list] = {s.name: [] for s in specs}
     val: list = []
     first_drop: dict[str, str] = {}
+    held_out = HeldOut()
     for spec in specs:
         c = per_source[spec.name]
         rows = ((ex.where, ex) for ex in read_source(spec, cfg.mirror, cfg.max_examples, skipped=c))
+        gsm8k_split = "train" if spec.format == "gsm8k" else None
         for ex in kept_records(rows, c, first_drop, spec.name, lambda ex: validate(ex.messages)):
+            if held_out.excluded(ex.messages, gsm8k_split):
+                c["dropped_held_out"] += 1
+                first_drop.setdefault(f"{spec.name}/held_out", f"{ex.where}: a held-out problem")
+                continue
             key = conversation_key(ex.messages)
             if cfg.dedup and key in seen:
                 c["duplicates"] += 1
@@ -95,7 +108,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_wa
             else:
                 c["train"] += 1
                 train[spec.name].append(ex.messages)
-        if c["train"] + c["val"] + c["duplicates"] == 0:  # nothing read, or every row dropped
+        if c["train"] + c["val"] + c["duplicates"] + c["dropped_held_out"] == 0:  # nothing read, or every row dropped
             drops = ", ".join(f"{k} {v:,}" for k, v in sorted(c.items()) if k != "read") or "the source is empty"
             raise SproutError(f"{spec.path or spec.hub or spec.name}: source {spec.name!r} has no usable rows "
                               f"({c['read']:,} read; {drops})")
@@ -116,8 +129,8 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_wa
     attrs = {"tokenizer_spec": tok.spec, "tokenizer_name": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
              "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "pad_id": pad_id,
              "template_version": tpl.version, "template": tpl.to_json(),
-             "config": {k: v for k, v in vars(cfg).items()}, "command": command}
-    result = {"sources": {k: dict(v) for k, v in per_source.items()}}
+             "config": {k: v for k, v in vars(cfg).items()}, "command": command, "held_out": held_out.record()}
+    result = {"sources": {k: dict(v) for k, v in per_source.items()}, "held_out": held_out.record()}
     cache: dict[int, tuple] = {}
     files, lines = [], []
     for split, convs, path in (("train", train_convs, cfg.out), ("val", val, val_path(cfg.out))):

@@ -34,6 +34,7 @@ from sprout.model.config import ModelConfig
 from sprout.model.transformer import Transformer, uninitialised
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.packed_sft import SFTFile
+from sprout.prep.held_out import check_record
 from sprout.formats.verify_inputs import verify_sft_pair
 from sprout.ranges import check_ranges
 from sprout.engine.trainer import all_reduce_sums
@@ -136,8 +137,10 @@ def _base_fingerprint(base: dict) -> str | None:
 def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, val: Path, val_attrs: dict,
                    fmt: ChatFormat) -> None:
     """Refuse SFT files that the base checkpoint cannot train on, naming the files; `fmt` is
-    the chat format the trained model will be prompted with."""
+    the chat format the trained model will be prompted with, and files whose prep did not
+    record that it left out the held-out problems (`sprout.prep.held_out.check_record`)."""
     ckpt = Path(base["path"]) / "meta.json"
+    check_record(attrs.get("held_out"), str(data))
     for key in ("tokenizer_fingerprint", "template_version", "seq_len", "vocab_size"):
         if val_attrs[key] != attrs[key]:
             raise SproutError(f"{val}: {key} {val_attrs[key]!r} differs from the train file {data} ({attrs[key]!r})")

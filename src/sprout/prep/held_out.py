@@ -1,0 +1,119 @@
+"""Held-out problems: the dev and test sets of the evaluation tasks, which no training data may hold.
+
+- `arithmetic_dev`, `arithmetic_test`: a question of the arithmetic generator's form ("What is 12 + 5?")
+  whose `sprout.prep.arithmetic.question_split` is dev or test, whatever source it came from;
+- `gsm8k_dev`: a question of GSM8K's train split (a `gsm8k` source) with
+  `is_val(text_key("dev:" + question.strip()), GSM8K_DEV_FRACTION)`: a fixed slice of train.jsonl;
+- `gsm8k_test`: every question of GSM8K's test split (a `gsm8k` source with split test).
+The preps exclude held-out problems from train files (counted as `dropped_held_out`) and record
+what they excluded (`HeldOut.record()`: sets, rule, counts) in the manifest or HDF5 attrs; the
+trainers refuse a file that lacks the record or holds a held-out problem (`check_train_records`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Iterable
+
+from sprout.errors import SproutError
+from sprout.prep.arithmetic import DEV_FRACTION, TEST_FRACTION, question_split
+from sprout.prep.keys import is_val, text_key
+
+SETS = ("arithmetic_dev", "arithmetic_test", "gsm8k_dev", "gsm8k_test")
+GSM8K_DEV_FRACTION = 0.05  # share of GSM8K's train questions held out as its dev slice
+RULE = {
+    "arithmetic": f'a generator question: test when is_val(text_key(q), {TEST_FRACTION}), else dev when '
+                  f'is_val(text_key("dev:" + q), {DEV_FRACTION})',
+    "gsm8k_dev": f'a question of GSM8K\'s train split with is_val(text_key("dev:" + q.strip()), {GSM8K_DEV_FRACTION})',
+    "gsm8k_test": "every question of GSM8K's test split (a gsm8k source with split test)",
+}
+_ARITHMETIC_QUESTION = re.compile(r"What is \d+ [-+*] \d+(?: [-+*] \d+)?\?")
+
+
+def question_of(content: str) -> str:
+    """The question of a user turn: its text before the first blank line (an appended
+    instruction follows one), stripped."""
+    return content.strip().split("\n\n", 1)[0].strip()
+
+
+def arithmetic_set(question: str) -> str | None:
+    """`arithmetic_dev` / `arithmetic_test` for a held-out generator question, else None."""
+    if not _ARITHMETIC_QUESTION.fullmatch(question):
+        return None
+    split = question_split(question)
+    return None if split == "train" else f"arithmetic_{split}"
+
+
+def gsm8k_split(question: str, file_split: str = "train") -> str:
+    """"test" for a question of GSM8K's test split; else "dev" or "train" by the dev slice's rule."""
+    if file_split == "test":
+        return "test"
+    return "dev" if is_val(text_key("dev:" + question.strip()), GSM8K_DEV_FRACTION) else "train"
+
+
+def held_out_set(question: str, gsm8k_file_split: str | None = None) -> str | None:
+    """The held-out set a question belongs to, or None. `gsm8k_file_split`: the GSM8K split
+    the question was read from, for a question of a `gsm8k` source (None otherwise)."""
+    found = arithmetic_set(question_of(question))
+    if found is None and gsm8k_file_split is not None:
+        split = gsm8k_split(question, gsm8k_file_split)
+        found = None if split == "train" else f"gsm8k_{split}"
+    return found
+
+
+def first_user_question(messages) -> str:
+    return next((m["content"] for m in messages if m.get("role") == "user"), "")
+
+
+def messages_held_out_set(messages, gsm8k_file_split: str | None = None, instruction: str | None = None) -> str | None:
+    """The held-out set of a conversation or prompt, or None: any user turn against the arithmetic
+    rule; the first user turn, less an appended `instruction`, against GSM8K's rules for a record
+    read from GSM8K's `gsm8k_file_split` (None: not a GSM8K record)."""
+    found = next((s for m in messages if m.get("role") == "user"
+                  for s in [arithmetic_set(question_of(m["content"]))] if s), None)
+    if found is None and gsm8k_file_split is not None:
+        question = first_user_question(messages).strip()
+        suffix = f"\n\n{instruction.strip()}" if instruction and instruction.strip() else None
+        if suffix and question.endswith(suffix):
+            question = question[: -len(suffix)]
+        found = held_out_set(question, gsm8k_file_split)
+    return found
+
+
+class HeldOut:
+    """Counts the held-out problems a prep left out of its train data; `record()` is what the
+    prep writes (`held_out` in a manifest or in HDF5 attrs)."""
+
+    def __init__(self) -> None:
+        self.dropped: Counter = Counter()
+
+    def excluded(self, messages, gsm8k_file_split: str | None = None) -> bool:
+        """True (and counted) when the conversation is a held-out problem (`messages_held_out_set`)."""
+        found = messages_held_out_set(messages, gsm8k_file_split)
+        if found is not None:
+            self.dropped[found] += 1
+        return found is not None
+
+    def record(self) -> dict:
+        return {"sets": list(SETS), "rule": RULE, "dropped": {s: self.dropped[s] for s in SETS}}
+
+
+def check_record(record, where: str) -> None:
+    """Refuse data whose prep did not record that it excluded every held-out set."""
+    if not isinstance(record, dict) or set(SETS) - set(record.get("sets") or ()):
+        raise SproutError(f"{where}: no record that the prep excluded the held-out problems ({', '.join(SETS)}); "
+                          f"written by an earlier version of sprout: prepare the data again")
+
+
+def check_train_records(records: Iterable[tuple[str, str, list]], path, gsm8k_sources: Iterable[str] = (),
+                        instruction: str | None = None) -> None:
+    """Refuse a train file holding a held-out problem, naming the file and the first such record.
+    `records`: (id, source, prompt messages), checked by `messages_held_out_set`, as GSM8K train
+    records when their source is one of `gsm8k_sources`."""
+    gsm8k_sources = set(gsm8k_sources)
+    for record_id, source, messages in records:
+        found = messages_held_out_set(messages, "train" if source in gsm8k_sources else None, instruction)
+        if found is not None:
+            raise SproutError(f"{path}: record {record_id!r} is a held-out problem ({found}); a train file must "
+                              f"not hold dev or test problems: prepare the data again")
