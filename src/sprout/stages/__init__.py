@@ -10,6 +10,8 @@ the loop is never copied here.
     reward.py            the reward model: a score head, or β × the summed log-probability
     reference_logps.py   DPO's reference log-probs, computed once and cached beside the data
     dpo.py               DPO and its variants against a live or cached reference
+    preference_ranking.py  any checkpoint's ranking accuracy on a preference file, per
+                         rejected_kind, by the stages' own scores (scripts/evaluate.py --preferences)
     rl_rewards.py        the RL stages' reward functions (built-in verifiers, module:function)
     rl_stage.py          what PPO and GRPO share: prompts, rollouts, the rollout buffer,
                          held-out eval

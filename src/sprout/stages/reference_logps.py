@@ -77,17 +77,19 @@ def response_logps(model, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_logps(accelerator, ref, loader: PreferenceLoader, micro_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_logps(accelerator, ref, loader: PreferenceLoader, micro_pairs: int,
+                  score=response_logps) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [N], rejected [N]) of every kept pair of `loader`, on the CPU on every rank: rank k
     takes pairs k, k+W, ... (padded so every rank runs the same number of forwards, as FSDP
-    needs), in micro-batches of `micro_pairs` under the run's autocast, then all are gathered."""
+    needs), in micro-batches of `micro_pairs` under the run's autocast, then all are gathered.
+    `score(model, batch)` gives both sides' [2B] values (default: summed response log-probs)."""
     dev = accelerator.device
     idx, real = loader.eval_pairs()
     rows = []
     for i in range(0, len(idx), micro_pairs):
         batch = {k: v.to(dev) for k, v in loader.collate(idx[i:i + micro_pairs], real[i:i + micro_pairs]).items()}
         with accelerator.autocast():
-            logps = response_logps(ref, batch).double()
+            logps = score(ref, batch).double()
         b = batch["pair_index"].shape[0]
         rows.append(torch.stack([logps[:b], logps[b:], batch["pair_index"].double(),
                                  batch["pair_mask"].double()], dim=1))
