@@ -6,12 +6,15 @@
     python scripts/run_pipeline.py --preset gpt2-small --out runs/gpt2 --mirror ../shared/data
     python scripts/run_pipeline.py --preset my_chain.yaml --report-only
     python scripts/run_pipeline.py --preset smollm2 --model HuggingFaceTB/SmolLM2-135M-Instruct
+    python scripts/run_pipeline.py --preset smollm2 --seeds 1337,1338,1339 --seed-stages grpo
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
 runs again with everything after it (sprout/pipeline/runner.py: the preset format and the
-rules); killed at any moment, the same command carries on. The report card (`<out>/report.md`)
-compares every stage's checkpoint on one table (sprout/pipeline/report_card.py).
+rules); killed at any moment, the same command carries on. With seeds, each seeded stage and
+its eval stages run once per seed, each into its own folder (`<out>_seed<N>`), from the same
+earlier stages. The report card (`<out>/report.md`) compares every stage's checkpoint on one
+table (sprout/pipeline/report_card.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ import sys
 
 from sprout.errors import SproutError, run_main
 from sprout.pipeline.runner import StageFailed, load_preset, preset_path, read_state, run_pipeline
+
+
+def seed_list(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
 
 
 def main() -> int:
@@ -34,10 +44,14 @@ def main() -> int:
     p.add_argument("--mirror", help="data mirror folder, passed to every stage as SPROUT_MIRROR")
     p.add_argument("--model", help="the published model {model} stands for in the preset (a Hugging Face folder, "
                    "a hub id or a .gguf file; default: the preset's model)")
+    p.add_argument("--seeds", type=seed_list, metavar="N,N,...", help="run the seeded stages once per seed, "
+                   "each with --train.seed N (default: the preset's seeds)")
+    p.add_argument("--seed-stages", type=lambda text: [s for s in text.split(",") if s], metavar="STAGE,...",
+                   help="the train stages run once per seed (default: the preset's seed_stages)")
     p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done")
     p.add_argument("--no-report", action="store_true", help="skip the report card")
     args = p.parse_args()
-    preset = load_preset(preset_path(args.preset), args.out, args.model)
+    preset = load_preset(preset_path(args.preset), args.out, args.model, args.seeds, args.seed_stages)
     failed = None
     if args.report_only and not any(rec.get("status") == "done" for rec in read_state(preset.out)["stages"].values()):
         raise SproutError(f"{preset.out}: nothing to report: no stage of this pipeline is done there (run it "

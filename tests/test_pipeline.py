@@ -303,16 +303,17 @@ def test_eval_json_figures_fill_the_task_columns(reference, tmp_path):
     state = read_state(ref_out)
     evals = ref_out / "eval" / "sft"
     evals.mkdir(parents=True, exist_ok=True)
-    arith = {"task": "arith", "metrics": {"pass@1": 0.25, "pass@8": 0.5, "completions/mean_length": 31.5,
-                                          "greedy/accuracy": 0.375}}
-    gsm8k = {"task": "gsm8k", "metrics": {"pass@1": 0.125, "greedy/accuracy": 0.0625}}
-    for name, data in (("arith", arith), ("gsm8k", gsm8k)):
+    arith = {"task": "arith", "split": "test", "metrics": {"pass@1": 0.25, "pass@8": 0.5,
+                                                           "completions/mean_length": 31.5, "greedy/accuracy": 0.375}}
+    gsm8k = {"task": "gsm8k", "split": "test", "metrics": {"pass@1": 0.125, "greedy/accuracy": 0.0625}}
+    dev = {"task": "arith", "split": "dev", "metrics": {"pass@1": 0.75}}  # the table shows test
+    for name, data in (("arith_test", arith), ("gsm8k_test", gsm8k), ("arith_dev", dev)):
         (evals / f"{name}.json").write_text(json.dumps(data))
     preset.stages.append(load_preset(write_yaml(tmp_path / "e.yaml", {"out": str(ref_out), "stages": [
         {"name": "sft", "kind": "prep", "script": "x.py"},
         {"name": "eval_sft", "kind": "eval", "script": "x.py", "inputs": ["sft"], "out": "eval/sft"}]})).stages[1])
     state = {"stages": {**state["stages"], "eval_sft": {"status": "done", "outputs": {
-        "eval/sft/arith.json": "-", "eval/sft/gsm8k.json": "-"}}}}
+        "eval/sft/arith_test.json": "-", "eval/sft/gsm8k_test.json": "-", "eval/sft/arith_dev.json": "-"}}}}
     row = {r["stage"]: r for r in stage_rows(preset, state)}["sft"]
     assert (row["arith_pass@1"], row["arith_pass@8"], row["gsm8k_pass@1"], row["mean_length"]) == (0.25, 0.5, 0.125, 31.5)
     assert (row["arith_greedy"], row["gsm8k_greedy"]) == (0.375, 0.0625)
@@ -330,7 +331,7 @@ def made_up_eval(out: Path, run: str, ids, correct, greedy, *, task="arith", n=4
     metrics = {"prompts": len(ids), "pass@1": sum(correct) / (n * len(ids)), "greedy/accuracy": sum(greedy) / len(ids)}
     if per_problem:
         metrics.update(figure_intervals(problems, list(metrics)))
-    data = {"task": task, "checkpoint": {"path": str(out / run / "checkpoints" / "step_00000002"), "step": 2},
+    data = {"task": task, "split": "test", "checkpoint": {"path": str(out / run / "checkpoints" / "step_00000002"), "step": 2},
             "settings": {"n": n, "temperature": 1.0, "max_new_tokens": max_new_tokens}, "metrics": metrics}
     return {**data, "problems": problems} if per_problem else data
 
@@ -370,8 +371,8 @@ def test_report_card_intervals_and_real_changes_on_made_up_evals(tmp_path):
         folder = out / "eval" / stage
         folder.mkdir(parents=True)
         for data in datas:
-            (folder / f"{data['task']}.json").write_text(json.dumps(data))
-        state["stages"][f"eval_{stage}"] = {"status": "done", "outputs": {f"eval/{stage}/{d['task']}.json": "-"
+            (folder / f"{data['task']}_test.json").write_text(json.dumps(data))
+        state["stages"][f"eval_{stage}"] = {"status": "done", "outputs": {f"eval/{stage}/{d['task']}_test.json": "-"
                                                                           for d in datas}}
     for stage in ("sft", "dpo", "grpo"):
         run = out / evaluated[stage]
@@ -383,13 +384,13 @@ def test_report_card_intervals_and_real_changes_on_made_up_evals(tmp_path):
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         state["stages"][stage] = {"status": "done", "outputs": {"step": 2, "weights_sha256": stage}}
     report = write_report_card(preset, state, answers=False).read_text()
-    arith, gsm8k = report.split("### arith (20 / 40 problems)")[1].split("### gsm8k (16 problems)")
+    arith, gsm8k = report.split("### arith (test: 20 / 40 problems)")[1].split("### gsm8k (test: 16 problems)")
 
     assert f"Preset `{preset.path}`; one row per stage checkpoint" in report  # the file it was read from
     # every figure in percent with its interval; the import is evaluated, the prompt prep is not
-    assert "| stage | pass@1 | greedy accuracy |" in report
-    assert "| import_smol | 0.0 [0.0, 8.8] | 0.0 [0.0, 8.8] |" in report  # Wilson 0/40: hi = z² / (40 + z²)
-    assert "| sft | 50.0 [50.0, 50.0] | 100.0 [91.2, 100.0] |" in report  # every problem 2 of 4; Wilson 40/40
+    assert "| stage | reading | pass@1 test | greedy accuracy test |" in report
+    assert "| import_smol | strict | 0.0 [0.0, 8.8] | 0.0 [0.0, 8.8] |" in report  # Wilson 0/40: hi = z² / (40 + z²)
+    assert "| sft | strict | 50.0 [50.0, 50.0] | 100.0 [91.2, 100.0] |" in report  # every problem 2 of 4; Wilson 40/40
     card = json.loads((out / "report" / "report_card.json").read_text())
     assert list(card["held_out"]["arith"]["figures"]) == ["import_smol", "sft", "dpo", "grpo"]  # no rl_prompts
     # the changes: the same problems paired, ✓ only where the interval excludes 0
@@ -404,7 +405,7 @@ def test_report_card_intervals_and_real_changes_on_made_up_evals(tmp_path):
     assert "| grpo | pass@1 | dpo | different problems (40 vs 20, 0 shared) | import_smol | " \
            "different problems (40 vs 20, 0 shared) |" in arith
     # GSM8K: the import's file predates per-problem records; DPO's was evaluated with longer answers
-    assert "| import_smol | 0.0 | 0.0 |" in gsm8k  # no intervals in that file either
+    assert "| import_smol | strict | 0.0 | 0.0 |" in gsm8k  # no intervals in that file either
     assert "| sft | pass@1 | import_smol | no per-problem outcomes | import_smol | no per-problem outcomes |" in gsm8k
     assert "| dpo | pass@1 | sft | different max_new_tokens (64 vs 128) | import_smol | no per-problem outcomes |" \
         in gsm8k
@@ -413,7 +414,7 @@ def test_report_card_intervals_and_real_changes_on_made_up_evals(tmp_path):
                                                    "against": "import_smol", "diff": 0.5, "ci": [0.5, 0.5],
                                                    "real": True, "problems": 40}
     assert changes[("dpo", "pass@1", "previous")]["real"] is False
-    assert card["held_out"]["arith"]["figures"]["sft"]["greedy/accuracy"] == \
+    assert card["held_out"]["arith"]["figures"]["sft"]["test"]["greedy/accuracy"] == \
         {"value": 1.0, "ci": list(wilson_interval(40, 40))}
     # DPO's held-out accuracy: 30 of 40 pairs, its Wilson interval
     lo, hi = wilson_interval(30, 40)

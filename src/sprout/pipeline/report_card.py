@@ -7,11 +7,12 @@ and <out>/report/answers.json (each policy's greedy answers, kept with its weigh
 later report reuses them). Every figure is read back, never recomputed: from a train stage's
 last eval record (`val_bpb`; SFT `val_loss`, masked loss per trained token; reward `val_accuracy`
 and DPO `val_rewards/accuracies`, pairs ranked right / pairs, with the Wilson 95 % interval of
-round(accuracy × `val_pairs`) of `val_pairs`) or from scripts/evaluate.py's JSON (pass@1, pass@8
-and greedy accuracy; `completions/mean_length`, completion tokens / (prompts × n)). Tokens/s is
+round(accuracy × `val_pairs`) of `val_pairs`) or from scripts/evaluate.py's JSON of the test split
+(pass@1, pass@8 and greedy accuracy; `completions/mean_length`, completion tokens / (prompts × n)). Tokens/s is
 the mean of the training records' `tokens_per_s`; wall time is the runner's, summed over a
 stage's segments. A missing figure is a dash, a column no stage has is left out, and the
-held-out section is `sprout.pipeline.report_held_out`'s.
+held-out section (test with dev beside it, strict and flexible, each seed and their mean) is
+`sprout.pipeline.report_held_out`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from sprout.atomic import atomic_path, atomic_write, make_dir, write_json_atomic
 from sprout.engine.metrics import METRICS, duration, read_metrics
 from sprout.engine.report import code, hardware, hardware_line, text
-from sprout.pipeline.report_held_out import eval_files, evaluated_stages, held_out_section, rate_interval
+from sprout.pipeline.report_held_out import eval_files, evaluated_stages, held_out_section, rate_interval, seed_groups
 from sprout.stages.configs import SAMPLE_PROMPTS
 
 REPORT_DIR = "report"
@@ -68,7 +69,7 @@ def stage_rows(preset, state: dict) -> list[dict]:
                 row[f"{col}_ci"] = rate_interval(row[col], last["val_pairs"])
         tasks = eval_files(preset, s.name, state)
         for col, (_, task, key) in TASK_COLUMNS.items():
-            metrics = (tasks.get(task) or {}).get("metrics", {})
+            metrics = (tasks.get(task) or {}).get("test", {}).get("metrics", {})
             row[col] = metrics.get(key)
             if metrics.get(f"{key}_ci") is not None:
                 row[f"{col}_ci"] = metrics[f"{key}_ci"]
@@ -227,14 +228,15 @@ def write_report_card(preset, state: dict, *, answers: bool = True, log=None) ->
              "RL": plot_metrics(by_role({"ppo", "grpo"}), PLOTS["rl"][1], folder / PLOTS["rl"][0]),
              "pass@1 by stage": plot_pass_at_1(rows, folder / "pass_at_1.png")}
     said = greedy_answers(preset, rows, folder / "answers.json") if answers else {}
-    held_out, held_out_data = held_out_section(evaluated_stages(preset, state))
+    held_out, held_out_data = held_out_section(evaluated_stages(preset, state), seed_groups(preset))
     write_json_atomic(folder / "report_card.json", {"rows": rows, "held_out": held_out_data})
 
     columns = {**{c: t for c, (t, _, _) in EVAL_COLUMNS.items()}, **{c: t for c, (t, _, _) in TASK_COLUMNS.items()}}
     columns = {c: t for c, t in columns.items() if any(r[c] is not None for r in rows)}  # no column of dashes only
     lines = [f"# Report card: {preset.out}", "",
              f"Preset {code(preset.path)}; one row per stage checkpoint (step, weights sha256). Figures are read "
-             f"from each stage's metrics.jsonl (last eval) and scripts/evaluate.py's JSON; – where a stage has none.",
+             f"from each stage's metrics.jsonl (last eval) and scripts/evaluate.py's JSON (test split, strict "
+             f"reading); – where a stage has none.",
              "", "| stage | step | " + " | ".join(columns.values()) + " |",
              "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |"]
     for r in rows:

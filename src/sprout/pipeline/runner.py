@@ -12,7 +12,9 @@ no completion: a train stage with a checkpoint resumes (`--out DIR --resume`), a
 again; otherwise it runs afresh (`--overwrite` for a train stage whose folder holds a run). A
 missing script or config stops the pipeline with one line naming it, when its stage is reached.
 One runner per output root (`pipeline.lock`); at start the `.tmp-*` a killed write left are
-removed; a child process dies with the runner (Linux: PR_SET_PDEATHSIG).
+removed; a child process dies with the runner (Linux: PR_SET_PDEATHSIG). Seeds (`seeds`,
+`seed_stages`, `expand_seeds`): a seeded train stage and the eval stages that read it become one
+stage per seed, `<name>_seed<N>` into `<out>_seed<N>`, each a stage as any other.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Stage:
     outputs: list[str] | None = None    # relative to the output root
     commands: list[list[str]] = dataclasses.field(default_factory=lambda: [[]])  # argument templates
     role: str = ""                      # what the report card reads from it: pretrain, sft, reward, dpo, ...
+    seed: int | None = None             # a seeded stage's seed (a train stage gets --train.seed)
+    seed_of: str | None = None          # a seeded stage: the preset's stage it runs one seed of
 
 
 @dataclasses.dataclass
@@ -71,6 +75,8 @@ class Preset:
         accelerate_config: null       # the --config_file of `accelerate launch` (launcher: accelerate)
         model: null                   # what {model} in args stands for (a published model to import;
                                       # run_pipeline.py --model overrides it)
+        seeds: [1337, 1338, 1339]     # optional, with seed_stages: the seeds (--seeds overrides them)
+        seed_stages: [grpo]           # train stages run once per seed (--seed-stages overrides them)
         stages:
           - name: pretrain            # a word; other stages name it in `inputs` and as {pretrain}
             kind: train               # prep | train | eval
@@ -86,6 +92,13 @@ class Preset:
     Relative `script` and `config` paths are read from the repository root; `out` paths from
     the current directory. `args` may be a list of argument lists: one command each, run in
     order (an eval stage's tasks).
+
+    With seeds, each stage of `seed_stages` (train stages) and each eval stage reading one
+    becomes one stage per seed N, in place: `<name>_seed<N>`, its out `<out>_seed<N>` (a
+    file's name before its suffix; `outputs` under `out` alike), its seeded inputs the same
+    seed's; a train stage gets `--train.seed N`. All seeds start from the same earlier stages.
+    A seeded stage reading another pairs by seed; any other stage reading one is refused (take
+    one seed's folder as a stage of its own instead). `--from/--to <name>` mean its first/last seed.
     """
 
     path: Path
@@ -128,11 +141,13 @@ def _str_list(where: str, value) -> list[str]:
     return [str(v) for v in value]
 
 
-def load_preset(path: str | Path, out: str | Path | None = None, model: str | None = None) -> Preset:
-    """Read and check a preset; `out` overrides its output root, `model` its model."""
+def load_preset(path: str | Path, out: str | Path | None = None, model: str | None = None,
+                seeds: list[int] | None = None, seed_stages: list[str] | None = None) -> Preset:
+    """Read and check a preset; `out` overrides its output root, `model` its model, `seeds` and
+    `seed_stages` its own."""
     path = Path(path)
     data = read_yaml(path)
-    known = {"out", "launcher", "accelerate_config", "model", "stages"}
+    known = {"out", "launcher", "accelerate_config", "model", "stages", "seeds", "seed_stages"}
     if extra := set(data) - known:
         raise SproutError(f"{path}: unknown key(s) {', '.join(sorted(extra))} (known: {', '.join(sorted(known))})")
     launcher = data.get("launcher", "python")
@@ -191,15 +206,71 @@ def load_preset(path: str | Path, out: str | Path | None = None, model: str | No
                             config=_repo_path(raw["config"]) if raw.get("config") else None, inputs=inputs,
                             outputs=None if outputs is None else _str_list(f"{where}: outputs", outputs),
                             commands=commands, role=role))
+    seeds = seeds if seeds is not None else data.get("seeds")
+    seed_stages = seed_stages if seed_stages is not None else data.get("seed_stages")
+    if seeds or seed_stages:
+        stages = expand_seeds(path, stages, seeds, seed_stages)
     return Preset(path=path, out=Path(root), launcher=launcher,
                   accelerate_config=_repo_path(acc_cfg) if acc_cfg else None, stages=stages, model=model)
 
 
+def seeded_path(rel: str, seed: int) -> str:
+    """`grpo_model` -> `grpo_model_seed1337`; a file `eval/x.json` -> `eval/x_seed1337.json`."""
+    path = Path(rel)
+    return str(path.with_name(f"{path.stem}_seed{seed}{path.suffix}"))
+
+
+def expand_seeds(path: Path, stages: list[Stage], seeds, seed_stages) -> list[Stage]:
+    """The stages with each seeded one replaced, in place, by one stage per seed (`Preset`)."""
+    if not seeds or not seed_stages:
+        raise SproutError(f"{path}: seeds need both the seeds (seeds:, --seeds) and the train stages run once per "
+                          f"seed (seed_stages:, --seed-stages); got seeds {seeds!r}, seed_stages {seed_stages!r}")
+    whole = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 0  # noqa: E731
+    if not isinstance(seeds, list) or not all(map(whole, seeds)) or len(set(seeds)) < len(seeds):
+        raise SproutError(f"{path}: seeds: expected distinct whole numbers >= 0, got {seeds!r}")
+    for name in _str_list(f"{path}: seed_stages", seed_stages):
+        kind = next((s.kind for s in stages if s.name == name), None)
+        if kind != "train":
+            raise SproutError(f"{path}: seed_stages: {name!r} is not a train stage of this preset "
+                              f"(an eval stage reading a seeded stage runs per seed by itself)")
+    seeded: set[str] = set()
+    out: list[Stage] = []
+    for stage in stages:
+        reads = [name for name in stage.inputs if name in seeded]
+        if stage.name not in seed_stages and not (reads and stage.kind == "eval"):
+            if reads:
+                raise SproutError(f"{path}: stage {stage.name} reads the seeded stage {reads[0]}, which has one "
+                                  f"folder per seed; only eval stages (and other seeded stages) may read it")
+            out.append(stage)
+            continue
+        seeded.add(stage.name)
+        if stage.out is None or any(rel != stage.out and not rel.startswith(stage.out.rstrip("/") + "/")
+                                    for rel in stage.outputs or []):
+            raise SproutError(f"{path}: stage {stage.name}: a seeded stage needs an out that holds all its outputs")
+        for n in seeds:
+            def fill(arg: str) -> str:  # {grpo} -> {grpo_seed<n>} for each seeded input
+                return PLACEHOLDER.sub(lambda m: f"{{{m.group(1)}_seed{n}}}" if m.group(1) in reads else m.group(0),
+                                       arg)
+            out_n = seeded_path(stage.out, n)
+            out.append(dataclasses.replace(
+                stage, name=f"{stage.name}_seed{n}", out=out_n, seed=n, seed_of=stage.name,
+                inputs=[f"{name}_seed{n}" if name in reads else name for name in stage.inputs],
+                outputs=None if stage.outputs is None else [out_n + rel[len(stage.out):] for rel in stage.outputs],
+                commands=[[fill(a) for a in c] for c in stage.commands]))
+    names = [s.name for s in out]
+    if clash := next((name for name in names if names.count(name) > 1), None):
+        raise SproutError(f"{path}: a seeded stage's name {clash} is also another stage's")
+    return out
+
+
 def select(preset: Preset, start: str | None, end: str | None) -> tuple[list[Stage], list[Stage]]:
-    """(stages before --from, stages from --from to --to), in the preset's order."""
-    names = [s.name for s in preset.stages]
-    i = names.index(preset.stage(start).name) if start else 0
-    j = names.index(preset.stage(end).name) if end else len(names) - 1
+    """(stages before --from, stages from --from to --to), in the preset's order; a seeded
+    stage's name stands for its first seed (--from) or its last (--to)."""
+    def at(name: str) -> list[int]:
+        found = [i for i, s in enumerate(preset.stages) if name in (s.name, s.seed_of)]
+        return found or [preset.stages.index(preset.stage(name))]
+    i = at(start)[0] if start else 0
+    j = at(end)[-1] if end else len(preset.stages) - 1
     if i > j:
         raise SproutError(f"--from {start} comes after --to {end} in {preset.path}")
     return preset.stages[:i], preset.stages[i:j + 1]
@@ -222,8 +293,9 @@ def command_args(preset: Preset, stage: Stage) -> list[list[str]]:
         return PLACEHOLDER.sub(one, arg)
 
     config = ["--config", str(stage.config)] if stage.config else []
+    seed = ["--train.seed", str(stage.seed)] if stage.kind == "train" and stage.seed is not None else []
     run_dir = ["--out", paths["out"]] if stage.kind == "train" else []  # a trainer's run folder
-    return [config + [fill(a) for a in args] + run_dir for args in stage.commands]
+    return [config + [fill(a) for a in args] + seed + run_dir for args in stage.commands]
 
 
 def launch_prefix(preset: Preset, stage: Stage) -> list[str]:
