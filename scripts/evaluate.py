@@ -1,17 +1,20 @@
 """Evaluate a policy on held-out problems with gold answers: pass@k, greedy accuracy, format rate.
 
     python scripts/evaluate.py runs/demo/grpo_model --task arith --n 16 --k 1,8 --greedy
+    python scripts/evaluate.py runs/demo/grpo_model --task arith --split test --n 16 --greedy
     python scripts/evaluate.py runs/demo/sft_model --task gsm8k --max-examples 100 --n 0 --greedy
     python scripts/evaluate.py runs/demo/sft_model --prompts runs/demo/rl_prompts/prompts_test.jsonl
     python scripts/evaluate.py runs/demo/dpo_model --preferences runs/demo/prefs/preferences_test.jsonl
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/evaluate.py RUN --task arith
 
 RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint). Problems
-(`sprout.evaluation.tasks`): --task arith (held-out, levels 1-4, 200 unless --max-examples),
---task gsm8k (the mirror's test file, else the hub) or --prompts FILE. Each prompt gets --n
+(`sprout.evaluation.tasks`): --task arith (levels 1-4, 200 unless --max-examples) or --task gsm8k
+(the mirror's files, else the hub) on --split dev (the default: arithmetic's dev split, GSM8K's
+dev slice of its train file; for tuning) or --split test (the sealed test set; for the figures
+reported), or --prompts FILE. Each prompt gets --n
 samples at --temperature and, with --greedy, one greedy answer, read from <answer>…</answer>
 only; split over processes, the figures equal one process's with the same --batch-size. Writes
---out (default <run folder>/eval/<task>_step<step>.json): figures, settings, the checkpoint, and
+--out (default <run folder>/eval/<task>_<split>_step<step>.json): the split, figures, settings, the checkpoint, and
 `problems` (one record per problem, by which two files are paired); each figure in [0, 1] gets
 `<figure>_ci`, its 95 % interval over problems (a fixed seed, not --seed; `sprout.evaluation.statistics`).
 --preferences FILE ranks each pair of a preference file instead (`sprout.stages.preference_ranking`):
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.errors import SproutError, run_main
-from sprout.evaluation.tasks import TASKS, file_prompts, task_prompts
+from sprout.evaluation.tasks import SPLITS, TASKS, file_prompts, task_prompts
 from sprout.formats.preference_tokens import TRUNCATIONS
 from sprout.stages.configs import RewardLossConfig
 
@@ -71,7 +74,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint dir, or a run dir (its latest checkpoint)")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--task", choices=sorted(TASKS), help="built-in test problems")
+    source.add_argument("--task", choices=sorted(TASKS), help="built-in held-out problems (--split)")
     source.add_argument("--prompts", help="a prompt JSONL file (e.g. runs/demo/rl_prompts/prompts_test.jsonl)")
     source.add_argument("--preferences", help="a preference JSONL file: ranking accuracy (see below)")
     p.add_argument("--n", type=int, default=16, help="samples per prompt (0: greedy only; default 16)")
@@ -83,7 +86,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (x n rows)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling (the problems never change)")
     p.add_argument("--samples", type=int, default=4, help="answers kept in the JSON (the first prompts)")
-    p.add_argument("--out", help="the JSON to write (default: <run folder>/eval/<task>_step<step>.json)")
+    p.add_argument("--split", choices=SPLITS, help="--task's problems: dev (default; for tuning) or test (reported)")
+    p.add_argument("--out", help="the JSON to write (default: <run folder>/eval/<task>_<split>_step<step>.json)")
     p.add_argument("--mirror", help="data mirror folder for --task gsm8k (default: sprout.mirror's rule)")
     p.add_argument("--tokenizer", help="tokenizer spec (default: the one the checkpoint records)")
     pref = p.add_argument_group("--preferences (`sprout.stages.preference_ranking`; --batch-size: pairs per forward)")
@@ -99,6 +103,9 @@ def main() -> int:
     if args.temperature <= 0:
         raise SproutError(f"--temperature must be > 0 (use --greedy for greedy answers), not {args.temperature}")
     ks = parse_ks(args.k, args.n)
+    if args.split is not None and not args.task:
+        raise SproutError("--split goes with --task (a --prompts or --preferences file is its own split)")
+    split = (args.split or "dev") if args.task else None
     if not args.preferences and (args.beta, args.reference, args.seq_len, args.truncation) != (None,) * 4:
         raise SproutError("--beta, --reference, --seq-len and --truncation go with --preferences")
     import torch  # after the arguments are checked: --help never loads torch
@@ -135,8 +142,8 @@ def main() -> int:
     if args.prompts:
         prompts, name = file_prompts(args.prompts, args.max_examples), Path(args.prompts).stem
     else:
-        prompts = task_prompts(args.task, max_examples=args.max_examples, mirror=args.mirror, log=say)
-        name = args.task
+        prompts = task_prompts(args.task, split, max_examples=args.max_examples, mirror=args.mirror, log=say)
+        name = f"{args.task}_{split}"
     step = meta.get("step")
     out = Path(args.out) if args.out else run_folder(meta["path"]) / "eval" / f"{name}_step{step}.json"
 
@@ -148,7 +155,7 @@ def main() -> int:
         metrics = {**ev.metrics, **intervals}
         by_level = {level: {**figures, **level_intervals[level]} for level, figures in ev.by_level.items()}
         result = {
-            "task": args.task, "prompts_file": args.prompts,
+            "task": args.task, "split": split, "prompts_file": args.prompts,
             "prompts_sha256": sha256_file(args.prompts) if args.prompts else None,
             "checkpoint": {"path": meta["path"], "stage": meta.get("stage"), "step": step,
                            "weights_sha256": meta["files"][WEIGHTS]},

@@ -9,7 +9,7 @@
     python scripts/train_grpo.py --config ... --grpo.loss_type cispo --grpo.epsilon_high 5.0
 
 --data takes the folder the prep wrote or any file of it; the held-out file is
-prompts_test.jsonl beside the train file (data.val_path to change it). Any
+prompts_dev.jsonl beside the train file (data.val_path to change it). Any
 `--section.field VALUE` overrides the config; the resolved config is printed and saved as
 <out>/config.yaml. See sprout/stages/grpo.py for the loss, the advantages and the metrics,
 and sprout/stages/rl_stage.py for the rollouts and the buffer.
@@ -23,7 +23,7 @@ from sprout.stages.configs import GRPOConfig
 def main() -> None:
     p = run_parser(__doc__, "configs/*/grpo.yaml")
     add_input_flags(p, data_help="the folder scripts/prepare_rl_prompts.py wrote, or any file of it "
-                                  "(prompts.jsonl; prompts_test.jsonl beside it is the held-out file)",
+                                  "(prompts.jsonl; prompts_dev.jsonl beside it is the held-out file)",
                     data_metavar="DIR|FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, GRPOConfig)

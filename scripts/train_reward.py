@@ -8,7 +8,7 @@
     python scripts/train_reward.py --config ... --reward.score logprob --reward.beta 0.1
 
 --data takes the folder the prep wrote or any file of it; the held-out file is
-preferences_test.jsonl beside the train file (data.val_path to change it). Any
+preferences_dev.jsonl beside the train file (data.val_path to change it). Any
 `--section.field VALUE` overrides the config; the resolved config is printed and saved as
 <out>/config.yaml. See sprout/stages/reward.py for the loss, metrics and eval.
 """
@@ -21,7 +21,7 @@ from sprout.stages.configs import RewardConfig
 def main() -> None:
     p = run_parser(__doc__, "configs/*/reward.yaml")
     add_input_flags(p, data_help="the folder scripts/prepare_preference_data.py wrote, or any file of it "
-                                  "(preferences.jsonl; preferences_test.jsonl beside it is the held-out file)",
+                                  "(preferences.jsonl; preferences_dev.jsonl beside it is the held-out file)",
                     data_metavar="DIR|FILE.jsonl",
                     init_help="LM checkpoint (an SFT run dir)", verify_help=VERIFY_MANIFEST_HELP)
     args, cfg = parse_run_config(p, RewardConfig)

@@ -43,13 +43,14 @@ def addition_prompts(n: int, seed: int) -> list[dict]:
 
 
 def write_prompt_files(folder: Path, n_train: int = 64, n_test: int = 8) -> Path:
-    """prompts.jsonl and prompts_test.jsonl in `folder`; the held-out prompts are questions the
-    train file does not ask (a trainer refuses a shared prompt)."""
+    """prompts.jsonl, prompts_dev.jsonl and prompts_test.jsonl (the same prompts) in `folder`; the
+    held-out prompts are questions the train file does not ask (a trainer refuses a shared prompt)."""
     folder.mkdir(parents=True, exist_ok=True)
     train = addition_prompts(n_train, 0)
     asked = {r["prompt"][0]["content"] for r in train}
     test = [r for r in addition_prompts(100, 1) if r["prompt"][0]["content"] not in asked][:n_test]
     write_prompts(folder / "prompts.jsonl", train)
+    write_prompts(folder / "prompts_dev.jsonl", test)
     write_prompts(folder / "prompts_test.jsonl", test)
     return folder / "prompts.jsonl"
 

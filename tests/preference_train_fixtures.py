@@ -69,9 +69,11 @@ def marked_pairs(n: int, seed: int, source=lambda i: "synthetic") -> list[dict]:
 
 
 def write_pairs(folder: Path, n_train: int = 96, n_test: int = 32, seed: int = 0, **kw) -> Path:
-    """folder/preferences.jsonl and folder/preferences_test.jsonl; returns the train file."""
+    """folder/preferences.jsonl, and preferences_dev.jsonl and preferences_test.jsonl (the same
+    pairs); returns the train file."""
     folder.mkdir(parents=True, exist_ok=True)
     write_preferences(folder / "preferences.jsonl", marked_pairs(n_train, seed, **kw))
+    write_preferences(folder / "preferences_dev.jsonl", marked_pairs(n_test, seed + 1000, **kw))
     write_preferences(folder / "preferences_test.jsonl", marked_pairs(n_test, seed + 1000, **kw))
     return folder / "preferences.jsonl"
 

@@ -30,12 +30,12 @@ TINY = {"data": {"max_prompt_length": 24, "eval_prompts": 4, "eval_batch": 4, "e
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """A folder scripts/prepare_rl_prompts.py's prep wrote: prompts.jsonl, prompts_test.jsonl, manifest.json."""
+    """A folder scripts/prepare_rl_prompts.py's prep wrote: prompts.jsonl, prompts_dev.jsonl, manifest.json."""
     root = tmp_path_factory.mktemp("rl")
     src = root / "addition.jsonl"
     src.write_text("".join(json.dumps({"prompt": r["prompt"], "gold": r["gold"]}) + "\n"
                            for r in addition_prompts(100, 0)))
-    cfg = PromptDataConfig(out=str(root / "prompts"), test_fraction=0.3,
+    cfg = PromptDataConfig(out=str(root / "prompts"), test_fraction=0.3, dev_fraction=0.3,
                            sources=[{"name": "addition", "format": "jsonl", "path": str(src)}])
     prepare(cfg, log=lambda s: None)
     return root / "prompts"
@@ -70,7 +70,7 @@ def copy(prepared, tmp_path):
     return d
 
 
-@pytest.mark.parametrize("script, name", [("train_grpo.py", "prompts.jsonl"), ("train_ppo.py", "prompts_test.jsonl")])
+@pytest.mark.parametrize("script, name", [("train_grpo.py", "prompts.jsonl"), ("train_ppo.py", "prompts_dev.jsonl")])
 def test_an_edited_prompt_file_is_refused_before_training(script, name, copy, base, tmp_path):
     records = lines(copy / name)
     records[0]["gold"] = str(int(records[0]["gold"]) + 1)  # still a valid record: only the manifest tells
@@ -83,14 +83,14 @@ def test_an_edited_prompt_file_is_refused_before_training(script, name, copy, ba
 
 @pytest.mark.parametrize("script, how", [("train_grpo.py", "id"), ("train_ppo.py", "prompt")])
 def test_held_out_prompts_in_the_train_file_are_refused(script, how, copy, base, tmp_path):
-    held_out = lines(copy / "prompts_test.jsonl")[:3]
+    held_out = lines(copy / "prompts_dev.jsonl")[:3]
     if how == "prompt":  # the same questions under new ids
         held_out = [{**r, "id": f"copy-{i}"} for i, r in enumerate(held_out)]
     write_lines(copy / "prompts.jsonl", lines(copy / "prompts.jsonl") + held_out)
     before = tree(tmp_path)
     needle = "first: id" if how == "id" else "the prompt of train id"
     one_error(train(script, copy / "prompts.jsonl", base, tmp_path / "out", "--data-verify", "sizes"),
-              str(copy / "prompts_test.jsonl"), "3 held-out prompt(s) also in the train file", needle)
+              str(copy / "prompts_dev.jsonl"), "3 held-out prompt(s) also in the train file", needle)
     assert tree(tmp_path) == before
 
 
@@ -119,11 +119,11 @@ def test_a_prompt_count_refusal_names_the_sources_filter(prepared, base, tmp_pat
     mine = tmp_path / "mine"  # hand-made files (no manifest): train prompts of one source, held-out of another
     mine.mkdir()
     write_lines(mine / "prompts.jsonl", [{**r, "source": "story"} for r in lines(prepared / "prompts.jsonl")])
-    write_lines(mine / "prompts_test.jsonl", [{**r, "source": "sum"} for r in lines(prepared / "prompts_test.jsonl")])
+    write_lines(mine / "prompts_dev.jsonl", [{**r, "source": "sum"} for r in lines(prepared / "prompts_dev.jsonl")])
     n_train = len(lines(mine / "prompts.jsonl"))
     before = tree(tmp_path)
     one_error(train("train_grpo.py", mine / "prompts.jsonl", base, tmp_path / "out", "--data.sources", "[sum]"),
               f"0 prompts (of {n_train}) cannot fill one global batch", f"{n_train} left out by data.sources ['sum']")
     one_error(train("train_grpo.py", mine / "prompts.jsonl", base, tmp_path / "out", "--data.sources", "[story]"),
-              str(mine / "prompts_test.jsonl"), "no held-out prompts to evaluate", "left out by data.sources ['story']")
+              str(mine / "prompts_dev.jsonl"), "no held-out prompts to evaluate", "left out by data.sources ['story']")
     assert tree(tmp_path) == before

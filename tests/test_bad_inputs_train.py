@@ -302,13 +302,13 @@ def test_an_rl_run_without_held_out_prompts_is_refused_naming_the_file_before_th
     from preference_train_fixtures import write_lm
 
     prompts = write_prompt_files(tmp_path / "prompts").parent
-    (prompts / "prompts_test.jsonl").write_text("")
+    (prompts / "prompts_dev.jsonl").write_text("")
     init = write_lm(tmp_path / "lm", sp)
     out = tmp_path / "run"
     proc = run("train_grpo.py", "--data", prompts, "--init", init, "--out", out, "--batch.global_prompts", "2",
                "--batch.num_generations", "2", "--batch.micro_completions", "2", "--data.max_prompt_length", "24",
                "--rollout.max_completion_length", "8", "--data.sources", "null", "--train.max_steps", "1")
-    one_error(proc, f"{prompts / 'prompts_test.jsonl'}: no held-out prompts to evaluate (0 read")
+    one_error(proc, f"{prompts / 'prompts_dev.jsonl'}: no held-out prompts to evaluate (0 read")
     assert not out.exists()
 
 

@@ -29,14 +29,15 @@ def touch(folder: Path, *names: str) -> Path:
 
 
 @pytest.mark.parametrize("files,train,held_out", [
-    (PREFERENCE_FILES, "preferences.jsonl", "preferences_test.jsonl"),
-    (PROMPT_FILES, "prompts.jsonl", "prompts_test.jsonl"),
+    (PREFERENCE_FILES, "preferences.jsonl", "preferences_dev.jsonl"),
+    (PROMPT_FILES, "prompts.jsonl", "prompts_dev.jsonl"),
     (SFT_FILES, "sft.h5", "sft_val.h5"),
 ])
 def test_the_folder_or_any_file_of_it_gives_the_train_and_held_out_files(tmp_path, files, train, held_out):
-    folder = touch(tmp_path / "prep", train, held_out, "manifest.json")
-    want = (folder / train, folder / held_out)
-    for given in (folder, folder / train, folder / held_out, folder / "manifest.json"):
+    sealed = [train.replace(files.suffix, f"{files.sealed}{files.suffix}")] if files.sealed else []
+    folder = touch(tmp_path / "prep", train, held_out, "manifest.json", *sealed)
+    want = (folder / train, folder / held_out)  # the stages evaluate on dev; the test file is never read
+    for given in (folder, folder / train, folder / held_out, folder / "manifest.json", *(folder / s for s in sealed)):
         assert resolve_data(given, files) == want, given
     other = touch(tmp_path / "other", f"mine{files.suffix}")
     assert resolve_data(folder, files, val_path=other / f"mine{files.suffix}") == (folder / train,
@@ -44,16 +45,16 @@ def test_the_folder_or_any_file_of_it_gives_the_train_and_held_out_files(tmp_pat
 
 
 def test_a_renamed_pair_is_found_by_its_name(tmp_path):
-    folder = touch(tmp_path / "p", "mine.jsonl", "mine_test.jsonl")
-    assert resolve_data(folder, PROMPT_FILES) == (folder / "mine.jsonl", folder / "mine_test.jsonl")
-    assert resolve_data(folder / "mine_test.jsonl", PROMPT_FILES) == (folder / "mine.jsonl", folder / "mine_test.jsonl")
+    folder = touch(tmp_path / "p", "mine.jsonl", "mine_dev.jsonl", "mine_test.jsonl")
+    assert resolve_data(folder, PROMPT_FILES) == (folder / "mine.jsonl", folder / "mine_dev.jsonl")
+    assert resolve_data(folder / "mine_dev.jsonl", PROMPT_FILES) == (folder / "mine.jsonl", folder / "mine_dev.jsonl")
 
 
 @pytest.mark.parametrize("layout,given,message", [
     ((), "missing", "missing: not found; pass the folder scripts/prepare_rl_prompts.py wrote, or its train file"),
     (("notes.txt",), ".", "a folder without RL prompts (no prompts.jsonl train file); pass the folder"),
     (("a.jsonl", "b.jsonl"), ".", "a folder with several train files (a.jsonl, b.jsonl); pass the one"),
-    (("prompts.jsonl",), ".", "prompts_test.jsonl: held-out RL prompts file not found (beside prompts.jsonl; "
+    (("prompts.jsonl", "prompts_test.jsonl"), ".", "prompts_dev.jsonl: held-out RL prompts file not found (beside prompts.jsonl; "
                               "scripts/prepare_rl_prompts.py writes it, or set data.val_path)"),
     (("sft.h5",), "sft.h5", "sft.h5: not a file of RL prompts (a .jsonl file); pass the folder"),
 ])
@@ -84,10 +85,10 @@ def test_pretraining_data_is_the_shard_folder_or_the_train_h5(tmp_path):
 
 TRAINERS = {  # script: (the prep's files, the flags besides --data, --init and --out)
     "train_sft.py": (("sft.h5", "sft_val.h5"), ()),
-    "train_reward.py": (("preferences.jsonl", "preferences_test.jsonl"), ()),
-    "train_dpo.py": (("preferences.jsonl", "preferences_test.jsonl"), ()),
-    "train_ppo.py": (("prompts.jsonl", "prompts_test.jsonl"), ()),
-    "train_grpo.py": (("prompts.jsonl", "prompts_test.jsonl"), ()),
+    "train_reward.py": (("preferences.jsonl", "preferences_dev.jsonl"), ()),
+    "train_dpo.py": (("preferences.jsonl", "preferences_dev.jsonl"), ()),
+    "train_ppo.py": (("prompts.jsonl", "prompts_dev.jsonl"), ()),
+    "train_grpo.py": (("prompts.jsonl", "prompts_dev.jsonl"), ()),
 }
 
 

@@ -98,7 +98,7 @@ def test_precomputed_reference_gives_the_live_run(run_a, data, base, tmp_path):
     a, b = train_records(run_a[0]), train_records(out)
     assert max(abs(a[s]["loss"] - b[s]["loss"]) for s in a) < 1e-5
     assert len(list(data.parent.glob("preferences.jsonl.ref_logps.*.safetensors"))) == 1
-    assert len(list(data.parent.glob("preferences_test.jsonl.ref_logps.*.safetensors"))) == 1
+    assert len(list(data.parent.glob("preferences_dev.jsonl.ref_logps.*.safetensors"))) == 1
 
 
 # ---- the reference log-prob cache -------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_reference_cache_equals_live_is_reused_and_invalidated(sp, base, tmp_pat
     acc = Accelerator(cpu=True)
     ref, _ = load_model(base)
     loaders = lambda: tuple(PreferenceLoader(p, sp, 4, 64, shuffle=False)  # noqa: E731
-                            for p in (data, folder / "preferences_test.jsonl"))
+                            for p in (data, folder / "preferences_dev.jsonl"))
     first = reference_logps(acc, ref, str(base), sp.fingerprint(), loaders(), micro_pairs=3)
     assert first.reused == (False, False)
     for got, loader in zip((first.train, first.val), loaders()):
@@ -221,7 +221,7 @@ def test_two_gloo_processes_match_one(loss_type, run_a, data, base, tmp_path):
     out = tmp_path / "ddp"
     copy = tmp_path / "prefs"  # a fresh folder: the cache is computed by the 2 processes
     copy.mkdir()
-    for f in ("preferences.jsonl", "preferences_test.jsonl"):
+    for f in ("preferences.jsonl", "preferences_dev.jsonl"):
         shutil.copy(data.with_name(f), copy / f)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),

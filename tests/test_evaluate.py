@@ -216,7 +216,7 @@ def test_arith_prompts_are_the_preps_test_prompts(tmp_path):
               "split": "test", "own_split": True}
     prepare(PromptDataConfig(out=str(tmp_path), seed=0, sources=[source]), log=lambda *a: None)
     prepared = [json.loads(line) for line in (tmp_path / "prompts_test.jsonl").read_text().splitlines()]
-    ours = task_prompts("arith", max_examples=12, log=lambda *a: None)
+    ours = task_prompts("arith", "test", max_examples=12, log=lambda *a: None)
     assert sorted(ours, key=lambda r: r["id"]) == sorted(prepared, key=lambda r: r["id"])
     assert {r["level"] for r in ours} == {1, 2, 3, 4}
     assert file_prompts(tmp_path / "prompts_test.jsonl", max_examples=5) == prepared[:5]
@@ -230,7 +230,7 @@ def test_gsm8k_prompts_from_a_mirror(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = []
-    records = task_prompts("gsm8k", mirror=str(tmp_path), log=lines.append)
+    records = task_prompts("gsm8k", "test", mirror=str(tmp_path), log=lines.append)
     assert [(r["gold"], r["level"], r["source"]) for r in records] == [("1080", None, "gsm8k_test")]
     assert records[0]["prompt"] == [{"role": "user", "content": rows[0]["question"]}]
     assert lines == ["gsm8k: left out 1 record(s): duplicate", "gsm8k: left out 1 record(s): no_final_answer"]

@@ -56,7 +56,7 @@ def make_stage(sp, base, data, *, rollout=None, batch=None, rewards=("grpo_fixtu
     batch = batch or PromptBatchConfig(global_prompts=2, num_generations=4, micro_completions=4)
     rollout = rollout or RolloutConfig(max_completion_length=12)
     loader = PromptLoader(data, sp, 24, batch.global_prompts, seed=0)
-    val = PromptLoader(data.with_name("prompts_test.jsonl"), sp, 24, 1, shuffle=False)
+    val = PromptLoader(data.with_name("prompts_dev.jsonl"), sp, 24, 1, shuffle=False)
     stage = GRPOStage(acc, sp, loader, val, batch, rollout,
                       build_rewards(RewardsConfig(reward_funcs=list(rewards)), rollout.max_completion_length),
                       grpo=GRPOLossConfig(**grpo), seed=0)

@@ -73,7 +73,7 @@ def make_stage(sp, base, data, rm=None, reward_funcs=("grpo_fixtures:digit_share
     batch = PPOBatchConfig(global_prompts=4, num_generations=2, micro_completions=4)
     rollout = RolloutConfig(max_completion_length=max_completion_length)
     loader = PromptLoader(data, sp, 24, batch.global_prompts, seed=0)
-    val = PromptLoader(data.with_name("prompts_test.jsonl"), sp, 24, 1, shuffle=False)
+    val = PromptLoader(data.with_name("prompts_dev.jsonl"), sp, 24, 1, shuffle=False)
     rewards = build_rewards(RewardsConfig(reward_funcs=list(reward_funcs)), max_completion_length)
     stage = PPOStage(Accelerator(cpu=True), sp, loader, val, batch, rollout, rewards, ppo=PPOLossConfig(**ppo),
                      ref_model=ref, reward_model=load_model(rm)[0] if rm else None,

@@ -126,8 +126,9 @@ def test_an_own_test_file_emptied_by_training_duplicates_is_warned_about(tmp_pat
 def test_a_prep_that_writes_an_empty_split_warns_with_the_counts(tok, tmp_path):
     src = write_jsonl(tmp_path / "mine.jsonl", prompt_rows(3))
     proc = rl_prep(tmp_path / "rl", jsonl_source("mine", src))
-    (line,) = warnings(proc)
-    assert f"{tmp_path / 'rl' / 'prompts_test.jsonl'}: the test split is empty (0 of 3 prompts)" in line
+    dev_line, test_line = warnings(proc)
+    assert f"{tmp_path / 'rl' / 'prompts_dev.jsonl'}: the dev split is empty (0 of 3 prompts)" in dev_line
+    assert f"{tmp_path / 'rl' / 'prompts_test.jsonl'}: the test split is empty (0 of 3 prompts)" in test_line
 
     chats = write_jsonl(tmp_path / "chats.jsonl", [
         {"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}."}]}

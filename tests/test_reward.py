@@ -145,7 +145,7 @@ def test_held_out_accuracy_per_source_and_per_rejected_kind_by_hand(data, sp, tm
     assert not [k for k in got if k.startswith("val_accuracy/rejected_") and "miss" not in k and "format" not in k]
     assert {k for k in got if k.startswith("val_accuracy/")} == {  # no group for the pair without a kind
         "val_accuracy/arith", "val_accuracy/chat", "val_accuracy/rejected_near_miss", "val_accuracy/rejected_broken_format"}
-    clash = tmp_path / "clash" / "preferences_test.jsonl"  # a source named like a kind's group
+    clash = tmp_path / "clash" / "preferences_dev.jsonl"  # a source named like a kind's group
     clash.parent.mkdir()
     clash.write_text(path.read_text().replace('"source": "chat"', '"source": "rejected_near_miss"'))
     with pytest.raises(SproutError, match=rf"^{clash}: source 'rejected_near_miss' has the name of a rejected_kind"):
@@ -210,7 +210,7 @@ def run_logprob(base, tmp_path_factory):
     side; the run has to learn the preference against that."""
     folder = tmp_path_factory.mktemp("prefs_swapped")
     data = write_pairs(folder, source=lambda i: ("even", "odd")[i % 2])
-    for path in (data, data.with_name("preferences_test.jsonl")):
+    for path in (data, data.with_name("preferences_dev.jsonl")):
         write_preferences(path, [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in read_preferences(path)])
     out = tmp_path_factory.mktemp("rm_logprob")
     return out, run_reward(tiny_cfg(RewardConfig, data, base, out, score="logprob", beta=0.5)), data
@@ -318,7 +318,7 @@ def test_bad_preference_file_is_one_line(case, base, data, tmp_path):
     lines, pattern = bad_lines(case)
     bad = tmp_path / "preferences.jsonl"
     bad.write_text("\n".join(lines) + "\n")
-    shutil.copy(data.with_name("preferences_test.jsonl"), tmp_path / "preferences_test.jsonl")
+    shutil.copy(data.with_name("preferences_dev.jsonl"), tmp_path / "preferences_dev.jsonl")
     cmd = [sys.executable, str(ROOT / "scripts" / "train_reward.py"), *cli_flags(bad, base, tmp_path / "out")]
     proc = run_here(cmd, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -338,10 +338,10 @@ def test_a_file_edited_after_prep_is_refused_unless_data_verify_sizes(base, tmp_
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(json.dumps(r) + "\n" for r in marked_pairs(60, 3)))
     out = tmp_path / "prefs"
-    prepare(PrepConfig(out=str(out), test_fraction=0.2,
+    prepare(PrepConfig(out=str(out), test_fraction=0.2, dev_fraction=0.2,
                        sources=[{"name": "marked", "format": "jsonl", "path": str(raw)}]), log=lambda *_: None)
     data = out / "preferences.jsonl"
-    check = verify_jsonl_data(data, out / "preferences_test.jsonl")
+    check = verify_jsonl_data(data, out / "preferences_dev.jsonl")
     assert check.files == 2 and check.hashed and not check.notes
     assert check.report("preference files").startswith("data: verified 2 preference files")
 
@@ -361,7 +361,7 @@ def test_pairs_over_the_context_are_counted_or_refused(base, data, tmp_path):
     long = {**good(0), "id": "long", "chosen": [{"role": "assistant", "content": " ".join(["river"] * 80)}]}
     mixed = tmp_path / "preferences.jsonl"
     mixed.write_text("".join(json.dumps(r) + "\n" for r in [good(0), long, good(1)]))
-    shutil.copy(data.with_name("preferences_test.jsonl"), tmp_path / "preferences_test.jsonl")
+    shutil.copy(data.with_name("preferences_dev.jsonl"), tmp_path / "preferences_dev.jsonl")
     flags = cli_flags(mixed, base, tmp_path / "out", global_pairs=2, micro_pairs=1, max_steps=1, eval_every=0)
     proc = run_here([sys.executable, str(ROOT / "scripts" / "train_reward.py"), *flags], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -369,7 +369,7 @@ def test_pairs_over_the_context_are_counted_or_refused(base, data, tmp_path):
     only_long = tmp_path / "long" / "preferences.jsonl"
     only_long.parent.mkdir()
     only_long.write_text(json.dumps(long) + "\n")
-    shutil.copy(data.with_name("preferences_test.jsonl"), only_long.with_name("preferences_test.jsonl"))
+    shutil.copy(data.with_name("preferences_dev.jsonl"), only_long.with_name("preferences_dev.jsonl"))
     proc = run_here([sys.executable, str(ROOT / "scripts" / "train_reward.py"),
                      *cli_flags(only_long, base, tmp_path / "out2")], cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr

@@ -4,11 +4,13 @@ Every trainer finds its train file, and the held-out file beside it, from one pa
 
 - the folder the prep wrote (its `--out`; for SFT, the folder holding the `.h5` pair);
 - the prep's `manifest.json` (read as its folder);
-- the train file itself, or the held-out file (read as the train file beside it);
+- the train file itself, or a held-out file (read as the train file beside it);
 - pretraining only: any `.bin` shard (read as its folder), or either HDF5 file of a pair.
 
-The held-out file of a train file `X.ext` is `X<held_out>.ext` beside it (`preferences_test.jsonl`,
-`prompts_test.jsonl`, `sft_val.h5`), unless the config names another (`data.val_path`); HDF5
+The held-out file a stage evaluates on, of a train file `X.ext`, is `X<held_out>.ext` beside it
+(`preferences_dev.jsonl`, `prompts_dev.jsonl`, `sft_val.h5`), unless the config names another
+(`data.val_path`); the sealed test file `X<sealed>.ext` (`prompts_test.jsonl`) is never a train
+file and no stage reads it; HDF5
 pretraining data pairs `<dataset>_train.h5` with `<dataset>_val.h5`. A path that is none of
 these is refused with one line naming it and what to pass instead. `PrepFiles` describes
 what one prep writes; `resolve_data` maps a path to (train, held-out); `token_data_path` is
@@ -33,20 +35,24 @@ class PrepFiles:
     what: str           # what the files hold, for messages: "preference pairs"
     script: str         # the prep that writes them
     suffix: str         # the train file's: ".jsonl", ".h5"
-    held_out: str       # what the held-out file adds to the train file's stem: "_test", "_val"
+    held_out: str       # what the held-out file adds to the train file's stem: "_dev", "_val"
     train: str = ""     # the train file's usual name, preferred when a folder holds several
+    sealed: str = ""    # what the test file (not read by the stages) adds to the stem: "_test"
 
     def held_out_of(self, train: Path) -> Path:
         """The held-out file beside `train`: `X.ext` -> `X<held_out>.ext`."""
         return train.with_name(f"{train.stem}{self.held_out}{train.suffix}")
 
+    def is_held_out(self, path: Path) -> bool:
+        return any(s and path.stem.endswith(s) for s in (self.held_out, self.sealed))
+
     def hint(self) -> str:
         return f"pass the folder {self.script} wrote, or its train file"
 
 
-PREFERENCE_FILES = PrepFiles("preference pairs", "scripts/prepare_preference_data.py", ".jsonl", "_test",
-                             preference_pairs.TRAIN_FILE)
-PROMPT_FILES = PrepFiles("RL prompts", "scripts/prepare_rl_prompts.py", ".jsonl", "_test", prompts.TRAIN_FILE)
+PREFERENCE_FILES = PrepFiles("preference pairs", "scripts/prepare_preference_data.py", ".jsonl", "_dev",
+                             preference_pairs.TRAIN_FILE, "_test")
+PROMPT_FILES = PrepFiles("RL prompts", "scripts/prepare_rl_prompts.py", ".jsonl", "_dev", prompts.TRAIN_FILE, "_test")
 SFT_FILES = PrepFiles("packed SFT rows", "scripts/prepare_sft_data.py", ".h5", "_val", "sft.h5")
 PRETRAIN_SCRIPT = "scripts/prepare_pretrain_data.py"
 
@@ -72,8 +78,9 @@ def _train_file(path: Path, files: PrepFiles) -> Path:
         raise SproutError(f"{path}: not found; {files.hint()}")
     if path.suffix != files.suffix:
         raise SproutError(f"{path}: not a file of {files.what} (a {files.suffix} file); {files.hint()}")
-    if path.stem.endswith(files.held_out):  # the held-out file: its train file is beside it
-        train = path.with_name(path.stem[: -len(files.held_out)] + path.suffix)
+    if files.is_held_out(path):  # a held-out file: its train file is beside it
+        suffix = files.held_out if path.stem.endswith(files.held_out) else files.sealed
+        train = path.with_name(path.stem[: -len(suffix)] + path.suffix)
         if train.is_file():
             return train
     return path
@@ -84,7 +91,7 @@ def _train_file_in(folder: Path, files: PrepFiles) -> Path:
     a held-out file."""
     if files.train and (folder / files.train).is_file():
         return folder / files.train
-    found = sorted(p for p in folder.glob(f"*{files.suffix}") if p.is_file() and not p.stem.endswith(files.held_out))
+    found = sorted(p for p in folder.glob(f"*{files.suffix}") if p.is_file() and not files.is_held_out(p))
     if len(found) == 1:
         return found[0]
     if not found:

@@ -7,13 +7,16 @@
 - `gsm8k_test`: every question of GSM8K's test split (a `gsm8k` source with split test).
 The preps exclude held-out problems from train files (counted as `dropped_held_out`) and record
 what they excluded (`HeldOut.record()`: sets, rule, counts) in the manifest or HDF5 attrs; the
-trainers refuse a file that lacks the record or holds a held-out problem (`check_train_records`).
+trainers refuse a file that lacks the record or holds a held-out problem (`check_train_jsonl`,
+`check_record`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Iterable
 
 from sprout.errors import SproutError
@@ -117,3 +120,18 @@ def check_train_records(records: Iterable[tuple[str, str, list]], path, gsm8k_so
         if found is not None:
             raise SproutError(f"{path}: record {record_id!r} is a held-out problem ({found}); a train file must "
                               f"not hold dev or test problems: prepare the data again")
+
+
+def check_train_jsonl(path, records: Iterable[dict]) -> None:
+    """Refuse a JSONL train file (RL prompts, preference pairs: `id`, `source`, `prompt`) whose
+    prep's manifest.json beside it has no `held_out` record, or that holds a held-out problem
+    (`check_train_records`; GSM8K records are those of the manifest's `gsm8k` sources). A file
+    without a manifest beside it (made by hand) is scanned by the arithmetic rule alone."""
+    manifest_path = Path(path).parent / "manifest.json"
+    gsm8k, instruction = [], None
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        check_record(manifest.get("held_out"), str(manifest_path))
+        gsm8k = [name for name, s in manifest.get("sources", {}).items() if s.get("format") == "gsm8k"]
+        instruction = manifest.get("instruction")
+    check_train_records(((r["id"], r["source"], r["prompt"]) for r in records), path, gsm8k, instruction)

@@ -85,7 +85,7 @@ class PairDataConfig:
     # Paths may change on resume (the loader checks the pair count and global batch), and the
     # epochs, which only set max_steps.
     path: str = resume_free("")         # the preference prep's folder, or a file of it (preferences.jsonl)
-    val_path: str | None = resume_free(None)  # None: preferences_test.jsonl (<name>_test.jsonl) beside the train file
+    val_path: str | None = resume_free(None)  # None: preferences_dev.jsonl (<name>_dev.jsonl) beside the train file
     seq_len: int | None = in_range(None, "[2, inf)")  # longest side in tokens; None: the model's max_seq_len
     truncation: str = "drop"            # drop | keep_end (shorten the prompt; see formats.preference_tokens)
     epochs: float = in_range(1.0, "(0, inf)", metadata=RESUME_FREE)  # sets train.max_steps when that is null
@@ -155,7 +155,7 @@ class PromptBatchConfig:
 @dataclass
 class RLDataConfig:
     path: str = resume_free("")         # scripts/prepare_rl_prompts.py's folder, or a file of it (prompts.jsonl)
-    val_path: str | None = resume_free(None)  # None: prompts_test.jsonl beside the train file
+    val_path: str | None = resume_free(None)  # None: prompts_dev.jsonl beside the train file
     max_prompt_length: int = in_range(512, "[1, inf)")  # longer prompts (rendered, in tokens) are dropped and counted
     sources: list | None = None         # keep only the prompts of these sources (both files); None: all
     # held-out prompts per eval (the file's first; 0: all)

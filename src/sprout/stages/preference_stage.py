@@ -29,6 +29,7 @@ from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
 from sprout.formats.preference_pairs import kind_group, read_preferences
 from sprout.formats.verify_inputs import verify_jsonl_data
+from sprout.prep.held_out import check_train_jsonl
 from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
 from sprout.engine.run_stage import start_run, with_epochs
@@ -156,7 +157,9 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     """Checks, accelerator, tokenizer and loaders for a preference stage: both files against the
     preference manifest.json beside them (`verify_jsonl_data`; sha256 unless data.verify is
     `sizes`), an init checkpoint trained with another chat format than its tokenizer renders
-    refused, as are data.seq_len beyond the model's context and a tokenizer beyond its vocab; a
+    refused, as are data.seq_len beyond the model's context, a tokenizer beyond its vocab and a
+    train file holding a dev or test problem or lacking the prep's record of them
+    (`sprout.prep.held_out.check_train_jsonl`); a
     pair that does not fit is dropped or its prompt shortened (`data.truncation`), counted and
     printed; train.max_steps resolved from data.epochs when null.
 
@@ -179,6 +182,7 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
         raise SproutError(f"data.seq_len {seq_len} exceeds max_seq_len {model_cfg.max_seq_len} of the init "
                           f"checkpoint {base['path']}")
     check = verify_jsonl_data(data, val, cfg.data.verify, kind="preference")
+    check_train_jsonl(data, read_preferences(data))
     print_rank0(check.report("preference files"))
     resume_path = resolve_resume(resume, cfg.out)
 

@@ -29,6 +29,8 @@ from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, init_record, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PROMPT_FILES, resolve_data
+from sprout.formats.prompts import read_prompts
+from sprout.prep.held_out import check_train_jsonl
 from sprout.formats.verify_inputs import verify_jsonl_data
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import generate_tokens
@@ -352,7 +354,8 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     Before anything is written, both prompt files are checked against the prep's `manifest.json`
     beside them (`sprout.formats.verify_inputs.verify_jsonl_data`: listed, and their sha256 unless
     data.verify is `sizes`) and against each other (`data_loader.prompt_batches.check_held_out`: no
-    prompt in both, by id or by prompt key)."""
+    prompt in both, by id or by prompt key); the train file must hold no dev or test problem of an
+    evaluation task and, when prepared, record that (`sprout.prep.held_out.check_train_jsonl`)."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
@@ -365,6 +368,7 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
     check = verify_jsonl_data(data, val, cfg.data.verify, kind="prompt")
     check_held_out(data, val)
+    check_train_jsonl(data, read_prompts(data))
     print_rank0(check.report("prompt files"))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
     if longest > model_cfg.max_seq_len:
