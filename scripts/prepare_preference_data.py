@@ -7,8 +7,8 @@
 ../shared/data beside the repository when it exists (`sprout.mirror`); without one, the
 sources' hub ids are used.
 
-Writes OUT/preferences.jsonl (train), OUT/preferences_test.jsonl (test, split by prompt)
-and OUT/manifest.json, in the format of `sprout.formats.preference_pairs`; see
+Writes OUT/preferences.jsonl (train), OUT/preferences_dev.jsonl (dev, what the reward and DPO
+stages evaluate on), OUT/preferences_test.jsonl (test; split by prompt) and OUT/manifest.json, in the format of `sprout.formats.preference_pairs`; see
 `sprout.prep.preference_data` for the steps. Flags override the config; other `--field value`
 pairs too.
 """
@@ -23,7 +23,7 @@ from sprout.errors import run_main
 from sprout.prep.cli import parse_prep_config, prep_parser
 from sprout.prep.preference_data import FORMATS, PreferenceDataConfig, PreferenceSourceConfig, prepare
 
-FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float}
+FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float, "dev_fraction": float}
 
 
 def main() -> int:

@@ -7,8 +7,9 @@
 ../shared/data beside the repository when it exists (`sprout.mirror`); without one, the
 sources' hub ids are used.
 
-Writes OUT/prompts.jsonl (train), OUT/prompts_test.jsonl (test: a source's own split, or
-by a hash of the prompt) and OUT/manifest.json, in the format of `sprout.formats.prompts`;
+Writes OUT/prompts.jsonl (train), OUT/prompts_dev.jsonl (dev, what PPO and GRPO evaluate on),
+OUT/prompts_test.jsonl (test; each a source's own split, or by a hash of the prompt) and
+OUT/manifest.json, in the format of `sprout.formats.prompts`;
 see `sprout.prep.rl_prompts` for the steps. Flags override the config; other
 `--field value` pairs too.
 """
@@ -23,7 +24,7 @@ from sprout.errors import run_main
 from sprout.prep.cli import parse_prep_config, prep_parser
 from sprout.prep.rl_prompts import FORMATS, PromptDataConfig, PromptSourceConfig, prepare
 
-FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float}
+FLAGS = {"out": str, "mirror": str, "max_examples": int, "seed": int, "test_fraction": float, "dev_fraction": float}
 
 
 def main() -> int:
