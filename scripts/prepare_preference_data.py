@@ -8,9 +8,9 @@
 sources' hub ids are used.
 
 Writes OUT/preferences.jsonl (train), OUT/preferences_dev.jsonl (dev, what the reward and DPO
-stages evaluate on), OUT/preferences_test.jsonl (test; split by prompt) and OUT/manifest.json, in the format of `sprout.formats.preference_pairs`; see
-`sprout.prep.preference_data` for the steps. Flags override the config; other `--field value`
-pairs too.
+stages evaluate on), OUT/preferences_test.jsonl (test; split by prompt) and OUT/manifest.json,
+in the format of `sprout.formats.preference_pairs`; see `sprout.prep.preference_data` for the
+steps. Flags override the config; other `--field value` pairs too.
 """
 
 from __future__ import annotations
