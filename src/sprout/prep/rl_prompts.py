@@ -54,7 +54,7 @@ class PromptSourceConfig:
     path: str | None = None  # file; `${SPROUT_MIRROR}/...` for a file of the data mirror
     hub: str | None = None  # dataset id for `datasets.load_dataset`
     hub_config: str | None = None  # the hub dataset's configuration (subset)
-    split: str = "train"  # hub split / the split the file holds (gsm8k dev: the train file's dev slice); arithmetic: the generator's (train | dev | test | all)
+    split: str = "train"  # the file's / hub split (gsm8k dev: train's dev slice); arithmetic: train | dev | test | all
     own_split: bool = False  # keep `split` (train | dev | test) instead of the hash split
     count: int = in_range(0, "[0, inf)")  # arithmetic: problems to generate
     levels: list = field(default_factory=lambda: [1, 2, 3, 4])  # arithmetic
@@ -157,7 +157,8 @@ def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
         seed = cfg.seed if spec.seed is None else spec.seed
         count = spec.count if cfg.max_examples is None else min(spec.count, cfg.max_examples)
         for i, p in enumerate(arithmetic.generate(count, spec.levels, seed, spec.split)):
-            yield f"{spec.name}[{i}] (level {p.level})", Item(question_prompt(p.question, cfg.instruction), p.gold, p.level)
+            prompt = question_prompt(p.question, cfg.instruction)
+            yield f"{spec.name}[{i}] (level {p.level})", Item(prompt, p.gold, p.level)
         return
     convert = CONVERTERS[spec.format]
     dev_slice = spec.format == "gsm8k" and spec.split == "dev"  # GSM8K's train file, its dev slice only

@@ -5,9 +5,9 @@ Sources are read by `sprout.prep.chat_sources`; each conversation is validated b
 template (invalid ones dropped and counted by reason; a source with no usable row stops the prep
 naming it); a held-out problem (`sprout.prep.held_out`: arithmetic dev/test, GSM8K's dev
 slice; a `gsm8k` source must read GSM8K's train split) is dropped (`dropped_held_out`) and the
-files' `held_out` attribute records the sets and counts; dedup is exact across sources on `sprout.prep.keys.conversation_key`, first wins,
-and val is split by the same key (`is_val` with `val_fraction`: disjoint, stable, independent
-of `max_examples` and source order). Weights resample the train split
+files' `held_out` attribute records the sets and counts; dedup is exact across sources on
+`sprout.prep.keys.conversation_key`, first wins, and val is split by the same key (`is_val`
+with `val_fraction`: disjoint, stable, independent of `max_examples` and source order). Weights resample the train split
 (`sprout.prep.mixture.resample`, sizes 1): weight w gives each example floor(w) times plus a
 seeded random round((w - floor(w)) * n) of the n once more. Examples are rendered
 (`sprout.chat.render`) and packed (`sprout.prep.packing.pack`, the `overlong` policy). `out`
