@@ -49,6 +49,7 @@ else:
     run = {"seed": args.seed, "init": init, "skill": json.loads(Path(args.config).read_text())["skill"]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.json").write_text(json.dumps(run))
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0 / (1 + run["skill"])}) + "\\n")
 
 
 def checkpoint(step):

@@ -117,11 +117,14 @@ def train_stages(preset: dict) -> list[str]:
     return [s["name"] for s in preset["stages"] if s["kind"] == "train"]
 
 
-def eval_jsons(preset: dict, out: Path, stage: str) -> dict[str, dict]:
-    """{task: evaluate.py's JSON} of the eval stage whose input is `stage`."""
+def eval_jsons(preset: dict, out: Path, stage: str) -> dict[str, dict[str, dict]]:
+    """{task: {split: evaluate.py's JSON}} of the eval stage whose input is `stage`."""
     (evaluation,) = [s for s in preset["stages"] if s["kind"] == "eval" and s["inputs"] == [stage]]
-    files = read_state(out)["stages"][evaluation["name"]]["outputs"]
-    return {(data := json.loads((out / rel).read_text()))["task"]: data for rel in files}
+    found: dict[str, dict[str, dict]] = {}
+    for rel in read_state(out)["stages"][evaluation["name"]]["outputs"]:
+        data = json.loads((out / rel).read_text())
+        found.setdefault(data["task"], {})[data["split"]] = data
+    return found
 
 
 def last(out: Path, run: str, key: str):
@@ -162,7 +165,7 @@ def test_report_card_figures_are_the_stages_own_metrics(smol):
         assert row["tokens_per_s"] == pytest.approx(sum(speeds) / len(speeds))
         # the held-out task columns: the figures of the JSON files of the eval stage that read this stage
         tasks = eval_jsons(preset, out, stage) if stage in POLICIES else {}
-        arith, gsm8k = (tasks.get(t, {}).get("metrics", {}) for t in ("arith", "gsm8k"))
+        arith, gsm8k = (tasks.get(t, {}).get("test", {}).get("metrics", {}) for t in ("arith", "gsm8k"))
         assert (row["arith_pass@1"], row["arith_pass@8"], row["mean_length"], row["gsm8k_pass@1"]) == \
             (arith.get("pass@1"), arith.get("pass@8"), arith.get("completions/mean_length"), gsm8k.get("pass@1"))
         assert (row["arith_greedy"], row["gsm8k_greedy"]) == (arith.get("greedy/accuracy"), gsm8k.get("greedy/accuracy"))
@@ -198,19 +201,29 @@ def test_held_out_tables_list_the_import_and_each_policy_with_its_eval_files(smo
     evaluated = ("import", *POLICIES)
     jsons = {stage: eval_jsons(preset, out, stage) for stage in evaluated}
     assert set(held_out) == {"arith", "gsm8k"}
+    def cell(metrics: dict, f: str) -> str:
+        if metrics.get(f) is None:
+            return "–"
+        ci = metrics.get(f"{f}_ci")
+        return f"{100 * metrics[f]:.1f}" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+
     for task, section in held_out.items():
         assert list(section["figures"]) == list(evaluated)
-        for stage, figures in section["figures"].items():
-            metrics = jsons[stage][task]["metrics"]
-            assert figures == {f: {"value": metrics[f], "ci": metrics[f"{f}_ci"]} for f in figures}, (task, stage)
-            cells = [f"{100 * metrics[f]:.1f} [{100 * metrics[f + '_ci'][0]:.1f}, {100 * metrics[f + '_ci'][1]:.1f}]"
-                     for f in figures]
-            assert f"| {stage} | " + " | ".join(cells) + " |" in report.splitlines(), (task, stage)
-        changed = [f for f in section["figures"]["sft"] if f.startswith("pass@") or f == "greedy/accuracy"]
+        splits = [sp for sp in ("test", "dev") if any(sp in jsons[stage][task] for stage in evaluated)]
+        named = list(section["figures"]["sft"]["test"])
+        for stage, by_split in section["figures"].items():
+            for split, figures in by_split.items():  # each split's file, strict and flexible figures
+                metrics = jsons[stage][task][split]["metrics"]
+                assert figures == {f: {"value": metrics.get(f), "ci": metrics.get(f"{f}_ci")} for f in figures}
+            strict = [f for f in named if not f.startswith("flexible/")]  # test with dev beside it
+            cells = [cell(jsons[stage][task][sp]["metrics"], f) for f in strict for sp in splits]
+            assert f"| {stage} | strict | " + " | ".join(cells) + " |" in report.splitlines(), (task, stage)
+        changed = [f for f in named if f.removeprefix("flexible/").startswith("pass@")
+                   or f.removeprefix("flexible/") == "greedy/accuracy"]
         got = {(c["stage"], c["figure"], c["vs"]): c["against"] for c in section["changes"]}
         assert got == {(stage, f, vs): against for previous, stage in zip(evaluated, evaluated[1:]) for f in changed
                        for vs, against in (("previous", previous), ("first", "import"))}, task
-    assert set(held_out["arith"]["figures"]["sft"]) >= {"pass@1", "pass@8", "greedy/accuracy"}
+    assert set(held_out["arith"]["figures"]["sft"]["test"]) >= {"pass@1", "pass@8", "greedy/accuracy"}
     answers = json.loads((out / "report" / "answers.json").read_text())
     assert set(answers) == set(POLICIES) and all(len(a["answers"]) == 3 for a in answers.values())
     for png in ("loss_curves.png", "reward_model.png", "dpo.png", "rl.png", "pass_at_1.png"):
