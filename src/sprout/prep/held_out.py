@@ -4,7 +4,8 @@
   whose `sprout.prep.arithmetic.question_split` is dev or test, whatever source it came from;
 - `gsm8k_dev`: a question of GSM8K's train split (a `gsm8k` source) with
   `is_val(text_key("dev:" + question.strip()), GSM8K_DEV_FRACTION)`: a fixed slice of train.jsonl;
-- `gsm8k_test`: every question of GSM8K's test split (a `gsm8k` source with split test).
+- `gsm8k_test`: every question of GSM8K's test split (a `gsm8k` source with split test; its
+  questions are known by their source, not compared with test.jsonl, and SFT reads train only).
 The preps exclude held-out problems from train files (counted as `dropped_held_out`) and record
 what they excluded (`HeldOut.record()`: sets, rule, counts) in the manifest or HDF5 attrs; the
 trainers refuse a file that lacks the record or holds a held-out problem (`check_train_jsonl`,
