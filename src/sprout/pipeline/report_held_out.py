@@ -15,8 +15,8 @@ second evaluated stage on: each correctness figure (pass@k, greedy accuracy) aga
 evaluated stage and against the first, in percentage points: the mean over problems of this stage's
 score minus the other's (the files' `problems` records), with the paired bootstrap interval
 (`statistics.paired_difference_interval`); a seeded stage's mean over seeds against a single-seed
-stage with `statistics.seeds_paired_difference_interval` (against several seeds: not paired); ✓ only when it excludes 0, else "not
-significant". Files pair only with the same problem ids and max_new_tokens (and, for pass@k,
+stage with `statistics.seeds_paired_difference_interval` (against several seeds: not paired); ✓
+only when it excludes 0, else "not significant". Files pair only with the same problem ids and max_new_tokens (and, for pass@k,
 temperature); otherwise the cell says why. `rate_interval`: the Wilson interval of the reward
 model's and DPO's held-out accuracy, round(accuracy × pairs) right of `val_pairs` pairs.
 """
