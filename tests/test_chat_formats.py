@@ -347,6 +347,7 @@ def test_sprout_records_what_it_always_recorded(tok):
 
 
 def test_data_made_in_another_format_is_refused_in_one_line(gpt2_bpe, tok, tmp_path):
+    from sprout.prep.held_out import HeldOut
     from sprout.stages.sft import check_sft_data
 
     chatml = template_for(BPETokenizer(gpt2_bpe, chat_format=CHATML.with_system(SMOLLM2_SYSTEM), **CHATML_KW))
@@ -355,7 +356,8 @@ def test_data_made_in_another_format_is_refused_in_one_line(gpt2_bpe, tok, tmp_p
     with pytest.raises(SproutError) as err:
         check_trained_format(chatml.version, format_for(tok), "ckpt/meta.json")
     assert "\n" not in str(err.value) and chatml.version in str(err.value) and "sprout-chat-v1" in str(err.value)
-    attrs = {"tokenizer_fingerprint": "f", "template_version": chatml.version, "seq_len": 64, "vocab_size": 700}
+    attrs = {"tokenizer_fingerprint": "f", "template_version": chatml.version, "seq_len": 64, "vocab_size": 700,
+             "held_out": HeldOut().record()}
     with pytest.raises(SproutError, match="rendered with chat template 'chatml-v1\\+system-"):
         check_sft_data({"path": str(tmp_path)}, None, tmp_path / "sft.h5", attrs, tmp_path / "sft_val.h5", attrs,
                        SPROUT)
