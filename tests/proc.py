@@ -13,7 +13,7 @@ use it for one-process runs whose outcome is their output and files, not for lau
 kills, resource limits, locks the test's process holds, or start-up settings. What a run may
 change is put back (environment, cwd, argv, sys.path, warning filters, logging streams, signal
 handlers, torch threads, Python/NumPy/torch random states, accelerate's state, the run folders it
-held, `sprout.engine.cli`'s pending --overwrite deletions, `sprout.model.generate`'s once-warnings).
+held, `sprout.engine.cli`'s pending --overwrite deletions, `sprout.model.generate`'s once-warnings). `one_error` reads a refused run's one `error:` line.
 """
 
 import contextlib
@@ -60,6 +60,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def one_error(proc, *needles: str, alone: bool = False) -> str:
+    """The one `error:` line of a refused run (exit 2, no traceback), which must contain every
+    needle; `alone`: and nothing else on stderr."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, proc.stderr)
+    assert not alone or lines == errors, proc.stderr
+    assert all(n in errors[0] for n in needles), (needles, errors[0])
+    return errors[0]
 
 
 def interpreter_warnings() -> None:

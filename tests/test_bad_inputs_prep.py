@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from data_fixtures import make_docs, train_tiny_sp
+from proc import one_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -44,15 +45,6 @@ def run(script: str, *args, limit: int | None = None, timeout: float = 120, env:
     return subprocess.run([sys.executable, str(SCRIPTS / script), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, preexec_fn=cap if limit else None, cwd=ROOT,
                           env={**os.environ, "SPROUT_MIRROR": "", **(env or {})})
-
-
-def one_error(proc, *needles: str) -> str:
-    """The one `error:` line of a failed run, which must contain every needle."""
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, proc.stderr)
-    assert all(n in errors[0] for n in needles), (needles, errors[0])
-    return errors[0]
 
 
 def tree(folder: Path) -> dict:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from data_fixtures import make_docs, train_tiny_sp
-from proc import run_here
+from proc import one_error, run_here
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.checkpoint import read_meta, save_checkpoint, save_rotating
 from sprout.errors import SproutError
@@ -56,15 +56,6 @@ def run(script: str, *args, limit: int | None = None, timeout: float = 180):
     if limit is None:
         return run_here(cmd, cwd=ROOT, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap, cwd=ROOT, env=env)
-
-
-def one_error(proc, *needles: str) -> str:
-    """The one `error:` line of a failed run, which must contain every needle."""
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, proc.stderr)
-    assert all(n in errors[0] for n in needles), (needles, errors[0])
-    return errors[0]
 
 
 def tree(folder: Path) -> dict:

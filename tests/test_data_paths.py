@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proc import run_here
+from proc import one_error, run_here
 from sprout.errors import SproutError
 from sprout.formats.data_paths import (PREFERENCE_FILES, PROMPT_FILES, SFT_FILES, resolve_data,
                                        token_data_path)
@@ -95,13 +95,6 @@ TRAINERS = {  # script: (the prep's files, the flags besides --data, --init and 
 def run(script: str, *args) -> subprocess.CompletedProcess:
     return run_here([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], cwd=ROOT,
                     env={**os.environ, "SPROUT_MIRROR": ""})
-
-
-def one_error(proc) -> str:
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, proc.stderr)
-    return errors[0]
 
 
 @pytest.mark.parametrize("script", sorted(TRAINERS))

@@ -9,7 +9,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from proc import run_here
+from proc import one_error, run_here
 from sprout.errors import SproutError
 from sprout.prep import arithmetic
 from sprout.prep.held_out import (SETS, arithmetic_set, check_record, check_train_jsonl, gsm8k_split,
@@ -155,14 +155,6 @@ def test_a_gsm8k_dev_question_in_a_prepared_train_file_is_refused(tmp_path):
     assert str(err.value).startswith(f"{path}: record 'gsm8k-1' is a held-out problem (gsm8k_dev)")
 
 
-def _one_error(proc, *needles: str) -> str:
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, proc.stderr)
-    assert all(n in errors[0] for n in needles), (needles, errors[0])
-    return errors[0]
-
-
 def _run(script: str, *args):
     return run_here([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], cwd=ROOT)
 
@@ -179,7 +171,7 @@ def test_an_rl_trainer_refuses_a_train_file_holding_a_test_problem(sp, tmp_path)
     proc = _run("train_grpo.py", "--data", data, "--init", init, "--out", out, "--batch.global_prompts", "2",
                 "--batch.num_generations", "2", "--batch.micro_completions", "2", "--data.max_prompt_length", "24",
                 "--rollout.max_completion_length", "8", "--data.sources", "null", "--train.max_steps", "1")
-    _one_error(proc, f"{data}: record 'leak' is a held-out problem (arithmetic_test)")
+    one_error(proc, f"{data}: record 'leak' is a held-out problem (arithmetic_test)")
     assert not out.exists()
 
 
@@ -193,7 +185,7 @@ def test_a_preference_trainer_refuses_a_train_file_holding_a_dev_problem(sp, tmp
                             "rejected": [{"role": "assistant", "content": "b"}]}) + "\n")
     init, out = write_lm(tmp_path / "lm", sp), tmp_path / "run"
     proc = _run("train_reward.py", *cli_flags(data, init, out))
-    _one_error(proc, f"{data}: record 'leak' is a held-out problem (arithmetic_dev)")
+    one_error(proc, f"{data}: record 'leak' is a held-out problem (arithmetic_dev)")
     assert not out.exists()
 
 
@@ -213,7 +205,7 @@ def test_the_sft_trainer_refuses_a_file_without_the_record(sp, tmp_path):
     proc = _run("train_sft.py", "--data", data, "--init", init, "--out", out, "--batch.global_tokens", "64",
                 "--batch.micro_tokens", "64", "--train.max_steps", "1", "--train.progress", "false",
                 "--train.peak_tflops", "-1")
-    _one_error(proc, f"{data}: no record that the prep excluded the held-out problems")
+    one_error(proc, f"{data}: no record that the prep excluded the held-out problems")
     assert not out.exists()
 
 
@@ -252,5 +244,5 @@ def test_evaluate_records_the_split_in_the_json_and_its_name(sp, tmp_path):
         result = json.loads((tmp_path / "run" / "eval" / name).read_text())
         assert result["split"] == (split or "dev") and result["task"] == "arith"
         assert {p["source"] for p in result["problems"]} == {f"arithmetic_{split or 'dev'}"}
-    _one_error(_run("evaluate.py", init, "--prompts", "x.jsonl", "--split", "test", "--n", "0", "--greedy"),
+    one_error(_run("evaluate.py", init, "--prompts", "x.jsonl", "--split", "test", "--n", "0", "--greedy"),
                "--split goes with --task")

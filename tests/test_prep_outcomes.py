@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from proc import one_error
 from sft_fixtures import tiny_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,15 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(script: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], capture_output=True,
                           text=True, cwd=ROOT, timeout=120, env={**os.environ, "SPROUT_MIRROR": ""})
-
-
-def one_error(proc, *needles: str) -> str:
-    """The one line of a refused run: `error: ...` holding every needle, exit 2, no traceback."""
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (proc.returncode, proc.stderr)
-    assert all(n in lines[0] for n in needles), (needles, lines[0])
-    return lines[0]
 
 
 def warnings(proc) -> list[str]:
@@ -70,7 +62,7 @@ def test_an_empty_source_file_is_refused_naming_it_and_nothing_is_written(script
         proc = run(script, "--source", empty, "--format", "chat", "--tokenizer", tok.spec, "--out", out / "sft.h5")
     else:
         proc = run(script, "--out", out, "--sources", f"[{jsonl_source('mine', empty)}]")
-    one_error(proc, str(empty), "holds no records")
+    one_error(proc, str(empty), "holds no records", alone=True)
     assert not out.exists()
 
 
@@ -86,7 +78,7 @@ def test_a_5001_digit_gold_is_refused_in_a_short_line(tmp_path):
 
     as_integer = write_jsonl(tmp_path / "integer.jsonl", [f'{{"prompt": "How big?", "gold": {digits}}}'])
     proc = rl_prep(tmp_path / "b", jsonl_source("big", as_integer))
-    line = one_error(proc, f"{as_integer}:1", "5001 digits")
+    line = one_error(proc, f"{as_integer}:1", "5001 digits", alone=True)
     assert len(line) < 300 and not (tmp_path / "b").exists()
 
 
@@ -144,5 +136,5 @@ def test_a_nan_margin_is_refused_at_its_input_line(tmp_path):
     src = write_jsonl(tmp_path / "pairs.jsonl", [json.dumps({**pair, "margin": 1.0}),
                                                   json.dumps({**pair, "prompt": "Again.", "margin": float("nan")})])
     proc = run("prepare_preference_data.py", "--out", tmp_path / "out", "--sources", f"[{jsonl_source('mine', src)}]")
-    one_error(proc, f"{src}:2", "'margin' must be a finite number, got nan")
+    one_error(proc, f"{src}:2", "'margin' must be a finite number, got nan", alone=True)
     assert not (tmp_path / "out").exists()
