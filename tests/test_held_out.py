@@ -92,7 +92,7 @@ def test_sft_prep_leaves_held_out_problems_out_and_records_it(r50k, tmp_path):
         record = f.attrs["held_out"]
     assert record["sets"] == list(SETS)
     assert record["dropped"] == {"arithmetic_dev": 1, "arithmetic_test": 1, "gsm8k_dev": n_dev, "gsm8k_test": 0}
-    with pytest.raises(SproutError, match="SFT reads GSM8K's train split only"):
+    with pytest.raises(SproutError, match=r"^sources\[0\]\.split \(g\) of the config: 'test', but SFT reads GSM8K's train split only"):
         prepare(SFTDataConfig(tokenizer=r50k.spec, out=str(tmp_path / "x" / "sft.h5"), sources=[
             {"name": "g", "format": "gsm8k", "hub": "openai/gsm8k", "split": "test"}]), r50k, log=lambda *_: None)
 
@@ -137,9 +137,9 @@ def test_a_prepared_file_without_the_record_is_refused(tmp_path):
     path = _jsonl(tmp_path / "prompts.jsonl", [{"id": "a", "source": "s", "prompt": _user("hi"), "gold": "1",
                                                 "level": None}])
     (tmp_path / "manifest.json").write_text(json.dumps({"files": {}, "sources": {}}))
-    with pytest.raises(SproutError, match=r"manifest.json: no record that the prep excluded the held-out problems"):
+    with pytest.raises(SproutError, match=r"manifest.json: no held_out record \(that the prep excluded the held-out problems"):
         check_train_jsonl(path, [json.loads(path.read_text())])
-    with pytest.raises(SproutError, match="sft.h5: no record"):
+    with pytest.raises(SproutError, match="sft.h5: no held_out record"):
         check_record(None, "sft.h5")
 
 
@@ -205,7 +205,7 @@ def test_the_sft_trainer_refuses_a_file_without_the_record(sp, tmp_path):
     proc = _run("train_sft.py", "--data", data, "--init", init, "--out", out, "--batch.global_tokens", "64",
                 "--batch.micro_tokens", "64", "--train.max_steps", "1", "--train.progress", "false",
                 "--train.peak_tflops", "-1")
-    one_error(proc, f"{data}: no record that the prep excluded the held-out problems")
+    one_error(proc, f"{data}: no held_out record (that the prep excluded the held-out problems")
     assert not out.exists()
 
 

@@ -106,8 +106,8 @@ class HeldOut:
 def check_record(record, where: str) -> None:
     """Refuse data whose prep did not record that it excluded every held-out set."""
     if not isinstance(record, dict) or set(SETS) - set(record.get("sets") or ()):
-        raise SproutError(f"{where}: no record that the prep excluded the held-out problems ({', '.join(SETS)}); "
-                          f"written by an earlier version of sprout: prepare the data again")
+        raise SproutError(f"{where}: no held_out record (that the prep excluded the held-out problems "
+                          f"{', '.join(SETS)}); written by an earlier version of sprout: prepare the data again")
 
 
 def check_train_records(records: Iterable[tuple[str, str, list]], path, gsm8k_sources: Iterable[str] = (),

@@ -70,10 +70,10 @@ def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise SproutError(f"source names must be unique, got {names}")
-    for spec in specs:
+    for i, spec in enumerate(specs):
         if spec.format == "gsm8k" and spec.split != "train":
-            raise SproutError(f"source {spec.name}: split {spec.split!r}: SFT reads GSM8K's train split only "
-                              f"(its test split and the dev slice of its train split are held out)")
+            raise SproutError(f"sources[{i}].split ({spec.name}) of the config: {spec.split!r}, but SFT reads GSM8K's "
+                              f"train split only (its test split and its train split's dev slice are held out)")
     return specs
 
 
