@@ -1,4 +1,4 @@
-"""Evaluate a policy on held-out problems with gold answers: pass@k, greedy accuracy, format rate.
+"""Evaluate a policy on held-out problems (pass@k, greedy accuracy, format rate), or rank pairs.
 
     python scripts/evaluate.py runs/demo/grpo_model --task arith --n 16 --k 1,8 --greedy
     python scripts/evaluate.py runs/demo/grpo_model --task arith --split test --n 16 --greedy
@@ -7,19 +7,11 @@
     python scripts/evaluate.py runs/demo/dpo_model --preferences runs/demo/prefs/preferences_test.jsonl
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml scripts/evaluate.py RUN --task arith
 
-RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint). Problems
-(`sprout.evaluation.tasks`): --task arith (levels 1-4, 200 unless --max-examples) or --task gsm8k
-(the mirror's files, else the hub) on --split dev (the default: arithmetic's dev split, GSM8K's
-dev slice of its train file; for tuning) or --split test (the sealed test set; for the figures
-reported), or --prompts FILE. Each prompt gets --n
-samples at --temperature and, with --greedy, one greedy answer, read from <answer>…</answer>
-only; split over processes, the figures equal one process's with the same --batch-size. Writes
---out (default <run folder>/eval/<task>_<split>_step<step>.json): the split, figures, settings, the checkpoint, and
-`problems` (one record per problem, by which two files are paired); each figure in [0, 1] gets
-`<figure>_ci`, its 95 % interval over problems (a fixed seed, not --seed; `sprout.evaluation.statistics`).
---preferences FILE ranks each pair of a preference file instead (`sprout.stages.preference_ranking`):
-accuracy overall and per rejected_kind, one record per pair under `pairs`; default --out
-<run folder>/eval/<file stem>_step<step>.json.
+RUN is a checkpoint dir, a run dir or its checkpoints/ folder (the newest checkpoint). --split
+dev (the default) is for tuning, --split test for the figures reported. Answers are read
+strictly (<answer>…</answer>) and flexibly (else the last number); --preferences ranks a
+preference file's pairs. Writes --out (default <run folder>/eval/<task>_<split>_step<step>.json):
+figures with 95 % intervals and one record per problem or pair. More: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -36,6 +28,8 @@ from sprout.formats.preference_tokens import TRUNCATIONS
 from sprout.stages.configs import RewardLossConfig
 
 DEFAULT_KS = (1, 8)  # those at most --n, when --k is not given
+GENERATION = {"n": 16, "k": None, "greedy": False, "max_examples": None, "max_new_tokens": 256, "temperature": 1.0,
+              "seed": 0, "samples": 4, "split": None, "mirror": None}  # options, defaults: not with --preferences
 ROWS = ("pass@{k}", "greedy/accuracy", "greedy/format_rate", "format/rate", "completions/mean_length",
         "completions/clipped_ratio", "flexible/pass@{k}", "flexible/greedy/accuracy")
 
@@ -77,15 +71,15 @@ def main() -> int:
     source.add_argument("--task", choices=sorted(TASKS), help="built-in held-out problems (--split)")
     source.add_argument("--prompts", help="a prompt JSONL file (e.g. runs/demo/rl_prompts/prompts_test.jsonl)")
     source.add_argument("--preferences", help="a preference JSONL file: ranking accuracy (see below)")
-    p.add_argument("--n", type=int, default=16, help="samples per prompt (0: greedy only; default 16)")
+    p.add_argument("--n", type=int, help="samples per prompt (0: greedy only; default 16)")
     p.add_argument("--k", help="pass@k for these k, comma-separated, each <= n (default: 1,8 where <= n)")
-    p.add_argument("--greedy", action="store_true", help="also one greedy answer per prompt: greedy/accuracy")
+    p.add_argument("--greedy", action="store_true", default=None, help="also a greedy answer each: greedy/accuracy")
     p.add_argument("--max-examples", type=int, help="evaluate at most this many prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
-    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled answers (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per answer at most (default 256)")
+    p.add_argument("--temperature", type=float, help="of the sampled answers (default 1.0)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (x n rows)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the sampling (the problems never change)")
-    p.add_argument("--samples", type=int, default=4, help="answers kept in the JSON (the first prompts)")
+    p.add_argument("--seed", type=int, help="seeds the sampling (the problems never change)")
+    p.add_argument("--samples", type=int, help="answers kept in the JSON (the first prompts)")
     p.add_argument("--split", choices=SPLITS, help="--task's problems: dev (default; for tuning) or test (reported)")
     p.add_argument("--out", help="the JSON to write (default: <run folder>/eval/<task>_<split>_step<step>.json)")
     p.add_argument("--mirror", help="data mirror folder for --task gsm8k (default: sprout.mirror's rule)")
@@ -96,6 +90,10 @@ def main() -> int:
     pref.add_argument("--seq-len", type=int, help="longest side in tokens (default: the model's context)")
     pref.add_argument("--truncation", choices=TRUNCATIONS, help="a pair over --seq-len: drop (default) or keep_end")
     args = p.parse_args()
+    given = [f"--{name.replace('_', '-')}" for name in GENERATION if getattr(args, name) is not None]
+    if args.preferences and given:
+        raise SproutError(f"{', '.join(given)}: only with --task or --prompts, not --preferences")
+    vars(args).update({name: default for name, default in GENERATION.items() if getattr(args, name) is None})
     if args.n < 0 or (args.n == 0 and not args.greedy):
         raise SproutError(f"--n must be at least 1 (or 0 with --greedy), not {args.n}")
     if args.max_new_tokens < 1 or args.batch_size < 1:
@@ -104,7 +102,7 @@ def main() -> int:
         raise SproutError(f"--temperature must be > 0 (use --greedy for greedy answers), not {args.temperature}")
     ks = parse_ks(args.k, args.n)
     if args.split is not None and not args.task:
-        raise SproutError("--split goes with --task (a --prompts or --preferences file is its own split)")
+        raise SproutError("--split goes with --task (a --prompts file is its own split)")
     split = (args.split or "dev") if args.task else None
     if not args.preferences and (args.beta, args.reference, args.seq_len, args.truncation) != (None,) * 4:
         raise SproutError("--beta, --reference, --seq-len and --truncation go with --preferences")

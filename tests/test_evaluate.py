@@ -283,6 +283,17 @@ def test_script_refuses_a_k_above_n_with_one_line(base):
     assert r.returncode == 2 and r.stderr.strip() == "error: --k 8: every k must be between 1 and --n (4)"
 
 
+def test_preferences_refuse_the_generation_options_in_one_line(tmp_path):
+    r = evaluate_script(tmp_path, "--preferences", "p.jsonl", "--n", "16", "--greedy", "--temperature", "0.7",
+                        "--max-examples", "9", "--samples", "0", "--split", "test", "--k", "1", "--seed", "0")
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --n, --k, --greedy, --max-examples, --temperature, "
+                                                      "--seed, --samples, --split: only with --task or --prompts, "
+                                                      "not --preferences")
+    r = evaluate_script(tmp_path, "--prompts", "p.jsonl", "--split", "dev")
+    assert r.returncode == 2 and r.stderr.strip() == \
+        "error: --split goes with --task (a --prompts file is its own split)"
+
+
 @pytest.mark.slow
 def test_two_processes_give_the_figures_of_one(base, tmp_path):
     one, two = tmp_path / "one.json", tmp_path / "two.json"

@@ -2,11 +2,13 @@
 block, else the text's last number, as lm-evaluation-harness's GSM8K flexible-extract), and
 evaluate_prompts reporting both."""
 
+import re
+
 import pytest
 
 import sprout.evaluation.evaluate as evaluation
 import test_evaluate
-from sprout.answers import answers_match, parse_answer
+from sprout.answers import answers_match, parse_answer, parse_number
 from sprout.evaluation.evaluate import evaluate_prompts, problem_scores
 from sprout.evaluation.statistics import wilson_interval
 from sprout.rl.verifiers import correctness_reward
@@ -30,6 +32,19 @@ def flexible(text: str) -> str | None:
 def test_the_flexible_reading_takes_the_last_number(text, answer, value):
     assert parse_answer(text) is None  # no complete block: the strict reading finds nothing
     assert flexible(text) == answer and answers_match(flexible(text), value)
+
+
+@pytest.mark.parametrize("text, token", [
+    ("so 1,2345", "1,2345"),  # the harness's whole token, never its tail 5
+    ("so 12345,678", "12345,678"),  # never 678
+    ("so 2,3", "2,3"),
+    ("version 1.2.3", "1.2.3"),
+])
+def test_digits_joined_by_commas_or_periods_are_one_token_and_an_odd_one_is_no_number(text, token):
+    assert flexible(text) == token and parse_number(token) is None
+    assert correctness_reward([text], ["12345"], fallback_last_number=True) == [0.0]
+    assert correctness_reward([text], [re.split("[.,]", token)[-1]], fallback_last_number=True) == [0.0]  # its tail
+    assert flexible("1, 2, 3,") == "3" and flexible("12,345,678 in all") == "12,345,678"
 
 
 def test_no_number_and_the_tag_wins():
@@ -83,5 +98,5 @@ def test_a_policy_answering_in_prose_scores_only_under_the_flexible_reading(sp, 
     shown = ev.samples[0]
     assert (shown["answer"], shown["correct"], shown["flexible_answer"], shown["flexible_correct_of_n"]) == \
         (None, False, "4", "2/4")
-    assert (shown["greedy_answer"], shown["greedy_flexible_answer"], shown["greedy_flexible_correct"]) == \
+    assert (shown["greedy_answer"], shown["flexible_greedy_answer"], shown["flexible_greedy_correct"]) == \
         (None, "4", True)

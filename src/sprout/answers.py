@@ -65,10 +65,10 @@ def parse_answer(text: str, strict: bool = False, fallback_last_number: bool = F
     With `strict`, `text` must have the full reasoning shape (`is_reasoning_format`).
     With `fallback_last_number` (the flexible reading), a text without a complete block gives
     its last number, as lm-evaluation-harness's GSM8K "flexible-extract" takes the last match
-    of `(-?[$0-9.,]{2,})|(-?[0-9]+)`: a sign, a `$`, thousands separators and decimals belong
-    to the number, a trailing period does not (`The answer is 1,234.` gives `1,234`). Unlike
-    the harness, a comma joins digits only in groups of three (`2,3` is 2 then 3, not 23), a
-    `+` or a Unicode minus counts as a sign, and `3/4` is one number (the harness reads 4).
+    of `(-?[$0-9.,]{2,})|(-?[0-9]+)`: a sign, a `$`, and digits joined by commas or periods
+    are one token, a trailing period or comma is not (`The answer is 1,234.` gives `1,234`);
+    `parse_number` reads the token, so `1,2345` and `2,3` are no number (the harness reads 12345
+    and 23). Unlike the harness, `+` or a Unicode minus is a sign, and `3/4` is 3/4 (not 4).
     A block, even one holding no number, wins over any number outside it. An empty block gives ""."""
     if strict:
         parts = _reasoning_parts(text)
@@ -90,7 +90,7 @@ _DECIMAL_RE = re.compile(r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?|\.[0
 _PREFIX_RE = re.compile(r"([+-]?)\s*\$?\s*([+-]?)\s*")
 _FRACTION_RE = re.compile(r"([0-9]+)\s*/\s*([0-9]+)", re.ASCII)
 _NUMBER_IN_TEXT_RE = re.compile(
-    r"[-+\u2212\ufe63\uff0d]?\$?(?:[0-9]+\s*/\s*[0-9]+|(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)",
+    r"[-+\u2212\ufe63\uff0d]?\$?(?:[0-9]+\s*/\s*[0-9]+|(?:[0-9]+|\.[0-9]+)(?:[.,][0-9]+)*)",
     re.ASCII)
 
 

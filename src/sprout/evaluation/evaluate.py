@@ -333,6 +333,6 @@ def _sample(record: dict, index: int, texts: list[str], o: PromptOutcome, n: int
             flexible_correct_of_n=f"{o.flexible_correct}/{n}")
     if greedy:
         s.update(greedy_completion=texts[-1], greedy_answer=parse_answer(texts[-1]), greedy_correct=bool(o.greedy_correct),
-                 greedy_flexible_answer=parse_answer(texts[-1], fallback_last_number=True),
-                 greedy_flexible_correct=bool(o.flexible_greedy_correct))
+                 flexible_greedy_answer=parse_answer(texts[-1], fallback_last_number=True),
+                 flexible_greedy_correct=bool(o.flexible_greedy_correct))
     return s

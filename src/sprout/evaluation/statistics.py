@@ -7,13 +7,10 @@
     diff, lo, hi = seeds_paired_difference_interval(before, [seed_a, seed_b, seed_c])
     excludes_zero(lo, hi)                                   # the change is real
 
-Every interval is about the problems: the figures are means over held-out problems, and the
-interval says how far the mean could move on another draw of as many problems (a problem's
-own sampling noise is part of its score); over several training seeds, about the problems and
-the seeds together (a two-level bootstrap, `seeds_bootstrap_means`). z = 1.96 throughout.
-Bootstraps are seeded (numpy's PCG64 via `numpy.random.default_rng`): the same scores,
-resamples and seed give the same interval; problems are taken in the order of their ids.
-No torch here.
+Every interval says how far a mean over held-out problems could move on another draw of as
+many problems; over several seeds, of problems and seeds together (`seeds_bootstrap_means`).
+z = 1.96. Bootstraps are seeded (`numpy.random.default_rng`, PCG64): the same scores, resamples
+and seed give the same interval; problems are taken in the order of their ids. No torch here.
 """
 
 from __future__ import annotations
