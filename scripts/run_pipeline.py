@@ -6,14 +6,14 @@
     python scripts/run_pipeline.py --preset gpt2-small --out runs/gpt2 --mirror ../shared/data
     python scripts/run_pipeline.py --preset my_chain.yaml --report-only
     python scripts/run_pipeline.py --preset smollm2 --model HuggingFaceTB/SmolLM2-135M-Instruct
-    python scripts/run_pipeline.py --preset smollm2 --seeds 1337,1338,1339 --seed-stages grpo
+    python scripts/run_pipeline.py --preset smollm2 --seeds 1337,1338,1339   # GRPO and all after it, per seed
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
 runs again with everything after it (sprout/pipeline/runner.py: the preset format and the
 rules); killed at any moment, the same command carries on. With seeds, each seeded stage and
-its eval stages run once per seed, each into its own folder (`<out>_seed<N>`), from the same
-earlier stages. The report card (`<out>/report.md`) compares every stage's checkpoint on one
+every stage reading it run once per seed, each into its own folder (`<out>_seed<N>`), from the
+same earlier stages. The report card (`<out>/report.md`) compares every stage's checkpoint on one
 table (sprout/pipeline/report_card.py).
 """
 
@@ -47,7 +47,7 @@ def main() -> int:
     p.add_argument("--seeds", type=seed_list, metavar="N,N,...", help="run the seeded stages once per seed, "
                    "each with --train.seed N (default: the preset's seeds)")
     p.add_argument("--seed-stages", type=lambda text: [s for s in text.split(",") if s], metavar="STAGE,...",
-                   help="the train stages run once per seed (default: the preset's seed_stages)")
+                   help="train stages run once per seed with all they feed (default: the preset's seed_stages)")
     p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done")
     p.add_argument("--no-report", action="store_true", help="skip the report card")
     args = p.parse_args()

@@ -169,23 +169,43 @@ def test_a_seeded_stage_and_its_evaluation_become_one_stage_per_seed(preset_file
     assert [s.name for s in select(preset, "grpo_seed2", None)[1]][:2] == ["grpo_seed2", "grpo_seed3"]
 
 
-@pytest.mark.parametrize("top, message", [
-    ({"seeds": [1, 2]}, "seeds need both the seeds"),
-    ({"seed_stages": ["grpo"]}, "seeds need both the seeds"),
-    ({"seeds": [1, 1], "seed_stages": ["grpo"]}, "seeds: expected distinct whole numbers >= 0"),
-    ({"seeds": [1], "seed_stages": ["eval_grpo"]}, "seed_stages: 'eval_grpo' is not a train stage"),
-    ({"seeds": [1], "seed_stages": ["sft", "grpo"], "after": True},
-     "stage after reads the seeded stage sft, which has one folder per seed"),
+def test_every_stage_reading_a_seeded_stage_runs_per_seed_too(tmp_path):
+    path = fake_preset(tmp_path, seed_stages=["grpo"])
+    assert [s.name for s in load_preset(path).stages][:2] == ["sft", "grpo"]  # seed_stages alone seeds nothing
+    data = yaml.safe_load(path.read_text())
+    data["stages"] += [{"name": "export", "kind": "prep", "script": "x.py", "inputs": ["grpo"], "out": "export",
+                        "outputs": ["export/model.bin"], "args": ["{grpo}", "{out}"]},
+                       {"name": "check", "kind": "prep", "script": "x.py", "inputs": ["export"], "args": ["{export}"]},
+                       {"name": "after", "kind": "train", "script": "x.py", "inputs": ["sft", "export"],
+                        "out": "after", "args": ["--init", "{sft}"]}]
+    preset = load_preset(write_yaml(path, data), seeds=[1, 2], seed_stages=["grpo"])
+    assert [s.name for s in preset.stages][6:] == ["export_seed1", "export_seed2", "check_seed1", "check_seed2",
+                                                   "after_seed1", "after_seed2"]
+    export2, after2 = preset.stage("export_seed2"), preset.stage("after_seed2")
+    assert (export2.inputs, export2.out, export2.outputs) == (["grpo_seed2"], "export_seed2", ["export_seed2/model.bin"])
+    assert command_args(preset, export2) == [[str(preset.out / "grpo_model_seed2"), str(preset.out / "export_seed2")]]
+    assert (preset.stage("check_seed2").inputs, preset.stage("check_seed2").out) == (["export_seed2"], None)
+    assert after2.inputs == ["sft", "export_seed2"] and command_args(preset, after2)[0][-4:] == \
+        ["--train.seed", "2", "--out", str(preset.out / "after_seed2")]  # a trainer in the tail: the seed too
+
+
+@pytest.mark.parametrize("top, cli, message", [
+    ({"seeds": [1, 2]}, {}, r"seeds \[1, 2\] need the train stages run once per seed"),
+    ({}, {"seed_stages": ["grpo"]}, "--seed-stages grpo: no seeds to run them with"),
+    ({"seeds": [1, 1], "seed_stages": ["grpo"]}, {}, "seeds: expected distinct whole numbers >= 0"),
+    ({"seed_stages": ["eval_grpo"]}, {}, "seed_stages: 'eval_grpo' is not a train stage"),
+    ({"seeds": [1], "seed_stages": ["sft"], "loose": True}, {}, "stage loose: a seeded stage .* needs an out"),
 ])
-def test_what_cannot_be_seeded_is_refused_in_one_line(tmp_path, top, message):
-    after = top.pop("after", False)
+def test_what_cannot_be_seeded_is_refused_in_one_line(tmp_path, top, cli, message):
+    loose = top.pop("loose", False)
     path = fake_preset(tmp_path, **top)
-    if after:
+    if loose:
         data = yaml.safe_load(path.read_text())
-        data["stages"].append({"name": "after", "kind": "train", "script": "x.py", "inputs": ["sft"], "out": "after"})
+        data["stages"].append({"name": "loose", "kind": "prep", "script": "x.py", "inputs": ["sft"],
+                               "outputs": ["a.txt"]})
         write_yaml(path, data)
     with pytest.raises(SproutError, match=message):
-        load_preset(path)
+        load_preset(path, **cli)
 
 
 # ---- running ------------------------------------------------------------------------------------

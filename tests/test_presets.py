@@ -153,3 +153,28 @@ def test_a_dry_run_fails_on_an_unknown_key_or_a_bad_value(tmp_path, monkeypatch,
             dry_run(script, ["--config", str(path), *args], monkeypatch, capsys)
     assert dry_run(script, ["--config", str(ROOT / "configs" / "gpt2-small" / "reward.yaml"), *args],
                    monkeypatch, capsys).batch.global_pairs == 64
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_runs_per_seed_from_grpo_on_with_its_own_seed_stages_or_the_command_lines(name):
+    path = ROOT / "configs" / "pipelines" / f"{name}.yaml"
+    plain = load_preset(path)  # its own setting: seed_stages [grpo], no seeds -> one run of every stage
+    assert all(s.seed is None for s in plain.stages)
+    tail, names = set(), []  # grpo and every stage reading it, directly or not, run once per seed
+    for stage in plain.stages:
+        if stage.name == "grpo" or set(stage.inputs) & tail:
+            tail.add(stage.name)
+        names += [f"{stage.name}_seed{n}" for n in (1, 2)] if stage.name in tail else [stage.name]
+    assert {"grpo", "eval_grpo"} <= tail and ("export" in tail) == (name.startswith("smollm2"))
+    for seeded in (load_preset(path, seeds=[1, 2]), load_preset(path, seeds=[1, 2], seed_stages=["grpo"])):
+        assert [s.name for s in seeded.stages] == names
+        for stage in seeded.stages:
+            args = command_args(seeded, stage)  # every placeholder names a stage of the seeded preset
+            if stage.seed_of is None:
+                assert stage == plain.stage(stage.name)
+                continue
+            one = plain.stage(stage.seed_of)
+            out = Path(one.out)  # eval/grpo -> eval/grpo_seed1, a file's name before its suffix
+            assert stage.out == str(out.with_name(f"{out.stem}_seed{stage.seed}{out.suffix}"))
+            assert stage.inputs == [f"{n}_seed{stage.seed}" if n in tail else n for n in one.inputs]
+            assert (args[0][-4:-2] == ["--train.seed", str(stage.seed)]) == (stage.kind == "train")

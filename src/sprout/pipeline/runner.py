@@ -1,20 +1,15 @@
 """The pipeline runner: every stage of a preset, in order, skipping what is done.
 
-A preset (configs/pipelines/*.yaml; its format is `Preset`'s docstring) lists the stages: a prep
-stage runs as a plain process, a train or eval stage under `accelerate launch` when the launcher
-is `accelerate`. `<out>/pipeline_state.json` (written atomically) records for each stage its input
-hashes (the sha256 of its config file, its command line, the input and output hashes of the
-stages it reads, so a change anywhere upstream reaches it), its wall time, its peak resident
-memory (`peak_rss_mb`: the largest process it ran) and, once it completes, its output hashes.
-Same inputs and outputs that verify (a prep or eval stage's files have the recorded sha256; a
-train stage's latest checkpoint verifies and holds the recorded weights) -> skipped; same inputs,
-no completion: a train stage with a checkpoint resumes (`--out DIR --resume`), any other runs
-again; otherwise it runs afresh (`--overwrite` for a train stage whose folder holds a run). A
-missing script or config stops the pipeline with one line naming it, when its stage is reached.
-One runner per output root (`pipeline.lock`); at start the `.tmp-*` a killed write left are
-removed; a child process dies with the runner (Linux: PR_SET_PDEATHSIG). Seeds (`seeds`,
-`seed_stages`, `expand_seeds`): a seeded train stage and the eval stages that read it become one
-stage per seed, `<name>_seed<N>` into `<out>_seed<N>`, each a stage as any other.
+A preset (configs/pipelines/*.yaml; its format, seeds included, is `Preset`'s docstring) lists
+the stages: a prep stage runs as a plain process, a train or eval stage under `accelerate
+launch` when the launcher is `accelerate`. `<out>/pipeline_state.json` (written atomically)
+records for each stage its input hashes (`stage_inputs`), its wall time, its peak resident
+memory (`peak_rss_mb`, `run_child`) and, once it completes, its output hashes. Same inputs and
+outputs that verify (`outputs_verify`) -> skipped; same inputs, no completion: a train stage
+with a checkpoint resumes (`--out DIR --resume`), any other runs again; otherwise it runs
+afresh (`--overwrite` for a train stage). A missing script or config stops the pipeline with
+one line naming it, when its stage is reached. One runner per output root (`pipeline.lock`); at
+start the `.tmp-*` a killed write left are removed; a child process dies with the runner.
 """
 
 from __future__ import annotations
@@ -93,12 +88,13 @@ class Preset:
     the current directory. `args` may be a list of argument lists: one command each, run in
     order (an eval stage's tasks).
 
-    With seeds, each stage of `seed_stages` (train stages) and each eval stage reading one
-    becomes one stage per seed N, in place: `<name>_seed<N>`, its out `<out>_seed<N>` (a
-    file's name before its suffix; `outputs` under `out` alike), its seeded inputs the same
-    seed's; a train stage gets `--train.seed N`. All seeds start from the same earlier stages.
-    A seeded stage reading another pairs by seed; any other stage reading one is refused (take
-    one seed's folder as a stage of its own instead). `--from/--to <name>` mean its first/last seed.
+    Seeds: with `seeds`, each stage of `seed_stages` (train stages) and every stage that reads a
+    seeded stage (any kind: its evaluation, a prep such as an export, a later trainer) becomes
+    one stage per seed N, in place: `<name>_seed<N>`, its out `<out>_seed<N>` (a file's name
+    before its suffix; `outputs` under `out` alike), its seeded inputs the same seed's; a train
+    stage gets `--train.seed N`. So the whole tail after a seeded stage runs once per seed, all
+    seeds from the same earlier stages. `seed_stages` without `seeds` seeds nothing (it names
+    what `--seeds` seeds). `--from/--to <name>` mean its first/last seed.
     """
 
     path: Path
@@ -206,9 +202,17 @@ def load_preset(path: str | Path, out: str | Path | None = None, model: str | No
                             config=_repo_path(raw["config"]) if raw.get("config") else None, inputs=inputs,
                             outputs=None if outputs is None else _str_list(f"{where}: outputs", outputs),
                             commands=commands, role=role))
+    if seed_stages is not None and not (seeds if seeds is not None else data.get("seeds")):
+        raise SproutError(f"--seed-stages {','.join(seed_stages)}: no seeds to run them with (pass --seeds N,N,... "
+                          f"or set the preset's seeds:)")
     seeds = seeds if seeds is not None else data.get("seeds")
     seed_stages = seed_stages if seed_stages is not None else data.get("seed_stages")
-    if seeds or seed_stages:
+    if seed_stages is not None:
+        for name in _str_list(f"{path}: seed_stages", seed_stages):
+            if next((s.kind for s in stages if s.name == name), None) != "train":
+                raise SproutError(f"{path}: seed_stages: {name!r} is not a train stage of this preset (a stage "
+                                  f"reading a seeded stage runs per seed by itself)")
+    if seeds:
         stages = expand_seeds(path, stages, seeds, seed_stages)
     return Preset(path=path, out=Path(root), launcher=launcher,
                   accelerate_config=_repo_path(acc_cfg) if acc_cfg else None, stages=stages, model=model)
@@ -221,37 +225,31 @@ def seeded_path(rel: str, seed: int) -> str:
 
 
 def expand_seeds(path: Path, stages: list[Stage], seeds, seed_stages) -> list[Stage]:
-    """The stages with each seeded one replaced, in place, by one stage per seed (`Preset`)."""
-    if not seeds or not seed_stages:
-        raise SproutError(f"{path}: seeds need both the seeds (seeds:, --seeds) and the train stages run once per "
-                          f"seed (seed_stages:, --seed-stages); got seeds {seeds!r}, seed_stages {seed_stages!r}")
+    """The stages with each seeded one (a stage of `seed_stages`, or one reading a seeded stage)
+    replaced, in place, by one stage per seed (`Preset`)."""
+    if not seed_stages:
+        raise SproutError(f"{path}: seeds {seeds!r} need the train stages run once per seed (seed_stages:, "
+                          f"--seed-stages)")
     whole = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 0  # noqa: E731
     if not isinstance(seeds, list) or not all(map(whole, seeds)) or len(set(seeds)) < len(seeds):
         raise SproutError(f"{path}: seeds: expected distinct whole numbers >= 0, got {seeds!r}")
-    for name in _str_list(f"{path}: seed_stages", seed_stages):
-        kind = next((s.kind for s in stages if s.name == name), None)
-        if kind != "train":
-            raise SproutError(f"{path}: seed_stages: {name!r} is not a train stage of this preset "
-                              f"(an eval stage reading a seeded stage runs per seed by itself)")
     seeded: set[str] = set()
     out: list[Stage] = []
     for stage in stages:
         reads = [name for name in stage.inputs if name in seeded]
-        if stage.name not in seed_stages and not (reads and stage.kind == "eval"):
-            if reads:
-                raise SproutError(f"{path}: stage {stage.name} reads the seeded stage {reads[0]}, which has one "
-                                  f"folder per seed; only eval stages (and other seeded stages) may read it")
+        if stage.name not in seed_stages and not reads:
             out.append(stage)
             continue
         seeded.add(stage.name)
-        if stage.out is None or any(rel != stage.out and not rel.startswith(stage.out.rstrip("/") + "/")
-                                    for rel in stage.outputs or []):
-            raise SproutError(f"{path}: stage {stage.name}: a seeded stage needs an out that holds all its outputs")
+        if stage.outputs and (stage.out is None or any(
+                rel != stage.out and not rel.startswith(stage.out.rstrip("/") + "/") for rel in stage.outputs)):
+            raise SproutError(f"{path}: stage {stage.name}: a seeded stage (or one reading a seeded stage) needs an "
+                              f"out that holds all its outputs")
         for n in seeds:
             def fill(arg: str) -> str:  # {grpo} -> {grpo_seed<n>} for each seeded input
                 return PLACEHOLDER.sub(lambda m: f"{{{m.group(1)}_seed{n}}}" if m.group(1) in reads else m.group(0),
                                        arg)
-            out_n = seeded_path(stage.out, n)
+            out_n = seeded_path(stage.out, n) if stage.out else None
             out.append(dataclasses.replace(
                 stage, name=f"{stage.name}_seed{n}", out=out_n, seed=n, seed_of=stage.name,
                 inputs=[f"{name}_seed{n}" if name in reads else name for name in stage.inputs],
@@ -309,8 +307,9 @@ def digest(obj) -> str:
 
 
 def stage_inputs(preset: Preset, stage: Stage, state: dict) -> dict:
-    """What a stage's result depends on: config sha256, command lines (the output root written
-    as {root}, so a moved or copied root keeps its hashes), upstream hashes."""
+    """What a stage's result depends on: its config's sha256, its command lines (the output root
+    written as {root}, so a moved or copied root keeps its hashes) and the input and output
+    hashes of the stages it reads (so a change anywhere upstream reaches it)."""
     root = str(preset.out)
     for path, what in ((stage.script, "script"), (stage.config, "config")):
         if path is not None and not path.is_file():
@@ -361,7 +360,8 @@ def checkpoint_weights(run_dir: Path) -> tuple[str, int] | None:
 
 
 def outputs_verify(preset: Preset, stage: Stage, rec: dict) -> bool:
-    """Whether a stage recorded as done still has the outputs it recorded."""
+    """Whether a stage recorded as done still has the outputs it recorded: a prep or eval stage's
+    files their sha256, a train stage's latest checkpoint verifies and holds the recorded weights."""
     if stage.kind == "train":
         found = checkpoint_weights(preset.out_of(stage))
         return found is not None and found[0] == rec.get("outputs", {}).get("weights_sha256")
