@@ -44,6 +44,19 @@ def test_the_folder_or_any_file_of_it_gives_the_train_and_held_out_files(tmp_pat
                                                                                      other / f"mine{files.suffix}")
 
 
+@pytest.mark.parametrize("files,train", [(PREFERENCE_FILES, "preferences.jsonl"), (PROMPT_FILES, "prompts.jsonl")])
+def test_data_val_path_naming_the_sealed_test_file_is_refused(tmp_path, files, train):
+    test_file = train.replace(".jsonl", "_test.jsonl")
+    folder = touch(tmp_path / "prep", train, train.replace(".jsonl", "_dev.jsonl"), test_file)
+    copy = touch(tmp_path / "copy", test_file) / test_file  # by its name, wherever it lies
+    other = touch(tmp_path / "other", "mine.jsonl", "mine_test.jsonl") / "mine_test.jsonl"  # another prep's
+    for val_path in (folder / test_file, copy, other):
+        with pytest.raises(SproutError) as err:
+            resolve_data(folder, files, val_path=val_path)
+        assert str(err.value) == (f"data.val_path {val_path}: the sealed test file, which no stage evaluates on; "
+                                  f"leave data.val_path unset for {train.replace('.jsonl', '_dev.jsonl')}")
+
+
 def test_a_renamed_pair_is_found_by_its_name(tmp_path):
     folder = touch(tmp_path / "p", "mine.jsonl", "mine_dev.jsonl", "mine_test.jsonl")
     assert resolve_data(folder, PROMPT_FILES) == (folder / "mine.jsonl", folder / "mine_dev.jsonl")

@@ -1,20 +1,16 @@
 """What a trainer's `--data` takes: the folder a prep wrote, or any file of it.
 
-Every trainer finds its train file, and the held-out file beside it, from one path:
+Every trainer finds its train file, and the held-out file beside it, from one path: the folder
+the prep wrote (its `--out`; for SFT, the folder holding the `.h5` pair), its `manifest.json`,
+the train file, or a held-out file (read as the train file beside it); pretraining also takes
+any `.bin` shard or either HDF5 file of a `<dataset>_train.h5` / `<dataset>_val.h5` pair.
 
-- the folder the prep wrote (its `--out`; for SFT, the folder holding the `.h5` pair);
-- the prep's `manifest.json` (read as its folder);
-- the train file itself, or a held-out file (read as the train file beside it);
-- pretraining only: any `.bin` shard (read as its folder), or either HDF5 file of a pair.
-
-The held-out file a stage evaluates on, of a train file `X.ext`, is `X<held_out>.ext` beside it
-(`preferences_dev.jsonl`, `prompts_dev.jsonl`, `sft_val.h5`), unless the config names another
-(`data.val_path`); the sealed test file `X<sealed>.ext` (`prompts_test.jsonl`) is never a train
-file and no stage reads it; HDF5
-pretraining data pairs `<dataset>_train.h5` with `<dataset>_val.h5`. A path that is none of
-these is refused with one line naming it and what to pass instead. `PrepFiles` describes
-what one prep writes; `resolve_data` maps a path to (train, held-out); `token_data_path` is
-the pretraining form, which keeps a shard folder a folder.
+A stage evaluates on `X<held_out>.ext` beside the train file `X.ext` (`prompts_dev.jsonl`,
+`preferences_dev.jsonl`, `sft_val.h5`) unless `data.val_path` names another; the sealed test
+file `X<sealed>.ext` (`prompts_test.jsonl`) is never a train file, and `data.val_path` naming
+it is refused. Any other path is refused with one line naming it and what to pass instead.
+`PrepFiles` describes what one prep writes; `resolve_data` maps a path to (train, held-out);
+`token_data_path` is the pretraining form, which keeps a shard folder a folder.
 """
 
 from __future__ import annotations
@@ -43,6 +39,10 @@ class PrepFiles:
         """The held-out file beside `train`: `X.ext` -> `X<held_out>.ext`."""
         return train.with_name(f"{train.stem}{self.held_out}{train.suffix}")
 
+    def sealed_of(self, train: Path) -> Path | None:
+        """The sealed test file beside `train` (`X<sealed>.ext`), or None for a prep without one."""
+        return train.with_name(f"{train.stem}{self.sealed}{train.suffix}") if self.sealed else None
+
     def is_held_out(self, path: Path) -> bool:
         return any(s and path.stem.endswith(s) for s in (self.held_out, self.sealed))
 
@@ -63,10 +63,19 @@ def resolve_data(path: str | os.PathLike, files: PrepFiles, val_path: str | os.P
     `val_path` when given. Both must exist; otherwise one line names the path and what to pass."""
     train = _train_file(Path(path), files)
     held_out = Path(val_path) if val_path else files.held_out_of(train)
+    if val_path and files.sealed and (held_out.name == files.sealed_of(train).name or _is_sealed(held_out, files)):
+        raise SproutError(f"data.val_path {held_out}: the sealed test file, which no stage evaluates on; "
+                          f"leave data.val_path unset for {files.held_out_of(train).name}")
     if not held_out.is_file():
         how = "data.val_path" if val_path else f"beside {train.name}; {files.script} writes it, or set data.val_path"
         raise SproutError(f"{held_out}: held-out {files.what} file not found ({how})")
     return train, held_out
+
+
+def _is_sealed(path: Path, files: PrepFiles) -> bool:
+    """A prep's test file: `X<sealed>.ext` with its train file `X.ext` beside it."""
+    stem = path.stem
+    return stem.endswith(files.sealed) and path.with_name(stem[: -len(files.sealed)] + path.suffix).is_file()
 
 
 def _train_file(path: Path, files: PrepFiles) -> Path:
