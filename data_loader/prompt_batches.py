@@ -75,11 +75,12 @@ class PromptLoader(EpochOrder):
         return self.next(f"{self.global_prompts} (batch.global_prompts)")
 
 
-def check_held_out(train: str | Path, test: str | Path) -> None:
+def check_held_out(train: str | Path, test: str | Path, sealed: bool = False) -> None:
     """Refuse a held-out prompt file that shares a prompt with the train file: the same id, or
     the same prompt under the prep's dedup and split key (`sprout.prep.keys.conversation_key`:
     its roles and contents, lower-cased). Held-out figures over prompts the policy trained on
-    measure nothing, so every file is read whole, whatever the loaders keep of it."""
+    measure nothing, so every file is read whole, whatever the loaders keep of it. `sealed`: `test`
+    is the sealed test file, which data.val_path cannot replace."""
     train_ids, train_keys = set(), {}
     for record in read_prompts(train):
         train_ids.add(record["id"])
@@ -94,4 +95,4 @@ def check_held_out(train: str | Path, test: str | Path) -> None:
     if shared:
         raise SproutError(f"{test}: {len(shared):,} held-out prompt(s) also in the train file {train} (first: "
                           f"{shared[0]}); held-out figures must not count trained prompts: prepare the prompts "
-                          f"again or set data.val_path to a disjoint file")
+                          f"again" + ("" if sealed else " or set data.val_path to a disjoint file"))

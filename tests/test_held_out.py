@@ -175,6 +175,23 @@ def test_an_rl_trainer_refuses_a_train_file_holding_a_test_problem(sp, tmp_path)
     assert not out.exists()
 
 
+def test_an_rl_trainer_refuses_a_train_file_sharing_a_prompt_with_the_sealed_test_file(sp, tmp_path):
+    from grpo_fixtures import write_prompt_files
+    from preference_train_fixtures import write_lm
+
+    data = write_prompt_files(tmp_path / "prompts")
+    trained = json.loads(data.read_text().splitlines()[3])
+    with (data.parent / "prompts_test.jsonl").open("a") as f:
+        f.write(json.dumps({**trained, "id": "sealed-copy"}) + "\n")
+    init, out = write_lm(tmp_path / "lm", sp), tmp_path / "run"
+    proc = _run("train_grpo.py", "--data", data, "--init", init, "--out", out, "--batch.global_prompts", "2",
+                "--batch.num_generations", "2", "--batch.micro_completions", "2", "--data.max_prompt_length", "24",
+                "--rollout.max_completion_length", "8", "--data.sources", "null", "--train.max_steps", "1")
+    line = one_error(proc, f"{data.parent / 'prompts_test.jsonl'}: 1 held-out prompt(s) also in the train file "
+                           f"{data} (first: 'sealed-copy', the prompt of train id {trained['id']!r})")
+    assert line.endswith("prepare the prompts again") and not out.exists()
+
+
 def test_a_preference_trainer_refuses_a_train_file_holding_a_dev_problem(sp, tmp_path):
     from preference_train_fixtures import cli_flags, write_lm, write_pairs
 

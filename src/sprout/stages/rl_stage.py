@@ -353,9 +353,10 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     optimizer steps each generation batch serves, `mini_batches` of them per pass over it (PPO).
     Before anything is written, both prompt files are checked against the prep's `manifest.json`
     beside them (`sprout.formats.verify_inputs.verify_jsonl_data`: listed, and their sha256 unless
-    data.verify is `sizes`) and against each other (`data_loader.prompt_batches.check_held_out`: no
-    prompt in both, by id or by prompt key); the train file must hold no dev or test problem of an
-    evaluation task and, when prepared, record that (`sprout.prep.held_out.check_train_jsonl`)."""
+    data.verify is `sizes`); the train file against the dev file and the sealed test file beside it
+    (`data_loader.prompt_batches.check_held_out`: no prompt in both, by id or by prompt key); it
+    must hold no dev or test problem of an evaluation task and, when prepared, record that
+    (`sprout.prep.held_out.check_train_jsonl`)."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
@@ -367,7 +368,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     tok = checkpoint_tokenizer(base)
     check_trained_format(base.get("template_version"), format_for(tok), str(Path(base["path"]) / "meta.json"))
     check = verify_jsonl_data(data, val, cfg.data.verify, kind="prompt")
-    check_held_out(data, val)
+    for held_out in (val, PROMPT_FILES.sealed_of(data)):
+        if held_out.is_file():  # the sealed test file too, which no stage reads but none may train on
+            check_held_out(data, held_out, sealed=held_out != val)
     check_train_jsonl(data, read_prompts(data))
     print_rank0(check.report("prompt files"))
     longest = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
