@@ -116,7 +116,7 @@ def test_rl_prompt_prep_writes_dev_and_keeps_train_free_of_held_out_problems(tmp
     assert len(train) == 200 - len(dev_questions) and not {r["prompt"][0]["content"] for r in train} & dev_questions
     assert manifest["held_out"]["dropped"] == {"arithmetic_dev": 0, "arithmetic_test": 1,
                                                "gsm8k_dev": len(dev_questions), "gsm8k_test": 0}
-    assert manifest["files"]["dev"]["path"] == "prompts_dev.jsonl"
+    assert manifest["files"]["dev"]["path"] == "prompts_dev.jsonl" and manifest["sources"]["gsm8k_dev"]["split"] == "dev"
     check_train_jsonl(out / "prompts.jsonl", read_prompts(out / "prompts.jsonl"))  # what the prep wrote passes
 
 
@@ -153,6 +153,17 @@ def test_a_gsm8k_dev_question_in_a_prepared_train_file_is_refused(tmp_path):
     with pytest.raises(SproutError) as err:
         check_train_jsonl(path, [record])
     assert str(err.value).startswith(f"{path}: record 'gsm8k-1' is a held-out problem (gsm8k_dev)")
+
+
+def test_a_gsm8k_test_question_in_a_prepared_train_file_is_refused(tmp_path):
+    record = {"id": "gsm8k_test-1", "source": "gsm8k_test", "prompt": _user("How many pears number 3?"), "gold": "3"}
+    path = _jsonl(tmp_path / "prompts.jsonl", [record])
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "held_out": {"sets": list(SETS)}, "instruction": None,
+        "sources": {"gsm8k_test": {"format": "gsm8k", "split": "test", "own_split": None}}}))
+    with pytest.raises(SproutError) as err:
+        check_train_jsonl(path, [record])
+    assert str(err.value).startswith(f"{path}: record 'gsm8k_test-1' is a held-out problem (gsm8k_test)")
 
 
 def _run(script: str, *args):

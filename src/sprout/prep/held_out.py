@@ -110,14 +110,14 @@ def check_record(record, where: str) -> None:
                           f"{', '.join(SETS)}); written by an earlier version of sprout: prepare the data again")
 
 
-def check_train_records(records: Iterable[tuple[str, str, list]], path, gsm8k_sources: Iterable[str] = (),
+def check_train_records(records: Iterable[tuple[str, str, list]], path, gsm8k_sources: dict[str, str] | None = None,
                         instruction: str | None = None) -> None:
     """Refuse a train file holding a held-out problem, naming the file and the first such record.
-    `records`: (id, source, prompt messages), checked by `messages_held_out_set`, as GSM8K train
-    records when their source is one of `gsm8k_sources`."""
-    gsm8k_sources = set(gsm8k_sources)
+    `records`: (id, source, prompt messages), checked by `messages_held_out_set`; `gsm8k_sources`:
+    GSM8K source name -> the GSM8K split its records were read from ("train" or "test")."""
+    gsm8k_sources = gsm8k_sources or {}
     for record_id, source, messages in records:
-        found = messages_held_out_set(messages, "train" if source in gsm8k_sources else None, instruction)
+        found = messages_held_out_set(messages, gsm8k_sources.get(source), instruction)
         if found is not None:
             raise SproutError(f"{path}: record {record_id!r} is a held-out problem ({found}); a train file must "
                               f"not hold dev or test problems: prepare the data again")
@@ -126,13 +126,15 @@ def check_train_records(records: Iterable[tuple[str, str, list]], path, gsm8k_so
 def check_train_jsonl(path, records: Iterable[dict]) -> None:
     """Refuse a JSONL train file (RL prompts, preference pairs: `id`, `source`, `prompt`) whose
     prep's manifest.json beside it has no `held_out` record, or that holds a held-out problem
-    (`check_train_records`; GSM8K records are those of the manifest's `gsm8k` sources). A file
+    (`check_train_records`; GSM8K records are those of the manifest's `gsm8k` sources, read from
+    GSM8K's test split when the source's `split` is test, else from its train split). A file
     without a manifest beside it (made by hand) is scanned by the arithmetic rule alone."""
     manifest_path = Path(path).parent / "manifest.json"
-    gsm8k, instruction = [], None
+    gsm8k, instruction = {}, None
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         check_record(manifest.get("held_out"), str(manifest_path))
-        gsm8k = [name for name, s in manifest.get("sources", {}).items() if s.get("format") == "gsm8k"]
+        gsm8k = {name: "test" if s.get("split") == "test" else "train"
+                 for name, s in manifest.get("sources", {}).items() if s.get("format") == "gsm8k"}
         instruction = manifest.get("instruction")
     check_train_records(((r["id"], r["source"], r["prompt"]) for r in records), path, gsm8k, instruction)

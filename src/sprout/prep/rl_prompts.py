@@ -286,7 +286,7 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
                                          for r in records).items())) for split, records in splits.items()}
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
-        "sources": {s.name: {"format": s.format, "own_split": s.split if s.own_split else None,
+        "sources": {s.name: {"format": s.format, "split": s.split, "own_split": s.split if s.own_split else None,
                              **dict(per_source[s.name])} for s in specs},
         "dropped": dropped_totals(per_source), "first_drops": first_drop, "levels": levels,
         "split": {"by": "prompt", "test_fraction": cfg.test_fraction, "dev_fraction": cfg.dev_fraction,
