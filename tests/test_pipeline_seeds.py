@@ -303,13 +303,24 @@ def test_the_report_card_shows_each_seed_their_mean_and_the_two_level_interval(p
     assert "| grpo_seed2 | flexible pass@1 | sft |" in report
 
 
-def test_an_evaluation_without_a_split_is_refused_naming_it(preset_file):
+def test_the_report_card_reads_prompt_file_evaluations_skips_rankings_and_refuses_a_task_without_split(preset_file):
+    from sprout.pipeline.report_card import write_report_card
     from sprout.pipeline.report_held_out import evaluated_stages
     preset = load_preset(preset_file)
     state, _ = run(preset)
-    path = preset.out / "eval" / "sft" / "arith_test.json"
-    data = json.loads(path.read_text())
-    del data["split"]
-    path.write_text(json.dumps(data))
-    with pytest.raises(SproutError, match=f"{path}: split None is not one of test, dev"):
+    folder = preset.out / "eval" / "sft"
+    test = json.loads((folder / "arith_test.json").read_text())
+    prompts = {**test, "task": None, "split": None, "prompts_file": "data/my_prompts.jsonl"}  # evaluate.py --prompts
+    ranking = {"task": "preferences", "preferences_file": "prefs/preferences_test.jsonl", "metrics": {"accuracy": 0.5}}
+    for name, data in (("my_prompts.json", prompts), ("ranking.json", ranking)):
+        (folder / name).write_text(json.dumps(data))
+        state["stages"]["eval_sft"]["outputs"][f"eval/sft/{name}"] = "sha"
+    evaluated = evaluated_stages(preset, state)
+    assert sorted(evaluated["sft"]) == ["arith", "my_prompts"]  # the ranking is not a held-out task's
+    assert evaluated["sft"]["my_prompts"] == {"test": prompts}  # a prompt file: named by its stem, under test
+    report = write_report_card(preset, state, answers=False).read_text()
+    assert f"### my_prompts (test: {PROBLEMS} problems)" in report and "| sft | strict |" in report
+    del test["split"]  # a task's evaluation without a split: refused, naming the file
+    (folder / "arith_test.json").write_text(json.dumps(test))
+    with pytest.raises(SproutError, match=f"{folder / 'arith_test.json'}: split None is not one of test, dev"):
         evaluated_stages(preset, state)

@@ -3,22 +3,13 @@
     evaluated = evaluated_stages(preset, state)   # {stage: {task: {split: evaluate.py's JSON}}}, preset order
     lines, data = held_out_section(evaluated, seed_groups(preset))   # markdown lines, report_card.json's part
 
-The stages read are those an eval stage evaluated (`eval_files`: its JSON files, `<task>_test.json`
-and `<task>_dev.json`, by their `task` and `split`): train stages, and any stage (a model import)
-whose out folder holds the checkpoint the JSON names. Figures: each stage's pass@k, greedy accuracy
-and greedy and sampled format rate in percent, test with dev beside it, strict and (where the file
-has `flexible/` figures) flexible, with the 95 % interval scripts/evaluate.py wrote beside each
-(`<figure>_ci`), or alone when the file has none. A seeded stage (one stage per seed,
-`sprout.pipeline.runner`) adds a row: the mean over its seeds of each figure, with the two-level
-interval over seeds and problems (`statistics.seeds_mean_interval`). Changes, on test, from the
-second evaluated stage on: each correctness figure (pass@k, greedy accuracy) against the previous
-evaluated stage and against the first, in percentage points: the mean over problems of this stage's
-score minus the other's (the files' `problems` records), with the paired bootstrap interval
-(`statistics.paired_difference_interval`); a seeded stage's mean over seeds against a single-seed
-stage with `statistics.seeds_paired_difference_interval` (against several seeds: not paired); ✓
-only when it excludes 0, else "not significant". Files pair only with the same problem ids and max_new_tokens (and, for pass@k,
-temperature); otherwise the cell says why. `rate_interval`: the Wilson interval of the reward
-model's and DPO's held-out accuracy, round(accuracy × pairs) right of `val_pairs` pairs.
+Which files are read: `eval_files` and `evaluated_stages`. Figures: each stage's pass@k, greedy
+accuracy and format rates in percent, test with dev beside it, strict and (where the file has
+`flexible/` figures) flexible, each with the 95 % interval scripts/evaluate.py wrote beside it
+(`<figure>_ci`); a seeded stage adds the mean over its seeds (`seeds_figure`). Changes, on the
+same test problems, from the second evaluated stage on, against the previous and the first:
+`change`, `seeds_change` and `paired_scores` (which files pair). `rate_interval`: the Wilson
+interval of the reward model's and DPO's held-out accuracy.
 """
 
 from __future__ import annotations
@@ -39,8 +30,11 @@ REAL, NOT_REAL = "✓", "not significant"
 
 
 def eval_files(preset, stage_name: str, state: dict) -> dict[str, dict[str, dict]]:
-    """{task: {split: the evaluate.py JSON}} for every done eval stage that reads `stage_name`
-    (its JSON outputs that hold a `task`: a task's evaluation; a prompt file's is named by its stem)."""
+    """{task: {split: the evaluate.py JSON}} for every done eval stage that reads `stage_name`:
+    its JSON outputs with a `task` (`<task>_test.json`, `<task>_dev.json`, by their `task` and
+    `split`). A prompt file's evaluation (`task` null) is named by its file's stem and reported
+    under test; a preference ranking (`task` "preferences") is not read; a task's file without a
+    split (an earlier sprout's) is refused."""
     found: dict[str, dict[str, dict]] = {}
     for s in preset.stages:
         if s.kind != "eval" or stage_name not in s.inputs or state["stages"].get(s.name, {}).get("status") != "done":
@@ -50,12 +44,15 @@ def eval_files(preset, stage_name: str, state: dict) -> dict[str, dict[str, dict
             if path.suffix != ".json":
                 continue
             data = json.loads(path.read_text())
-            if "task" not in data:
+            if "task" not in data or data["task"] == "preferences":
                 continue
-            if data.get("split") not in SPLITS:
+            if data["task"] is None:  # --prompts FILE: the file is its own split
+                found.setdefault(path.stem, {})["test"] = data
+            elif data.get("split") not in SPLITS:
                 raise SproutError(f"{path}: split {data.get('split')!r} is not one of {', '.join(SPLITS)} (an "
                                   f"evaluation written by an earlier version of sprout); evaluate it again")
-            found.setdefault(data["task"] or path.stem.removesuffix("_" + data["split"]), {})[data["split"]] = data
+            else:
+                found.setdefault(data["task"], {})[data["split"]] = data
     return found
 
 
@@ -86,7 +83,8 @@ def evaluated_stages(preset, state: dict) -> dict[str, dict[str, dict[str, dict]
 
 
 def rate_interval(rate: float, n: float) -> list[float]:
-    """The Wilson interval of a rate logged as a fraction of n: round(rate × n) of n."""
+    """The Wilson interval of a rate logged as a fraction of n: round(rate × n) of n (the reward
+    model's and DPO's held-out accuracy, n = `val_pairs`)."""
     return list(wilson_interval(round(rate * n), round(n)))
 
 
@@ -119,7 +117,8 @@ def interval_cell(value: float, ci) -> str:
 
 
 def paired_scores(a: dict, b: dict, figure: str) -> tuple[dict, dict] | str:
-    """({problem id: score} of eval file `a`, of `b`) for `figure`, or why they do not pair."""
+    """({problem id: score} of eval file `a`, of `b`) for `figure`, or why they do not pair: they
+    pair only with the same problem ids and max_new_tokens (and, for pass@k, temperature)."""
     pa, pb = a.get("problems"), b.get("problems")
     if not pa or not pb:
         return "no per-problem outcomes"
@@ -140,8 +139,10 @@ def paired_scores(a: dict, b: dict, figure: str) -> tuple[dict, dict] | str:
 
 
 def change(before: dict, after: dict, figure: str) -> dict:
-    """The change of `figure` from eval file `before` to `after` on the same problems:
-    {diff, ci, real} (fractions), or {not_paired: why}."""
+    """The change of `figure` from eval file `before` to `after` on the same problems: the mean over
+    problems of after's score minus before's (the files' `problems` records) with the paired
+    bootstrap interval, {diff, ci, real} (fractions; real: ✓, the interval excludes 0), or
+    {not_paired: why}. A seeded stage against several seeds is not paired (`changes_rows`)."""
     scores = paired_scores(before, after, figure)
     if isinstance(scores, str):
         return {"not_paired": scores}
