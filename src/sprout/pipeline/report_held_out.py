@@ -83,8 +83,7 @@ def evaluated_stages(preset, state: dict) -> dict[str, dict[str, dict[str, dict]
 
 
 def rate_interval(rate: float, n: float) -> list[float]:
-    """The Wilson interval of a rate logged as a fraction of n: round(rate × n) of n (the reward
-    model's and DPO's held-out accuracy, n = `val_pairs`)."""
+    """The Wilson interval of round(rate × n) of n (reward model and DPO accuracy of `val_pairs` n)."""
     return list(wilson_interval(round(rate * n), round(n)))
 
 
