@@ -4,19 +4,13 @@ and arithmetic -> the preference JSONL contract of `sprout.formats.preference_pa
 Each record becomes a prompt (messages ending with a user turn) and two stripped answers. Pairs
 that cannot train anything are dropped and counted by reason (`malformed_transcript`,
 `mismatched_turns`, `empty_side`, `identical_sides` and the chat template's reasons). Dedup is
-exact across sources on `conversation_key(prompt + [chosen, rejected])`, first wins. The split
-is by a hash of the PROMPT alone, test by `is_val(conversation_key(prompt), test_fraction)`, else
-dev by `is_dev(..., dev_fraction)`, so every pair of one prompt lands in the same file. A pair
+exact across sources on `conversation_key(prompt + [chosen, rejected])`, first wins; the split is
+by a hash of the PROMPT alone, so every pair of one prompt lands in the same file, and a pair
 whose prompt is a held-out problem of another split (`sprout.prep.held_out`) is dropped
-(`held_out`; the manifest's `held_out` records the sets and counts). Each split is shuffled with
-`seed`, then `preferences.jsonl`, `preferences_dev.jsonl` (what the reward and DPO stages
-evaluate on), `preferences_test.jsonl` and, last, `manifest.json` are written.
-
-Formats (`format:`): `hh_rlhf`, `ultrafeedback` (`margin: true`: the score difference is the
-pair's margin), `jsonl` (the contract or TRL's forms; `margin` and `rejected_kind` kept) and
-`arithmetic` (chosen the worked answer, rejected a `near_miss` or a `broken_format`). A `path`
-may use `${SPROUT_MIRROR}` (`sprout.mirror`); without a usable one the hub id is read through
-`datasets`. A record that is not what its format says stops the run naming the file and line.
+(`prepare`). Formats (`format:`): `hh_rlhf`, `ultrafeedback`, `jsonl` (the contract or TRL's
+forms) and `arithmetic` (chosen the worked answer, rejected a `near_miss` or a `broken_format`);
+a `path` may use `${SPROUT_MIRROR}`, else the hub id is read through `datasets`. A record that is
+not what its format says stops the run naming the file and line.
 """
 
 from __future__ import annotations
@@ -248,7 +242,12 @@ def check_config(cfg: PreferenceDataConfig) -> list[PreferenceSourceConfig]:
 
 
 def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
-    """Run the whole prep; writes the three JSONL files and the manifest, returns the manifest."""
+    """Run the whole prep; writes the three JSONL files and the manifest, returns the manifest.
+    Split by the prompt: test by `is_val(conversation_key(prompt), test_fraction)`, else dev by
+    `is_dev(..., dev_fraction)`; a held-out problem of another split is dropped (`held_out`; the
+    manifest's `held_out` records the sets and counts). Each split is shuffled with `seed`, then
+    `preferences.jsonl`, `preferences_dev.jsonl` (what the reward and DPO stages evaluate on),
+    `preferences_test.jsonl` and, last, `manifest.json` are written."""
     specs = check_config(cfg)
     out = Path(cfg.out)
     seen: set[bytes] = set()

@@ -3,21 +3,14 @@ JSONL -> the prompt JSONL contract of `sprout.formats.prompts` (prompt, gold ans
 
 A GSM8K or arithmetic prompt is one user message holding the question as the SFT data shows it
 (plus `instruction` after a blank line, when set); local JSONL prompts are kept as written. The
-gold is normalised by `sprout.answers.normalise_number`. Records that cannot be rewarded are
-dropped and counted (`no_final_answer`, `unparsable_gold`: never guessed, and the chat
-template's reasons). Dedup is exact across sources on `conversation_key(prompt)`, first wins; a
-duplicate with another gold (`duplicates_other_gold`) or whose kept copy is in another split
-(`duplicates_in_<split>`) is warned about. Split: a source with `own_split: true` keeps its
-`split` (GSM8K's test questions stay the published test set; a `gsm8k` source with split dev
-reads the train file's dev slice, `sprout.prep.held_out`); every other record goes to test by
-`is_val(conversation_key(prompt), test_fraction)`, else to dev by `is_dev(..., dev_fraction)`.
-A held-out problem (`sprout.prep.held_out`) assigned another split is dropped (`held_out`), so
-train never holds one; the manifest's `held_out` records the sets and counts. With dedup on no
-prompt is in two files; with it off the manifest counts those shared by train and a held-out
-file (`split.in_both`) and the RL trainers refuse such files. `prompts.jsonl`, `prompts_dev.jsonl`,
-`prompts_test.jsonl` and, last, `manifest.json` are written. Formats: `gsm8k`, `arithmetic` (its
-level recorded) and `jsonl`; a record that is not what its format says stops the run naming the
-file and line.
+gold is normalised by `sprout.answers.normalise_number`; records that cannot be rewarded are
+dropped and counted (`no_final_answer`, `unparsable_gold`, the chat template's reasons), never
+guessed. Dedup is exact across sources on `conversation_key(prompt)`, first wins. A source with
+`own_split: true` keeps its `split`; every other record goes to test or dev by a hash of its
+prompt, and a held-out problem (`sprout.prep.held_out`) of another split is dropped (`prepare`).
+`prompts.jsonl`, `prompts_dev.jsonl`, `prompts_test.jsonl` and, last, `manifest.json` are
+written. A record that is not what its format (`gsm8k`, `arithmetic`, `jsonl`) says stops the
+run naming the file and line.
 """
 
 from __future__ import annotations
@@ -233,7 +226,14 @@ def duplicate_warnings(spec: PromptSourceConfig, counts: Counter) -> list[str]:
 
 def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warning) -> dict:
     """Run the whole prep; writes the three JSONL files and the manifest, returns the manifest.
-    What dedup changed (`duplicate_warnings`) and an empty split are warned about."""
+    Split: a source with `own_split` keeps its `split` (GSM8K's test questions stay the published
+    test set; a `gsm8k` source with split dev reads the train file's dev slice); every other record
+    goes to test by `is_val(conversation_key(prompt), test_fraction)`, else to dev by
+    `is_dev(..., dev_fraction)`. A held-out problem assigned another split is dropped (`held_out`),
+    so train never holds one; the manifest's `held_out` records the sets and counts. What dedup
+    changed (`duplicate_warnings`) and an empty split are warned about; with dedup off the manifest
+    counts the prompts shared by train and a held-out file (`split.in_both`), which PPO and GRPO
+    refuse."""
     specs = check_config(cfg)
     out = Path(cfg.out)
     seen: dict[bytes, tuple[str, str]] = {}  # prompt key -> (gold, split) of the kept prompt

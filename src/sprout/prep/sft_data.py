@@ -3,17 +3,14 @@ packed HDF5 rows.
 
 Sources are read by `sprout.prep.chat_sources`; each conversation is validated by the chat
 template (invalid ones dropped and counted by reason; a source with no usable row stops the prep
-naming it); a held-out problem (`sprout.prep.held_out`: arithmetic dev/test, GSM8K's dev
-slice; a `gsm8k` source must read GSM8K's train split) is dropped (`dropped_held_out`) and the
-files' `held_out` attribute records the sets and counts; dedup is exact across sources on
-`sprout.prep.keys.conversation_key`, first wins, and val is split by the same key (`is_val`
-with `val_fraction`: disjoint, stable, independent of `max_examples` and source order). Weights resample the train split
-(`sprout.prep.mixture.resample`, sizes 1): weight w gives each example floor(w) times plus a
-seeded random round((w - floor(w)) * n) of the n once more. Examples are rendered
-(`sprout.chat.render`) and packed (`sprout.prep.packing.pack`, the `overlong` policy). `out`
-(train) and `out` with `_val` before the suffix (val) are written per `sprout.formats.packed_sft`,
-every count in the `counts` attribute; both are renamed into place only when both are written,
-after removing the temporaries a killed earlier run left beside them.
+naming it); a held-out problem (`sprout.prep.held_out`) is dropped (`dropped_held_out`) and the
+files' `held_out` attribute records it; dedup is exact across sources on `conversation_key`,
+first wins, and val is split by the same key (`is_val` with `val_fraction`: disjoint, stable,
+independent of `max_examples` and source order). Weights resample the train split
+(`sprout.prep.mixture.resample`: weight w gives each example floor(w) times plus a seeded random
+round((w - floor(w)) * n) of the n once more). Examples are rendered and packed
+(`sprout.prep.packing.pack`); `out` and its `_val` file are written per `sprout.formats.packed_sft`,
+both renamed into place only when both are written, after removing a killed run's temporaries.
 """
 
 from __future__ import annotations
@@ -79,7 +76,8 @@ def _check_config(cfg: SFTDataConfig) -> list[SourceConfig]:
 
 def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_warning) -> dict:
     """Run the whole prep; writes the train and val files and returns the counts (a split
-    without a row is written and warned about)."""
+    without a row is written and warned about). Examples longer than `seq_len` follow `overlong`;
+    every count goes to the files' `counts` attribute."""
     specs = _check_config(cfg)
     t0 = time.perf_counter()
     per_source = {s.name: Counter() for s in specs}
