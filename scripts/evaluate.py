@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.errors import SproutError, run_main
-from sprout.evaluation.tasks import SPLITS, TASKS, file_prompts, task_prompts
+from sprout.evaluation.tasks import SPLITS, TASKS, dev_slice_record, file_prompts, task_prompts
 from sprout.formats.preference_tokens import TRUNCATIONS
 from sprout.stages.configs import RewardLossConfig
 
@@ -155,6 +155,7 @@ def main() -> int:
         result = {
             "task": args.task, "split": split, "prompts_file": args.prompts,
             "prompts_sha256": sha256_file(args.prompts) if args.prompts else None,
+            "gsm8k_dev_slice": dev_slice_record(args.task, split, prompts),
             "checkpoint": {"path": meta["path"], "stage": meta.get("stage"), "step": step,
                            "weights_sha256": meta["files"][WEIGHTS]},
             "settings": {"n": args.n, "ks": ks, "greedy": args.greedy, "seed": args.seed,

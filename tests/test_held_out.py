@@ -13,7 +13,7 @@ from proc import one_error, run_here
 from sprout.errors import SproutError
 from sprout.prep import arithmetic
 from sprout.prep.held_out import (SETS, arithmetic_set, check_record, check_train_jsonl, gsm8k_split,
-                                  messages_held_out_set)
+                                  messages_held_out_set, slice_digest)
 from sprout.prep.keys import is_val, text_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +92,7 @@ def test_sft_prep_leaves_held_out_problems_out_and_records_it(r50k, tmp_path):
         record = f.attrs["held_out"]
     assert record["sets"] == list(SETS)
     assert record["dropped"] == {"arithmetic_dev": 1, "arithmetic_test": 1, "gsm8k_dev": n_dev, "gsm8k_test": 0}
+    assert record["gsm8k_dev_slice"] == slice_digest(_gsm8k_dev(200)) and record["gsm8k_dev_slice"]["questions"] == n_dev
     with pytest.raises(SproutError, match=r"^sources\[0\]\.split \(g\) of the config: 'test', but SFT reads GSM8K's train split only"):
         prepare(SFTDataConfig(tokenizer=r50k.spec, out=str(tmp_path / "x" / "sft.h5"), sources=[
             {"name": "g", "format": "gsm8k", "hub": "openai/gsm8k", "split": "test"}]), r50k, log=lambda *_: None)
@@ -114,6 +115,7 @@ def test_rl_prompt_prep_writes_dev_and_keeps_train_free_of_held_out_problems(tmp
     assert {r["prompt"][0]["content"] for r in dev if r["source"] == "gsm8k_dev"} == dev_questions
     assert sum(r["source"] == "arith_dev" for r in dev) == 20
     assert len(train) == 200 - len(dev_questions) and not {r["prompt"][0]["content"] for r in train} & dev_questions
+    assert manifest["held_out"]["gsm8k_dev_slice"] == slice_digest(dev_questions)  # read twice, kept once
     assert manifest["held_out"]["dropped"] == {"arithmetic_dev": 0, "arithmetic_test": 1,
                                                "gsm8k_dev": len(dev_questions), "gsm8k_test": 0}
     assert manifest["files"]["dev"]["path"] == "prompts_dev.jsonl" and manifest["sources"]["gsm8k_dev"]["split"] == "dev"
@@ -240,7 +242,7 @@ def test_the_sft_trainer_refuses_a_file_without_the_record(sp, tmp_path):
 # ---- evaluate.py --split -------------------------------------------------------------------
 
 def test_task_prompts_of_each_split_are_the_preps(tmp_path):
-    from sprout.evaluation.tasks import task_prompts
+    from sprout.evaluation.tasks import dev_slice_record, task_prompts
     from sprout.prep.rl_prompts import PromptDataConfig, prepare
 
     prepare(PromptDataConfig(out=str(tmp_path / "rl"), sources=[
@@ -254,6 +256,9 @@ def test_task_prompts_of_each_split_are_the_preps(tmp_path):
     _jsonl(tmp_path / "mirror" / "sft" / "gsm8k" / "test.jsonl", _gsm8k_rows(5, "How many pears"))
     dev = task_prompts("gsm8k", "dev", mirror=str(tmp_path / "mirror"), log=lambda *_: None)
     assert {r["prompt"][0]["content"] for r in dev} == _gsm8k_dev(200) and {r["source"] for r in dev} == {"gsm8k_dev"}
+    slice_record = dev_slice_record("gsm8k", "dev", dev)  # what the eval JSON records: the preps' digest
+    assert slice_record == slice_digest(_gsm8k_dev(200)) != slice_digest(sorted(_gsm8k_dev(200))[1:])
+    assert dev_slice_record("arith", "dev", ours) is None
     test = task_prompts("gsm8k", "test", mirror=str(tmp_path / "mirror"), log=lambda *_: None)
     assert len(test) == 5 and {r["source"] for r in test} == {"gsm8k_test"}
     with pytest.raises(SproutError, match="unknown split 'val'"):
@@ -272,5 +277,11 @@ def test_evaluate_records_the_split_in_the_json_and_its_name(sp, tmp_path):
         result = json.loads((tmp_path / "run" / "eval" / name).read_text())
         assert result["split"] == (split or "dev") and result["task"] == "arith"
         assert {p["source"] for p in result["problems"]} == {f"arithmetic_{split or 'dev'}"}
+        assert result["gsm8k_dev_slice"] is None
+    _jsonl(tmp_path / "mirror" / "sft" / "gsm8k" / "train.jsonl", _gsm8k_rows(200))
+    proc = _run("evaluate.py", init, *args[4:], "--task", "gsm8k", "--mirror", tmp_path / "mirror", "--out",
+                tmp_path / "g.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "g.json").read_text())["gsm8k_dev_slice"] == slice_digest(sorted(_gsm8k_dev(200)))
     one_error(_run("evaluate.py", init, "--prompts", "x.jsonl", "--split", "test", "--n", "0", "--greedy"),
                "--split goes with --task")

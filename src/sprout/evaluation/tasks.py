@@ -22,6 +22,7 @@ from collections import Counter
 
 from sprout.errors import SproutError
 from sprout.formats.prompts import read_prompts
+from sprout.prep.held_out import gsm8k_question, slice_digest
 from sprout.prep.rl_prompts import (Drop, PromptDataConfig, PromptSourceConfig, check_config, check_content,
                                     prompt_key, read_items, source_prompt_id)
 
@@ -76,6 +77,15 @@ def task_prompts(task: str, split: str = "dev", *, max_examples: int | None = No
     if not records:
         raise SproutError(f"task {task}: no prompts to evaluate")
     return records
+
+
+def dev_slice_record(task: str | None, split: str | None, records: list[dict],
+                     instruction: str | None = None) -> dict | None:
+    """For `gsm8k` dev: the count and sha256 of the slice's questions evaluated
+    (`sprout.prep.held_out.slice_digest`, as the preps record `gsm8k_dev_slice`); else None."""
+    if task != "gsm8k" or split != "dev":
+        return None
+    return slice_digest(gsm8k_question(r["prompt"], instruction) for r in records)
 
 
 def file_prompts(path, max_examples: int | None = None) -> list[dict]:

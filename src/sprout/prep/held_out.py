@@ -7,13 +7,15 @@
 - `gsm8k_test`: every question of GSM8K's test split (a `gsm8k` source with split test; its
   questions are known by their source, not compared with test.jsonl, and SFT reads train only).
 The preps exclude held-out problems from train files (counted as `dropped_held_out`) and record
-what they excluded (`HeldOut.record()`: sets, rule, counts) in the manifest or HDF5 attrs; the
+what they excluded (`HeldOut.record()`: sets, rule, counts, the count and sha256 of the GSM8K dev
+slice questions read, `slice_digest`) in the manifest or HDF5 attrs; the
 trainers refuse a file that lacks the record or holds a held-out problem (`check_train_jsonl`,
 `check_record`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -70,19 +72,31 @@ def first_user_question(messages) -> str:
     return next((m["content"] for m in messages if m.get("role") == "user"), "")
 
 
+def gsm8k_question(messages, instruction: str | None = None) -> str:
+    """The GSM8K question of a conversation or prompt: its first user turn, stripped, less an
+    appended `instruction`."""
+    question = first_user_question(messages).strip()
+    suffix = f"\n\n{instruction.strip()}" if instruction and instruction.strip() else None
+    return question[: -len(suffix)] if suffix and question.endswith(suffix) else question
+
+
 def messages_held_out_set(messages, gsm8k_file_split: str | None = None, instruction: str | None = None) -> str | None:
     """The held-out set of a conversation or prompt, or None: any user turn against the arithmetic
-    rule; the first user turn, less an appended `instruction`, against GSM8K's rules for a record
-    read from GSM8K's `gsm8k_file_split` (None: not a GSM8K record)."""
+    rule; its `gsm8k_question` against GSM8K's rules for a record read from GSM8K's
+    `gsm8k_file_split` (None: not a GSM8K record)."""
     found = next((s for m in messages if m.get("role") == "user"
                   for s in [arithmetic_set(question_of(m["content"]))] if s), None)
     if found is None and gsm8k_file_split is not None:
-        question = first_user_question(messages).strip()
-        suffix = f"\n\n{instruction.strip()}" if instruction and instruction.strip() else None
-        if suffix and question.endswith(suffix):
-            question = question[: -len(suffix)]
-        found = held_out_set(question, gsm8k_file_split)
+        found = held_out_set(gsm8k_question(messages, instruction), gsm8k_file_split)
     return found
+
+
+def slice_digest(questions: Iterable[str]) -> dict:
+    """What identifies a set of GSM8K dev slice questions: their count and the sha256 of their
+    stripped texts, deduplicated and sorted, as a UTF-8 JSON list; a changed slice changes it."""
+    texts = sorted({q.strip() for q in questions})
+    return {"questions": len(texts),
+            "sha256": hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode("utf-8")).hexdigest()}
 
 
 class HeldOut:
@@ -91,16 +105,26 @@ class HeldOut:
 
     def __init__(self) -> None:
         self.dropped: Counter = Counter()
+        self.gsm8k_dev: set[str] = set()  # the GSM8K dev slice questions read
+
+    def note(self, found: str | None, messages, instruction: str | None = None) -> None:
+        """Keep the question of a record in GSM8K's dev slice (`found` its held-out set)."""
+        if found == "gsm8k_dev":
+            self.gsm8k_dev.add(gsm8k_question(messages, instruction))
 
     def excluded(self, messages, gsm8k_file_split: str | None = None) -> bool:
         """True (and counted) when the conversation is a held-out problem (`messages_held_out_set`)."""
         found = messages_held_out_set(messages, gsm8k_file_split)
+        self.note(found, messages)
         if found is not None:
             self.dropped[found] += 1
         return found is not None
 
     def record(self) -> dict:
-        return {"sets": list(SETS), "rule": RULE, "dropped": {s: self.dropped[s] for s in SETS}}
+        """`gsm8k_dev_slice`: the `slice_digest` of the dev slice questions read (None: no GSM8K
+        train split read, or none of its questions in the slice)."""
+        return {"sets": list(SETS), "rule": RULE, "dropped": {s: self.dropped[s] for s in SETS},
+                "gsm8k_dev_slice": slice_digest(self.gsm8k_dev) if self.gsm8k_dev else None}
 
 
 def check_record(record, where: str) -> None:

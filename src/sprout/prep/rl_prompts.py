@@ -253,6 +253,7 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
                 split = ("test" if is_val(key, cfg.test_fraction) else
                          "dev" if is_dev(key, cfg.dev_fraction) else "train")
             found = messages_held_out_set(item.prompt, item.gsm8k_split, cfg.instruction)
+            held_out.note(found, item.prompt, cfg.instruction)
             if found is not None and not found.endswith(f"_{split}"):  # a held-out problem elsewhere
                 held_out.dropped[found] += 1
                 c["dropped_held_out"] += 1
