@@ -106,11 +106,13 @@ def preference_pairs(folder: Path, pairs: int) -> Path:
 
 
 def rl_prompts(folder: Path, train: int, test: int) -> Path:
-    """prompts.jsonl (the generator's train problems) and prompts_test.jsonl (its test
-    problems), with gold answers and levels."""
+    """prompts.jsonl, prompts_dev.jsonl and prompts_test.jsonl: the generator's train, dev and
+    test problems, with gold answers and levels."""
     cfg = from_dict(prompt_prep.PromptDataConfig, {
         "out": str(folder),
         "sources": [{"name": "arithmetic", "format": "arithmetic", "count": train, "split": "train",
+                     "own_split": True},
+                    {"name": "arithmetic_dev", "format": "arithmetic", "count": test, "split": "dev",
                      "own_split": True},
                     {"name": "arithmetic_test", "format": "arithmetic", "count": test, "split": "test",
                      "own_split": True}]})

@@ -147,7 +147,7 @@ def test_every_stage_of_the_preset_runs(smol, tiny_llama):
     for evaluation in (s for s in preset["stages"] if s["kind"] == "eval"):
         settings = [json.loads((out / rel).read_text())["settings"] for rel in state[evaluation["name"]]["outputs"]]
         assert [(d["max_examples"], d["max_new_tokens"], d["batch_size"], d["n"]) for d in settings] == \
-            [(4, 8, 4, 8), (4, 8, 4, 0)], evaluation["name"]  # arith then GSM8K, each as tiny_eval made it
+            [(4, 8, 4, 8), (4, 8, 4, 8), (4, 8, 4, 0), (4, 8, 4, 0)], evaluation["name"]  # arith, GSM8K: dev, test
     assert (out / "export" / "model.safetensors").is_file() and (out / "sft" / "loss_mask.html").is_file()
 
 
