@@ -154,7 +154,8 @@ def test_the_stages_evaluation_is_repeated_from_its_checkpoint(score, data, base
     training, the stage's last evaluation is its saved checkpoint's ranking (score head or
     logprob): the figures a results record quotes are rerunnable with evaluate.py."""
     extra = {"score": "logprob", "beta": 0.5} if score == "logprob" else {}
-    test = data.with_name("preferences_test.jsonl")
+    test = tmp_path / "held_out_pairs.jsonl"  # the pairs of the sealed test file, which no stage may read
+    test.write_bytes(data.with_name("preferences_test.jsonl").read_bytes())
     result = run_reward(tiny_cfg(RewardConfig, data, base, tmp_path / "rm", max_steps=2, eval_every=0,
                                  ckpt_every=0, val_path=str(test), **extra))
     checks = [(result["last_eval"], rank_preferences(acc, str(tmp_path / "rm"), str(test)))]
