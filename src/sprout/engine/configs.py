@@ -44,6 +44,8 @@ class TrainConfig:
     chinchilla_ratio: float = in_range(20.0, "(0, inf)", metadata=RESUME_FREE)  # tokens per parameter for that budget
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"  # auto: bf16 on a GPU, fp32 on CPU
     compile: bool = resume_free(False)  # torch.compile the model's forward
+    # recompute each transformer block in backward instead of keeping its activations: less memory, more time
+    gradient_checkpointing: bool = resume_free(False)
     # torch threads per process on CPU; 0: torch's default
     cpu_threads: int = in_range(0, "[0, inf)", metadata=RESUME_FREE)
     seed: int = in_range(1337, SEED_RANGE)  # initial weights, data order, dropout: every process alike

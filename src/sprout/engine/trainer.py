@@ -159,6 +159,8 @@ class Trainer:
         if cfg.max_steps is None:
             raise ValueError("cfg.max_steps must be resolved (resolve_max_steps) before building a Trainer")
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing = True  # every stage's trained model is a Transformer (or a head model)
         if cfg.compile:
             model.compile()  # compiles forward in place; parameter names stay unchanged
         self.model, self.optimizer = accelerator.prepare(model, optimizer)

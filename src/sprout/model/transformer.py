@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from sprout.errors import SproutError
 from sprout.model.config import ModelConfig
@@ -350,6 +351,7 @@ class Transformer(nn.Module):
             cos, sin = model_rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.gradient_checkpointing = False  # set by the Trainer from train.gradient_checkpointing
         self.reset_parameters()
 
     @torch.no_grad()
@@ -370,7 +372,9 @@ class Transformer(nn.Module):
                 p.normal_(0.0, std)
 
     def hidden_states(self, input_ids, *, segment_ids=None, position_ids=None, cache: KVCache | None = None):
-        """Final normed hidden states [B, T, d_model] (the input of lm_head or a value head)."""
+        """Final normed hidden states [B, T, d_model] (the input of lm_head or a value head). With
+        `gradient_checkpointing`, a training forward with grad keeps only each block's input and
+        recomputes the block in backward (same loss and gradients); a cache's forward never does."""
         B, T = input_ids.shape
         start, mask = 0, None
         if cache is not None:
@@ -385,8 +389,12 @@ class Transformer(nn.Module):
         else:
             cos, sin = self.rotary(position_ids)
         x = self.embed_tokens(input_ids)
+        recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, start)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, mask, None, 0, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache, start)
         return self.norm(x)
 
     def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
