@@ -215,7 +215,7 @@ def test_generation_model_is_the_raw_module_without_the_compiled_forward():
 def test_resume_free_fields_are_declared_on_the_fields():
     train_free = {f"train.{k}" for k in ("max_steps", "chinchilla_ratio", "compile", "cpu_threads", "log_every",
                                          "eval_every", "ckpt_every", "keep_checkpoints", "progress", "trackers",
-                                         "peak_tflops")}
+                                         "peak_tflops", "gradient_checkpointing")}
     assert resume_free_paths(PretrainConfig) == train_free | {"out", "data.dir", "data.eval_tokens", "data.verify"}
     assert resume_free_paths(SFTConfig) == train_free | {"out", "init", "data.path", "data.val_path", "data.epochs", "data.verify", "sample_prompts"}
     cfg = PretrainConfig()

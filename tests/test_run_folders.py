@@ -207,15 +207,17 @@ def test_help_lists_every_field_with_type_default_choices_and_meaning():
     assert proc.returncode == 0
     text = proc.stdout
     assert "--overwrite" in text and "--resume" in text
-    for line in ("--optim.schedule          {cosine, wsd, constant} = cosine",
-                 "--train.mixed_precision   {auto, bf16, no} = auto",
-                 "--data.sampler            {sequential, random} = sequential",
-                 "--train.max_steps         int in [1, inf) | {auto} | null = null",
-                 "--batch.global_tokens     int in [1, inf) = 524288",
-                 "--optim.beta2             float in [0, 1) = 0.95",
-                 "--model.n_kv_heads        int in [1, inf) | null = null",
-                 "--train.trackers          list of {tensorboard, wandb} = []"):
-        assert line in text, line
+    rows = {" ".join(row.split()) for row in text.splitlines()}  # columns aligned to the longest name
+    for line in ("--optim.schedule {cosine, wsd, constant} = cosine",
+                 "--train.mixed_precision {auto, bf16, no} = auto",
+                 "--train.gradient_checkpointing bool = false",
+                 "--data.sampler {sequential, random} = sequential",
+                 "--train.max_steps int in [1, inf) | {auto} | null = null",
+                 "--batch.global_tokens int in [1, inf) = 524288",
+                 "--optim.beta2 float in [0, 1) = 0.95",
+                 "--model.n_kv_heads int in [1, inf) | null = null",
+                 "--train.trackers list of {tensorboard, wandb} = []"):
+        assert line in rows, line
     assert "tokens per parameter for that budget" in text  # a field's meaning, from its comment
 
 
