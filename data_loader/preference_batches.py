@@ -4,24 +4,12 @@ Every pair is rendered once, at construction, by `sprout.formats.preference_toke
 `scripts/check_loss_mask.py` checks) in the tokenizer's chat format (`template_version`); `counts`
 says how many (pairs_read, pairs, dropped_too_long, truncated, prompt_turns_dropped). A micro-batch
 of B pairs has 2B rows, the chosen sides then the rejected sides of the same pairs in the same
-order (pair i is rows i and B+i), right-padded with `pad_id` to its longest row (T <= seq_len):
-    input_ids        int64   (2B, T)  the whole side: prompt, response, its eot, then padding
-    targets          int64   (2B, T)  targets[:, t] = input_ids[:, t+1]; the last column is padding
-    loss_mask        bool    (2B, T)  True where targets[:, t] is a response token (final assistant
-                                      content or the eot closing it); never prompt, header or padding
-    attention_mask   bool    (2B, T)  True on real tokens
-    segment_ids      int64   (2B, T)  1 on real tokens, 0 on padding
-    position_ids     int64   (2B, T)  0, 1, ... over real tokens, 0 on padding
-    response_lengths int64   (2B,)    response tokens per row (= loss_mask.sum(1)), eot included
-    end_index        int64   (2B,)    index of the eot closing the response, the row's last real
-                                      token: a reward model reads its score there
-    pair_mask        bool    (B,)     False for the padding pairs of `eval_batches` (count nothing)
-    margin           float32 (B,)     the record's margin, 0.0 when it has none
-    pair_index       int64   (B,)     the pair's index in `pairs` (file order of the kept pairs)
-Nothing is normalised here. Training order: `data_loader.order` over the kept pairs.
-`eval_batches()` walks the pairs in file order once, rank k taking pairs k, k+W, ...; every rank
-is padded to ceil(N/W) pairs with copies of pair 0 (`pair_mask` False, loss_mask 0), so every rank
-runs the same number of forwards (FSDP) and every pair counts exactly once.
+order (pair i is rows i and B+i), right-padded with `pad_id` to its longest row; its tensors are
+listed in `PreferenceLoader`'s docstring. Nothing is normalised here. Training order:
+`data_loader.order` over the kept pairs. `eval_batches()` walks the pairs in file order once, rank
+k taking pairs k, k+W, ...; every rank is padded to ceil(N/W) pairs with copies of pair 0
+(`pair_mask` False, loss_mask 0), so every rank runs the same number of forwards (FSDP) and every
+pair counts exactly once.
 """
 
 from __future__ import annotations
@@ -39,7 +27,23 @@ from sprout.formats.preference_tokens import TRUNCATIONS, tokenize_preferences
 
 
 class PreferenceLoader(EpochOrder):
-    """Shuffled, rank-sliced, resumable micro-batches of preference pairs from one JSONL file."""
+    """Shuffled, rank-sliced, resumable micro-batches of preference pairs from one JSONL file.
+
+    A micro-batch of B pairs (T <= seq_len):
+        input_ids        int64   (2B, T)  the whole side: prompt, response, its eot, then padding
+        targets          int64   (2B, T)  targets[:, t] = input_ids[:, t+1]; the last column is padding
+        loss_mask        bool    (2B, T)  True where targets[:, t] is a response token (final assistant
+                                          content or the eot closing it); never prompt, header or padding
+        attention_mask   bool    (2B, T)  True on real tokens
+        segment_ids      int64   (2B, T)  1 on real tokens, 0 on padding
+        position_ids     int64   (2B, T)  0, 1, ... over real tokens, 0 on padding
+        response_lengths int64   (2B,)    response tokens per row (= loss_mask.sum(1)), eot included
+        end_index        int64   (2B,)    index of the eot closing the response, the row's last real
+                                          token: a reward model reads its score there
+        pair_mask        bool    (B,)     False for the padding pairs of `eval_batches` (count nothing)
+        margin           float32 (B,)     the record's margin, 0.0 when it has none
+        pair_index       int64   (B,)     the pair's index in `pairs` (file order of the kept pairs)
+    """
 
     def __init__(self, path, tok, batch_size: int, seq_len: int, *, truncation: str = "drop", seed: int = 0,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True):

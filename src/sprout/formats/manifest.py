@@ -1,31 +1,11 @@
 """The `manifest.json` contract: what a folder of pretraining tokens holds and how it was made.
 
-Written last and atomically by `sprout.prep.pretrain` (the old one removed first): a folder
-without one is unfinished.
-A JSON object (* = required on read; `read_manifest` names the file and field otherwise):
-    format*       "sprout-pretrain-v1"
-    dataset*      the file name prefix: `<dataset>_<split>_<6 digits>.bin`, `<dataset>_<split>.h5`
-    tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*}; fingerprint:
-                  sha256 of the tokenizer's file (SentencePiece model, tiktoken ranks, tokenizer.json)
-    token_dtype*  "uint16" | "uint32"
-    shards*       {"train": [{file*, num_tokens*, sha256*, max_token_id*}, ...], "val": [...]}: the
-                  `.bin` shards (`sprout.formats.shards`) in stream order, [] for hdf5 only;
-                  max_token_id: the largest id (-1 when empty), to check a vocabulary unread
-    hdf5*         {"train": {file*, num_tokens*, sha256*, tokens_sha256, max_token_id*}, "val": {...}}:
-                  the `.h5` files (`sprout.formats.h5tokens`); {} for bin only
-    splits*       {"train": {documents, tokens}, "val": {documents, tokens}}
-    sources*      per source: name, path (as given), text_field, weight, files, documents_read,
-                  invalid_json, invalid_unicode (a lone surrogate), unterminated, too_short,
-                  non_ascii, duplicates, documents_kept, train_documents, val_documents,
-                  normalised (per cleaning rule), tokens {train_natural, train, val}, train_share
-    split_rule*   {method: "hash-fraction" | "hash-count", val_frac | val_docs_per_source, key}
-                  (`sprout.prep.keys.SplitRule.describe`)
-    mixture       {seed, run_tokens, train_tokens, weights}
-    cleaning      the `sprout.prep.clean.CleanConfig` used; config: the resolved prep config
-    doc_hashes*   {file: "doc_hashes.npz", sha256}: `train.npy` and `val.npy`, the (N, 16) uint8
-                  keys (`sprout.prep.keys.text_key`) of each split's documents
-    command*      the command line, as a list of arguments
-`check_output_dir` refuses to write into a folder holding another dataset's outputs.
+Written last and atomically by `sprout.prep.pretrain` (the old one removed first), so a folder
+without one is unfinished. It lists every `.bin` shard and `.h5` file with its token count,
+sha256 and largest id, the tokenizer and its fingerprint, the split rule, the per-source counts
+and the command; its fields are in `read_manifest`'s docstring, which refuses anything else
+naming the file and field. `check_output_dir` refuses to write into a folder holding another
+dataset's outputs.
 """
 
 from __future__ import annotations
@@ -87,7 +67,30 @@ def write_shard_manifest(directory: str | os.PathLike, dataset: str, vocab_size:
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
-    """Load and structurally validate `DIR/manifest.json`."""
+    """Load and validate `DIR/manifest.json`: a JSON object (* = required):
+
+        format*       "sprout-pretrain-v1"
+        dataset*      the file name prefix: `<dataset>_<split>_<6 digits>.bin`, `<dataset>_<split>.h5`
+        tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*}; fingerprint:
+                      sha256 of the tokenizer's file (SentencePiece model, tiktoken ranks, tokenizer.json)
+        token_dtype*  "uint16" | "uint32"
+        shards*       {"train": [{file*, num_tokens*, sha256*, max_token_id*}, ...], "val": [...]}: the
+                      `.bin` shards (`sprout.formats.shards`) in stream order, [] for hdf5 only;
+                      max_token_id: the largest id (-1 when empty), to check a vocabulary unread
+        hdf5*         {"train": {file*, num_tokens*, sha256*, tokens_sha256, max_token_id*}, "val": {...}}:
+                      the `.h5` files (`sprout.formats.h5tokens`); {} for bin only
+        splits*       {"train": {documents, tokens}, "val": {documents, tokens}}
+        sources*      per source: name, path (as given), text_field, weight, files, documents_read,
+                      invalid_json, invalid_unicode (a lone surrogate), unterminated, too_short,
+                      non_ascii, duplicates, documents_kept, train_documents, val_documents,
+                      normalised (per cleaning rule), tokens {train_natural, train, val}, train_share
+        split_rule*   {method: "hash-fraction" | "hash-count", val_frac | val_docs_per_source, key}
+                      (`sprout.prep.keys.SplitRule.describe`)
+        mixture       {seed, run_tokens, train_tokens, weights}
+        cleaning      the `sprout.prep.clean.CleanConfig` used; config: the resolved prep config
+        doc_hashes*   {file: "doc_hashes.npz", sha256}: `train.npy` and `val.npy`, the (N, 16) uint8
+                      keys (`sprout.prep.keys.text_key`) of each split's documents
+        command*      the command line, as a list of arguments"""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise SproutError(f"{path}: no manifest (unfinished or not a sprout token folder)")

@@ -1,27 +1,16 @@
 """The packed-SFT HDF5 contract: `sft.h5` (train) and `sft_val.h5` (val) beside it, written
-atomically and renamed into place together (`write_sft_files`). Datasets, all (N, L) with
-L = `seq_len`, chunked by rows and fletcher32-checksummed (a flipped byte fails on read):
-    tokens        uint16 (vocab <= 65,536) | uint32   packed ids, `pad_id` in padding
-    loss_mask     uint8 0/1   1 = a training target (assistant content and the eot closing it)
-    segment_ids   uint16      1..k for the row's k documents, 0 on padding
-    position_ids  uint16      0.. within each document (restart per document), 0 on padding
-Attributes: format "sprout-sft", format_version 1, split ("train"|"val"), seq_len, num_rows,
-tokenizer_spec, tokenizer_name, tokenizer_fingerprint, vocab_size, eot_id, pad_id,
-template_version (e.g. `sprout-chat-v1`), command, prep_run_id; as JSON: template (role header
-ids, eot; for other chat formats also the format, the ids after each eot and the BOS), counts
-(per-source reads, drops by reason, dedup, split, packing totals), config (the resolved prep
-config), held_out (the held-out sets the prep excluded, `sprout.prep.held_out`; the SFT stage
-refuses a file without it), sha256 (per dataset over its C-order bytes: `SFTFile.verify`, `check_hashes`).
-`prep_run_id` (`run_id_of`), the same in both files of a pair: the first 32 hex digits of the
-sha256 of the config, command and every dataset's sha256 of both files, so a pair from two
-prep runs, or a sha256 or config changed after prep, is told apart (`sprout.formats.verify_inputs`).
+atomically and renamed into place together (`write_sft_files`); `SFTFile` reads one and refuses
+anything else, naming the file (its docstring lists the datasets and attributes).
 
 A row holds whole examples (`sprout.chat.render`) packed best fit (`sprout.prep.packing`), never
 cut across rows (an over-long one is truncated at the row end or dropped), then padding.
 loss_mask is 0 on role headers, system and user text, a BOS, the text after an eot (chatml's
 newline) and padding. Models read row r as inputs `tokens[r, :-1]`, targets `tokens[r, 1:]`,
 loss mask `loss_mask[r, 1:]`, with `segment_ids[r, :-1]` (attention never crosses an example)
-and `position_ids[r, :-1]` (rotary positions). `SFTFile` refuses anything else, naming the file.
+and `position_ids[r, :-1]` (rotary positions). `prep_run_id` (`run_id_of`), the same in both
+files of a pair, is the first 32 hex digits of the sha256 of the config, command and every
+dataset's sha256 of both files, so a pair from two prep runs, or a file changed after prep, is
+told apart (`sprout.formats.verify_inputs`).
 """
 
 from __future__ import annotations
@@ -125,7 +114,22 @@ def write_sft_files(files: list[tuple]) -> None:
 
 
 class SFTFile:
-    """Read-only, validated view of one SFT file. Use as a context manager or `close()`."""
+    """Read-only, validated view of one SFT file. Use as a context manager or `close()`.
+
+    Datasets, all (N, L) with L = `seq_len`, chunked by rows and fletcher32-checksummed (a
+    flipped byte fails on read):
+        tokens        uint16 (vocab <= 65,536) | uint32   packed ids, `pad_id` in padding
+        loss_mask     uint8 0/1   1 = a training target (assistant content and the eot closing it)
+        segment_ids   uint16      1..k for the row's k documents, 0 on padding
+        position_ids  uint16      0.. within each document (restart per document), 0 on padding
+    Attributes: format "sprout-sft", format_version 1, split ("train"|"val"), seq_len, num_rows,
+    tokenizer_spec, tokenizer_name, tokenizer_fingerprint, vocab_size, eot_id, pad_id,
+    template_version (e.g. `sprout-chat-v1`), command, prep_run_id; as JSON: template (role
+    header ids, eot; for other chat formats also the format, the ids after each eot and the BOS),
+    counts (per-source reads, drops by reason, dedup, split, packing totals), config (the
+    resolved prep config), held_out (the held-out sets the prep excluded, `sprout.prep.held_out`;
+    the SFT stage refuses a file without it), sha256 (per dataset over its C-order bytes:
+    `SFTFile.verify`, `check_hashes`)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

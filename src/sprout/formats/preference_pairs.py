@@ -1,25 +1,14 @@
 """The preference-pair JSONL contract (TRL's conversational preference format): reader, verifier, writer.
 
-One JSON object per line, UTF-8, no other keys:
-    id             str, non-empty, unique within the file
-    source         str, non-empty: the prep source it came from
-    prompt         [{"role": "system"|"user"|"assistant", "content": str}, ...]: the conversation
-                   so far, earlier turns as their own messages: [system?] user, assistant, user,
-                   ..., ending with a user turn
-    chosen         [{"role": "assistant", "content": str}]: exactly one message
-    rejected       [{"role": "assistant", "content": str}]: exactly one message; the two answers
-                   differ (compared after stripping surrounding whitespace)
-    margin         optional, finite float: how much better chosen is (e.g. a score difference)
-    rejected_kind  optional, [a-z][a-z0-9_]*: how the rejected answer was made (e.g. `near_miss`);
-                   a reward model's held-out evaluation reports its accuracy per kind
-Every content is a non-empty string without the chat template's reserved markers, so `prompt +
-chosen` and `prompt + rejected` are conversations `sprout.chat.render` accepts. A prepared folder
-holds `preferences.jsonl` (train), `preferences_dev.jsonl` (dev, what the reward and DPO stages
-evaluate on), `preferences_test.jsonl` (test; a prompt is in one file only, by a hash of the
-prompt) and `manifest.json` (`sprout.prep.preference_data`: counts, split rule, the `held_out`
-record, command). `read_preferences` yields checked records and refuses anything else in one line naming
-file and line; `verify_preferences` returns counts and the first errors instead of raising;
-`write_preferences` checks each record and writes atomically (line handling: `sprout.formats.jsonl`).
+One JSON object per line: a prompt (the conversation so far, ending with a user turn) and two
+single-message assistant answers that differ, `chosen` and `rejected`; the fields are in
+`check_pair`'s docstring. Every content is a non-empty string without the chat template's reserved
+markers, so `prompt + chosen` and `prompt + rejected` are conversations `sprout.chat.render`
+accepts. A prepared folder holds `preferences.jsonl` (train), `preferences_dev.jsonl` (dev, what
+the reward and DPO stages evaluate on), `preferences_test.jsonl` (test; a prompt is in one file
+only, by a hash of the prompt) and `manifest.json` (`sprout.prep.preference_data`).
+`read_preferences` refuses a bad record in one line naming file and line; `verify_preferences`
+returns counts and the first errors instead; `write_preferences` checks and writes atomically.
 """
 
 from __future__ import annotations
@@ -55,7 +44,19 @@ def _answer(value, name: str) -> str:
 
 def check_pair(record) -> dict:
     """Return `record` when it is a valid preference pair; raise `SproutError` (without the
-    location: callers add it) saying what is wrong otherwise."""
+    location: callers add it) saying what is wrong otherwise. A record has no other keys than:
+
+        id             str, non-empty, unique within the file
+        source         str, non-empty: the prep source it came from
+        prompt         [{"role": "system"|"user"|"assistant", "content": str}, ...]: the
+                       conversation so far, earlier turns as their own messages: [system?] user,
+                       assistant, user, ..., ending with a user turn
+        chosen         [{"role": "assistant", "content": str}]: exactly one message
+        rejected       [{"role": "assistant", "content": str}]: exactly one message; the two
+                       answers differ (compared after stripping surrounding whitespace)
+        margin         optional, finite float: how much better chosen is (e.g. a score difference)
+        rejected_kind  optional, [a-z][a-z0-9_]*: how the rejected answer was made (e.g.
+                       `near_miss`); a reward model's held-out evaluation reports its accuracy per kind"""
     prompt = check_prompt_record(record, KEYS, OPTIONAL_KEYS)
     chosen = _answer(record["chosen"], "chosen")
     rejected = _answer(record["rejected"], "rejected")

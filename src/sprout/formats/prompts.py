@@ -1,24 +1,15 @@
 """The RL prompt JSONL contract (TRL's prompt-only conversational format plus a verifiable gold
 answer, for PPO and GRPO): reader, verifier, writer.
 
-One JSON object per line, UTF-8, no other keys:
-    id      str, non-empty, unique within the file
-    source  str, non-empty: the prep source it came from
-    prompt  [{"role": "system"|"user"|"assistant", "content": str}, ...]: the conversation so far,
-            [system?] user, assistant, user, ..., ending with a user turn; the policy writes the
-            next assistant turn
-    gold    str: the answer as a normalised number, exactly what `sprout.answers.normalise_number`
-            writes for it (`1080`, `-3`, `2.5`, `1/3`; never `1,080`, `$5` or `0.50`)
-    level   int >= 0 | null: the curriculum level (e.g. the arithmetic generator's 1-4), null when
-            the source has none
-Every content is a non-empty string without the chat template's reserved markers, so
+One JSON object per line: a prompt (the conversation so far, ending with a user turn), its gold
+answer as a normalised number and a curriculum level; the fields are in `check_prompt`'s
+docstring. Every content is a non-empty string without the chat template's reserved markers, so
 `sprout.chat.render(prompt, tok, add_generation_prompt=True)` accepts the prompt. A prepared folder
 holds `prompts.jsonl` (train), `prompts_dev.jsonl` (dev, what the RL stages evaluate on),
 `prompts_test.jsonl` (test; a prompt is in one file only) and `manifest.json`
-(`sprout.prep.rl_prompts`: counts, split rule, the `held_out` record, command). `read_prompts` yields
-checked records and refuses anything else in one line naming file and line; `verify_prompts`
-returns counts and the first errors instead of raising; `write_prompts` checks each record and
-writes atomically (line handling: `sprout.formats.jsonl`).
+(`sprout.prep.rl_prompts`). `read_prompts` refuses a bad record in one line naming file and line;
+`verify_prompts` returns counts and the first errors instead; `write_prompts` checks and writes
+atomically.
 """
 
 from __future__ import annotations
@@ -41,7 +32,18 @@ KEYS = ("id", "source", "prompt", "gold", "level")
 
 def check_prompt(record) -> dict:
     """Return `record` when it is a valid RL prompt; raise `SproutError` (without the
-    location: callers add it) saying what is wrong otherwise."""
+    location: callers add it) saying what is wrong otherwise. A record has no other keys than:
+
+        id      str, non-empty, unique within the file
+        source  str, non-empty: the prep source it came from
+        prompt  [{"role": "system"|"user"|"assistant", "content": str}, ...]: the conversation so
+                far, [system?] user, assistant, user, ..., ending with a user turn; the policy
+                writes the next assistant turn
+        gold    str: the answer as a normalised number, exactly what
+                `sprout.answers.normalise_number` writes for it (`1080`, `-3`, `2.5`, `1/3`;
+                never `1,080`, `$5` or `0.50`)
+        level   int >= 0 | null: the curriculum level (e.g. the arithmetic generator's 1-4), null
+                when the source has none"""
     prompt = check_prompt_record(record, KEYS)
     try:
         validate(prompt, add_generation_prompt=True)
