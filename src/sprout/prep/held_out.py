@@ -112,6 +112,17 @@ class HeldOut:
         if found == "gsm8k_dev":
             self.gsm8k_dev.add(gsm8k_question(messages, instruction))
 
+    def misplaced(self, messages, split: str, gsm8k_file_split: str | None = None,
+                  instruction: str | None = None) -> str | None:
+        """The held-out set of a record assigned to `split` when it belongs to another split's set
+        (counted as dropped), else None; a GSM8K dev question is noted either way."""
+        found = messages_held_out_set(messages, gsm8k_file_split, instruction)
+        self.note(found, messages, instruction)
+        if found is None or found.endswith(f"_{split}"):
+            return None
+        self.dropped[found] += 1
+        return found
+
     def excluded(self, messages, gsm8k_file_split: str | None = None) -> bool:
         """True (and counted) when the conversation is a held-out problem (`messages_held_out_set`)."""
         found = messages_held_out_set(messages, gsm8k_file_split)

@@ -76,6 +76,11 @@ def is_dev(key: bytes, dev_frac: float | None) -> bool:
     return int.from_bytes(key[:8], "big") < val_threshold(dev_frac)
 
 
+def three_way_split(key: bytes, test_frac: float, dev_frac: float) -> str:
+    """"test" by `is_val(key, test_frac)`, else "dev" by `is_dev(key, dev_frac)`, else "train"."""
+    return "test" if is_val(key, test_frac) else "dev" if is_dev(key, dev_frac) else "train"
+
+
 def val_mask_low(lo: np.ndarray, val_frac: float | None, val_docs: int | None = None) -> np.ndarray:
     """The split rule for the documents of ONE source at once, given the last-8-byte halves
     of their keys as uint64: hash-count when `val_docs` is given, else hash-fraction."""

@@ -31,8 +31,8 @@ from sprout.formats.preference_pairs import (DEV_FILE, FORMAT, FORMAT_VERSION, T
                                              check_rejected_kind, kind_group, write_preferences)
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, string_field
-from sprout.prep.held_out import HeldOut, messages_held_out_set
-from sprout.prep.keys import SplitRule, conversation_key, is_dev, is_val
+from sprout.prep.held_out import HeldOut
+from sprout.prep.keys import SplitRule, conversation_key, three_way_split
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
 
@@ -267,11 +267,9 @@ def prepare(cfg: PreferenceDataConfig, command: str = "", log=print) -> dict:
                 continue
             seen.add(key)
             split_key = prompt_key(prompt)
-            split = ("test" if is_val(split_key, cfg.test_fraction) else
-                     "dev" if is_dev(split_key, cfg.dev_fraction) else "train")
-            found = messages_held_out_set(prompt)
-            if found is not None and not found.endswith(f"_{split}"):  # a held-out problem elsewhere
-                held_out.dropped[found] += 1
+            split = three_way_split(split_key, cfg.test_fraction, cfg.dev_fraction)
+            found = held_out.misplaced(prompt, split)
+            if found is not None:  # a held-out problem of another split
                 c["dropped_held_out"] += 1
                 first_drop.setdefault(f"{spec.name}/held_out", f"{spec.name}: a {found} problem in {split}")
                 continue

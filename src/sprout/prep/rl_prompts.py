@@ -28,8 +28,8 @@ from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.prompts import DEV_FILE, FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
-from sprout.prep.held_out import HeldOut, held_out_set, messages_held_out_set
-from sprout.prep.keys import SplitRule, conversation_key, is_dev, is_val
+from sprout.prep.held_out import HeldOut, held_out_set
+from sprout.prep.keys import SplitRule, conversation_key, three_way_split
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
 from sprout.prep.sources import print_warning
@@ -250,12 +250,9 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
             if spec.own_split:
                 split = spec.split
             else:
-                split = ("test" if is_val(key, cfg.test_fraction) else
-                         "dev" if is_dev(key, cfg.dev_fraction) else "train")
-            found = messages_held_out_set(item.prompt, item.gsm8k_split, cfg.instruction)
-            held_out.note(found, item.prompt, cfg.instruction)
-            if found is not None and not found.endswith(f"_{split}"):  # a held-out problem elsewhere
-                held_out.dropped[found] += 1
+                split = three_way_split(key, cfg.test_fraction, cfg.dev_fraction)
+            found = held_out.misplaced(item.prompt, split, item.gsm8k_split, cfg.instruction)
+            if found is not None:  # a held-out problem of another split
                 c["dropped_held_out"] += 1
                 first_drop.setdefault(f"{spec.name}/held_out", f"{spec.name}: a {found} problem in {split}")
                 continue

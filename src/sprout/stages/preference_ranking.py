@@ -21,7 +21,7 @@ from pathlib import Path
 from data_loader.preference_batches import PreferenceLoader
 from sprout.atomic import sha256_file
 from sprout.chat_formats import check_trained_format, format_for
-from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer
+from sprout.checkpoint import checkpoint_tokenizer, init_record
 from sprout.errors import SproutError
 from sprout.evaluation.statistics import wilson_interval
 from sprout.formats.checkpoint_meta import META, reward_score_of
@@ -80,11 +80,6 @@ def ranking_figures(outcomes: list[dict], counts: dict) -> dict:
     return out
 
 
-def checkpoint_record(meta: dict) -> dict:
-    return {"path": meta["path"], "stage": meta.get("stage"), "step": meta.get("step"),
-            "weights_sha256": meta["files"][WEIGHTS]}
-
-
 def rank_preferences(accelerator, checkpoint: str, path: str, *, beta: float | None = None,
                      reference: str | None = None, seq_len: int | None = None, truncation: str = "drop",
                      batch_size: int = 8, tokenizer: str | None = None) -> dict:
@@ -115,7 +110,7 @@ def rank_preferences(accelerator, checkpoint: str, path: str, *, beta: float | N
     outcomes = [{"id": p.id, "kind": kinds[p.line - 1], "correct": c > r, "margin": c - r}
                 for p, c, r in zip(loader.pairs, chosen.tolist(), rejected.tolist())]
     return {"task": "preferences", "preferences_file": str(path), "preferences_sha256": sha256_file(path),
-            "checkpoint": checkpoint_record(meta), "reference": checkpoint_record(ref_meta) if ref_meta else None,
+            "checkpoint": init_record(meta), "reference": init_record(ref_meta) if ref_meta else None,
             "settings": {"rule": rule, "seq_len": seq_len, "truncation": truncation, "batch_size": batch_size,
                          "processes": accelerator.num_processes, "tokenizer": tok.spec},
             "metrics": ranking_figures(outcomes, loader.counts), "pairs": outcomes,
