@@ -184,11 +184,10 @@ def read_weights(f: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_full_into_sharded(model: torch.nn.Module, f: Path) -> None:
-    """Every rank reads the full weights and keeps its own shard of each (no collective)."""
+def _load_full_into_sharded(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every rank holds the full weights `state` and keeps its own shard of each (no collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    state = read_weights(f, model)
     expected = set(model.state_dict())
     if set(state) != expected:
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -196,16 +195,76 @@ def _load_full_into_sharded(model: torch.nn.Module, f: Path) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
+def checkpoint_state(meta: dict, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of the checkpoint of `meta` for a plain (adapter-free) `model`.
+
+    A LoRA run's checkpoint holds its adapters and scalar head only (`sprout.model.lora`): its
+    base (frozen_models' `base`, itself perhaps a LoRA run) is read and checked, the adapters
+    merged in, and the base's tensors `model` has no place for (a head of another architecture)
+    left out. A base that is gone or whose weights changed is refused in one line naming both.
+    """
+    f = Path(meta["path"]) / WEIGHTS
+    if "lora" not in meta:
+        return read_weights(f, model)
+    from sprout.model.lora import merge_adapters
+
+    base = lora_base(meta)
+    own = set(model.state_dict())
+    state = {k: v for k, v in checkpoint_state(base, model).items() if k in own}
+    return merge_adapters(state, load_file(f), meta["lora"]["scale"], where=str(f))
+
+
+def lora_base(meta: dict) -> dict:
+    """The meta of a LoRA checkpoint's base, checked against the record in its meta.json."""
+    record, where = meta["frozen_models"]["base"], Path(meta["path"]) / META
+    try:
+        base = read_meta(record["path"])
+    except SproutError as exc:
+        raise SproutError(f"{where}: its LoRA base {record['path']} cannot be read ({exc}); the adapters "
+                          f"need the model they were trained on") from None
+    if base["files"][WEIGHTS] != record["weights_sha256"]:
+        raise SproutError(f"{where}: its LoRA base {record['path']} has changed (weights sha256 "
+                          f"{base['files'][WEIGHTS][:12]}..., trained on {record['weights_sha256'][:12]}...); "
+                          f"the adapters need the model they were trained on")
+    return base
+
+
+def _load_adapters(model: torch.nn.Module, f: Path) -> None:
+    """A LoRA run's own tensors (adapters, scalar head) into a model with adapters (a resume)."""
+    state = load_file(f)
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(state) != expected:
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise RuntimeError(f"missing keys {missing[:4]}, unexpected keys {unexpected[:4]}")
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        device = next(model.parameters()).device
+        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False)
+
+
 def load_weights(model: torch.nn.Module, path: str | os.PathLike, meta: dict | None = None) -> dict:
     """Load a checkpoint's weights into `model` (verified first); returns the meta.
 
     `model` may be sharded by FSDP2 (then every rank keeps its own shard of the full weights).
+    A LoRA checkpoint loads into a model with adapters as its own tensors (a resume), into a
+    plain model merged with its base (`checkpoint_state`).
     """
+    from sprout.model.lora import has_adapters
+
     meta = meta or read_meta(path)
     f = Path(meta["path"]) / WEIGHTS
     try:
-        if is_sharded(model):
-            _load_full_into_sharded(model, f)
+        if has_adapters(model):
+            if "lora" not in meta:
+                raise RuntimeError("a checkpoint without LoRA adapters into a model with adapters")
+            _load_adapters(model, f)
+        elif is_sharded(model):
+            _load_full_into_sharded(model, checkpoint_state(meta, model))
+        elif "lora" in meta:
+            model.load_state_dict(checkpoint_state(meta, model), strict=True)
         else:
             _load_safetensors_model(model, f, strict=True, device=str(next(model.parameters()).device))
     except (SafetensorError, RuntimeError, ValueError) as exc:

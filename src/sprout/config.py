@@ -401,8 +401,10 @@ def resume_free_paths(cls: type) -> set[str]:
 
 
 def resume_config(cfg: Any) -> dict:
-    """`cfg` as a dict without its `resume_free` fields: what a resume must match."""
+    """`cfg` as a dict without its `resume_free` fields, nor a section that is `off` (a LoRA
+    section of rank 0: a run without it had the same config): what a resume must match."""
     free = resume_free_paths(type(cfg))
+    free |= {f.name for f in dataclasses.fields(cfg) if getattr(getattr(cfg, f.name), "off", False) is True}
 
     def keep(node: dict, prefix: str) -> dict:
         return {k: keep(v, f"{prefix}{k}.") if isinstance(v, dict) else v

@@ -5,6 +5,7 @@ trainer's --help and its config checks run without loading it.
     TrainConfig       run length, precision, seed, cadence of logs, eval and checkpoints
                       (`sprout.engine.trainer`)
     TokenBatchConfig  the batch of the token stages (pretraining, SFT), in tokens
+    LoraConfig        LoRA adapters of the post-training stages (`sprout.model.lora`); r 0: full fine-tuning
     StageConfig       what every stage's config ends with: optim, train and out
 """
 
@@ -16,7 +17,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from sprout.config import RESUME_FREE, resume_free
+from sprout.config import RESUME_FREE, require, resume_free
 from sprout.ranges import SEED_RANGE, in_range
 
 
@@ -69,6 +70,37 @@ class TokenBatchConfig:
     """The batch of the token stages (pretraining, SFT), in tokens (rows × row length)."""
     global_tokens: int = in_range(524288, "[1, inf)")  # per optimizer step, all processes together
     micro_tokens: int = in_range(16384, "[1, inf)")    # per forward/backward on one process
+
+
+LORA_LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters, as peft's `LoraConfig` names its fields (TRL's `lora_r`, `lora_alpha`, ...):
+    every targeted linear layer gains B A (A [r, in], B [out, r], B starting at 0), scaled by
+    alpha / r (alpha / sqrt(r) with use_rslora), and only those and the model's scalar head
+    train. r 0 trains every weight, and leaves the config hash as it was without this section."""
+    r: int = in_range(0, "[0, inf)")  # adapter rank; 0: full fine-tuning
+    alpha: float = in_range(32.0, "(0, inf)")  # scale numerator (peft's lora_alpha)
+    dropout: float = in_range(0.0, "[0, 1)")  # on the adapters' input in training (peft's lora_dropout)
+    # linear layers that gain adapters, by name: all-linear (attention and MLP) or some of
+    # q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    use_rslora: bool = False  # scale alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r
+
+    @property
+    def off(self) -> bool:
+        """Full fine-tuning: no adapters, and no part of the resume config (`sprout.config.resume_config`)."""
+        return self.r == 0
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.target_modules, list) and len(self.target_modules) > 0
+                and all(isinstance(t, str) for t in self.target_modules), "target_modules",
+                self.target_modules, "a non-empty list of linear layer names, or [all-linear]")
+        unknown = [t for t in self.target_modules if t != "all-linear" and t not in LORA_LINEAR_LAYERS]
+        require(not unknown, "target_modules", unknown, f"all-linear or names of the model's linear layers "
+                f"({', '.join(LORA_LINEAR_LAYERS)})")
 
 
 RUN_FOLDER_HELP = "run folder: config.yaml, metrics, checkpoints, report"

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from sprout.atomic import atomic_write
-from sprout.checkpoint import bundle_tokenizer
+from sprout.checkpoint import bundle_tokenizer, frozen_model_record
 from sprout.config import config_to_dict, dump_yaml, resume_config
 from sprout.engine.configs import StageConfig, TrainConfig
 from sprout.engine.training_loop import fit
@@ -36,6 +36,7 @@ from sprout.engine.trainer import Trainer, make_accelerator, resolve_max_steps
 from sprout.engine.optim import build_optimizer, lr_schedule
 from sprout.engine.cli import clear_deferred, latest_step, print_rank0, resume_command, run_lock
 from sprout.engine.schedule import warmup_warning
+from sprout.model.lora import add_adapters, lora_record
 
 
 def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
@@ -60,6 +61,20 @@ def with_epochs(cfg, batches_per_epoch: int, steps_per_batch: int = 1):
     from data.epochs: epochs × batches per epoch (at least one batch) × optimizer steps per batch."""
     steps = cfg.train.max_steps or max(1, math.ceil(cfg.data.epochs * batches_per_epoch)) * steps_per_batch
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
+
+
+def lora_policy(model, cfg, base: dict) -> dict:
+    """With cfg.lora.r > 0, LoRA adapters in `model`, in place (`sprout.model.lora.add_adapters`,
+    from train.seed), and the meta.json fields of a LoRA run: `lora` (its settings) and
+    frozen_models' `base` (the init checkpoint of meta `base`, which its checkpoints need);
+    with r 0, nothing: {}. The stage's reference is then `AdaptersOff(model)`."""
+    if cfg.lora.off:
+        return {}
+    targets = add_adapters(model, cfg.lora, seed=cfg.train.seed)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print_rank0(f"lora: r {cfg.lora.r}, alpha {cfg.lora.alpha:g} on {', '.join(targets)}; training {trained:,} "
+                f"of {model.num_params():,} parameters; base {base['path']}")
+    return {"lora": lora_record(cfg.lora, targets), "frozen_models": {"base": frozen_model_record(base)}}
 
 
 def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Path | None = None,

@@ -46,6 +46,7 @@ from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name
 from sprout.engine.metrics import MetricsLogger, check_trackers
 from sprout.engine.schedule import chinchilla_steps
 from sprout.engine.stage import Stage
+from sprout.model.lora import AdaptersOff, has_adapters
 
 
 class NonFiniteLoss(SproutError):
@@ -193,7 +194,9 @@ class Trainer:
         the policy (accelerate's evaluation mode alone would keep a whole copy on every
         process) and resharded after every forward, each forward then being a collective
         that every rank must run. Not in the optimizer, never saved in a checkpoint. Returns
-        the module to call."""
+        the module to call. A LoRA policy's `AdaptersOff` view comes back as it is."""
+        if isinstance(model, AdaptersOff):  # the policy with its adapters off: prepared already, no copy
+            return model
         model.requires_grad_(False)
         if self.sharded:
             from accelerate.utils import fsdp2_prepare_model
@@ -301,6 +304,10 @@ class Trainer:
         """
         acc = self.accelerator
         weights = acc.get_state_dict(self.model)  # a collective under FSDP; full on rank 0 only
+        adapters = has_adapters(self.raw_model)
+        if adapters:  # a LoRA run keeps its own tensors only: the base is frozen_models' `base`
+            trained = {name for name, p in self.raw_model.named_parameters() if p.requires_grad}
+            weights = {k: v for k, v in weights.items() if k in trained}
         optim_state = self._optimizer_state()
         rngs = gather_object([rng_state()])
         # A stage's tensors (rollout buffer, generator state), one entry per rank, in train_state.pt.
@@ -310,7 +317,7 @@ class Trainer:
             meta = {**self.meta, "architecture": architecture_of(self.raw_model), "stage": stage.name, "step": self.steps_done,
                     "tokens_seen": self.tokens_seen, "loader_state": stage.state_dict(), "world_size": self.world_size}
             path = save_rotating(self.out_dir / "checkpoints", self.steps_done, weights, meta=meta,
-                                 aliases=tied_aliases(self.raw_model),  # gathered: one copy per tied name
+                                 aliases={} if adapters else tied_aliases(self.raw_model),  # gathered: one copy per tied name
                                  optimizer=optim_state, rng_states=rngs, keep=self.cfg.keep_checkpoints,
                                  extra_state={"stage": tensors} if tensors is not None else None)
             tqdm.write(f"saved checkpoint {path} (step {self.steps_done})")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from sprout.checkpoint import META, WEIGHTS, load_weights, read_meta, read_weights
+from sprout.checkpoint import META, WEIGHTS, checkpoint_state, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.model.config import ModelConfig
 from sprout.model.heads import ARCHITECTURES, HEAD_WEIGHTS
@@ -71,7 +71,7 @@ def init_from_lm(path: str | os.PathLike, architecture: str, *, seed: int = 0, d
             torch.manual_seed(seed)
             model = ARCHITECTURES[architecture](config)
     f = Path(meta["path"]) / WEIGHTS
-    state = read_weights(f, model)
+    state = checkpoint_state(meta, model)
     own = model.state_dict()
     head = HEAD_WEIGHTS.get(architecture)
     missing = sorted(set(own) - set(state) - {head})

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sprout.errors import SproutError
 from sprout.model.config import ModelConfig
+from sprout.model.lora import effective_bias, effective_weight
 from sprout.model.onednn import linear, matmul_weight
 
 
@@ -237,11 +238,12 @@ class Attention(nn.Module):
         copies: q, k and v one matrix [(H + 2 KV) D, d] (their biases one vector), the softmax scale
         1/sqrt(head_dim) folded into q's rows (and q's bias)."""
         scale = 1.0 / math.sqrt(self.head_dim)
-        bias = None if self.q_proj.bias is None else torch.cat((self.q_proj.bias * scale, self.k_proj.bias,
-                                                                   self.v_proj.bias))
-        q = self.q_proj.weight * scale
-        return (matmul_weight(torch.cat((q, self.k_proj.weight, self.v_proj.weight)), rows, kind),
-                matmul_weight(self.o_proj.weight, rows, kind), bias)
+        q_bias = effective_bias(self.q_proj)
+        bias = None if q_bias is None else torch.cat((q_bias * scale, effective_bias(self.k_proj),
+                                                      effective_bias(self.v_proj)))
+        q = effective_weight(self.q_proj) * scale  # LoRA layers: their adapters merged in
+        return (matmul_weight(torch.cat((q, effective_weight(self.k_proj), effective_weight(self.v_proj))), rows, kind),
+                matmul_weight(effective_weight(self.o_proj), rows, kind), bias)
 
     @staticmethod
     def _qkv(x, weights, kind: str) -> torch.Tensor:
@@ -293,8 +295,8 @@ class MLP(nn.Module):
 
     def fused_weights(self, rows: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) for `fused`, `sprout.model.onednn.matmul_weight` copies: gate and up one matrix."""
-        return (matmul_weight(torch.cat((self.gate_proj.weight, self.up_proj.weight)), rows, kind),
-                matmul_weight(self.down_proj.weight, rows, kind))
+        return (matmul_weight(torch.cat((effective_weight(self.gate_proj), effective_weight(self.up_proj))), rows, kind),
+                matmul_weight(effective_weight(self.down_proj), rows, kind))
 
     def fused(self, x, weights, kind: str):
         """`forward` of x [T, d] on `fused_weights`."""
@@ -425,12 +427,18 @@ class Transformer(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N_matmul + 12 L d T (PaLM appendix B; see module doc), d the
-        attention's width n_heads × head_dim (d_model unless `d_head` says otherwise)."""
+        attention's width n_heads × head_dim (d_model unless `d_head` says otherwise); 4, not 6,
+        per frozen matrix parameter (no weight gradient)."""
         c = self.config
         n_matmul = self.num_params(exclude_embeddings=True)
         if c.tie_embeddings:  # the shared matrix still does the lm_head matmul
             n_matmul += self.lm_head.weight.numel()
-        return 6.0 * n_matmul + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len
+        # a frozen matrix (LoRA's base) costs forward and input gradient, 4 N, no weight gradient
+        frozen = sum(p.numel() for name, p in self.named_parameters() if not p.requires_grad and p.ndim >= 2
+                     and name != "embed_tokens.weight")
+        if c.tie_embeddings and not self.lm_head.weight.requires_grad:
+            frozen += self.lm_head.weight.numel()
+        return 6.0 * n_matmul - 2.0 * frozen + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len
 
 
 def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:

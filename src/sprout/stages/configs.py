@@ -23,7 +23,7 @@ from sprout.config import RESUME_FREE, require, resume_free
 from sprout.ranges import in_range
 from sprout.losses.loss_types import CLIPPED_LOSS_TYPES, PREFERENCE_LOSS_TYPES
 from sprout.model.config import ModelConfig
-from sprout.engine.configs import OptimConfig, StageConfig, TokenBatchConfig, TrainConfig
+from sprout.engine.configs import LoraConfig, OptimConfig, StageConfig, TokenBatchConfig, TrainConfig
 from sprout.stages.rl_rewards import RewardsConfig
 
 
@@ -70,6 +70,7 @@ class SFTConfig(StageConfig, stage="sft", out="runs/sft", optim=OptimConfig(lr=3
     batch: TokenBatchConfig = field(default_factory=lambda: TokenBatchConfig(global_tokens=65536, micro_tokens=8192))
     # Answered greedily at the end of training and shown in report.md ([] for none).
     sample_prompts: list = resume_free(default_factory=lambda: list(SAMPLE_PROMPTS))
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters instead of full fine-tuning (r > 0)
 
 
 # ---- the preference stages: reward model and DPO ------------------------------------------------
@@ -118,6 +119,7 @@ class RewardConfig(StageConfig, stage="reward", out="runs/reward",
     data: PairDataConfig = field(default_factory=PairDataConfig)
     batch: PairBatchConfig = field(default_factory=PairBatchConfig)
     reward: RewardLossConfig = field(default_factory=RewardLossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters instead of full fine-tuning (r > 0)
 
 
 @dataclass
@@ -141,6 +143,7 @@ class DPOConfig(StageConfig, stage="dpo", out="runs/dpo", optim=OptimConfig(lr=5
     data: PairDataConfig = field(default_factory=PairDataConfig)
     batch: PairBatchConfig = field(default_factory=PairBatchConfig)
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters instead of full fine-tuning (r > 0)
 
 
 # ---- the RL stages: PPO and GRPO ----------------------------------------------------------------
@@ -227,6 +230,7 @@ class PPOConfig(StageConfig, stage="ppo", out="runs/ppo", optim=OptimConfig(lr=1
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     ppo: PPOLossConfig = field(default_factory=PPOLossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters instead of full fine-tuning (r > 0)
 
 
 @dataclass
@@ -303,3 +307,4 @@ class GRPOConfig(StageConfig, stage="grpo", out="runs/grpo",
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters instead of full fine-tuning (r > 0)

@@ -30,9 +30,10 @@ from sprout.losses.preference import (
 )
 from sprout.losses.loss_types import REFERENCE_FREE
 from sprout.losses.tokens import sequence_logps
+from sprout.model.lora import AdaptersOff
 from sprout.model.transformer import Transformer, uninitialised
 from sprout.engine.trainer import all_reduce_sums
-from sprout.engine.run_stage import train_stage
+from sprout.engine.run_stage import lora_policy, train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
 from sprout.stages.preference_stage import PreferenceStage, open_preference_run, pair_groups
 from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
@@ -79,7 +80,8 @@ class DPOStage(PreferenceStage):
         if self.loss_cfg.precompute_ref_logps:
             self.cached = reference_logps(self.acc, ref, self.ref_path, self.fingerprint,
                                           (self.loader, self.val), micro_pairs=self.micro_pairs)
-            trainer.frozen.remove(ref)
+            if ref in trainer.frozen:  # a frozen copy is freed; a LoRA policy's view stays the policy
+                trainer.frozen.remove(ref)
             ref = None
         self.ref_model = ref
 
@@ -163,21 +165,26 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     run = open_preference_run(cfg, "dpo", resume)
     cfg, acc = run.cfg, run.accelerator
     policy = uninitialised(Transformer, run.model_config)  # the init checkpoint's weights, or the resumed run's
-    if run.resume is None:
+    if run.resume is None or not cfg.lora.off:  # a LoRA resume loads its adapters onto the base
         load_weights(policy, run.base["path"], run.base)
+    lora = lora_policy(policy, cfg, run.base)
     ref_model, ref_path = None, None
     if needs_reference(cfg.dpo):
         ref_meta = read_meta(cfg.dpo.ref) if cfg.dpo.ref else run.base
         if ref_meta["model_config"] != run.base["model_config"] or ref_meta["architecture"] != "lm":
             raise SproutError(f"{ref_meta['path']}: dpo.ref must be an LM with the init checkpoint's model config")
-        ref_model, ref_path = uninitialised(Transformer, run.model_config), ref_meta["path"]
-        load_weights(ref_model, ref_path, ref_meta)
+        ref_path = ref_meta["path"]
+        if lora and ref_meta["files"] == run.base["files"]:  # the base itself: the policy with its adapters off
+            ref_model, how = AdaptersOff(policy), "the policy with its LoRA adapters off"
+        else:
+            ref_model, how = uninitialised(Transformer, run.model_config), "frozen copy"
+            load_weights(ref_model, ref_path, ref_meta)
         acc.print(f"dpo: reference {ref_path}" + (" (log-probs precomputed)" if cfg.dpo.precompute_ref_logps
-                                                 else " (frozen copy)"))
+                                                 else f" ({how})"))
     stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
                      run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val))
     del ref_model  # the stage holds it (and frees it once its log-probs are precomputed)
-    meta = {**run.provenance(),
-            "frozen_models": {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}}
+    frozen = {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}
+    meta = {**run.provenance(), **lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=run.accum_steps, extra_meta=meta)

@@ -22,6 +22,7 @@ import sys
 import torch
 
 from sprout.checkpoint import frozen_model_record
+from sprout.model.lora import AdaptersOff
 from sprout.ranges import check_ranges
 from sprout.losses.policy import denominator, policy_loss
 from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group_advantages, normalize_then_sum,
@@ -29,7 +30,7 @@ from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
 from sprout.engine.trainer import all_reduce_sums
-from sprout.engine.run_stage import train_stage
+from sprout.engine.run_stage import lora_policy, train_stage
 from sprout.stages.configs import GRPOConfig, GRPOLossConfig
 from sprout.stages.rl_rewards import build_rewards
 from sprout.stages.rl_stage import RLStage, completion_logps, concat_rollouts, open_rl_run
@@ -237,15 +238,18 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "grpo", cfg.grpo.num_iterations, resume)
     cfg, acc = run.cfg, run.accelerator
-    policy = run.init_lm(load=run.resume is None)  # from a PPO policy: without its value head
-    ref = run.init_lm() if cfg.grpo.beta > 0 else None
-    if ref is not None:
-        acc.print(f"grpo: reference {run.base['path']} (frozen copy), beta {cfg.grpo.beta}, KL in the {cfg.grpo.kl_in}")
+    # from a PPO policy: without its value head; a LoRA resume loads its adapters onto the base
+    policy = run.init_lm(load=run.resume is None or not cfg.lora.off)
+    lora = lora_policy(policy, cfg, run.base)
+    ref = None
+    if cfg.grpo.beta > 0:
+        ref, how = (AdaptersOff(policy), "the policy with its LoRA adapters off") if lora else (run.init_lm(), "frozen copy")
+        acc.print(f"grpo: reference {run.base['path']} ({how}), beta {cfg.grpo.beta}, KL in the {cfg.grpo.kl_in}")
     stage = GRPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, grpo=cfg.grpo,
                       ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch,
                       eval_generations=cfg.data.eval_num_generations)
-    meta = {**run.provenance(),
-            "frozen_models": {"reference": frozen_model_record(run.base)} if ref is not None else {}}
+    frozen = {"reference": frozen_model_record(run.base)} if ref is not None else {}
+    meta = {**run.provenance(), **lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=stage.accum_steps, extra_meta=meta)
 
