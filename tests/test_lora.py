@@ -146,6 +146,7 @@ def test_a_lora_checkpoint_holds_adapters_and_records_its_base(lora_run):
     want = merged_copy(base_model, _adapted_from(base_model, saved), 2.0)(ids)
     torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=0)
     assert any(r.get("kl", 0) > 0 for r in train_records(out).values())  # the reference differs once trained
+    assert "- LoRA: r 4, alpha 8.0 (scale 2) on q_proj, k_proj" in (out / "report.md").read_text()
 
 
 def _adapted_from(base_model, saved):
@@ -192,3 +193,18 @@ def test_a_changed_or_missing_base_is_refused_in_one_line(base, data, sp, tmp_pa
     shutil.rmtree(init)
     with pytest.raises(SproutError, match=r"meta.json: its LoRA base .*/base cannot be read \(.*\); the adapters need"):
         load_model(tmp_path / "run")
+
+
+def test_a_lora_record_without_its_base_is_refused(lora_run, tmp_path):
+    import json
+
+    from sprout.formats.checkpoint_meta import meta_digest
+    _, out = lora_run
+    ck = tmp_path / "ck"
+    shutil.copytree(read_meta(out / "checkpoints")["path"], ck)
+    meta = json.loads((ck / "meta.json").read_text())
+    del meta["frozen_models"]["base"]
+    meta["meta_sha256"] = meta_digest(meta)
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SproutError, match=r"ck/meta.json: a LoRA checkpoint without frozen_models.base"):
+        read_meta(ck)

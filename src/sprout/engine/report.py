@@ -244,6 +244,11 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
               f"lr {ocfg.get('lr')} ({ocfg.get('schedule')}); mixed precision {precision}; "
               f"compile {tcfg.get('compile')}",
               "- full config: `config.yaml`", ""]
+    if isinstance(meta.get("lora"), dict):  # a LoRA run: what trained, and on which base
+        lora, base = meta["lora"], meta.get("frozen_models", {}).get("base", {})
+        lines.insert(-2, f"- LoRA: r {lora.get('r')}, alpha {lora.get('alpha')} (scale {lora.get('scale'):g}) on "
+                         f"{', '.join(lora.get('target_modules', []))}; base {code(base.get('path'))}; checkpoints "
+                         f"hold the trained tensors only (adapters, and a scalar head where the model has one)")
     lines += provenance_section(meta)
     if train:
         tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]

@@ -8,6 +8,8 @@ newest, which must lie in that folder. meta.json holds the format (FORMAT), arch
 `run_id`, `init` and `frozen_models` (`sprout.checkpoint`, which writes checkpoints), the sha256
 of both files above (`files`) and `meta_sha256` (META_DIGEST), the sha256 of every other field
 (`meta_digest`), so an edited step or config is refused too, as is a meta.json lacking it or `architecture`.
+A LoRA run's checkpoint holds its adapters and scalar head only; its `lora` record and frozen_models'
+`base` name the checkpoint they apply to (`check_lora_record`; `sprout.model.lora` merges them).
 
 A reward model's checkpoint says how it scores a response (`reward_score_of`): a RewardModel by
 its score head; an LM whose meta.json holds `reward_score: {"kind": "logprob", "beta": β}` (β a
@@ -85,8 +87,24 @@ def read_meta(path: str | os.PathLike, verify: bool = True) -> dict:
                 raise SproutError(f"{f}: checkpoint file is missing")
             if sha256_file(f, remember=True) != digest:  # settled files: hashed once per process
                 raise SproutError(f"{f}: sha256 does not match {META}; the file is corrupted or was modified")
+    if "lora" in meta:
+        check_lora_record(meta, path / META)
     meta["path"] = str(path)
     return meta
+
+
+def check_lora_record(meta: dict, where: Path) -> None:
+    """A LoRA run's meta.json: `lora` {r > 0, scale > 0, target_modules, ...} and frozen_models'
+    `base` {path, weights_sha256}, the checkpoint its adapters were trained on (`sprout.model.lora`)."""
+    lora, base = meta["lora"], (meta.get("frozen_models") or {}).get("base")
+    ok = (isinstance(lora, dict) and isinstance(lora.get("r"), int) and lora["r"] > 0
+          and isinstance(lora.get("scale"), (int, float)) and 0 < lora["scale"] < float("inf")
+          and isinstance(lora.get("target_modules"), list))
+    if not ok:
+        raise SproutError(f"{where}: lora is {json.dumps(lora)}; expected r > 0, a scale above 0 and target_modules")
+    if not (isinstance(base, dict) and isinstance(base.get("path"), str) and isinstance(base.get("weights_sha256"), str)):
+        raise SproutError(f"{where}: a LoRA checkpoint without frozen_models.base (path and weights_sha256 of the "
+                          f"model its adapters were trained on)")
 
 
 def logprob_rule(score) -> dict | None:
