@@ -108,7 +108,7 @@ def test_presets_in_the_repository_load_and_chain_their_stages():
         assert preset.stage("reward").inputs[0] == "sft" and preset.stage("dpo").inputs[0] == "sft"
         assert {"dpo", "reward"} <= set(preset.stage("ppo").inputs)
         assert preset.stage("grpo").inputs[0] == "ppo"  # GRPO loads the PPO policy's LM
-    for name in ("smollm2", "smollm2-gpu"):
+    for name in ("smollm2", "smollm2-gpu", "smollm2-lora"):
         smol = load_preset(ROOT / "configs" / "pipelines" / f"{name}.yaml")
         names = [s.name for s in smol.stages]
         assert names[:2] == ["import", "eval_import"] and names[-1] == "export"
@@ -119,6 +119,8 @@ def test_presets_in_the_repository_load_and_chain_their_stages():
         gpu = load_preset(ROOT / "configs" / "pipelines" / f"{name}.yaml")
         assert gpu.launcher == "accelerate" and gpu.accelerate_config.is_file()
         assert all(s.config.parent.name == name for s in gpu.stages if s.kind == "train")
+    lora = load_preset(ROOT / "configs" / "pipelines" / "smollm2-lora.yaml")  # every trainer with adapters
+    assert all(s.commands[0][s.commands[0].index("--lora.r") + 1] == "16" for s in lora.stages if s.kind == "train")
     demo, gpt2 = (load_preset(ROOT / "configs" / "pipelines" / f"{n}.yaml") for n in ("demo", "gpt2-small"))
     checks = {s.name for s in demo.stages if s.script.stem in ("verify_shards", "check_loss_mask")}
     assert checks <= {s.name for s in gpt2.stages}  # the demo's audits of the data, every one
