@@ -31,7 +31,7 @@ LAYERS = (
     ("text", ("sprout.tokenizer", "sprout.chat_formats", "sprout.chat", "sprout.chat_detect", "sprout.bpb")),
     ("formats", ("sprout.formats",)),
     ("prep", ("sprout.prep",)),
-    ("checkpoint", ("sprout.checkpoint",)),
+    ("checkpoint", ("sprout.checkpoint", "sprout.lora_weights")),
     ("model", ("sprout.model", "sprout.losses")),
     ("rl", ("sprout.rl",)),
     ("evaluation", ("sprout.evaluation",)),

@@ -37,6 +37,7 @@ from sprout.config import config_to_dict
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import (FORMAT, LATEST, META, META_DIGEST, STATE, WEIGHTS, meta_digest,
                                             read_meta)
+from sprout.lora_weights import has_adapters, merge_adapters
 
 TOKENIZER_DIR = "tokenizer"
 
@@ -206,8 +207,6 @@ def checkpoint_state(meta: dict, model: torch.nn.Module) -> dict[str, torch.Tens
     f = Path(meta["path"]) / WEIGHTS
     if "lora" not in meta:
         return read_weights(f, model)
-    from sprout.model.lora import merge_adapters
-
     base = lora_base(meta)
     own = set(model.state_dict())
     state = {k: v for k, v in checkpoint_state(base, model).items() if k in own}
@@ -252,8 +251,6 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike, meta: dict | N
     A LoRA checkpoint loads into a model with adapters as its own tensors (a resume), into a
     plain model merged with its base (`checkpoint_state`).
     """
-    from sprout.model.lora import has_adapters
-
     meta = meta or read_meta(path)
     f = Path(meta["path"]) / WEIGHTS
     try:

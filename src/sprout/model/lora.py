@@ -10,32 +10,24 @@ PPO's value head), which train in full.
 Invariants: with its adapters off (`AdaptersOff`) the model computes its base exactly: that is
 the reference of DPO, PPO and GRPO, no second copy of the weights. A LoRA checkpoint holds the
 trainable tensors only, named as the module names them (`...q_proj.lora_A.default.weight`), with
-meta.json's `lora` record (`lora_record`) and frozen_models' `base`; `merge_adapters` makes of a
-base's weights and those the state dict of a plain model, which is what every reader of a
-checkpoint gets (`sprout.checkpoint.checkpoint_state`): peft is needed to train, not to read.
+meta.json's `lora` record (`lora_record`) and frozen_models' `base`; `sprout.lora_weights.merge_adapters`
+makes of a base's weights and those the state dict of a plain model, which is what every reader
+of a checkpoint gets (`sprout.checkpoint.checkpoint_state`): peft is needed to train, not to read.
 Decoding reads `effective_weight` (W + s B A) into its weight copies once per generate call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import re
 
 import torch
 from torch import nn
 
 from sprout.errors import SproutError
+from sprout.lora_weights import (ADAPTER, adapter_pairs, has_adapters, lora_scale, merge_adapters,  # noqa: F401
+                                 peft_adapter_state, sprout_adapter_state)
 
-ADAPTER = "default"  # peft's adapter name; sprout trains one adapter per run
-_A = re.compile(rf"^(.*)\.lora_A\.{ADAPTER}\.weight$")
-_B = re.compile(rf"^(.*)\.lora_B\.{ADAPTER}\.weight$")
 LORA_INSTALL = "pip install -e '.[lora]'"
-
-
-def lora_scale(r: int, alpha: float, use_rslora: bool = False) -> float:
-    """s of y = W x + s B A x: alpha / r, or alpha / sqrt(r) (rank-stabilised, Kalajdzievski 2023)."""
-    return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
 def linear_layer_names(model: nn.Module) -> list[str]:
@@ -99,10 +91,6 @@ def adapter_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
 
 
-def has_adapters(model: nn.Module) -> bool:
-    return any(True for _ in adapter_layers(model))
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """Within: `model` computes its base (every adapter layer off, peft's `enable_adapters`)."""
@@ -153,58 +141,3 @@ def effective_weight(linear: nn.Module) -> torch.Tensor:
 def effective_bias(linear: nn.Module) -> torch.Tensor | None:
     base = getattr(linear, "base_layer", linear)
     return base.bias
-
-
-# ---- the maths on state dicts: merge, split, PEFT's file names ---------------------------------
-def adapter_pairs(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{base weight name: (A, B)} of a checkpoint's adapter tensors (`...X.lora_A.default.weight`
-    -> `X.weight`); an A without its B (or the reverse) is refused."""
-    a = {m.group(1): v for k, v in adapters.items() if (m := _A.match(k))}
-    b = {m.group(1): v for k, v in adapters.items() if (m := _B.match(k))}
-    if set(a) != set(b):
-        odd = sorted(set(a) ^ set(b))[0]
-        raise SproutError(f"adapter tensors: {odd} has lora_A or lora_B but not both")
-    return {f"{name}.weight": (a[name], b[name]) for name in a}
-
-
-def merge_adapters(base: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], scale: float,
-                   where: str = "adapters") -> dict[str, torch.Tensor]:
-    """A plain model's state dict: `base` with each adapted weight W + scale B A, and every other
-    tensor of `saved` (a scalar head) as it is. `where` names the file in errors: an adapter
-    for a weight the base lacks, or of another shape, is refused naming both."""
-    merged = dict(base)
-    for name, (A, B) in adapter_pairs(saved).items():
-        if name not in base:
-            raise SproutError(f"{where}: adapter for {name}, which the base model has no weight for; "
-                              f"adapters saved for another base")
-        W = base[name]
-        if tuple(B.shape[:1]) + tuple(A.shape[1:]) != tuple(W.shape) or A.shape[0] != B.shape[1]:
-            raise SproutError(f"{where}: adapter of {name} is {tuple(B.shape)} x {tuple(A.shape)}, the base's weight "
-                              f"{tuple(W.shape)}; adapters saved for another base")
-        merged[name] = (W.float() + scale * (B.float() @ A.float())).to(W.dtype)
-    for name, value in saved.items():
-        if not (_A.match(name) or _B.match(name)):
-            merged[name] = value
-    return merged
-
-
-def peft_adapter_state(saved: dict[str, torch.Tensor], prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
-    """A checkpoint's adapter tensors under the names of PEFT's adapter_model.safetensors for the
-    exported transformers model: `prefix` + `model.` + the sprout name without `.default`
-    (sprout's names are LlamaForCausalLM's without its `model.`)."""
-    return {f"{prefix}model.{k.replace(f'.{ADAPTER}.', '.')}": v for k, v in saved.items()
-            if _A.match(k) or _B.match(k)}
-
-
-def sprout_adapter_state(peft_state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    """The inverse of `peft_adapter_state`: a PEFT adapter file's tensors under sprout's names;
-    a tensor that is no lora_A / lora_B of a layer of the model's body is refused."""
-    out = {}
-    pattern = re.compile(r"^base_model\.model\.model\.(layers\.\d+\..+)\.(lora_[AB])(?:\.[^.]+)?\.weight$")
-    for k, v in peft_state.items():
-        m = pattern.match(k)
-        if m is None:
-            raise SproutError(f"{where}: tensor {k} is not a LoRA A or B of a transformer layer "
-                              f"(sprout imports LoRA adapters on the blocks' linear layers only)")
-        out[f"{m.group(1)}.{m.group(2)}.{ADAPTER}.weight"] = v
-    return out
