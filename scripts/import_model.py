@@ -14,6 +14,13 @@ meta.json, and a log-probability reward model's rule when config.json has sprout
 and the tokenizer files in tokenizer/NAME/ with the chat format detected from the model's own
 chat template (see src/sprout/model/hf_import.py). A folder that holds a run is refused unless
 --overwrite.
+
+    python scripts/import_model.py path/to/hf_folder --adapter path/to/peft_adapter --out runs/mine
+
+--adapter PEFT_DIR merges a PEFT LoRA adapter folder (adapter_config.json,
+adapter_model.safetensors) made for SOURCE into the imported weights, W + s B A, and records it
+in meta.json as `adapter`; DoRA and other LoRA variants, and adapters made for another model,
+are refused in one line (see src/sprout/model/peft_adapter.py).
 """
 
 import argparse
@@ -32,6 +39,8 @@ def main() -> None:
     p.add_argument("--revision", help="hub revision (branch, tag or commit; default main)")
     p.add_argument("--tokenizer-name", metavar="NAME", help="the run's tokenizer folder, tokenizer/NAME/ (default: "
                    "the source's name); a pipeline names it so later stages find hf:RUN/tokenizer/NAME")
+    p.add_argument("--adapter", metavar="PEFT_DIR", help="a PEFT LoRA adapter folder made for SOURCE, merged "
+                   "into the imported weights")
     p.add_argument("--max-seq-len", type=int, help="context of the sprout model (default: the source's "
                                                      "max_position_embeddings)")
     args = p.parse_args()
@@ -41,7 +50,7 @@ def main() -> None:
         check_fresh_run(args.out, resumable=False)  # before the source is read, not only after
     with tempfile.TemporaryDirectory(prefix="sprout-import-") as work:
         imported = read_source(args.source, Path(work), revision=args.revision, max_seq_len=args.max_seq_len,
-                               tokenizer_name=args.tokenizer_name)
+                               tokenizer_name=args.tokenizer_name, adapter=args.adapter)
         check_fresh_run(args.out, args.overwrite, resumable=False)
         result = write_run(imported, args.out)
     print(summary(result))

@@ -9,7 +9,8 @@ reward model's rule as `sprout_reward_score`), model.safetensors (`hf_weight_nam
 before every name but `lm_head.weight`; tied embeddings stored once), generation_config.json
 (`generation_config`) and the tokenizer files (`sprout.model.export_tokenizer`). It is written
 whole or not at all (built beside it, renamed into place); an `out` that is not empty is
-refused, and with `overwrite` replaced only when it holds nothing but `EXPORT_FILES`; an `out`
+refused, and with `overwrite` replaced only when it holds nothing but `EXPORT_FILES` (and the
+`EXPORT_FOLDERS` of a LoRA run's export with its adapter, `sprout.model.peft_adapter`); an `out`
 that is, holds or lies inside the source's run folder is refused. `verify_export` loads the
 folder with transformers and compares logits, token ids, chat-template ids and greedy answers.
 """
@@ -17,6 +18,7 @@ folder with transformers and compares logits, token ids, chat-template ids and g
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -162,11 +164,12 @@ def generation_config(tok) -> dict:
 
 # ---- the folder ----------------------------------------------------------------------------------
 EXPORT_FILES = ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES)
+EXPORT_FOLDERS = ("base", "adapter")  # a LoRA run's export with --adapter (`sprout.model.peft_adapter`)
 
 
 def check_export_out(out: Path, overwrite: bool) -> None:
     """Refuse an `out` that exists and is not empty, unless `overwrite` and it holds only what
-    an export writes (`EXPORT_FILES`)."""
+    an export writes (`EXPORT_FILES`, and `EXPORT_FOLDERS`)."""
     if not out.exists():
         return
     if not out.is_dir():
@@ -174,7 +177,8 @@ def check_export_out(out: Path, overwrite: bool) -> None:
     held = sorted(p.name for p in out.iterdir())
     if held and not overwrite:
         raise SproutError(f"{out}: already exists and is not empty (pass --overwrite to replace an earlier export)")
-    others = [name for name in held if name not in EXPORT_FILES]
+    others = [name for name in held if name not in EXPORT_FILES
+              and not (name in EXPORT_FOLDERS and (out / name).is_dir())]
     if others:
         raise SproutError(f"{out}: holds {others[0]!r}{f' and {len(others) - 1} more' if len(others) > 1 else ''}, "
                           f"which an export does not write; --overwrite replaces only an earlier export: "
@@ -190,34 +194,39 @@ def check_outside_run(out: Path, source: Path) -> None:
                           f"outside it")
 
 
-def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False,
-                 reward_score: dict | None = None) -> ExportResult:
-    """Write `model` and `tok` as a transformers folder at `out`, atomically (see the module doc);
-    `reward_score`: a log-probability reward model's rule (`reward_score_of`'s), kept in config.json.
-
-    The folder is built under a temporary sibling name and renamed into place, so `out` is
-    either absent, the old folder or the complete new one. An `out` that exists and is not
-    empty is refused unless `overwrite` and it holds only `EXPORT_FILES` (`check_export_out`).
-    """
-    out = Path(out)
-    arch = architecture_of(model)
+def check_vocab(model, tok) -> None:
+    """Refuse a tokenizer with more ids than the model's vocabulary."""
     if tok.vocab_size > model.config.vocab_size:
         raise SproutError(f"{tok.spec}: vocab {tok.vocab_size} does not fit the model's {model.config.vocab_size}")
+
+
+def write_export(model, tok, folder: Path, reward_score: dict | None = None) -> ExportResult:
+    """Write the export of `model` and `tok` into the existing folder `folder`, file by file (not
+    atomic by itself: `build_export` runs it in a temporary folder)."""
+    arch = architecture_of(model)
+    weights, dropped = hf_state_dict(model)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(folder / "config.json", hf_config(model, special_ids(tok), reward_score))
+    files = ["config.json", "model.safetensors"]
+    if arch != "reward":
+        write_json(folder / "generation_config.json", generation_config(tok))
+        files.append("generation_config.json")
+    files += write_tokenizer(tok, folder, model.config.max_seq_len)
+    return ExportResult(folder, arch, hf_class_name(model), files, dropped, reward_score)
+
+
+def build_export(out: Path, overwrite: bool, fill) -> None:
+    """Make the folder `out` atomically: `fill(tmp)` writes into a temporary sibling and returns
+    the paths it wrote (relative to it), which is then renamed into place, so `out` is either
+    absent, the old folder or the complete new one. An `out` that exists and is not empty is
+    refused unless `overwrite` and it holds only an earlier export (`check_export_out`)."""
     check_export_out(out, overwrite)
     check_writable(out)
     tmp = None
     try:  # a full disk (ENOSPC) may strike at any write, from the first folder on
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}.", dir=out.parent))
-        weights, dropped = hf_state_dict(model)
-        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf_config(model, special_ids(tok), reward_score))
-        files = ["config.json", "model.safetensors"]
-        if arch != "reward":
-            write_json(tmp / "generation_config.json", generation_config(tok))
-            files.append("generation_config.json")
-        files += write_tokenizer(tok, tmp, model.config.max_seq_len)
-        replace_dir(tmp, out, files)
+        replace_dir(tmp, out, fill(tmp))
     except (OSError, SafetensorError) as exc:  # safetensors reports its own write errors as SafetensorError
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -226,7 +235,19 @@ def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out, arch, hf_class_name(model), files, dropped, reward_score)
+
+
+def export_model(model, tok, out: str | os.PathLike, *, overwrite: bool = False,
+                 reward_score: dict | None = None) -> ExportResult:
+    """Write `model` and `tok` as a transformers folder at `out`, atomically (`build_export`; see
+    the module doc); `reward_score`: a log-probability reward model's rule (`reward_score_of`'s),
+    kept in config.json."""
+    out = Path(out)
+    check_vocab(model, tok)
+    written = []
+    build_export(out, overwrite, lambda tmp: written.append(write_export(model, tok, tmp, reward_score))
+                 or written[0].files)
+    return dataclasses.replace(written[0], out=out)
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,
@@ -239,9 +260,14 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenize
     check_export_out(out, overwrite)
     model, meta = load_model(checkpoint)
     tok = checkpoint_tokenizer(meta, tokenizer)
-    rule = reward_score_of(meta)  # a score head is in the exported class itself
-    rule = rule if rule and rule["kind"] == "logprob" else None
-    return export_model(model, tok, out, overwrite=overwrite, reward_score=rule), model, tok
+    return export_model(model, tok, out, overwrite=overwrite, reward_score=logprob_rule_of(meta)), model, tok
+
+
+def logprob_rule_of(meta: dict) -> dict | None:
+    """The rule config.json carries for the checkpoint of `meta`: a log-probability reward
+    model's (`reward_score_of`), else None (a score head is in the exported class itself)."""
+    rule = reward_score_of(meta)
+    return rule if rule and rule["kind"] == "logprob" else None
 
 
 
@@ -297,6 +323,35 @@ def _max_difference(model, hf, ids: torch.Tensor, arch: str, dtype: torch.dtype)
     return float((ref.double() - got.double()).abs().max())
 
 
+def check_ids(model, tok, seed: int = 0) -> torch.Tensor:
+    """The random ids the checks run: [1 (a reward model) or 2, up to 24], never the pad id
+    (transformers would read a reward model's score before it)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 1 if architecture_of(model) == "reward" else 2
+    ids = torch.randint(0, tok.vocab_size, (rows, min(model.config.max_seq_len, 24)), generator=g)
+    if tok.pad_id is not None:
+        ids[ids == tok.pad_id] = (tok.pad_id + 1) % tok.vocab_size
+    return ids
+
+
+def compare_logits(out: Path, model, hf, ids: torch.Tensor, atol: float, who: str) -> tuple[float, float | None]:
+    """(float32, float64 or None) largest |logit| (or score) difference of `hf` (a transformers
+    model, `who` it is in the error) from sprout's `model` on `ids`: within `atol` in float32 or,
+    when float32 rounding exceeds it, within `atol` in float64 and `FP32_ROUNDING_LIMIT` × `atol`
+    in float32 (`verify_export`); else SproutError naming `out`."""
+    arch = architecture_of(model)
+    diff = _max_difference(model, hf, ids, arch, torch.float32)
+    diff64 = None
+    if not diff <= atol:  # fp32 rounding alone, over a deep model? float64 tells it from a wrong mapping
+        diff64 = _max_difference(model, hf, ids, arch, torch.float64)
+    if not (diff <= atol or (diff64 <= atol and diff <= FP32_ROUNDING_LIMIT * atol)):
+        what = "scores" if arch == "reward" else "logits"
+        also = "" if diff64 is None else f"; in float64 by {diff64:.3g}"
+        raise SproutError(f"{out}: {who} {what} differ from sprout's by {diff:.3g} in float32{also} "
+                          f"(allowed {atol:g})")
+    return diff, diff64
+
+
 def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, seed: int = 0,
                   answer_tokens: int = ANSWER_TOKENS) -> dict:
     """Load `out` with transformers and compare it with the sprout `model` and `tok`.
@@ -321,20 +376,8 @@ def verify_export(out: str | os.PathLike, model, tok, *, atol: float = 1e-4, see
     arch = architecture_of(model)
     hf_class = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
     hf = getattr(transformers, hf_class).from_pretrained(out, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    T = min(model.config.max_seq_len, 24)
-    ids = torch.randint(0, tok.vocab_size, (1 if arch == "reward" else 2, T), generator=g)
-    if tok.pad_id is not None:  # transformers would read a reward model's score before a pad id
-        ids[ids == tok.pad_id] = (tok.pad_id + 1) % tok.vocab_size
-    diff = _max_difference(model, hf, ids, arch, torch.float32)
-    diff64 = None
-    if not diff <= atol:  # fp32 rounding alone, over a deep model? float64 tells it from a wrong mapping
-        diff64 = _max_difference(model, hf, ids, arch, torch.float64)
-    if not (diff <= atol or (diff64 <= atol and diff <= FP32_ROUNDING_LIMIT * atol)):
-        what = "scores" if arch == "reward" else "logits"
-        also = "" if diff64 is None else f"; in float64 by {diff64:.3g}"
-        raise SproutError(f"{out}: transformers' {what} differ from sprout's by {diff:.3g} in float32{also} "
-                          f"(allowed {atol:g})")
+    ids = check_ids(model, tok, seed)
+    diff, diff64 = compare_logits(out, model, hf, ids, atol, who="transformers'")
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     how = {"add_special_tokens": False} if isinstance(tok, HFTokenizer) else \
         {"add_special_tokens": True, "split_special_tokens": True}

@@ -12,7 +12,8 @@ the config.json field. Config fields map as `sprout.model.export` writes them, r
 weights by `sprout.model.export.sprout_weight_name`, every weight float32. The run folder
 (`write_run`) is what a training stage leaves: an "lm" checkpoint of stage "import", step 0,
 whose meta.json records the source and its config.json, and the tokenizer bundle with the
-chat format detected from its own template (`sprout.chat_detect.detect_chat_format`).
+chat format detected from its own template (`sprout.chat_detect.detect_chat_format`). A PEFT
+LoRA adapter beside the source is merged into the weights and recorded as meta.json's `adapter`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from sprout.formats.checkpoint_meta import logprob_rule
 from sprout.mirror import expand_path
 from sprout.model.config import LLAMA3_ROPE, ModelConfig
 from sprout.model.export import LM_HEAD, REWARD_SCORE_KEY, sprout_weight_name
+from sprout.model.peft_adapter import merge_peft_adapter
 from sprout.model.transformer import Transformer
 from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, hf_special_tokens, load_tokenizer, read_json_object
 
@@ -75,6 +77,7 @@ class Imported:
     tokenizer: object
     chat_format: ChatFormat | None  # None: the source has no chat template
     reward_score: dict | None = None  # config.json's sprout_reward_score (`import_reward_score`)
+    adapter: dict | None = None  # a PEFT LoRA adapter merged in: meta.json's `adapter` (`merge_peft_adapter`)
 
 
 @dataclass
@@ -87,10 +90,11 @@ class ImportResult:
 
 # ---- sources -------------------------------------------------------------------------------------
 def read_source(source: str, workdir: Path, *, revision: str | None = None, max_seq_len: int | None = None,
-                tokenizer_name: str | None = None) -> Imported:
+                tokenizer_name: str | None = None, adapter: str | None = None) -> Imported:
     """Open `source` (a folder, a hub id or a .gguf file; see the module doc; `${SPROUT_MIRROR}`
     is filled in), build the sprout model from it and stage its tokenizer under `workdir` with its
-    chat format, in a folder named `tokenizer_name` (default: the source's name)."""
+    chat format, in a folder named `tokenizer_name` (default: the source's name). `adapter`: a
+    PEFT LoRA adapter folder merged into the weights (`sprout.model.peft_adapter.merge_peft_adapter`)."""
     source = expand_path(source)
     path = Path(source)
     if path.suffix == ".gguf":
@@ -108,7 +112,10 @@ def read_source(source: str, workdir: Path, *, revision: str | None = None, max_
     if tok.vocab_size > cfg.vocab_size:
         raise SproutError(f"{tok.path}: vocab {tok.vocab_size} does not fit the model's vocab_size {cfg.vocab_size}")
     model = build_model(cfg, src)
-    return Imported(src, model, tok_dir, tok, fmt, score)
+    merged = None
+    if adapter is not None:
+        merged = merge_peft_adapter(model, expand_path(adapter), src.config_file)
+    return Imported(src, model, tok_dir, tok, fmt, score, merged)
 
 
 def folder_source(folder: Path) -> Source:
@@ -349,6 +356,8 @@ def write_run(imported: Imported, out: str | Path) -> ImportResult:
         meta["template_version"] = fmt.version
     if imported.reward_score is not None:
         meta["reward_score"] = imported.reward_score
+    if imported.adapter is not None:
+        meta["adapter"] = imported.adapter
     checkpoint = save_rotating(out / "checkpoints", 0, model, meta=meta)
     tok_files = [f"{Path(fields['tokenizer_file']).parent}/{n}" for n in
                  (HF_FILE, *fields["tokenizer_side_sha256"])]
@@ -371,6 +380,11 @@ def summary(result: ImportResult) -> str:
              + (", tied embeddings" if c.tie_embeddings else "") + (", q/k/v biases" if c.attention_bias else "")
              + (f", rope scaling {c.rope_scaling['rope_type']}" if c.rope_scaling else ""),
              f"  vocab {c.vocab_size:,} (tokenizer {imp.tokenizer.vocab_size:,} ids)"]
+    if imp.adapter is not None:
+        a = imp.adapter
+        lines.append(f"  merged the PEFT LoRA adapter {a['path']} (r {a['r']}, lora_alpha {a['lora_alpha']:g}"
+                     f"{', rslora' if a['use_rslora'] else ''} on {', '.join(map(str, a['target_modules']))}; "
+                     f"sha256 {a['sha256'][:12]}…) into the weights")
     if imp.chat_format is None:
         lines.append("  chat format: the source has no chat template; none written, sprout's default format applies")
     else:
