@@ -268,7 +268,7 @@ BAD_ADAPTERS = {  # id: (change to the adapter folder, the error's pattern after
     "pissa": (lambda d: edit_config(d, init_lora_weights="pissa"),
               r'adapter_config.json: init_lora_weights "pissa" is not supported \(it rewrites the base'),
     "lone_A": (lambda d: rename_tensor(d, Q_B, None),
-               r"adapter_model.safetensors: layers.0.self_attn.q_proj has lora_A or lora_B but not both$"),
+               r"adapter_model.safetensors: adapter tensors of layers.0.self_attn.q_proj have lora_A or lora_B but not both$"),
     "no_such_layer": (lambda d: [rename_tensor(d, t, t.replace("layers.0", "layers.7")) for t in (Q_A, Q_B)],
                       r"adapter_model.safetensors on the model of .*hf/config.json: adapter for "
                       r"layers.7.self_attn.q_proj.weight, which the base model has no weight for; adapters saved "

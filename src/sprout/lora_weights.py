@@ -35,14 +35,14 @@ def has_adapters(model: nn.Module) -> bool:
     return any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
 
 
-def adapter_pairs(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def adapter_pairs(adapters: dict[str, torch.Tensor], where: str = "adapters") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{base weight name: (A, B)} of a checkpoint's adapter tensors (`...X.lora_A.default.weight`
-    -> `X.weight`); an A without its B (or the reverse) is refused."""
+    -> `X.weight`); an A without its B (or the reverse) is refused, naming `where` (the file)."""
     a = {m.group(1): v for k, v in adapters.items() if (m := _A.match(k))}
     b = {m.group(1): v for k, v in adapters.items() if (m := _B.match(k))}
     if set(a) != set(b):
         odd = sorted(set(a) ^ set(b))[0]
-        raise SproutError(f"adapter tensors: {odd} has lora_A or lora_B but not both")
+        raise SproutError(f"{where}: adapter tensors of {odd} have lora_A or lora_B but not both")
     return {f"{name}.weight": (a[name], b[name]) for name in a}
 
 
@@ -52,7 +52,7 @@ def merge_adapters(base: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
     tensor of `saved` (a scalar head) as it is. `where` names the file in errors: an adapter
     for a weight the base lacks, or of another shape, is refused naming both."""
     merged = dict(base)
-    for name, (A, B) in adapter_pairs(saved).items():
+    for name, (A, B) in adapter_pairs(saved, where).items():
         if name not in base:
             raise SproutError(f"{where}: adapter for {name}, which the base model has no weight for; "
                               f"adapters saved for another base")

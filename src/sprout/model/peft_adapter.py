@@ -215,10 +215,7 @@ def merge_peft_adapter(model, folder: str | os.PathLike, base_where: str) -> dic
     where = f"{f} on the model of {base_where}"
     adapters = sprout_adapter_state(tensors, where)
     r, use_rslora = int(config["r"]), bool(config.get("use_rslora", False))
-    try:
-        pairs = adapter_pairs(adapters)
-    except SproutError as exc:  # its message names no file
-        raise SproutError(f"{f}: {str(exc).removeprefix('adapter tensors: ')}") from None
+    pairs = adapter_pairs(adapters, str(f))
     for name, (A, _) in pairs.items():
         if A.dim() != 2 or A.shape[0] != r:
             raise SproutError(f"{f}: the adapter of {name} has rank {A.shape[0] if A.dim() else '?'}, "
