@@ -299,39 +299,34 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
 
     SentencePiece: the .model (and the .vocab beside it, if any) is copied atomically, unless the
     same file is already there; returns {"tokenizer_file": "tokenizer/NAME.model",
-    "tokenizer_sha256": ...}. hf: the tokenizer.json and the side files beside it
-    (`sprout.tokenizer.HF_SIDE_FILES`, the chat format's `chat_format.json` and the Jinja template's
-    `chat_template.jinja`, those present) go to `tokenizer/FOLDER/`, FOLDER being
-    the name of the folder holding the tokenizer.json, and the fields add "tokenizer_side_sha256".
-    A tiktoken spec (or none) returns {}. `write=False` only computes
-    the fields (the processes of a run that do not write to its folder). A different tokenizer
-    already in the run folder is refused; when the spec does not resolve here (a relative path,
-    a resume from another directory) the run folder's own copy stands in for it.
+    "tokenizer_sha256": ...}. hf: the tokenizer.json and its side files
+    (`sprout.tokenizer.side_file_names`, those present) go to `tokenizer/FOLDER/`, FOLDER being
+    the name of the folder holding the tokenizer.json, and the fields add "tokenizer_side_sha256"
+    (`sprout.tokenizer.files_record`, what a prep records of the same files). A tiktoken spec (or
+    none) returns {}. `write=False` only computes the fields (the processes of a run that do not
+    write to its folder). A different tokenizer already in the run folder is refused; when the
+    spec does not resolve here (a relative path, a resume from another directory) the run
+    folder's own copy (`bundled_file`) stands in for it.
     """
-    from sprout.chat_detect import CHAT_TEMPLATE_FILE
-    from sprout.chat_formats import CHAT_FORMAT_FILE
-    from sprout.tokenizer import HF_SIDE_FILES, hf_json
+    from sprout.tokenizer import files_record, side_file_names, spec_file
 
-    kind, _, arg = (spec or "").partition(":")
-    if kind == "sentencepiece":
-        src = Path(arg)
-        rel, sides, recorded = f"{TOKENIZER_DIR}/{src.name}", [".vocab"], False
-        what = "SentencePiece model"
-    elif kind == "hf":
-        src = hf_json(Path(arg))
-        rel = f"{TOKENIZER_DIR}/{Path(os.path.abspath(src)).parent.name}/{src.name}"
-        sides, recorded, what = [*HF_SIDE_FILES, CHAT_FORMAT_FILE, CHAT_TEMPLATE_FILE], True, "Hugging Face tokenizer"
-    else:
+    kind = (spec or "").partition(":")[0]
+    dst = bundled_file(spec, run_dir)
+    if dst is None:
         return {}
-    dst = Path(run_dir) / rel
+    src = spec_file(spec)
+    rel = dst.relative_to(run_dir).as_posix()
+    sides = side_file_names(kind) if kind == "hf" else (".vocab",)
+    what = "Hugging Face tokenizer" if kind == "hf" else "SentencePiece model"
 
     def side(main: Path, name: str) -> Path:
         return main.with_suffix(name) if name.startswith(".") else main.parent / name
 
     def fields(main: Path) -> dict:
-        out = {"tokenizer_file": rel, "tokenizer_sha256": sha256_file(main)}
-        if recorded:
-            out["tokenizer_side_sha256"] = {n: sha256_file(side(main, n)) for n in sides if side(main, n).is_file()}
+        record = files_record(main, kind)
+        out = {"tokenizer_file": rel, "tokenizer_sha256": record["sha256"]}
+        if kind == "hf":
+            out["tokenizer_side_sha256"] = record["side_sha256"]
         return out
 
     if not src.is_file():
@@ -351,6 +346,19 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
     return want
 
 
+def bundled_file(spec: str | None, run_dir: str | os.PathLike) -> Path | None:
+    """Where `bundle_tokenizer` keeps the file of `spec` in `run_dir`: `tokenizer/NAME.model`, or
+    `tokenizer/FOLDER/tokenizer.json` for hf; None for a spec with no file (tiktoken, none)."""
+    from sprout.tokenizer import spec_file
+
+    src = spec_file(spec or "")
+    if src is None:
+        return None
+    if spec.startswith("hf:"):
+        return Path(run_dir) / TOKENIZER_DIR / Path(os.path.abspath(src)).parent.name / src.name
+    return Path(run_dir) / TOKENIZER_DIR / src.name
+
+
 def run_folder(checkpoint: str | os.PathLike) -> Path:
     """The run folder a checkpoint belongs to: `<run>` for `<run>/checkpoints/step_X`, else itself."""
     checkpoint = Path(checkpoint)
@@ -363,7 +371,8 @@ def checkpoint_tokenizer(meta: dict, spec: str | None = None):
     With `tokenizer_file` in meta: that file in the checkpoint's run folder (with the side files
     of `tokenizer_side_sha256`), refused when a sha256 differs, loaded as the kind of the
     recorded `tokenizer` spec (sentencepiece unless that is hf:). Otherwise the `tokenizer` spec
-    (tiktoken: a name, no file). A recorded `tokenizer_fingerprint` must match either way.
+    (tiktoken: a name, whose ranks file the loader pins). A recorded `tokenizer_fingerprint` must
+    match either way; a tokenizer that cannot be loaded is refused naming the meta.json too.
     """
     from sprout.tokenizer import load_tokenizer
 
@@ -383,7 +392,10 @@ def checkpoint_tokenizer(meta: dict, spec: str | None = None):
     spec = spec or meta.get("tokenizer")
     if not spec:
         raise SproutError(f"{ckpt_meta}: no tokenizer recorded; pass --tokenizer SPEC")
-    tok = load_tokenizer(spec)
+    try:
+        tok = load_tokenizer(spec)
+    except SproutError as exc:  # a tiktoken spec's ranks file replaced, a missing file
+        raise SproutError(f"{ckpt_meta}: tokenizer {spec} cannot be loaded ({exc})") from None
     want = meta.get("tokenizer_fingerprint")
     if want and tok.fingerprint() != want:
         raise SproutError(f"{spec}: not the tokenizer {ckpt_meta} was trained with (fingerprint differs)")

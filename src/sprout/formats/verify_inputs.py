@@ -9,7 +9,9 @@ prep wrote. The rules of a token folder's files (`check_listed`, `check_file`,
 
 Each raises SproutError naming the file at the first failure and returns a `DataCheck` whose
 `line()` says what was checked and how long it took. Mode "full" hashes every byte; "sizes"
-checks presence, sizes and counts only and trusts the recorded largest id (`data.verify`).
+checks presence, sizes and counts only and trusts the recorded largest id (`data.verify`); its
+line names the checks it skipped (`DataCheck.skipped`). The tokenizer the data records is
+checked by the trainers themselves (`sprout.tokenizer.load_recorded`), which load it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ BLOCK = 1 << 22  # tokens read per block when scanning a file's ids
 VERIFY_MODES = ("full", "sizes")  # full: sha256 of every byte; sizes: presence, sizes, counts only
 LARGE_DATA = 256 << 20            # show a progress bar (rank 0) when hashing more than this
 TOKEN_SUFFIXES = (".bin", ".h5")  # the files of a token folder, each listed in its manifest
+SKIPPED = {  # what mode "sizes" does not check, by kind of data (`DataCheck.line` names it)
+    "tokens": ("token ids against the vocabulary (the manifest's max_token_id is trusted, the ids are not read)",),
+    "sft": ("the rows' layout (loss mask, segments, positions: scripts/check_loss_mask.py checks it)",),
+    "prompt": ("prompts and golds against the manifest (an edit after prep goes unnoticed)",),
+    "preference": ("pairs against the manifest (an edit after prep goes unnoticed)",),
+}
 
 
 @dataclass
@@ -47,10 +55,12 @@ class DataCheck:
     hashed: bool = True
     vocab_size: int | None = None
     tokenizer: str | None = None
-    tokenizer_fingerprint: str | None = None  # the sha256 of the tokenizer's file, as prep recorded it
+    tokenizer_fingerprint: str | None = None  # the tokenizer's fingerprint, as prep recorded it
+    tokenizer_record: dict | None = None  # {fingerprint, sha256, side_sha256} as prep recorded them
     max_token_id: int = -1
     max_where: str = ""
     notes: list = field(default_factory=list)
+    skipped: tuple = ()  # what mode "sizes" left unchecked, said once by `line`
 
     def saw(self, top: int, where) -> None:
         if top > self.max_token_id:
@@ -66,7 +76,7 @@ class DataCheck:
         if self.hashed:
             return f"verified {self.files} {what} ({size}) in {self.seconds:.1f} s"
         return (f"checked {self.files} {what} ({size}) in {self.seconds:.1f} s: presence and sizes only, "
-                f"sha256 skipped (data.verify sizes)")
+                f"sha256 skipped (data.verify sizes)" + "".join(f"; not checked: {s}" for s in self.skipped))
 
 
 def _check_mode(mode: str) -> None:
@@ -203,7 +213,7 @@ def verify_token_data(path: str | Path, mode: str = "full", show_progress: bool 
     `check_file` and `check_content`. Raises SproutError naming the file at the first failure."""
     _check_mode(mode)
     t0, path = time.perf_counter(), Path(path)
-    check = DataCheck(hashed=mode == "full")
+    check = DataCheck(hashed=mode == "full", skipped=SKIPPED["tokens"] if mode == "sizes" else ())
     hdf5 = path.suffix in (".h5", ".hdf5")
     if hdf5 and not path.name.endswith(f"_train{path.suffix}"):
         raise SproutError(f"{path}: expected an HDF5 training file named <dataset>_train{path.suffix}")
@@ -213,6 +223,8 @@ def verify_token_data(path: str | Path, mode: str = "full", show_progress: bool 
     man = mf.read_manifest(directory)
     tok = man["tokenizer"]
     check.vocab_size, check.tokenizer, check.tokenizer_fingerprint = tok["vocab_size"], tok["spec"] or None, tok["fingerprint"] or None
+    if tok["spec"]:
+        check.tokenizer_record = {k: tok[k] for k in ("fingerprint", "sha256", "side_sha256")}
     for p in sorted(directory.iterdir()):
         if p.suffix in TOKEN_SUFFIXES:
             check_listed(p, man)
@@ -251,7 +263,7 @@ def verify_sft_pair(train: str | Path, val: str | Path, mode: str = "full", show
 
     _check_mode(mode)
     t0, paths = time.perf_counter(), (Path(train), Path(val))
-    check = DataCheck(hashed=mode == "full")
+    check = DataCheck(hashed=mode == "full", skipped=SKIPPED["sft"] if mode == "sizes" else ())
     files = [SFTFile(p) for p in paths]
     try:
         for f, split in zip(files, ("train", "val")):
@@ -312,7 +324,7 @@ def verify_jsonl_data(path: str | Path, val_path: str | Path | None = None, mode
     _check_mode(mode)
     t0 = time.perf_counter()
     paths = [Path(p) for p in (path, val_path) if p is not None]
-    check = DataCheck(hashed=mode == "full")
+    check = DataCheck(hashed=mode == "full", skipped=SKIPPED.get(kind, ()) if mode == "sizes" else ())
     for p in paths:
         if not p.is_file():
             raise SproutError(f"{p}: no such {kind} file")

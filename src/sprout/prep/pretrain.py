@@ -223,6 +223,7 @@ def prepare(
     out = Path(cfg.out)
     check_writable(out / mf.MANIFEST)
     mf.check_output_dir(out, cfg.name, tok.fingerprint())
+    mf.tokenizer_info(tok)  # the tokenizer's files hashed now, as they are when it is loaded
     created = not out.exists()
     make_dir(out)
     ok = False

@@ -8,7 +8,8 @@ val split. `run_pretrain(cfg, resume)` is everything `scripts/pretrain.py` does 
 parsing its arguments: check the data against the model before anything heavy starts,
 build model, optimizer, schedule and stage, resume if asked, train, report. The data check
 (`verify_data`) proves the files are the ones prep wrote (manifest, sizes, sha256 unless
-data.verify is `sizes`) and that every token id fits the model's vocabulary.
+data.verify is `sizes`) and that every token id fits the model's vocabulary; `data_tokenizer`
+that the tokenizer file is the one the manifest records.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import torch
 
 from data_loader.token_batches import DistributedTokenLoader, RandomWindowSampler, eval_rows, open_token_sources, read_tokens
 from sprout.atomic import check_writable
-from sprout.checkpoint import read_meta
+from sprout.checkpoint import bundled_file, read_meta
 from sprout.bpb import bits_per_byte, luts_to_torch, token_bytes
 from sprout.errors import SproutError
 from sprout.formats.data_paths import token_data_path
 from sprout.formats.verify_inputs import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import Transformer
-from sprout.tokenizer import load_tokenizer
+from sprout.tokenizer import Tokenizer, load_recorded, load_tokenizer
 from sprout.ranges import check_ranges
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.stage import TokenStage, micro_steps
@@ -105,6 +106,19 @@ def verify_data(data: TokenDataConfig) -> DataCheck:
     return check
 
 
+def data_tokenizer(spec: str | None, check: DataCheck, manifest: Path, out: str) -> Tokenizer | None:
+    """The tokenizer of the val bits per byte: `spec` (data.tokenizer), else the one the data
+    names, whose files and fingerprint must be those `manifest` records (`load_recorded`; the
+    run folder `out`'s own copy stands in for a file not here); None when neither names one.
+    Data made outside prep records none, and its tokenizer is taken as it is."""
+    spec = spec or check.tokenizer
+    if not spec:
+        return None
+    if check.tokenizer_record is None:
+        return load_tokenizer(spec)
+    return load_recorded(spec, check.tokenizer_record, manifest, stand_in=bundled_file(spec, out))
+
+
 def vocab_for_data(data_vocab: int) -> int:
     """model.vocab_size when the config leaves it null: the data's vocabulary rounded up to a
     multiple of 64 (an embedding and output head of a size the matmul kernels like)."""
@@ -152,8 +166,8 @@ def check_resumed_data(check: DataCheck, data_dir: str, resume_path: Path, where
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     """Check inputs, build everything, resume if asked, train; returns fit's summary (sprout.engine.training_loop).
-    Every check of the data (files, vocabulary, val size, the tokenizer of a resumed run) comes
-    before the run folder is touched."""
+    Every check of the data (files, tokenizer file, vocabulary, val size, the tokenizer of a
+    resumed run) comes before the run folder is touched."""
     check_ranges(cfg)  # a config built in Python (the scripts' from_dict has checked)
     if not cfg.data.dir:
         raise SproutError("no training data: set data.dir in the config or pass --data DIR")
@@ -161,9 +175,11 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     if cfg.data.sampler not in ("sequential", "random"):
         raise SproutError(f"data.sampler must be sequential or random, not {cfg.data.sampler!r}")
     check = verify_data(cfg.data)
-    train_src, val_src = open_token_sources(cfg.data.dir, "train"), open_token_sources(cfg.data.dir, "val")
     data_dir = Path(cfg.data.dir)
     where = data_dir / "manifest.json" if data_dir.is_dir() else data_dir
+    spec = cfg.data.tokenizer or check.tokenizer
+    tok = data_tokenizer(spec, check, (data_dir if data_dir.is_dir() else data_dir.parent) / "manifest.json", cfg.out)
+    train_src, val_src = open_token_sources(cfg.data.dir, "train"), open_token_sources(cfg.data.dir, "val")
     if cfg.model.vocab_size is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_for_data(check.vocab_size)))
         print_rank0(f"model.vocab_size {cfg.model.vocab_size} (the data's vocabulary {check.vocab_size:,}, "
@@ -180,8 +196,6 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     resume_path = resolve_resume(resume, cfg.out)
     if resume_path is not None:
         check_resumed_data(check, cfg.data.dir, resume_path, where)
-    spec = cfg.data.tokenizer or check.tokenizer
-    tok = load_tokenizer(spec) if spec else None
     check_writable(Path(cfg.out) / "config.yaml")
 
     acc = start_run(cfg.train, cfg.out)

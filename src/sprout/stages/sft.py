@@ -9,9 +9,10 @@ conversation would alone; the loss is the cross-entropy summed over the trained 
 the whole global batch (all micro-batches, all processes). Metrics, per trained target: token
 accuracy and mean entropy. Eval: masked loss and token accuracy over every val row, sums reduced
 over processes. `run_sft` refuses a train/val pair from different prep runs or no longer
-matching their sha256, data of another tokenizer, chat template or longer context, and a row
-that trains nothing (`check_trained_rows`); each checkpoint's meta records the tokenizer,
-chat-template version and base checkpoint.
+matching their sha256, a tokenizer file other than the one the pair records (`check_sft_tokenizer`),
+data of another tokenizer, chat template or longer context, and a row that trains nothing
+(`check_trained_rows`); each checkpoint's meta records the tokenizer, chat-template version and
+base checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from data_loader.sft_batches import SFTLoader, shift
 from sprout.atomic import check_writable
 from sprout.chat import ChatError
 from sprout.chat_formats import ChatFormat, format_for, format_for_spec
-from sprout.checkpoint import checkpoint_tokenizer, init_record, load_weights, read_meta
+from sprout.checkpoint import bundled_file, checkpoint_tokenizer, init_record, load_weights, read_meta
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
@@ -42,6 +43,7 @@ from sprout.engine.stage import TokenStage, micro_steps
 from sprout.engine.run_stage import lora_policy, start_run, train_stage, with_epochs
 from sprout.engine.cli import is_rank0, print_rank0, resolve_resume
 from sprout.stages.configs import SFTConfig
+from sprout.tokenizer import load_recorded
 
 
 def sft_batch_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -167,6 +169,18 @@ def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, 
                           f"data with --seq-len {model_cfg.max_seq_len}")
 
 
+def check_sft_tokenizer(data: Path, val: Path, out: str) -> None:
+    """The pair's tokenizer file (its `tokenizer_spec`) must be the one the train file records,
+    by sha256 and fingerprint (`sprout.tokenizer.load_recorded`; the run folder `out`'s own copy
+    stands in for a file not here), and the val file must record the same."""
+    with SFTFile(data) as f:
+        spec, record = f.attrs["tokenizer_spec"], f.tokenizer_record()
+    with SFTFile(val) as f:
+        if f.tokenizer_record() != record:
+            raise SproutError(f"{val}: its tokenizer record (fingerprint, sha256) differs from the train file {data}'s")
+    load_recorded(spec, record, data, stand_in=bundled_file(spec, out))
+
+
 def _sample_tokenizer(base: dict):
     """The base checkpoint's tokenizer for the end-of-training samples, or None (no samples)
     when it cannot be loaded here."""
@@ -206,6 +220,7 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     model_cfg = ModelConfig(**base["model_config"])
     check = verify_sft_pair(data, val, cfg.data.verify, show_progress=is_rank0())
     print_rank0(check.report("SFT files"))
+    check_sft_tokenizer(data, val, cfg.out)
     attrs = _attrs(data)
     sample_tok = _sample_tokenizer(base)
     fmt = format_for(sample_tok) if sample_tok is not None else format_for_spec(attrs["tokenizer_spec"])
