@@ -14,7 +14,11 @@ h5py has closed the file (HDF5 crashes the process when it closes a file after a
 (device, inode, size, mtime, ctime) is unchanged, and only for a file that had not changed for
 `SETTLED_NS` before it was read. `hold_lock` / `locked` hold a folder for one process (an
 exclusive `flock` recording the pid; a second process is refused naming it); the kernel drops
-the lock when its holder exits.
+the lock when its holder exits. What is written follows the process's umask, as a plain
+`open()` / `mkdir` would (files 0666 & ~umask, folders 0777 & ~umask), not tempfile's 0600 /
+0700. No write follows a symbolic link: a rename replaces a link at the final name, and a file
+opened in place (a lock file, an appended log: `open_append`) is opened with O_NOFOLLOW and
+refused in one line naming the link (`symlink_error`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -84,11 +89,58 @@ def safe_name(name: str, field: str) -> str:
     return name
 
 
-def _umask_mode() -> int:
-    """The mode an ordinary `open()` would give a new file (mkstemp uses 0600)."""
-    mask = os.umask(0)
+def umask() -> int:
+    """This process's umask, read without changing it (/proc/self/status; elsewhere set and put
+    back at once, which a thread creating a file at that moment could see)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a plain `open()` gives a new file: 0666 & ~umask (mkstemp and safetensors use 0600)."""
+    return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    """The mode a plain `mkdir` gives a new folder: 0777 & ~umask (mkdtemp uses 0700)."""
+    return 0o777 & ~umask()
+
+
+def symlink_error(path: str | os.PathLike, what: str = "sprout") -> SproutError:
+    """The one-line refusal of a symbolic link where `what` writes."""
+    path = Path(path)
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return SproutError(f"{path}: is a symbolic link{target}; {what} writes here and never through a link: "
+                       f"remove the link, or choose another folder")
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, what: str = "sprout") -> int:
+    """`os.open(path, flags | O_NOFOLLOW)` with the umask's file mode; a symbolic link at `path`
+    is `symlink_error`, any other failure SproutError naming `path`."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise symlink_error(path, what) from None
+        if exc.errno in DISK_ERRNOS:
+            raise write_error(path, exc) from None
+        raise SproutError(f"{path}: cannot open for writing: {exc.strerror or exc}") from None
+
+
+def open_append(path: str | os.PathLike, what: str = "sprout") -> IO:
+    """`path` opened for appending text (created if missing), never through a symbolic link."""
+    return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, what), "a")
 
 
 def _temp_beside(path: Path) -> tuple[int, str]:
@@ -97,7 +149,6 @@ def _temp_beside(path: Path) -> tuple[int, str]:
         fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
     except OSError as exc:
         raise SproutError(f"{path.parent}: cannot write in this folder: {exc.strerror or exc}") from None
-    os.chmod(tmp, _umask_mode())
     return fd, tmp
 
 
@@ -108,9 +159,10 @@ def _sync(f: IO) -> None:
 
 
 def _finish(tmp: str, path: Path) -> None:
-    """fsync `tmp` and rename it over `path`."""
+    """Give `tmp` the umask's file mode (whoever created it), fsync it and rename it over `path`."""
     try:
         with open(tmp, "rb+") as f:
+            os.fchmod(f.fileno(), file_mode())
             _sync(f)
         os.replace(tmp, path)
     except OSError as exc:
@@ -270,10 +322,18 @@ class AtomicH5:
                 raise write_error(self.path, self._guard.error) from None
 
 def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike, files) -> None:
-    """Put a finished folder `tmp` in place at `path`: fsync each of its `files`, move an
-    existing `path` aside, rename `tmp` into place, then delete the old one. A crash leaves
-    either the old folder or the complete new one (or the old one beside as `.tmp-old-*`)."""
+    """Put a finished folder `tmp` in place at `path`: give it and everything in it the umask's
+    modes (`dir_mode`, `file_mode`: mkdtemp made it 0700, safetensors its files 0600), fsync each
+    of its `files`, move an existing `path` aside, rename `tmp` into place, then delete the old
+    one. A crash leaves either the old folder or the complete new one (or the old one beside as
+    `.tmp-old-*`)."""
     tmp, path = Path(tmp), Path(path)
+    fmode, dmode = file_mode(), dir_mode()
+    for root, dirs, names in os.walk(tmp):
+        os.chmod(root, dmode)
+        for name in names:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), fmode)
     for name in files:
         with open(tmp / name, "rb+") as f:
             _sync(f)
@@ -292,19 +352,32 @@ def hold_lock(folder: str | os.PathLike, name: str, what: str) -> IO:
     """Take an exclusive lock on `folder` (created if needed): `flock` on its file `name`, into
     which this process's pid is written; returns the open file, which holds the lock until it is
     closed or the process ends. When another process holds it, SproutError naming the folder,
-    the holder's pid and `what` holds it (e.g. "trainer")."""
+    the holder's pid and `what` holds it (e.g. "trainer"). The lock file is never written
+    through a symbolic link nor when it has other hard links (refused naming it), and a lock
+    taken on a file that was removed or replaced meanwhile is taken again on the one in place,
+    so a holder may delete its lock file."""
     folder = make_dir(folder)
     path = folder / name
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, _umask_mode())
-    except OSError as exc:
-        raise SproutError(f"{path}: cannot open the lock file: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        raise SproutError(f"{folder}: in use by another {what} (pid {holder}, holding {path})") from None
+    while True:
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT, what)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            kind = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"has {st.st_nlink - 1} other hard link(s)"
+            raise SproutError(f"{path}: {kind}; the {what} writes its pid into this lock file: remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise SproutError(f"{folder}: in use by another {what} (pid {holder}, holding {path})") from None
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            break
+        os.close(fd)  # its holder deleted it between our open and our lock: lock the file now there
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
     return os.fdopen(fd, "r+")

@@ -6,6 +6,7 @@
     callbacks.py      around the steps, one job each: records, eval/checkpoint cadence, stop signals, report
     run_stage.py      what every stage does around the loop (accelerator, run length, optimizer, resume, fit)
     cli.py            a training script's command line, its config and run folder; no torch
+    run_setup.py      a setup that ends early (refused, failed, signalled) leaves the run folder as it was
     configs.py        the config sections every stage shares (optim, train, a token batch), StageConfig
     optim.py          AdamW over parameter groups, the lr schedule applied to each group
     schedule.py       lr (warmup + cosine/WSD), sequence-length warmup, Chinchilla budget

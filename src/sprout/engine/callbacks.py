@@ -6,7 +6,9 @@ first step of this segment (after a resume), `after_step(run)` after each optimi
 order the callbacks are listed, `end(run)` after the last step unless the loop raised, and
 `close(run)` always, last, to give back what start took.
 
-    StopSignals         Ctrl-C and SIGTERM stop every rank after the same step
+    StopSignals         Ctrl-C and SIGTERM stop every rank after the same step; during the
+                        end-of-run samples at once; before the first step, the setup's
+                        handler (`sprout.engine.cli.run_lock`) puts the run folder back
     TrainingRecords     training records: throughput, MFU, the progress bar or log lines
     EvalCadence         evals before training, every train.eval_every steps and at the end
     CheckpointCadence   checkpoints every train.ckpt_every steps and at the end
@@ -30,6 +32,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from sprout.engine.run_setup import pass_on
 from sprout.engine.trainer import TrainConfig, Trainer, all_reduce_sums
 from sprout.engine.metrics import MetricsLogger, log_line, measure_matmul_flops, mfu, plot_loss_curve
 from sprout.engine.report import start_record, write_report
@@ -40,7 +43,10 @@ from sprout.engine.stage import Stage
 class FitRun:
     """What the callbacks share: `metrics` is the last step's figures (`Trainer.step`),
     `batch_s` the time its `next_micro_batches` took and `generated` the tokens it generated
-    (all processes); `stopping` is set when a signal stops the run, `interrupted` to its number."""
+    (all processes); `stopping` is set when a signal stops the run, `interrupted` to its number;
+    `signalled` is the signal this process received (also once training is done); `setting_up`
+    is set while the callbacks' `start` runs (the run's setup), `sampling` while the end-of-run
+    samples are generated."""
     trainer: Trainer
     stage: Stage
     logger: MetricsLogger | None
@@ -49,6 +55,9 @@ class FitRun:
     generated: float = 0.0
     stopping: bool = False
     interrupted: int | None = None
+    signalled: int | None = None
+    setting_up: bool = False
+    sampling: bool = False
     paused_s: float = 0.0
     t_start: float = 0.0  # when this segment's training records start counting
 
@@ -67,21 +76,35 @@ class FitRun:
             self.paused_s += time.perf_counter() - t
 
 
+class SamplesStopped(BaseException):
+    """A signal during the end-of-run samples (`Samples`); not an Exception, so no `except
+    Exception` in the generation swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class StopSignals:
     """Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before they kill): the first
     asks the loop to stop after the current step, with a checkpoint, the plot and report.md;
     a second one exits at once (SIGINT raises KeyboardInterrupt, SIGTERM takes its default:
     the process ends). A signal on any rank stops every rank after the same step (the flag is
-    all-reduced after each step). Installed only in the main thread, and not over a signal the
-    process ignores; the old handlers come back on close."""
+    all-reduced after each step). During the end-of-run samples the first one stops them at
+    once (`SamplesStopped`), and the report follows; in the callbacks' `start`
+    (`FitRun.setting_up`) it goes to the handler this one replaced (the setup's). Installed
+    only in the main thread, and not over a signal the process ignores; the old handlers come
+    back on close."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.signum: int | None = None
+        self.run: FitRun | None = None
         self._old: dict = {}
 
     def start(self, run: FitRun) -> None:
+        self.run = run
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 if signal.getsignal(sig) is not signal.SIG_IGN:
@@ -100,6 +123,10 @@ class StopSignals:
         self._old = {}
 
     def _handle(self, signum: int, frame) -> None:
+        run = self.run
+        if run is not None and run.setting_up:  # still the setup: its handler puts the folder back
+            pass_on(self._old.get(signum, signal.SIG_DFL), signum, frame)
+            return
         if self.signum is not None:  # the second signal: exit now
             self.close()
             if signum == signal.SIGINT:
@@ -108,10 +135,17 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
+        if run is not None:
+            run.signalled = signum
+        name, again = signal.Signals(signum).name, "Ctrl-C" if signum == signal.SIGINT else "send it"
         if os.environ.get("RANK", "0") == "0":
-            again = "Ctrl-C" if signum == signal.SIGINT else "send it"
-            print(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint; "
-                  f"{again} again to exit at once", file=sys.stderr, flush=True)
+            if run is not None and (run.sampling or run.trainer.steps_done >= run.trainer.cfg.max_steps):
+                what = "stopping the end-of-run samples; the report follows"
+            else:
+                what = "stopping after this step with a checkpoint"
+            print(f"\n{name}: {what}; {again} again to exit at once", file=sys.stderr, flush=True)
+        if run is not None and run.sampling:
+            raise SamplesStopped(signum)
 
 
 def peak_flops(cfg: TrainConfig, acc: Accelerator) -> tuple[float, str]:
@@ -235,19 +269,36 @@ class CheckpointCadence:
 class Samples:
     """A chat stage (one with `samples(model) -> [(prompt, answer)]`) shows what it answers
     after training, as a `samples` record for report.md; every rank generates (it may be a
-    collective). Not after a signal."""
+    collective). Not after a signal that stopped training; a signal received since the last
+    step (on any rank) or during the samples stops them (`StopSignals`): the record then has
+    no samples and `stopped`, the signal's name."""
 
     def end(self, run: FitRun) -> None:
         trainer, stage = run.trainer, run.stage
         if not hasattr(stage, "samples") or run.interrupted is not None:
             return
-        trainer.generation_model.eval()
-        samples = stage.samples(trainer.generation_model)
-        trainer.model.train()
+        samples, stopped = [], None
+        run.sampling = True  # from here a signal raises SamplesStopped
+        try:
+            flags = all_reduce_sums(trainer.accelerator, {"stop": float(run.signalled is not None),
+                                                          "signum": run.signalled or 0})
+            if flags["stop"] > 0:
+                raise SamplesStopped(round(flags["signum"] / flags["stop"]))
+            trainer.generation_model.eval()
+            samples = stage.samples(trainer.generation_model)
+        except SamplesStopped as exc:
+            stopped = signal.Signals(exc.signum).name
+        finally:
+            run.sampling = False
+            trainer.model.train()
+        record = {"event": "samples", "step": trainer.steps_done, "samples": [
+            {"prompt": p, "answer": a} for p, a in samples], "decoding": getattr(stage, "sample_decoding", "greedy")}
+        if stopped:
+            record["stopped"] = stopped
+            if trainer.accelerator.is_main_process:
+                print(f"samples: stopped by {stopped}; the report has none", flush=True)
         if run.logger:
-            run.logger.log({"event": "samples", "step": trainer.steps_done, "samples": [
-                {"prompt": p, "answer": a} for p, a in samples], "decoding": getattr(stage, "sample_decoding", "greedy")},
-                track=False)
+            run.logger.log(record, track=False)
 
 
 class RunReport:

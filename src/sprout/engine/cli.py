@@ -10,8 +10,13 @@
 Nothing here imports torch, so --help, a refused folder and "nothing to do" never load it.
 One trainer at a time per run folder: `run_lock` holds `<out>/run.lock` (rank 0) while it
 trains, and --overwrite takes it before deleting anything; a second trainer exits 2 naming the
-folder and the holder's pid. An interrupted run prints the command that resumes it
-(`resume_command`) and exits with 128 + the signal number.
+folder and the holder's pid. A run folder holding a symbolic link where a trainer writes
+(`RUN_WRITES`, or inside those folders) is refused in one line naming it (`check_run_links`),
+before anything is written. Setup, from taking the folder to the first step, leaves the folder
+as it was when it ends early: a refusal, an error, or SIGINT / SIGTERM (then exit 128 + the
+signal number) puts back what the run wrote or deleted there (`run_lock`; --overwrite's old
+files are only moved aside until `setup_finished`). An interrupted run prints the command that
+resumes it (`resume_command`) and exits with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -21,16 +26,19 @@ import contextlib
 import os
 import shlex
 import shutil
+import signal
 import sys
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import IO, Iterator
 
-from sprout.atomic import hold_lock
+from sprout.atomic import hold_lock, symlink_error
 from sprout.config import load_config, missing_fields, parse_overrides, read_yaml
 from sprout.config_help import add_config_help
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import META, read_meta, resolve_checkpoint
 from sprout.formats.verify_inputs import VERIFY_MODES
+from sprout.engine.run_setup import OVERWRITTEN, RunSetup, SetupStopped, catch_signals, file_state
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
@@ -82,8 +90,9 @@ def apply_input_flags(args: argparse.Namespace, cfg) -> None:
 
 # ---- the run folder -----------------------------------------------------------------------------
 RUN_FILES = ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "checkpoints", "tokenizer")
-RUN_LOCK = "run.lock"  # held by the trainer writing the folder; not a file of the run (never deleted)
+RUN_LOCK = "run.lock"  # held by the trainer writing the folder; not a file of the run (never deleted with them)
 TRACKER_DIR = "sprout"  # TensorBoard's event folder: accelerate's project_dir / the project MetricsLogger names
+RUN_WRITES = (*RUN_FILES, TRACKER_DIR, RUN_LOCK)  # where a trainer writes in its run folder
 
 
 def is_rank0() -> bool:
@@ -122,6 +131,22 @@ def latest_step(out: str | Path) -> int | None:
         return max(steps) if steps else None
 
 
+def check_run_links(out: str | Path) -> None:
+    """Refuse, naming it, a symbolic link where a trainer writes in `out`: one of `RUN_WRITES`,
+    or anything inside those that are folders (checkpoints, the tokenizer copy, TensorBoard's
+    events). `out` itself may be a link: the run then lives where it points."""
+    out = Path(out)
+    for name in RUN_WRITES:
+        path = out / name
+        if path.is_symlink():
+            raise symlink_error(path, "the trainer")
+        if path.is_dir():
+            for root, dirs, files in os.walk(path):  # never into a linked folder: it is refused first
+                for entry in sorted(dirs + files):
+                    if os.path.islink(os.path.join(root, entry)):
+                        raise symlink_error(os.path.join(root, entry), "the trainer")
+
+
 _pending_clear: dict[Path, list[Path]] = {}  # run folder -> the old run's files --overwrite deletes later
 
 
@@ -130,7 +155,9 @@ def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = 
     are deleted (rank 0; `clear_run`), at once or, with `defer`, by `clear_deferred` just before the
     new run's first write, so a run refused by its own input checks leaves the old one whole.
     The folder is held (`hold_run`) from here on. Otherwise one line says what to pass (--resume
-    only when the script has it: `resumable`)."""
+    only when the script has it: `resumable`). A folder with a link where a trainer writes is
+    refused first (`check_run_links`)."""
+    check_run_links(out)
     files = run_files(out)
     if not files:
         return
@@ -150,20 +177,36 @@ def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = 
 
 
 _held_runs: dict[Path, IO] = {}  # run folder -> its open lock file, while this process holds it
+_before_hold: dict[Path, tuple] = {}  # run folder -> (first folder hold_run created, lock file before)
+_setups: dict[Path, RunSetup] = {}  # run folder -> its setup, while `run_lock` holds it
 
 
 def hold_run(out: str | Path) -> bool:
     """Hold the run folder `out` (`RUN_LOCK`, `sprout.atomic.hold_lock`) until `release_run` or
-    the process ends; True when this call took it, False when this process held it already."""
+    the process ends; True when this call took it, False when this process held it already.
+    Refuses a folder with a link where a trainer writes (`check_run_links`); once held, removes
+    the old files a killed --overwrite left moved aside."""
     key = Path(out).resolve()
     if key in _held_runs:
         return False
+    check_run_links(out)
+    created = None
+    for folder in (Path(out), *Path(out).parents):
+        if os.path.lexists(folder):
+            break
+        created = folder
+    before = file_state(Path(out) / RUN_LOCK)
     _held_runs[key] = hold_lock(out, RUN_LOCK, "trainer")
+    _before_hold[key] = (created, before)
+    for stale in Path(out).glob(glob_escape(OVERWRITTEN) + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
     return True
 
 
 def release_run(out: str | Path) -> None:
-    f = _held_runs.pop(Path(out).resolve(), None)
+    key = Path(out).resolve()
+    _before_hold.pop(key, None)
+    f = _held_runs.pop(key, None)
     if f is not None:
         f.close()
 
@@ -171,14 +214,39 @@ def release_run(out: str | Path) -> None:
 @contextlib.contextmanager
 def run_lock(out: str | Path, main: bool = True) -> Iterator[None]:
     """The run folder held for the block (on the main process: `main`), and released after it,
-    also when --overwrite took it earlier (`check_fresh_run`)."""
+    also when --overwrite took it earlier (`check_fresh_run`). The block is the run's setup until
+    `setup_finished(out)`: if it ends before that (an exception, or SIGINT / SIGTERM, which stop
+    the setup at once), the main process first puts the folder back as it was when it was taken
+    (`sprout.engine.run_setup`); a signal then ends the process with 128 + its number."""
     if main:
         hold_run(out)
+    key = Path(out).resolve()
+    names = [name for name in RUN_WRITES if name != RUN_LOCK]
+    setup = _setups[key] = RunSetup(Path(out), names, *_before_hold.get(key, (None, None)), main=main)
+    restore = catch_signals(lambda: any(s.active for s in _setups.values()))
     try:
         yield
+    except BaseException as exc:
+        if setup.active:
+            setup.roll_back(Path(out) / RUN_LOCK, _held_runs.get(key))
+            if isinstance(exc, SetupStopped):
+                name = signal.Signals(exc.signum).name
+                print_rank0(f"stopped by {name} before the first step; {out} is as it was before this run")
+                raise SystemExit(128 + exc.signum) from None
+        raise
     finally:
+        _setups.pop(key, None)
+        restore()
         if main:
             release_run(out)
+
+
+def setup_finished(out: str | Path) -> None:
+    """The run in `out` is about to take its first step: its setup is over (`run_lock`), and the
+    old files --overwrite moved aside are deleted."""
+    setup = _setups.get(Path(out).resolve())
+    if setup is not None and setup.active:
+        setup.finish()
 
 
 def clear_run(out: str | Path, files: list[Path] | None = None) -> None:
@@ -195,10 +263,18 @@ def clear_run(out: str | Path, files: list[Path] | None = None) -> None:
 def clear_deferred(out: str | Path, main: bool = True) -> None:
     """Delete the old run's files that --overwrite left in `out` (`check_fresh_run` with `defer`),
     on the main process (`main`): called once the stage has checked its inputs, just before the
-    new run's first write."""
-    old_run = _pending_clear.pop(Path(out).resolve(), None)
+    new run's first write. Inside `run_lock`'s setup they are moved aside instead, and deleted
+    when the first step starts (`setup_finished`)."""
+    key = Path(out).resolve()
+    old_run = _pending_clear.pop(key, None)
     if old_run and main:
-        clear_run(out, [f for f in old_run if f.exists()])
+        files = [f for f in old_run if f.exists()]
+        setup = _setups.get(key)
+        if setup is not None and setup.active:
+            if files:
+                setup.put_aside(files)
+        else:
+            clear_run(out, files)
 
 
 def resume_command(out: str | Path, world_size: int = 1) -> str:
@@ -231,6 +307,7 @@ def parse_run_config(parser: argparse.ArgumentParser, config_cls):
         check_fresh_run(cfg.out, args.overwrite, defer=True)  # deleted after the stage's input checks
     else:
         cfg = _resume_config(args, overrides, config_cls)
+        check_run_links(cfg.out)
     apply_input_flags(args, cfg)
     return args, cfg
 

@@ -5,7 +5,8 @@
 run segment, plus stage metrics, each averaged over its own denominator; see
 `sprout.engine.callbacks.TrainingRecords`), eval records (`step`, `tokens`, `val_loss`,
 `val_bpb`, ...) and event records (`event`: "start" for each run segment, with the matmul peak
-MFU is measured against, "samples", "end"). Rank 0 alone appends and flushes one line at a time;
+MFU is measured against, "samples", "end"). Rank 0 alone appends and flushes one line at a time
+(never through a symbolic link: `sprout.atomic.open_append`);
 a reader skips a torn last line, and a resumed run first rewrites the file (atomically) without
 the records past its checkpoint, so the file reads as one uninterrupted run. TensorBoard/W&B
 (accelerate's trackers, when asked) get every numeric field (nested dicts flattened to `a.b`)
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from sprout.atomic import atomic_path, atomic_write, write_error
+from sprout.atomic import atomic_path, atomic_write, open_append, write_error
 from sprout.errors import SproutError
 
 METRICS = "metrics.jsonl"
@@ -89,7 +90,7 @@ class MetricsLogger:
             else:
                 with atomic_write(self.path, "w"):
                     pass  # a fresh run starts a fresh file
-            self.file = open(self.path, "a")
+            self.file = open_append(self.path, "trainer")  # never through a link put there meanwhile
         if self.trackers:
             # A resumed run hides the events a previous run logged past the checkpoint.
             kwargs = {"tensorboard": {"purge_step": resume_step + 1}} if resume_step is not None else {}

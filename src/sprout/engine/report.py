@@ -11,7 +11,7 @@ hardware, world size and precision, and the matmul peak its MFU is measured agai
 that figure came from ("measured" at the start of that segment, or "config":
 `train.peak_tflops`). A segment's wall-clock time is the last `elapsed_s` it logged. Chat
 stages log a `samples` record: prompts and the answers the model generated at the end of
-training.
+training (or, when a signal stopped them, the signal's name in `stopped`).
 """
 
 from __future__ import annotations
@@ -213,6 +213,8 @@ def samples_section(records: list[dict]) -> list[str]:
     rec = next((r for r in reversed(records) if r.get("event") == "samples"), None)
     if rec is None:
         return []
+    if rec.get("stopped"):
+        return ["## Samples", "", f"None: {rec['stopped']} stopped them at step {rec['step']:,}.", ""]
     lines = ["## Samples", "", f"Generated at step {rec['step']:,} ({rec.get('decoding', 'greedy')}).", ""]
     for s in rec["samples"]:
         answer = text(s["answer"].strip()).replace("\n", "\n> ") or "(empty answer)"

@@ -4,8 +4,9 @@ A script resolves its stage's config and checks the run folder first (`sprout.en
 torch). A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`),
 the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchilla
 budget; `with_epochs`: data.epochs), then calls `train_stage`, which in this order: holds the
-run folder (`sprout.engine.cli.run_lock`) and, after --overwrite, deletes the old run's files
-now that the inputs are checked; builds the optimizer over the stage's parameter groups; on a
+run folder (`sprout.engine.cli.run_lock`: a setup that ends before the first step leaves it as
+it was) and, after --overwrite, moves the old run's files aside now that the inputs are checked
+(deleted at the first step); builds the optimizer over the stage's parameter groups; on a
 resume checks the checkpoint first (`Trainer.check_resume`: sha256, the config a resume must
 match, the stage, the frozen models), then lets the stage prepare its frozen models (`setup`);
 copies the tokenizer into <out>/tokenizer/ and records it with its sha256 in each checkpoint

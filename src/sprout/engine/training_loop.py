@@ -3,7 +3,9 @@
 It repeats `Trainer.step` (`sprout.engine.trainer`) until the run's length or the end of the
 data, and hands each step to the callbacks (`sprout.engine.callbacks`), in this order:
 stop signals, training records, eval cadence, checkpoint cadence, then at the end samples
-and the report. A rank whose data runs out stops every rank at the same step.
+and the report. A rank whose data runs out stops every rank at the same step. The run's setup
+(`sprout.engine.cli.run_lock`) ends after the callbacks' `start`, just before the first step:
+until then a signal puts the run folder back as it was.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 
 from sprout.engine.callbacks import (CheckpointCadence, EvalCadence, FitRun, RunReport, Samples, StopSignals,
                                      TrainingRecords)
+from sprout.engine.cli import setup_finished
 from sprout.engine.trainer import Trainer, all_reduce_sums
 from sprout.engine.metrics import MetricsLogger
 from sprout.engine.stage import Stage
@@ -34,7 +37,11 @@ def fit(trainer: Trainer, stage: Stage, callbacks: list | None = None) -> dict:
         callbacks = [StopSignals(), TrainingRecords(), EvalCadence(), CheckpointCadence(), Samples(), RunReport()]
     run = FitRun(trainer, stage, logger)
     try:
+        run.setting_up = True
         call(callbacks, "start", run)
+        run.setting_up = False
+        if trainer.out_dir:
+            setup_finished(trainer.out_dir)
         while trainer.steps_done < cfg.max_steps:
             t_batch = time.perf_counter()
             batches = stage.next_micro_batches(trainer.steps_done)
