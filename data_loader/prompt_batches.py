@@ -9,7 +9,8 @@ batches of `global_prompts` and every global batch into one contiguous slice per
 (`next_prompts`), so ranks never share a prompt and stay in step however many batches they
 draw; its position (epoch, batch) is its `state_dict`.
 
-`check_held_out` refuses a held-out file that shares a prompt with the train file.
+`check_held_out` refuses a held-out file that shares a prompt with the train file (`overlap_key`:
+case and whitespace aside).
 """
 
 from __future__ import annotations
@@ -75,23 +76,32 @@ class PromptLoader(EpochOrder):
         return self.next(f"{self.global_prompts} (batch.global_prompts)")
 
 
+def overlap_key(messages) -> bytes:
+    """The key by which a held-out prompt is the same as a train prompt: the prep's
+    `sprout.prep.keys.conversation_key` (roles and contents, lower-cased) of the messages with
+    every run of whitespace in a content made one space and its ends stripped, so prompts that
+    differ only in case and whitespace meet."""
+    return conversation_key([{"role": m["role"], "content": " ".join(m["content"].split())} for m in messages])
+
+
 def check_held_out(train: str | Path, test: str | Path, sealed: bool = False) -> None:
     """Refuse a held-out prompt file that shares a prompt with the train file: the same id, or
-    the same prompt under the prep's dedup and split key (`sprout.prep.keys.conversation_key`:
-    its roles and contents, lower-cased). Held-out figures over prompts the policy trained on
-    measure nothing, so every file is read whole, whatever the loaders keep of it. `sealed`: `test`
-    is the sealed test file, which data.val_path cannot replace."""
+    the same prompt by `overlap_key` (case and whitespace aside). Held-out figures over prompts the
+    policy trained on measure nothing, so every file is read whole, whatever the loaders keep of
+    it. `sealed`: `test` is the sealed test file, which data.val_path cannot replace."""
     train_ids, train_keys = set(), {}
     for record in read_prompts(train):
         train_ids.add(record["id"])
-        train_keys.setdefault(conversation_key(record["prompt"]), record["id"])
+        train_keys.setdefault(overlap_key(record["prompt"]), (record["id"], conversation_key(record["prompt"])))
     shared = []
     for record in read_prompts(test):
-        key = conversation_key(record["prompt"])
+        key = overlap_key(record["prompt"])
         if record["id"] in train_ids:
             shared.append(f"id {record['id']!r}")
         elif key in train_keys:
-            shared.append(f"{record['id']!r}, the prompt of train id {train_keys[key]!r}")
+            train_id, exact = train_keys[key]
+            how = "" if exact == conversation_key(record["prompt"]) else " but for case and whitespace"
+            shared.append(f"{record['id']!r}, the prompt of train id {train_id!r}{how}")
     if shared:
         raise SproutError(f"{test}: {len(shared):,} held-out prompt(s) also in the train file {train} (first: "
                           f"{shared[0]}); held-out figures must not count trained prompts: prepare the prompts "

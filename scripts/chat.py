@@ -35,10 +35,12 @@ def main() -> None:
     import torch  # after parsing: --help never loads torch
 
     from sprout.model.chat_session import ChatSession, load_chat_model
+    from sprout.model.generate import check_sampling
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.max_new_tokens < 1:
         raise SproutError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_k, args.top_p, names=("--temperature", "--top-k", "--top-p"))
     model, tok, meta = load_chat_model(args.checkpoint, args.device, args.tokenizer)
     if meta.get("stage") == "pretrain":
         print(f"note: {meta['path']} is a base model (pretraining), not chat-tuned: expect text that ignores "

@@ -17,6 +17,7 @@ figures with 95 % intervals and one record per problem or pair. More: docs/evalu
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -98,8 +99,9 @@ def main() -> int:
         raise SproutError(f"--n must be at least 1 (or 0 with --greedy), not {args.n}")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise SproutError("--max-new-tokens and --batch-size must be at least 1")
-    if args.temperature <= 0:
-        raise SproutError(f"--temperature must be > 0 (use --greedy for greedy answers), not {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):  # written so that NaN fails too
+        raise SproutError(f"--temperature: got {args.temperature}; expected a finite number > 0 (use --greedy for "
+                          f"greedy answers)")
     ks = parse_ks(args.k, args.n)
     if args.split is not None and not args.task:
         raise SproutError("--split goes with --task (a --prompts file is its own split)")

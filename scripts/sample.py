@@ -32,12 +32,13 @@ def main() -> None:
     import torch  # after parsing: --help never loads torch
 
     from sprout.checkpoint import checkpoint_tokenizer
-    from sprout.model.generate import generate
+    from sprout.model.generate import check_sampling, generate
     from sprout.model.load import load_model
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.max_new_tokens < 1:
         raise SproutError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_k, args.top_p, names=("--temperature", "--top-k", "--top-p"))
     model, meta = load_model(args.checkpoint, args.device)
     if meta["architecture"] == "reward":
         raise SproutError(f"{meta['path']}/meta.json: a reward model scores text; it has no LM head to sample from")

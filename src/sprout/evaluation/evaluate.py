@@ -28,7 +28,7 @@ import torch.distributed as dist
 from sprout.answers import parse_answer
 from sprout.chat import render
 from sprout.errors import SproutError
-from sprout.model.generate import generate_tokens, pad_prompts
+from sprout.model.generate import check_sampling, generate_tokens, pad_prompts
 from sprout.prep.rl_prompts import prompt_key, source_prompt_id
 from sprout.evaluation.statistics import mean_interval
 from sprout.rl.verifiers import correctness_reward, format_reward
@@ -241,6 +241,8 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
         raise SproutError(f"evaluate: every k must be in [1, n={n}], got {ks}")
     if batch_size < 1 or max_new_tokens < 1:
         raise SproutError(f"evaluate: batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    if n:
+        check_sampling(temperature, names=("evaluate: temperature", "evaluate: top_k", "evaluate: top_p"))
     if not prompts:
         raise SproutError("evaluate: no prompts")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):

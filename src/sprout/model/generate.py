@@ -16,6 +16,8 @@ process computes on its prompts, to float rounding. `generate` is the list form 
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from sprout.model.heads import padding_inputs
 AUTO_COMPILE_TOKENS = 8192  # compile="auto": compile when rows × steps reaches this
 STOP_CHECK_EVERY = {"cpu": 1}  # device type -> decode steps between reads of "every row stopped"
 STOP_CHECK_DEFAULT = 8  # devices not listed above
+SAMPLING_NAMES = ("generate: temperature", "generate: top_k", "generate: top_p")  # `check_sampling`'s default names
 
 
 @dataclass
@@ -60,6 +63,26 @@ def default_stop_ids(tok) -> set[int]:
     case a model opens a new turn without closing its own."""
     tpl = template_for(tok)
     return {tpl.eot_id} | ({h[0] for h in tpl.headers.values()} if tpl.kind == "special" else set())
+
+
+def check_sampling(temperature: float, top_k: int | None = None, top_p: float | None = None,
+                   names: tuple[str, str, str] = SAMPLING_NAMES) -> None:
+    """SproutError, in one line naming the setting (`names`: how the caller calls temperature,
+    top_k and top_p, e.g. a script's options), unless the three define a distribution:
+    temperature a finite number >= 0 (0: greedy), top_k None or an integer >= 1, top_p None or
+    a number in (0, 1]. Each bound is written as what must hold, so NaN, which fails every
+    comparison, is refused as well (sampling from NaN logits would index past the vocabulary)."""
+    t_name, k_name, p_name = names
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise SproutError(f"{t_name}: got {temperature!r}; expected a finite number >= 0 (0: greedy)")
+    if top_k is not None and not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 1):
+        raise SproutError(f"{k_name}: got {top_k!r}; expected an integer >= 1 (or none: all tokens)")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise SproutError(f"{p_name}: got {top_p!r}; expected a number in (0, 1] (or none: all tokens)")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -159,9 +182,7 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if attention_mask.shape != input_ids.shape:
         raise SproutError(f"generate: attention_mask {tuple(attention_mask.shape)} does not match "
                           f"input_ids {tuple(input_ids.shape)}")
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise SproutError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1 "
-                          f"(got {temperature}, {top_k}, {top_p})")
+    check_sampling(temperature, top_k, top_p)
     if num_generations < 1 or max_new_tokens < 0:
         raise SproutError(f"generate: need num_generations >= 1 and max_new_tokens >= 0 "
                           f"(got {num_generations}, {max_new_tokens})")

@@ -6,10 +6,12 @@ float per completion, or None to abstain on it (here: a gold that is not a numbe
 stages pass the columns `REWARD_COLUMNS`; `check_reward_function` refuses, before a run
 starts, a function that cannot be called so. `combine_rewards` takes each function's values
 as they are (a list of one finite number or None per completion; anything else -- NaN, inf,
-a string, a bool, a value too many or too few -- is refused in one line naming the function
-and the completion, never converted), sums `weight × value` over the functions that did not
-abstain (an abstention counts 0, as TRL's nansum does; a sample every function abstains on
-gets 0) and keeps each function's values for `reward_metrics` (`rewards/<name>/mean|std`).
+a number beyond ±`REWARD_LIMIT`, a string, a bool, a value too many or too few -- is refused in
+one line naming the function and the completion, never converted), sums `weight × value` over
+the functions that did not abstain (an abstention counts 0, as TRL's nansum does; a sample every
+function abstains on gets 0; a sum beyond ±`REWARD_LIMIT` is refused too) and keeps each
+function's values for `reward_metrics` (`rewards/<name>/mean|std`). A reward function that
+raises, or calls sys.exit, stops the run in one line naming it and the prompts it was scoring.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from sprout.answers import answers_match, is_reasoning_format, parse_answer, par
 from sprout.errors import SproutError
 
 REWARD_COLUMNS = ("gold", "completion_lengths")  # what the RL stages pass a reward function besides the completions
+# The largest reward magnitude taken, a function's value or a weighted sum. Rewards are squared
+# (their std, PPO's value loss) and kept in float32 (advantages, returns): the square of 1e12 is
+# far inside float32's 3.4e38, while a reward of 1e308 makes the sums of squares inf and every
+# advantage NaN.
+REWARD_LIMIT = 1e12
 
 
 # ---- reward functions ------------------------------------------------------------------
@@ -110,6 +117,11 @@ def check_reward_function(name: str, fn, where: str) -> None:
                           f"**columns) with the columns {', '.join(REWARD_COLUMNS)}") from None
 
 
+def is_finite_number(value) -> bool:
+    """A real number (not a bool) that is neither NaN nor infinite."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -118,7 +130,8 @@ def _short(value) -> str:
 def reward_values(r: WeightedReward, values, n: int, completion_names: Sequence[str] | None = None) -> list:
     """`values`, what reward function `r` returned for `n` completions, as a list of floats and
     Nones; SproutError naming the function (and the completion: `completion_names[i]`, else its
-    index) unless it is a list of one finite number (not a bool) or None per completion."""
+    index) unless it is a list of one finite number (not a bool) within ±`REWARD_LIMIT`, or None,
+    per completion."""
     if isinstance(values, (str, bytes, dict)) or not (isinstance(values, Sized) and isinstance(values, Iterable)):
         raise SproutError(f"reward function {r.name!r} returned {_short(values)}; expected a list of one number "
                           f"(or None) per completion")
@@ -128,28 +141,62 @@ def reward_values(r: WeightedReward, values, n: int, completion_names: Sequence[
                           f"one per completion")
     out: list[float | None] = []
     for i, v in enumerate(values):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)):
-            name = completion_names[i] if completion_names is not None else f"completion {i}"
-            raise SproutError(f"reward function {r.name!r} returned {_short(v)} for {name}; expected a finite "
-                              f"number or None (abstain)")
+        if v is not None and not is_finite_number(v):
+            raise SproutError(f"reward function {r.name!r} returned {_short(v)} for {_name(completion_names, i)}; "
+                              f"expected a finite number or None (abstain)")
+        if v is not None and not abs(v) <= REWARD_LIMIT:
+            raise SproutError(f"reward function {r.name!r} returned {_short(v)} for {_name(completion_names, i)}; "
+                              f"expected a reward within ±{REWARD_LIMIT:g} (larger ones overflow the sums of squares "
+                              f"of advantages and metrics)")
         out.append(None if v is None else float(v))
     return out
 
 
+def _name(completion_names: Sequence[str] | None, i: int) -> str:
+    return completion_names[i] if completion_names is not None else f"completion {i}"
+
+
+def call_reward(r: WeightedReward, completions: Sequence[str], scoring: str | None = None, **columns):
+    """What reward function `r` returns for `completions`; SproutError naming the function and
+    `scoring` (what the batch is: "prompt 'add0-5' (prompts.jsonl)") when it raises or calls
+    sys.exit, which would otherwise end the run with the function's own status (0 included)."""
+    where = f" while scoring {scoring}" if scoring else ""
+    try:
+        return r.fn(completions, **columns)
+    except SystemExit as exc:
+        raise SproutError(f"reward function {r.name!r} called sys.exit({_short(exc.code)}){where}; a reward function "
+                          f"returns one value per completion and cannot end the run") from None
+    except Exception as exc:  # the user's function may raise anything
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 120 else text[:117] + "..."
+        raise SproutError(f"reward function {r.name!r} raised {type(exc).__name__}: {text}{where}") from None
+
+
 def combine_rewards(rewards: Sequence[WeightedReward], completions: Sequence[str], *,
-                    completion_names: Sequence[str] | None = None, **columns) -> CombinedRewards:
-    """Call every function on the batch (with `columns`); total = sum of weight × value over
-    the functions that did not abstain on a sample (0 when all did). `completion_names`: how an
-    error names each completion (`reward_values`)."""
+                    completion_names: Sequence[str] | None = None, scoring: str | None = None,
+                    **columns) -> CombinedRewards:
+    """Call every function on the batch (with `columns`, `call_reward`); total = sum of weight ×
+    value over the functions that did not abstain on a sample (0 when all did), refused beyond
+    ±`REWARD_LIMIT`. `completion_names`: how an error names each completion (`reward_values`);
+    `scoring`: how it names the batch (`call_reward`)."""
     per_function: dict[str, list[float | None]] = {}
     for r in rewards:
         if r.name in per_function:
             raise ValueError(f"two reward functions are named {r.name!r}")
-        per_function[r.name] = reward_values(r, r.fn(completions, **columns), len(completions), completion_names)
+        values = call_reward(r, completions, scoring, **columns)
+        per_function[r.name] = reward_values(r, values, len(completions), completion_names)
     totals = []
     for i in range(len(completions)):
-        totals.append(math.fsum(r.weight * per_function[r.name][i] for r in rewards
-                                if per_function[r.name][i] is not None))
+        terms = [r.weight * per_function[r.name][i] for r in rewards if per_function[r.name][i] is not None]
+        try:
+            total = math.fsum(terms)
+        except (OverflowError, ValueError):  # terms of inf, or sums beyond the float range
+            total = math.inf
+        if not abs(total) <= REWARD_LIMIT:
+            weights = ", ".join(f"{r.name} {r.weight:g}" for r in rewards)
+            raise SproutError(f"the weighted sum of rewards for {_name(completion_names, i)} is {total:g}, beyond "
+                              f"±{REWARD_LIMIT:g}; lower rewards.reward_weights ({weights})")
+        totals.append(total)
     return CombinedRewards(totals, per_function)
 
 

@@ -7,10 +7,11 @@ their config sections (`PairBatchConfig`, `PairDataConfig`) are in `sprout.stage
 1, so the loop divides the summed per-pair losses by the pairs of the whole global batch (all
 micro-batches, all processes); tokens are every non-padding token of both sides; FLOPs are the
 trained model's only (a reference forward is not counted). `open_preference_run` checks both
-files against their manifest, the init checkpoint's chat format and the model's context, and
-builds the accelerator and loaders. Every rank walks the held-out pairs in the same number of
-micro-batches (padding pairs count nothing), so eval works under FSDP and per-group results
-(`pair_groups`) reduce with the same keys everywhere.
+files against their manifest (and refuses a held-out file with the train file's bytes), the
+init checkpoint's chat format and the model's context, and builds the accelerator and loaders.
+Every rank walks the held-out pairs in the same number of micro-batches (padding pairs count
+nothing), so eval works under FSDP and per-group results (`pair_groups`) reduce with the same
+keys everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from data_loader.preference_batches import PreferenceLoader
+from sprout.atomic import sha256_file
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, init_record, read_meta
 from sprout.errors import SproutError
@@ -159,7 +161,8 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     `sizes`), an init checkpoint trained with another chat format than its tokenizer renders
     refused, as are data.seq_len beyond the model's context, a tokenizer beyond its vocab and a
     train file holding a dev or test problem or lacking the prep's record of them
-    (`sprout.prep.held_out.check_train_jsonl`); a
+    (`sprout.prep.held_out.check_train_jsonl`), and a held-out file that is a copy of the train
+    file (the same file is refused by `resolve_data`); a
     pair that does not fit is dropped or its prompt shortened (`data.truncation`), counted and
     printed; train.max_steps resolved from data.epochs when null.
 
@@ -183,6 +186,10 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
                           f"checkpoint {base['path']}")
     check = verify_jsonl_data(data, val, cfg.data.verify, kind="preference")
     check_train_jsonl(data, read_preferences(data))
+    if data.stat().st_size == val.stat().st_size and sha256_file(data) == sha256_file(val):
+        raise SproutError(f"{'data.val_path ' if cfg.data.val_path else ''}{val}: the same pairs as the train file "
+                          f"{data} (a copy); held-out figures over the pairs the model trains on measure nothing: "
+                          f"name a held-out file")
     print_rank0(check.report("preference files"))
     resume_path = resolve_resume(resume, cfg.out)
 

@@ -5,6 +5,7 @@ functions it names, built once at start.
 overlong) and "module:function" specs, TRL's signature `fn(completions, **columns) -> floats`;
 each spec is imported and checked to be callable as a reward function before anything runs
 (`import_reward`), and each function is logged under its own name (`rewards/<name>/mean`).
+`rewards.reward_weights`, one per function, are finite numbers (NaN or inf is refused at start).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sprout.config import require
 from sprout.errors import SproutError
 from sprout.ranges import in_range
 from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, check_reward_function, correctness_reward,
-                                 format_reward)
+                                 format_reward, is_finite_number)
 
 REWARD_FUNCS = ("correctness", "format", "overlong")
 
@@ -36,6 +37,9 @@ class RewardsConfig:
                 f"a non-empty list of {', '.join(REWARD_FUNCS)} or module:function")
         require(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
                 "reward_weights", self.reward_weights, f"one weight per reward function ({len(self.reward_funcs)})")
+        require(self.reward_weights is None or all(is_finite_number(w) for w in self.reward_weights),
+                "reward_weights", self.reward_weights,
+                "finite numbers (NaN or inf would make the reward totals NaN or inf)")
         require("overlong" not in self.reward_funcs or self.overlong_cache_length > 0, "overlong_cache_length",
                 self.overlong_cache_length, "> 0 when reward_funcs has overlong")
 
@@ -46,7 +50,7 @@ def import_reward(spec: str):
     module, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), attr)
-    except Exception as exc:  # the module's own code may raise anything while it is imported
+    except (Exception, SystemExit) as exc:  # the module's own code may raise anything, or exit, while imported
         raise SproutError(f"rewards.reward_funcs: cannot import {spec!r} ({type(exc).__name__}: {exc})") from None
     check_reward_function(spec, fn, "rewards.reward_funcs")
     return fn

@@ -183,12 +183,17 @@ class RLStage(LoaderPosition):
                 for row, n, t in zip(ids, lengths, truncated)]
 
     def score(self, rollout: dict, idx: np.ndarray):
-        """(totals [N] float64, per-function values [N, F] with NaN where a function abstained)."""
+        """(totals [N] float64, per-function values [N, F] with NaN where a function abstained); a
+        reward function's error names the completion, or the batch's prompts (`combine_rewards`)."""
         gold = [self.loader.gold[i] for i in idx for _ in range(self.G)]
         names = [f"completion {k} of prompt {self.loader.records[i]['id']!r} ({self.loader.path})"
                  for i in idx for k in range(self.G)]
         columns = {"gold": gold, "completion_lengths": rollout["lengths"].tolist()}  # REWARD_COLUMNS
-        combined = combine_rewards(self.rewards, self.texts(rollout), completion_names=names, **columns)
+        ids = [repr(self.loader.records[i]["id"]) for i in idx]
+        more = f" and {len(ids) - 4} more" if len(ids) > 4 else ""
+        scoring = f"prompt{'s' if len(ids) > 1 else ''} {', '.join(ids[:4])}{more} ({self.loader.path})"
+        combined = combine_rewards(self.rewards, self.texts(rollout), completion_names=names, scoring=scoring,
+                                   **columns)
         per_fn = torch.tensor([[math.nan if v is None else v for v in combined.per_function[r.name]]
                                for r in self.rewards], dtype=torch.float64).T
         return torch.tensor(combined.totals, dtype=torch.float64), per_fn
