@@ -13,7 +13,11 @@ folder: checkpoints/step_00000000 (an 'lm' checkpoint, the source and its config
 meta.json, and a log-probability reward model's rule when config.json has sprout_reward_score)
 and the tokenizer files in tokenizer/NAME/ with the chat format detected from the model's own
 chat template (see src/sprout/model/hf_import.py). A folder that holds a run is refused unless
---overwrite.
+--overwrite. config.json is read as transformers' AutoModelForCausalLM reads it, or refused in
+one line naming the field (src/sprout/model/hf_config.py). --max-seq-len shortens the context,
+which is at most 1,048,576 tokens. The run is built in a staging folder inside --out and moved
+into place; a refused import leaves --out as it was, and what a killed one left there goes when
+the next import into --out starts (src/sprout/model/import_staging.py).
 
     python scripts/import_model.py path/to/hf_folder --adapter path/to/peft_adapter --out runs/mine
 
@@ -24,8 +28,6 @@ are refused in one line (see src/sprout/model/peft_adapter.py).
 """
 
 import argparse
-import tempfile
-from pathlib import Path
 
 from sprout.engine.cli import check_fresh_run
 from sprout.errors import run_main
@@ -45,14 +47,16 @@ def main() -> None:
                                                      "max_position_embeddings)")
     args = p.parse_args()
     from sprout.model.hf_import import read_source, summary, write_run  # after parsing: --help never loads torch
+    from sprout.model.import_staging import ImportStaging, clean_killed_imports
 
+    clean_killed_imports(args.out)  # a killed import's staging folder, and what it had moved in
     if not args.overwrite:
         check_fresh_run(args.out, resumable=False)  # before the source is read, not only after
-    with tempfile.TemporaryDirectory(prefix="sprout-import-") as work:
-        imported = read_source(args.source, Path(work), revision=args.revision, max_seq_len=args.max_seq_len,
-                               tokenizer_name=args.tokenizer_name, adapter=args.adapter)
+    with ImportStaging(args.out) as staging:
+        imported = read_source(args.source, staging.path / "source", revision=args.revision,
+                               max_seq_len=args.max_seq_len, tokenizer_name=args.tokenizer_name, adapter=args.adapter)
         check_fresh_run(args.out, args.overwrite, resumable=False)
-        result = write_run(imported, args.out)
+        result = write_run(imported, args.out, staging)
     print(summary(result))
 
 

@@ -104,7 +104,7 @@ def test_no_template_writes_no_chat_format(tmp_path):
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding_window 64 is shorter than the context"),
     ({"attention_bias": True}, "attention_bias true is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
-    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_scaling type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters of type dynamic lacks factor"),
 ])
 def test_unsupported_config_fields_are_named(change, message):
     config = {"architectures": ["LlamaForCausalLM"], **SHAPE, **change}

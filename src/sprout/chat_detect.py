@@ -8,8 +8,9 @@ and tokenized as transformers tokenizes it (special pieces to their ids, the tex
 through `tok.encode`). The candidates sprout, chatml and llama3, in that order, each with the
 default system message the template writes, are rendered by `sprout.chat.render_as`: the first
 with the same ids on every case is the answer; when none matches, `SproutError` names the one
-that matched longest and its first differing token. `read_chat_template` finds a tokenizer
-folder's template (`chat_template.jinja`, else tokenizer_config.json's `chat_template`). Case
+that matched longest and its first differing token. `folder_chat_format` detects the format
+of a tokenizer folder's template (`sprout.chat_formats.read_chat_template`), as an import
+records it in chat_format.json. Case
 contents have no whitespace at either end, so templates that trim contents (Llama 3's) can
 match; `render` itself never trims.
 """
@@ -21,8 +22,9 @@ from datetime import datetime
 from pathlib import Path
 
 from sprout.chat import ChatError, encode_with_specials, render_as, template_of, validate
-from sprout.chat_formats import FORMATS, ROLES, ChatFormat
+from sprout.chat_formats import CHAT_TEMPLATE_FILE, FORMATS, ROLES, ChatFormat, read_chat_template
 from sprout.errors import SproutError
+from sprout.tokenizer import hf_special_tokens, load_tokenizer
 
 CONVERSATIONS = (
     (("user", "What is 2 + 3?"), ("assistant", "<answer>5</answer>"), ("user", "And 7 * 6?"),
@@ -36,24 +38,26 @@ CONVERSATIONS = (
     (("user", "Hello"), ("assistant", "Hi! How can I help?"), ("user", "a  b   c"), ("assistant", "d")),
 )
 PROBE = [{"role": "user", "content": "Hello"}]  # no system message: shows the template's default one
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a tokenizer's template as a file of its own (transformers 5 writes it)
+__all__ = ["CHAT_TEMPLATE_FILE", "read_chat_template", "detect_chat_format", "folder_chat_format"]  # the first
+# two live in sprout.chat_formats, which refuses a folder whose template has no chat_format.json
 
 
-def read_chat_template(folder: Path) -> tuple[str, Path] | None:
-    """(template, the file it came from) of a Hugging Face tokenizer folder: `CHAT_TEMPLATE_FILE`
-    when there is one (transformers prefers it), else tokenizer_config.json's `chat_template` (a
-    string, or a list of named templates: the one named "default"); None when it has neither."""
-    jinja, config = folder / CHAT_TEMPLATE_FILE, folder / "tokenizer_config.json"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8"), jinja
+def folder_chat_format(folder: Path, tok) -> ChatFormat | None:
+    """The format of the chat template in the Hugging Face tokenizer folder `folder`
+    (`read_chat_template`), detected with the bos and eos texts of the folder's config (what an
+    import writes as chat_format.json); None when it has no template. `tok`: its tokenizer, or a
+    spec that loads it (only when there is a template). One that matches no format is refused
+    naming the template's file."""
+    found = read_chat_template(folder)
+    if found is None:
+        return None
+    template, where = found
+    tok = load_tokenizer(tok) if isinstance(tok, str) else tok
+    specials = hf_special_tokens(Path(folder))
     try:
-        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
-    except (OSError, ValueError, AttributeError) as exc:
-        raise SproutError(f"{config}: cannot read the chat template ({exc})") from None
-    if isinstance(template, list):
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
-    return (template, config) if isinstance(template, str) and template.strip() else None
+        return detect_chat_format(template, tok, specials.get("bos_token") or "", specials.get("eos_token") or "")
+    except SproutError as exc:
+        raise SproutError(f"{where}: {exc}") from None
 
 
 def detection_cases() -> list[tuple[list, bool]]:

@@ -14,7 +14,9 @@ plain text plus a newline in tiktoken r50k_base (`plain_header`); its `<|endofte
 tokenizer's eot id. `version` is what data files, checkpoints and caches record (sprout's
 `sprout-chat-v1`; a default system message adds a digest of its text). `format_for(tok)`: the
 tokenizer's `chat_format` attribute, else a `chat_format.json` beside its files (not for
-tiktoken or sentencepiece), else sprout; `sprout.chat_detect` finds a Jinja template's.
+tiktoken or sentencepiece), else sprout; an `hf:` folder whose own Jinja chat template
+(`read_chat_template`) has no chat_format.json beside it is refused. `sprout.chat_detect`
+finds a template's format (an import writes it as chat_format.json).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sprout.tokenizer import EOT
 
 ROLES = ("system", "user", "assistant")
 CHAT_FORMAT_FILE = "chat_format.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a tokenizer's template as a file of its own (transformers 5 writes it)
 SPROUT_KINDS = ("tiktoken", "sentencepiece")  # tokenizer kinds whose format is always sprout's
 
 
@@ -144,14 +147,41 @@ def write_chat_format(folder: str | os.PathLike, fmt: ChatFormat) -> Path:
     return path
 
 
+def read_chat_template(folder: Path) -> tuple[str, Path] | None:
+    """(template, the file it came from) of a Hugging Face tokenizer folder: `CHAT_TEMPLATE_FILE`
+    when there is one (transformers prefers it), else tokenizer_config.json's `chat_template` (a
+    string, or a list of named templates: the one named "default"); None when it has neither."""
+    jinja, config = folder / CHAT_TEMPLATE_FILE, folder / "tokenizer_config.json"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), jinja
+    try:
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise SproutError(f"{config}: cannot read the chat template ({exc})") from None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return (template, config) if isinstance(template, str) and template.strip() else None
+
+
 def format_for_spec(spec: str) -> ChatFormat:
-    """The format of the tokenizer `spec` names, from the `chat_format.json` beside its files."""
+    """The format of the tokenizer `spec` names, from the `chat_format.json` beside its files. An
+    `hf:` folder with a Jinja chat template but no chat_format.json is refused, naming the template:
+    sprout would render its own format where the model expects the template's."""
     kind, _, arg = spec.partition(":")
     if kind in SPROUT_KINDS or not arg:
         return SPROUT
     path = Path(os.path.expandvars(arg))
-    found = (path if path.is_dir() else path.parent) / CHAT_FORMAT_FILE
-    return read_chat_format(found) if found.is_file() else SPROUT
+    folder = path if path.is_dir() else path.parent
+    if (folder / CHAT_FORMAT_FILE).is_file():
+        return read_chat_format(folder / CHAT_FORMAT_FILE)
+    found = read_chat_template(folder) if kind == "hf" else None
+    if found is not None:
+        raise SproutError(f"{found[1]}: a chat template without the {CHAT_FORMAT_FILE} that tells sprout which of "
+                          f"its chat formats ({', '.join(FORMATS)}) renders it; sprout would render its own format "
+                          f"instead. Import the model with scripts/import_model.py (its run's tokenizer folder records "
+                          f"the format detected from this template), or remove the template to use sprout's format")
+    return SPROUT
 
 
 def format_for(tok) -> ChatFormat:

@@ -13,6 +13,8 @@
     onednn.py            matmuls on oneDNN-packed weight copies (torch's private operators)
     chat_session.py      a multi-turn chat with a checkpoint
     hf_import.py         a published Llama/Qwen2/Mistral (folder, hub id, GGUF) -> a run folder
+    hf_config.py         its config.json read as transformers reads it -> ModelConfig, or refused
+    import_staging.py    the import's staging folder in the run folder; a killed import's leftovers
     export.py            a checkpoint -> a folder transformers loads, and its verification
     export_tokenizer.py  the tokenizer files of that export, one way per tokenizer kind
 """

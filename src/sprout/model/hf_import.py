@@ -6,18 +6,22 @@
 
 A source is a local Hugging Face folder, a hub id (`huggingface_hub.snapshot_download`, the
 revision recorded as the snapshot's commit) or a `.gguf` file (transformers' GGUF loader,
-dequantised to float32). Only what `Transformer` computes exactly is imported (`ARCHITECTURES`,
-no sliding window shorter than the context used); anything else is refused in one line naming
-the config.json field. Config fields map as `sprout.model.export` writes them, read backwards;
-weights by `sprout.model.export.sprout_weight_name`, every weight float32. The run folder
+dequantised to float32). config.json is read as transformers reads it (`sprout.model.hf_config`:
+what sprout does not compute is refused in one line naming the field). Weights map by
+`sprout.model.export.sprout_weight_name`, every weight float32 and finite; a tied head is
+tied as `from_pretrained` ties it (a stored lm_head.weight that differs from the embedding is
+kept: the model is untied; a stored head without an embedding is the embedding). The run folder
 (`write_run`) is what a training stage leaves: an "lm" checkpoint of stage "import", step 0,
-whose meta.json records the source and its config.json, and the tokenizer bundle with the
-chat format detected from its own template (`sprout.chat_detect.detect_chat_format`). A PEFT
-LoRA adapter beside the source is merged into the weights and recorded as meta.json's `adapter`.
+whose meta.json records the source and its config.json, and the tokenizer bundle with the chat
+format detected from its own template (`sprout.chat_detect.folder_chat_format`); it is built in
+a staging folder inside the run folder and moved into place (`sprout.model.import_staging`).
+Errors name the source's files, never the staging copies. A PEFT LoRA adapter beside the source
+is merged into the weights and recorded as meta.json's `adapter`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -30,22 +34,21 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from sprout.atomic import sha256_file
-from sprout.chat_detect import CHAT_TEMPLATE_FILE, detect_chat_format, read_chat_template
+from sprout.chat_detect import CHAT_TEMPLATE_FILE, folder_chat_format, read_chat_template
 from sprout.chat_formats import ChatFormat, write_chat_format
 from sprout.checkpoint import bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
 from sprout.errors import SproutError
-from sprout.formats.checkpoint_meta import logprob_rule
 from sprout.mirror import expand_path
-from sprout.model.config import LLAMA3_ROPE, ModelConfig
-from sprout.model.export import LM_HEAD, REWARD_SCORE_KEY, sprout_weight_name
-from sprout.model.peft_adapter import merge_peft_adapter
+from sprout.model.config import ModelConfig
+from sprout.model.export import LM_HEAD, sprout_weight_name
+from sprout.model.hf_config import architecture, import_reward_score, model_config, rope_note
+from sprout.model.import_staging import ImportStaging
+from sprout.model.peft_adapter import ADAPTER_WEIGHTS, merge_peft_adapter
 from sprout.model.transformer import Transformer
-from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, hf_special_tokens, load_tokenizer, read_json_object
+from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, load_tokenizer, read_json_object
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size",
-              "shared_expert_intermediate_size")
+EMBED = "model.embed_tokens.weight"  # transformers' name of the embedding an LM head may be tied to
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 HUB_FILES = ["config.json", "model*.safetensors", WEIGHTS_INDEX, HF_FILE, *HF_SIDE_FILES, CHAT_TEMPLATE_FILE]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -62,6 +65,7 @@ class Source:
     config: dict  # config.json
     config_file: str  # where config.json came from, for errors
     tokenizer_dir: Path
+    tokenizer_origin: str = ""  # what errors name for the tokenizer files (a GGUF's are saved under workdir)
     weights: dict[str, torch.Tensor] | None = None  # read already (a GGUF), else from weight_files
     weight_files: list[Path] = field(default_factory=list)
     hf_model: object = None  # a GGUF's transformers model (tests compare against it)
@@ -78,6 +82,7 @@ class Imported:
     chat_format: ChatFormat | None  # None: the source has no chat template
     reward_score: dict | None = None  # config.json's sprout_reward_score (`import_reward_score`)
     adapter: dict | None = None  # a PEFT LoRA adapter merged in: meta.json's `adapter` (`merge_peft_adapter`)
+    notes: list[str] = field(default_factory=list)  # how a field was read, for the summary (e.g. untied)
 
 
 @dataclass
@@ -108,14 +113,21 @@ def read_source(source: str, workdir: Path, *, revision: str | None = None, max_
     src.name = tokenizer_name or src.name
     cfg = model_config(src.config, src.config_file, max_seq_len)
     score = import_reward_score(src.config, src.config_file)
-    tok_dir, tok, fmt = stage_tokenizer(src.tokenizer_dir, workdir / "tokenizer" / src.name)
+    origin = src.tokenizer_origin or str(src.tokenizer_dir)
+    tok_dir, tok, fmt = stage_tokenizer(src.tokenizer_dir, workdir / "tokenizer" / src.name, origin)
     if tok.vocab_size > cfg.vocab_size:
-        raise SproutError(f"{tok.path}: vocab {tok.vocab_size} does not fit the model's vocab_size {cfg.vocab_size}")
-    model = build_model(cfg, src)
+        named = origin if src.tokenizer_origin else Path(origin) / HF_FILE
+        raise SproutError(f"{named}: vocab {tok.vocab_size} does not fit the model's vocab_size {cfg.vocab_size} "
+                          f"({src.config_file})")
+    model, notes = build_model(cfg, src)
     merged = None
     if adapter is not None:
         merged = merge_peft_adapter(model, expand_path(adapter), src.config_file)
-    return Imported(src, model, tok_dir, tok, fmt, score, merged)
+        where = f"{Path(merged['path']) / ADAPTER_WEIGHTS} merged into the model of {src.config_file}"
+        for name, p in model.state_dict().items():
+            check_finite(name, p, where)
+    note = rope_note(src.config)
+    return Imported(src, model, tok_dir, tok, fmt, score, merged, notes + ([note] if note else []))
 
 
 def folder_source(folder: Path) -> Source:
@@ -180,98 +192,14 @@ def gguf_source(path: Path, workdir: Path) -> Source:
     config["architectures"] = config.get("architectures") or [type(model).__name__]
     config.pop("quantization_config", None)  # {"quant_method": "gguf"}: the loader has dequantised the weights
     record = {"kind": "gguf", "path": str(path.resolve()), "sha256": sha256_file(path)}
-    return Source(path.stem, record, config, f"{path} (its config)", tok_dir, weights=model.state_dict(),
-                  hf_model=model)
+    return Source(path.stem, record, config, f"{path} (its config)", tok_dir, f"{path} (its tokenizer)",
+                  weights=model.state_dict(), hf_model=model)
 
 
 def read_config(path: Path) -> dict:
     if not path.is_file():
         raise SproutError(f"{path}: no config.json (not a Hugging Face model folder)")
     return read_json_object(path)
-
-
-# ---- config --------------------------------------------------------------------------------------
-def rope_settings(config: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling for `ModelConfig`) of a config.json: transformers 5's
-    `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
-    params = config.get("rope_parameters") or {}
-    scaling = {**(config.get("rope_scaling") or {}), **params}
-    if any(isinstance(v, dict) for v in scaling.values()):
-        raise SproutError(f"{where}: rope_parameters per layer type are not supported")
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise SproutError(f"{where}: partial_rotary_factor {scaling['partial_rotary_factor']} is not supported")
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise SproutError(f"{where}: rope_scaling type {kind!r} is not supported (supported: default, llama3)")
-    scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
-    return theta, {"rope_type": "llama3", **{k: scaling.get(k) for k in LLAMA3_ROPE}}
-
-
-def model_config(config: dict, where: str, max_seq_len: int | None = None) -> ModelConfig:
-    """The sprout `ModelConfig` of a transformers config.json (refusing what sprout does not compute,
-    naming the field; see the module doc); `max_seq_len` shortens the context."""
-    archs = config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise SproutError(f"{where}: architectures {archs} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    arch = archs[0]
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise SproutError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-    for name in MOE_FIELDS:
-        if config.get(name):
-            raise SproutError(f"{where}: {name} {config[name]!r}: mixture-of-experts models are not supported")
-    if config.get("quantization_config"):
-        method = (config["quantization_config"] or {}).get("quant_method", "?")
-        raise SproutError(f"{where}: quantization_config (quant_method {method!r}): quantized weights are not "
-                          f"supported (import the unquantized model, or a GGUF)")
-    if arch == "LlamaForCausalLM":
-        for name in ("attention_bias", "mlp_bias"):
-            if config.get(name):
-                raise SproutError(f"{where}: {name} true is not supported (sprout's Llama has no such biases)")
-    context = int(config.get("max_position_embeddings", 2048))
-    if max_seq_len is not None:
-        if not 0 < max_seq_len <= context:
-            raise SproutError(f"max_seq_len {max_seq_len} must be between 1 and the model's "
-                              f"max_position_embeddings {context} ({where})")
-        context = max_seq_len
-    sliding = arch == "MistralForCausalLM" or config.get("use_sliding_window") \
-        or "sliding_attention" in (config.get("layer_types") or [])
-    window = config.get("sliding_window") if sliding else None
-    if window is not None and window < context:
-        raise SproutError(f"{where}: sliding_window {window} is shorter than the context {context} (sliding-window "
-                          f"attention is not supported; a max_seq_len of at most {window} avoids it)")
-    theta, scaling = rope_settings(config, where)
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    try:
-        return ModelConfig(vocab_size=config["vocab_size"], d_model=hidden, n_layers=config["num_hidden_layers"],
-                           n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
-                           d_ff=config["intermediate_size"], max_seq_len=context, rope_theta=theta,
-                           norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                           tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                           init_std=float(config.get("initializer_range", 0.02)),
-                           d_head=None if head_dim * heads == hidden else head_dim,
-                           attention_bias=arch == "Qwen2ForCausalLM", rope_scaling=scaling)
-    except KeyError as exc:
-        raise SproutError(f"{where}: field {exc.args[0]} is missing") from None
-    except SproutError as exc:
-        raise SproutError(f"{where}: {exc}") from None
-
-
-def import_reward_score(config: dict, where: str) -> dict | None:
-    """config.json's `sprout_reward_score` as meta.json's `reward_score` (`logprob_rule`'s
-    {"kind": "logprob", "beta": β}), None without the key; any other value is refused, naming `where`."""
-    if REWARD_SCORE_KEY not in config:
-        return None
-    rule = logprob_rule(config[REWARD_SCORE_KEY])
-    if rule is None:
-        raise SproutError(f"{where}: sprout_reward_score {json.dumps(config[REWARD_SCORE_KEY])} is not a "
-                          'log-probability reward model\'s rule (expected {"kind": "logprob", "beta": a finite '
-                          "number above 0})")
-    return rule
 
 
 # ---- weights -------------------------------------------------------------------------------------
@@ -290,14 +218,38 @@ def source_weights(src: Source) -> dict[str, tuple[torch.Tensor, str]]:
     return out
 
 
-def build_model(cfg: ModelConfig, src: Source) -> Transformer:
-    """A sprout `Transformer` of `cfg` holding the source's weights (float32)."""
+def check_finite(name: str, tensor: torch.Tensor, where: str) -> None:
+    """Refuse a weight holding NaN or infinite values, naming the tensor and `where` (its file)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = ~torch.isfinite(tensor)
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise SproutError(f"{where}: tensor {name} holds {int(bad.sum()):,} NaN or infinite value(s) (the first "
+                          f"at index {first}); a model with them computes NaN logits")
+
+
+def build_model(cfg: ModelConfig, src: Source) -> tuple[Transformer, list[str]]:
+    """(a sprout `Transformer` of `cfg` holding the source's weights in float32, notes for the
+    summary); the head tied or not as transformers ties it (module doc)."""
+    weights = source_weights(src)
+    for hf_name, (tensor, where) in weights.items():
+        check_finite(hf_name, tensor, where)
+    notes = []
+    head, embed = weights.get(LM_HEAD), weights.get(EMBED)
+    if cfg.tie_embeddings and head is not None:
+        if embed is None:
+            weights[EMBED] = head
+            notes.append("tie_word_embeddings: the folder stores lm_head.weight and no embedding; the embedding "
+                         "is that head, as transformers ties them")
+        elif not torch.equal(head[0].to(torch.float32), embed[0].to(torch.float32)):
+            cfg = dataclasses.replace(cfg, tie_embeddings=False)
+            notes.append(f"tie_word_embeddings is true, but {head[1]} stores its own lm_head.weight, which differs "
+                         f"from the embedding: imported untied, as transformers loads it")
     model = Transformer(cfg).eval()
     own = model.state_dict()
     state = {}
-    for hf_name, (tensor, where) in source_weights(src).items():
+    for hf_name, (tensor, where) in weights.items():
         if hf_name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and hf_name == LM_HEAD):
-            continue  # a buffer older checkpoints stored; a tied head is the embedding
+            continue  # a buffer older checkpoints stored; a tied head is the embedding (equal to it)
         name = sprout_weight_name(hf_name)
         if name not in own:
             raise SproutError(f"{where}: tensor {hf_name} has no place in sprout's model ({src.config_file})")
@@ -312,13 +264,24 @@ def build_model(cfg: ModelConfig, src: Source) -> Transformer:
         hint = " (tie_word_embeddings is false)" if missing == [LM_HEAD] else ""
         raise SproutError(f"{src.config_file}: the weights lack {', '.join(missing[:4])}{hint}")
     model.load_state_dict(state, strict=True)
-    return model
+    return model, notes
 
 
 # ---- tokenizer and chat format -------------------------------------------------------------------
-def stage_tokenizer(folder: Path, dest: Path):
+def stage_tokenizer(folder: Path, dest: Path, origin: str | None = None):
     """(dest, tokenizer, chat format or None): the tokenizer files of `folder` copied to `dest`
-    with the Jinja template as `chat_template.jinja` and the detected `chat_format.json`."""
+    with the Jinja template as `chat_template.jinja` and the detected `chat_format.json`. Errors
+    name `origin` (default: `folder`), never `dest`: the staging copy is gone by the time they are read."""
+    try:
+        return _stage_tokenizer(folder, dest)
+    except SproutError as exc:
+        message = str(exc)
+        for staged in sorted({str(p) for q in (dest, folder) for p in (q, q.resolve())}, key=len, reverse=True):
+            message = message.replace(staged, origin or str(folder))
+        raise SproutError(message) from None
+
+
+def _stage_tokenizer(folder: Path, dest: Path):
     if not (folder / HF_FILE).is_file():
         raise SproutError(f"{folder}: no {HF_FILE} (an import needs the Hugging Face tokenizer files: "
                           f"{HF_FILE}, {HF_SIDE_FILES[0]})")
@@ -330,24 +293,23 @@ def stage_tokenizer(folder: Path, dest: Path):
     found = read_chat_template(dest)
     if found is None:
         return dest, tok, None
-    template, where = found
-    (dest / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
-    specials = hf_special_tokens(dest)
-    try:
-        fmt = detect_chat_format(template, tok, specials.get("bos_token") or "", specials.get("eos_token") or "")
-    except SproutError as exc:
-        raise SproutError(f"{folder / where.name}: {exc}") from None
+    fmt = folder_chat_format(dest, tok)  # before the template is written as a file: errors name where it was
+    (dest / CHAT_TEMPLATE_FILE).write_text(found[0], encoding="utf-8")
     write_chat_format(dest, fmt)
     return dest, tok, fmt
 
 
 # ---- the run folder ------------------------------------------------------------------------------
-def write_run(imported: Imported, out: str | Path) -> ImportResult:
-    """Write the run folder (see the module doc): the tokenizer first, then the checkpoint, whose
-    `latest` pointer comes last; every file atomically."""
+def write_run(imported: Imported, out: str | Path, staging: ImportStaging | None = None) -> ImportResult:
+    """Write the run folder (see the module doc): built under `staging` (an `ImportStaging` of
+    `out`; one of its own when None), the tokenizer first, then the checkpoint, whose `latest`
+    pointer comes last, every file atomically; then moved into `out` (`ImportStaging.publish`)."""
     out = Path(out)
+    if staging is None:
+        with ImportStaging(out) as own:
+            return write_run(imported, out, own)
     src, model, tok, fmt = imported.source, imported.model, imported.tokenizer, imported.chat_format
-    fields = bundle_tokenizer(f"hf:{imported.tokenizer_dir}", out)
+    fields = bundle_tokenizer(f"hf:{imported.tokenizer_dir}", staging.run)
     run_copy = (out / fields["tokenizer_file"]).parent.resolve()
     meta = {"model_config": config_to_dict(model.config), "tokenizer": f"hf:{run_copy}", **fields,
             "tokenizer_fingerprint": tok.fingerprint(), "stage": "import", "step": 0, "tokens_seen": 0,
@@ -358,12 +320,12 @@ def write_run(imported: Imported, out: str | Path) -> ImportResult:
         meta["reward_score"] = imported.reward_score
     if imported.adapter is not None:
         meta["adapter"] = imported.adapter
-    checkpoint = save_rotating(out / "checkpoints", 0, model, meta=meta)
+    ckpt = save_rotating(staging.run / "checkpoints", 0, model, meta=meta).relative_to(staging.run)
+    staging.publish(last="checkpoints")  # `latest` arrives with the last rename
     tok_files = [f"{Path(fields['tokenizer_file']).parent}/{n}" for n in
                  (HF_FILE, *fields["tokenizer_side_sha256"])]
-    ckpt = checkpoint.relative_to(out)
     files = [f"{ckpt}/{n}" for n in ("model.safetensors", "train_state.pt", "meta.json")]
-    return ImportResult(out, checkpoint, imported, files + ["checkpoints/latest"] + tok_files)
+    return ImportResult(out, out / ckpt, imported, files + ["checkpoints/latest"] + tok_files)
 
 
 def summary(result: ImportResult) -> str:
@@ -374,12 +336,14 @@ def summary(result: ImportResult) -> str:
               "gguf": lambda r: f"GGUF {r['path']} (sha256 {r['sha256'][:12]}…)"}[src.record["kind"]](src.record)
     scores = (f", a reward model scoring {imp.reward_score['beta']:g} × a response's summed log-probability"
               if imp.reward_score else "")
-    lines = [f"imported {src.config['architectures'][0]} from {origin} as a sprout 'lm' checkpoint{scores}",
+    arch = architecture(src.config, src.config_file)
+    lines = [f"imported {arch} from {origin} as a sprout 'lm' checkpoint{scores}",
              f"  {imp.model.num_params():,} parameters: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
              f"({c.kv_heads} key/value) of size {c.head_dim}, feed-forward {c.ff_dim}, context {c.max_seq_len:,}"
              + (", tied embeddings" if c.tie_embeddings else "") + (", q/k/v biases" if c.attention_bias else "")
              + (f", rope scaling {c.rope_scaling['rope_type']}" if c.rope_scaling else ""),
              f"  vocab {c.vocab_size:,} (tokenizer {imp.tokenizer.vocab_size:,} ids)"]
+    lines += [f"  {note}" for note in imp.notes]
     if imp.adapter is not None:
         a = imp.adapter
         lines.append(f"  merged the PEFT LoRA adapter {a['path']} (r {a['r']}, lora_alpha {a['lora_alpha']:g}"
