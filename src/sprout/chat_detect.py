@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from sprout.chat import ChatError, encode_with_specials, render_as, template_of, validate
-from sprout.chat_formats import CHAT_TEMPLATE_FILE, FORMATS, ROLES, ChatFormat, read_chat_template
+from sprout.chat_formats import FORMATS, ROLES, ChatFormat, read_chat_template
 from sprout.errors import SproutError
 from sprout.tokenizer import hf_special_tokens, load_tokenizer
 
@@ -38,8 +38,8 @@ CONVERSATIONS = (
     (("user", "Hello"), ("assistant", "Hi! How can I help?"), ("user", "a  b   c"), ("assistant", "d")),
 )
 PROBE = [{"role": "user", "content": "Hello"}]  # no system message: shows the template's default one
-__all__ = ["CHAT_TEMPLATE_FILE", "read_chat_template", "detect_chat_format", "folder_chat_format"]  # the first
-# two live in sprout.chat_formats, which refuses a folder whose template has no chat_format.json
+__all__ = ["read_chat_template", "detect_chat_format", "folder_chat_format"]  # the first lives in
+# sprout.chat_formats, which refuses a folder whose template has no chat_format.json
 
 
 def folder_chat_format(folder: Path, tok) -> ChatFormat | None:

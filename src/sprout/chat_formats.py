@@ -30,11 +30,9 @@ from pathlib import Path
 
 from sprout.atomic import atomic_write
 from sprout.errors import SproutError
-from sprout.tokenizer import EOT
+from sprout.tokenizer import CHAT_FORMAT_FILE, CHAT_TEMPLATE_FILE, EOT
 
 ROLES = ("system", "user", "assistant")
-CHAT_FORMAT_FILE = "chat_format.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a tokenizer's template as a file of its own (transformers 5 writes it)
 SPROUT_KINDS = ("tiktoken", "sentencepiece")  # tokenizer kinds whose format is always sprout's
 
 

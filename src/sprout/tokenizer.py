@@ -42,6 +42,8 @@ R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++
 TIKTOKEN_NAMES = ("r50k_base", "gpt2")  # gpt2 uses the same ranks as r50k_base
 HF_FILE = "tokenizer.json"
 HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # read when beside HF_FILE
+CHAT_FORMAT_FILE = "chat_format.json"  # the chat format sprout detected (`sprout.chat_formats`)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # a tokenizer's template as a file of its own (transformers 5 writes it)
 
 
 class Tokenizer:
@@ -372,13 +374,10 @@ def spec_file(spec: str, mirror: str | None = None) -> Path | None:
 
 def side_file_names(kind: str) -> tuple[str, ...]:
     """The files beside a tokenizer's own that belong to it: for `hf`, those transformers reads
-    (`HF_SIDE_FILES`) and the chat format's (`sprout.chat_formats.CHAT_FORMAT_FILE`,
-    `sprout.chat_detect.CHAT_TEMPLATE_FILE`); none for the other kinds."""
+    (`HF_SIDE_FILES`) and the chat format's (`CHAT_FORMAT_FILE`, `CHAT_TEMPLATE_FILE`); none for
+    the other kinds."""
     if kind != "hf":
         return ()
-    from sprout.chat_detect import CHAT_TEMPLATE_FILE
-    from sprout.chat_formats import CHAT_FORMAT_FILE
-
     return (*HF_SIDE_FILES, CHAT_FORMAT_FILE, CHAT_TEMPLATE_FILE)
 
 

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from sprout.chat import MARKERS, RESERVED, template_for
-from sprout.chat_detect import CHAT_TEMPLATE_FILE
+from sprout.tokenizer import CHAT_TEMPLATE_FILE
 from sprout.errors import SproutError
 from sprout.tokenizer import (EOT, HF_FILE, HF_SIDE_FILES, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer,
                               bytes_to_unicode)

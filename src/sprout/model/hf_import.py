@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from sprout.atomic import sha256_file
-from sprout.chat_detect import CHAT_TEMPLATE_FILE, folder_chat_format, read_chat_template
+from sprout.chat_detect import folder_chat_format, read_chat_template
 from sprout.chat_formats import ChatFormat, write_chat_format
 from sprout.checkpoint import bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
@@ -46,7 +46,7 @@ from sprout.model.hf_config import architecture, import_reward_score, model_conf
 from sprout.model.import_staging import ImportStaging
 from sprout.model.peft_adapter import ADAPTER_WEIGHTS, merge_peft_adapter
 from sprout.model.transformer import Transformer
-from sprout.tokenizer import HF_FILE, HF_SIDE_FILES, load_tokenizer, read_json_object
+from sprout.tokenizer import CHAT_TEMPLATE_FILE, HF_FILE, HF_SIDE_FILES, load_tokenizer, read_json_object
 
 EMBED = "model.embed_tokens.weight"  # transformers' name of the embedding an LM head may be tied to
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
