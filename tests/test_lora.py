@@ -208,3 +208,36 @@ def test_a_lora_record_without_its_base_is_refused(lora_run, tmp_path):
     (ck / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(SproutError, match=r"ck/meta.json: a LoRA checkpoint without frozen_models.base"):
         read_meta(ck)
+
+
+def test_flops_count_a_frozen_matrix_4_times_and_a_trained_one_6():
+    for cls_name in ("Transformer", "RewardModel"):
+        from sprout.model import heads
+        cls = Transformer if cls_name == "Transformer" else heads.RewardModel
+        model = cls(ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, max_seq_len=32))
+        full = model.flops_per_token(16)
+        attention = 12 * 2 * 32 * 16
+        tied = cls is Transformer and model.config.tie_embeddings  # the tied lm_head's matmul counts too
+        matmul = model.num_params(exclude_embeddings=True) + (96 * 32 if tied else 0)
+        assert full == 6 * matmul + attention
+        add_adapters(model, LoraConfig(r=2))
+        adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+        head = 0 if cls is Transformer else 32  # the score head trains
+        frozen = matmul - head
+        assert model.flops_per_token(16) == 4 * frozen + 6 * (adapters + head) + attention
+
+
+def test_a_lora_run_from_a_relative_init_reads_its_base_from_anywhere(base, data, tmp_path, monkeypatch):
+    shutil.copytree(base, tmp_path / "a" / "base")
+    monkeypatch.chdir(tmp_path / "a")
+    run_grpo(lora_cfg(data, Path("base"), tmp_path / "a" / "run", max_steps=1, beta=0.0))
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    assert read_meta(tmp_path / "a" / "run" / "checkpoints")["frozen_models"]["base"]["path"] == str(tmp_path / "a" / "base")
+    load_model(tmp_path / "a" / "run")
+
+
+def test_lora_dropout_is_refused_in_rl_in_one_line(base, data, tmp_path):
+    with pytest.raises(SproutError, match=r"^lora.dropout: got 0.1; expected 0 in grpo \(a rollout's log-probs"):
+        run_grpo(lora_cfg(data, base, tmp_path / "g", lora={"r": 4, "dropout": 0.1}))
+    assert not (tmp_path / "g").exists()

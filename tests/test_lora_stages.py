@@ -4,6 +4,7 @@ full) and GRPO train; stages chain LoRA and full runs in any order, each startin
 merged weights of the one before."""
 
 import dataclasses
+import math
 import os
 import sys
 from pathlib import Path
@@ -141,3 +142,19 @@ def records(out: Path) -> dict[int, dict]:
 
 def final(out: Path) -> Path:
     return Path(read_meta(out / "checkpoints")["path"]) / "model.safetensors"
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_with_the_reference_first_trains(base, pairs, tmp_path):
+    """FSDP2 in bf16 whose first forward is the reference (DPO's precomputed log-probs): the
+    adapters' gradient dtypes are fixed at that forward, so turning the adapters off must not
+    change which parameters require gradients."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_fsdp.yaml"), "--main_process_port", str(free_port()),
+           str(ROOT / "scripts" / "train_dpo.py"),
+           *cli_flags(pairs, base, out, lr=1e-2, max_steps=2, eval_every=0, ckpt_every=0),
+           "--lora.r", "4", "--train.mixed_precision", "bf16", "--dpo.precompute_ref_logps", "true"]
+    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(math.isfinite(r["loss"]) for r in records(out).values()) and sorted(records(out)) == [1, 2]

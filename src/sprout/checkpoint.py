@@ -281,10 +281,10 @@ def load_train_state(path: str | os.PathLike, meta: dict | None = None) -> dict:
 
 # ---- the checkpoints a run started from or scores with ----------------------------------------
 def frozen_model_record(meta: dict, **how) -> dict:
-    """The `frozen_models` record of the checkpoint of `meta` (read with `read_meta`): its path, the
-    sha256 of its weights as its meta.json lists them, and `how` the run uses it (e.g. a reward
-    model's score)."""
-    return {"path": str(meta["path"]), "weights_sha256": meta["files"][WEIGHTS], **how}
+    """The `frozen_models` record of the checkpoint of `meta` (read with `read_meta`): its absolute
+    path (a LoRA run reads its base from any directory), the sha256 of its weights as its
+    meta.json lists them, and `how` the run uses it (e.g. a reward model's score)."""
+    return {"path": os.path.abspath(meta["path"]), "weights_sha256": meta["files"][WEIGHTS], **how}
 
 
 def init_record(meta: dict) -> dict:

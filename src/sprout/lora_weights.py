@@ -30,9 +30,14 @@ def lora_scale(r: int, alpha: float, use_rslora: bool = False) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
+def is_lora_layer(module: nn.Module) -> bool:
+    """Whether `module` is a peft LoRA layer (its `base_layer` beside `lora_A` and `lora_B`)."""
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
+
+
 def has_adapters(model: nn.Module) -> bool:
     """Whether `model` holds peft LoRA layers."""
-    return any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
+    return any(is_lora_layer(m) for m in model.modules())
 
 
 def adapter_pairs(adapters: dict[str, torch.Tensor], where: str = "adapters") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -303,9 +303,15 @@ class Trainer:
         processes, with or without FSDP).
         """
         acc = self.accelerator
-        weights = acc.get_state_dict(self.model)  # a collective under FSDP; full on rank 0 only
-        adapters = has_adapters(self.raw_model)
-        if adapters:  # a LoRA run keeps its own tensors only: the base is frozen_models' `base`
+        adapters = has_adapters(self.raw_model)  # a LoRA run keeps its own tensors only: the base is
+        if adapters and self.sharded:            # frozen_models' `base`, never gathered
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            weights = get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))  # a collective; rank 0's full
+        else:
+            weights = acc.get_state_dict(self.model)  # a collective under FSDP; full on rank 0 only
+        if adapters:
             trained = {name for name, p in self.raw_model.named_parameters() if p.requires_grad}
             weights = {k: v for k, v in weights.items() if k in trained}
         optim_state = self._optimizer_state()

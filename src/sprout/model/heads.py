@@ -70,11 +70,6 @@ class RewardModel(Transformer):
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         raise TypeError("a reward model scores whole sequences; it has no KV-cache decoding")
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, as the LM's but without the lm_head matmul (its d_model x 1 head is in)."""
-        c = self.config
-        return 6.0 * self.num_params(exclude_embeddings=True) + 12.0 * c.n_layers * c.d_model * seq_len
-
 
 ARCHITECTURES = {"lm": Transformer, "lm+value": PolicyWithValue, "reward": RewardModel}
 HEAD_WEIGHTS = {"lm+value": "value_head.weight", "reward": "score_head.weight"}  # what tells them apart

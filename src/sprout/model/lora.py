@@ -24,8 +24,10 @@ import torch
 from torch import nn
 
 from sprout.errors import SproutError
-from sprout.lora_weights import (ADAPTER, adapter_pairs, has_adapters, lora_scale, merge_adapters,  # noqa: F401
-                                 peft_adapter_state, sprout_adapter_state)
+from sprout.lora_weights import (ADAPTER, adapter_pairs, has_adapters, is_lora_layer, lora_scale,  # noqa: F401
+                                 merge_adapters, peft_adapter_state, sprout_adapter_state)
+
+SCALAR_HEADS = ("score_head", "value_head")  # `sprout.model.heads`' heads: trained in full beside the adapters
 
 LORA_INSTALL = "pip install -e '.[lora]'"
 
@@ -78,30 +80,36 @@ def add_adapters(model: nn.Module, lora, seed: int = 0) -> list[str]:
     targets = resolve_targets(model, lora.target_modules)
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                              target_modules=targets, bias="none")
-    with torch.random.fork_rng(devices=[]):  # A's init draws; the run's RNG stream stays as without adapters
-        torch.manual_seed(seed)
+    if has_adapters(model):
+        raise SproutError("add_adapters: the model has LoRA adapters already")
+    with torch.random.fork_rng(devices=[]):  # A's init draws on the CPU; the run's RNG streams stay as they were
+        torch.default_generator.manual_seed(seed)
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
-        param.requires_grad_(".lora_" in name or name.split(".")[0] in ("score_head", "value_head"))
+        param.requires_grad_(".lora_" in name or name.split(".")[0] in SCALAR_HEADS)
+    vars(model).pop("_matmul_counts", None)  # `Transformer.matmul_params` counts the frozen matrices again
     return targets
 
 
 def adapter_layers(model: nn.Module) -> list[nn.Module]:
     """The model's peft LoRA layers (none in a plain model)."""
-    return [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    return [m for m in model.modules() if is_lora_layer(m)]
 
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
-    """Within: `model` computes its base (every adapter layer off, peft's `enable_adapters`)."""
+    """Within: `model` computes its base (every adapter layer off). Only the flag peft's forward
+    reads (`disable_adapters`) changes: peft's `enable_adapters` would also turn the adapters'
+    requires_grad off and on, which FSDP2 reads at its first forward to choose the gradients'
+    dtypes, and which torch.compile guards on."""
     layers = adapter_layers(model)
     for layer in layers:
-        layer.enable_adapters(False)
+        layer._disable_adapters = True
     try:
         yield model
     finally:
         for layer in layers:
-            layer.enable_adapters(True)  # the adapters trainable again, as peft's enable sets them
+            layer._disable_adapters = False
 
 
 class AdaptersOff:
@@ -136,8 +144,3 @@ def effective_weight(linear: nn.Module) -> torch.Tensor:
         if name in linear.lora_A:
             weight = weight + linear.get_delta_weight(name).to(weight.dtype)
     return weight
-
-
-def effective_bias(linear: nn.Module) -> torch.Tensor | None:
-    base = getattr(linear, "base_layer", linear)
-    return base.bias

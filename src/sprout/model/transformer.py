@@ -11,7 +11,8 @@ query row is fully masked) and `position_ids` restart per document; a left-padde
 `KVCache` computes what its prompt computes alone, and a cache is used only through `reserve`
 and `update`. Init (GPT-2): N(0, init_std), o_proj and down_proj N(0, init_std / sqrt(2
 n_layers)), norms 1, biases 0; `uninitialised` builds a model whose weights are loaded next
-without drawing any. `flops_per_token` = 6 N_matmul + 12 n_layers d seq_len (PaLM appendix B).
+without drawing any. `flops_per_token` = 6 N_matmul + 12 n_layers d seq_len (PaLM appendix B), 4 per
+frozen parameter instead of 6.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sprout.errors import SproutError
 from sprout.model.config import ModelConfig
-from sprout.model.lora import effective_bias, effective_weight
+from sprout.model.lora import effective_weight
 from sprout.model.onednn import linear, matmul_weight
 
 
@@ -238,9 +239,8 @@ class Attention(nn.Module):
         copies: q, k and v one matrix [(H + 2 KV) D, d] (their biases one vector), the softmax scale
         1/sqrt(head_dim) folded into q's rows (and q's bias)."""
         scale = 1.0 / math.sqrt(self.head_dim)
-        q_bias = effective_bias(self.q_proj)
-        bias = None if q_bias is None else torch.cat((q_bias * scale, effective_bias(self.k_proj),
-                                                      effective_bias(self.v_proj)))
+        bias = None if self.q_proj.bias is None else torch.cat((self.q_proj.bias * scale, self.k_proj.bias,
+                                                                   self.v_proj.bias))  # a LoRA layer's: its base's
         q = effective_weight(self.q_proj) * scale  # LoRA layers: their adapters merged in
         return (matmul_weight(torch.cat((q, effective_weight(self.k_proj), effective_weight(self.v_proj))), rows, kind),
                 matmul_weight(effective_weight(self.o_proj), rows, kind), bias)
@@ -425,21 +425,31 @@ class Transformer(nn.Module):
             n -= self.embed_tokens.weight.numel()
         return n
 
+    def matmul_params(self) -> tuple[int, int]:
+        """(N_matmul, the frozen ones among them): every parameter a token's matmuls use in training
+        (all but the input embedding; a tied lm_head counts), and those without a gradient (LoRA's
+        base). Counted at the first call and kept: adapters are added before training starts
+        (`sprout.model.lora.add_adapters` clears the count)."""
+        if getattr(self, "_matmul_counts", None) is None:
+            n_matmul = self.num_params(exclude_embeddings=True)
+            frozen = sum(p.numel() for name, p in self.named_parameters()
+                         if not p.requires_grad and name != "embed_tokens.weight")
+            head = getattr(self, "lm_head", None)
+            if self.config.tie_embeddings and head is not None:  # the shared matrix still does the lm_head matmul
+                n_matmul += head.weight.numel()
+                frozen += 0 if head.weight.requires_grad else head.weight.numel()
+            self._matmul_counts = (n_matmul, frozen)
+        return self._matmul_counts
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N_matmul + 12 L d T (PaLM appendix B; see module doc), d the
         attention's width n_heads × head_dim (d_model unless `d_head` says otherwise); 4, not 6,
-        per frozen matrix parameter (no weight gradient)."""
+        per frozen parameter: forward and input gradient, no weight gradient (the first
+        block's q, k, v, gate and up need no input gradient either, 2 each: a percent or so, not
+        counted). A reward model's and a value model's heads are in N_matmul."""
         c = self.config
-        n_matmul = self.num_params(exclude_embeddings=True)
-        if c.tie_embeddings:  # the shared matrix still does the lm_head matmul
-            n_matmul += self.lm_head.weight.numel()
-        # a frozen matrix (LoRA's base) costs forward and input gradient, 4 N, no weight gradient
-        frozen = sum(p.numel() for name, p in self.named_parameters() if not p.requires_grad and p.ndim >= 2
-                     and name != "embed_tokens.weight")
-        if c.tie_embeddings and not self.lm_head.weight.requires_grad:
-            frozen += self.lm_head.weight.numel()
+        n_matmul, frozen = self.matmul_params()
         return 6.0 * n_matmul - 2.0 * frozen + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len
-
 
 def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
     """A `cls(config)` (the Transformer or a head model) whose parameters hold no values yet,

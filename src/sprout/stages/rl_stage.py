@@ -27,6 +27,7 @@ from data_loader.prompt_batches import PromptLoader, check_held_out
 
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, init_record, load_weights, read_meta
+from sprout.config import require
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PROMPT_FILES, resolve_data
 from sprout.formats.prompts import read_prompts
@@ -366,6 +367,8 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
         raise SproutError("no prompts: set data.path in the config or pass --data DIR (or prompts.jsonl)")
+    require(cfg.lora.off or cfg.lora.dropout == 0, "lora.dropout", cfg.lora.dropout,
+            f"0 in {stage_name} (a rollout's log-probs are taken without dropout, the loss's would be with it)")
     data, val = resolve_data(cfg.data.path, PROMPT_FILES, cfg.data.val_path)
     base = read_meta(cfg.init)
     check_init_architecture(base, stage_name, ("lm", "lm+value"))
