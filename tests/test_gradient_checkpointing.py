@@ -1,6 +1,6 @@
 """train.gradient_checkpointing: each block recomputed in backward gives the same loss and
 gradients (atol 1e-6) as keeping its activations, for the LM, the reward model and the policy
-with a value head, in a seeded pretraining run, under torch.compile and under FSDP2 (slow);
+with a value head, with LoRA adapters too, in a seeded pretraining run, under torch.compile and under FSDP2 (slow);
 evaluation, no-grad and KV-cache forwards never recompute."""
 
 import pytest
@@ -10,9 +10,11 @@ from proc import free_port
 from test_train import data, losses, tiny_cfg  # noqa: F401, F811 (data: a fixture)
 
 import sprout.model.transformer as transformer
+from sprout.engine.configs import LoraConfig
 from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator
 from sprout.engine.optim import OptimConfig, build_optimizer, lr_schedule
 from sprout.model.heads import PolicyWithValue, RewardModel
+from sprout.model.lora import add_adapters
 from sprout.model.transformer import ModelConfig, Transformer
 from sprout.stages.pretrain import run_pretrain
 
@@ -35,15 +37,21 @@ def policy_value_loss(model, ids, segments):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()) + values.square().mean()
 
 
-def loss_and_grads(cls, loss_fn, checkpointing: bool):
+def loss_and_grads(cls, loss_fn, checkpointing: bool, lora: LoraConfig | None = None):
     torch.manual_seed(0)
     model = cls(CONFIG).train()
+    if lora is not None:  # adapters (B drawn too, so they matter), the scalar head trained beside them
+        add_adapters(model, lora, seed=0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
     model.gradient_checkpointing = checkpointing
     ids = torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     segments = torch.tensor([[1] * 12, [1] * 5 + [2] * 7])  # two packed documents in row 1
     loss = loss_fn(model, ids, segments)
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("cls, loss_fn", [(Transformer, lm_loss), (RewardModel, reward_loss),
@@ -57,6 +65,20 @@ def test_loss_and_every_gradient_match_without_checkpointing(cls, loss_fn, monke
     assert len(calls) == CONFIG.n_layers  # one recomputed block per layer
     torch.testing.assert_close(loss_ckpt, loss, atol=1e-6, rtol=0)
     assert grads.keys() == grads_ckpt.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_ckpt[name], grads[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("cls, loss_fn", [(Transformer, lm_loss), (PolicyWithValue, policy_value_loss)],
+                         ids=["lm", "lm+value"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_lora_loss_and_gradients_match_without_checkpointing(cls, loss_fn, dropout):
+    """With LoRA adapters (and their dropout, whose mask the recompute draws again alike)."""
+    lora = LoraConfig(r=4, alpha=8.0, dropout=dropout)
+    loss, grads = loss_and_grads(cls, loss_fn, False, lora)
+    loss_ckpt, grads_ckpt = loss_and_grads(cls, loss_fn, True, lora)
+    torch.testing.assert_close(loss_ckpt, loss, atol=1e-6, rtol=0)
+    assert grads.keys() == grads_ckpt.keys() and any(".lora_A" in n for n in grads)
     for name in grads:
         torch.testing.assert_close(grads_ckpt[name], grads[name], atol=1e-6, rtol=0, msg=name)
 

@@ -93,6 +93,7 @@ def test_target_modules_pick_layers_and_a_name_matching_none_is_refused():
     ({"alpha": 0}, r"lora.alpha: got 0; expected a number in \(0, inf\)"),
     ({"dropout": 1.0}, r"lora.dropout: got 1.0; expected a number in \[0, 1\)"),
     ({"target_modules": ["q_proj", "qkv"]}, r"lora.target_modules: got \['qkv'\]; expected all-linear or names"),
+    ({"target_modules": ["all-linear", "q_proj"]}, r"lora.target_modules: .* expected \[all-linear\] alone"),
 ])
 def test_bad_lora_options_are_refused_in_one_line(values, pattern, tmp_path):
     with pytest.raises(SproutError, match=pattern) as info:
@@ -203,11 +204,18 @@ def test_a_lora_record_without_its_base_is_refused(lora_run, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(read_meta(out / "checkpoints")["path"], ck)
     meta = json.loads((ck / "meta.json").read_text())
+    good = json.loads(json.dumps(meta))
     del meta["frozen_models"]["base"]
     meta["meta_sha256"] = meta_digest(meta)
     (ck / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(SproutError, match=r"ck/meta.json: a LoRA checkpoint without frozen_models.base"):
         read_meta(ck)
+    for field, value in (("scale", 3.0), ("r", True), ("alpha", 0)):  # a scale that is not alpha / r, ...
+        meta = {**good, "lora": {**good["lora"], field: value}}
+        meta["meta_sha256"] = meta_digest(meta)
+        (ck / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(SproutError, match=r"ck/meta.json: lora is .*; expected r > 0, alpha > 0"):
+            read_meta(ck)
 
 
 def test_flops_count_a_frozen_matrix_4_times_and_a_trained_one_6():

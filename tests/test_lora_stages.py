@@ -158,3 +158,35 @@ def test_fsdp_bf16_with_the_reference_first_trains(base, pairs, tmp_path):
     proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(math.isfinite(r["loss"]) for r in records(out).values()) and sorted(records(out)) == [1, 2]
+
+
+# ---- resume and the reference of another checkpoint --------------------------------------------------------------
+def test_lora_resumes_bit_for_bit_in_dpo_and_in_ppo_with_its_value_head(base, pairs, prompts, tmp_path):
+    """DPO (12 steps, checkpoint at 6) and PPO (4 steps, a checkpoint each, its value head in a
+    parameter group of its own): resumed at the middle, every figure and tensor as uninterrupted."""
+    from preference_train_fixtures import resume_folder
+
+    dpo_a = tmp_path / "dpo_a"
+    run_dpo(with_lora(tiny_cfg(DPOConfig, pairs, base, dpo_a, lr=1e-2)))
+    dpo_b = resume_folder(dpo_a, 6, tmp_path / "dpo_b")
+    run_dpo(with_lora(tiny_cfg(DPOConfig, pairs, base, dpo_b, lr=1e-2)), resume="latest")
+    ppo = {**ppo_dict(prompts, base, tmp_path / "ppo_a", max_steps=4, ckpt_every=1, keep_checkpoints=10), "lora": LORA}
+    run_ppo(from_dict(PPOConfig, ppo))
+    ppo_b = resume_folder(tmp_path / "ppo_a", 2, tmp_path / "ppo_b")
+    run_ppo(from_dict(PPOConfig, {**ppo, "out": str(ppo_b)}), resume="latest")
+    for a, b, first in ((dpo_a, dpo_b, 7), (tmp_path / "ppo_a", ppo_b, 3)):
+        ra, rb = records(a), records(b)
+        assert sorted(rb)[0] == first and all(rb[s]["loss"] == ra[s]["loss"] for s in rb)
+        wa, wb = load_file(final(a)), load_file(final(b))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_dpo_with_lora_and_another_reference_keeps_a_frozen_copy_of_it(base, pairs, sp, tmp_path):
+    from preference_train_fixtures import write_lm
+
+    other = write_lm(tmp_path / "other" / "ckpt", sp, seed=3)
+    cfg = with_lora(tiny_cfg(DPOConfig, pairs, base, tmp_path / "dpo", lr=1e-2, max_steps=1, eval_every=0))
+    result = run_dpo(dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, ref=str(other))))
+    assert result["first_eval"]["val_rewards/margins"] != 0.0  # the reference is not the policy's base
+    meta = read_meta(tmp_path / "dpo" / "checkpoints")
+    assert meta["frozen_models"]["reference"]["path"] == read_meta(other)["path"] != meta["frozen_models"]["base"]["path"]

@@ -101,6 +101,8 @@ class LoraConfig:
         unknown = [t for t in self.target_modules if t != "all-linear" and t not in LORA_LINEAR_LAYERS]
         require(not unknown, "target_modules", unknown, f"all-linear or names of the model's linear layers "
                 f"({', '.join(LORA_LINEAR_LAYERS)})")
+        require("all-linear" not in self.target_modules or len(self.target_modules) == 1, "target_modules",
+                self.target_modules, "[all-linear] alone, or a list of layer names without it")
 
 
 RUN_FOLDER_HELP = "run folder: config.yaml, metrics, checkpoints, report"

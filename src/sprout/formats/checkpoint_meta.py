@@ -97,11 +97,18 @@ def check_lora_record(meta: dict, where: Path) -> None:
     """A LoRA run's meta.json: `lora` {r > 0, scale > 0, target_modules, ...} and frozen_models'
     `base` {path, weights_sha256}, the checkpoint its adapters were trained on (`sprout.model.lora`)."""
     lora, base = meta["lora"], (meta.get("frozen_models") or {}).get("base")
-    ok = (isinstance(lora, dict) and isinstance(lora.get("r"), int) and lora["r"] > 0
-          and isinstance(lora.get("scale"), (int, float)) and 0 < lora["scale"] < float("inf")
-          and isinstance(lora.get("target_modules"), list))
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+    ok = (isinstance(lora, dict) and isinstance(lora.get("r"), int) and not isinstance(lora["r"], bool)
+          and lora["r"] > 0 and number(lora.get("alpha")) and number(lora.get("scale"))
+          and isinstance(lora.get("use_rslora"), bool) and isinstance(lora.get("target_modules"), list))
+    if ok:  # the scale that merges is the one r and alpha give (an export writes r and alpha)
+        want = lora["alpha"] / (lora["r"] ** 0.5 if lora["use_rslora"] else lora["r"])
+        ok = abs(lora["scale"] - want) <= 1e-9 * want
     if not ok:
-        raise SproutError(f"{where}: lora is {json.dumps(lora)}; expected r > 0, a scale above 0 and target_modules")
+        raise SproutError(f"{where}: lora is {json.dumps(lora)}; expected r > 0, alpha > 0, use_rslora, "
+                          f"target_modules and the scale alpha / r (alpha / sqrt(r) with use_rslora)")
     if not (isinstance(base, dict) and isinstance(base.get("path"), str) and isinstance(base.get("weights_sha256"), str)):
         raise SproutError(f"{where}: a LoRA checkpoint without frozen_models.base (path and weights_sha256 of the "
                           f"model its adapters were trained on)")
