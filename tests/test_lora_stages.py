@@ -190,3 +190,17 @@ def test_dpo_with_lora_and_another_reference_keeps_a_frozen_copy_of_it(base, pai
     assert result["first_eval"]["val_rewards/margins"] != 0.0  # the reference is not the policy's base
     meta = read_meta(tmp_path / "dpo" / "checkpoints")
     assert meta["frozen_models"]["reference"]["path"] == read_meta(other)["path"] != meta["frozen_models"]["base"]["path"]
+
+
+@pytest.mark.slow
+def test_lora_under_torch_compile_matches_eager(base, pairs, tmp_path):
+    """train.compile with peft's layers in the graph, the reference (adapters off) through the same
+    compiled module: DPO's losses as eager."""
+    runs = {}
+    for compile_ in (False, True):
+        cfg = with_lora(tiny_cfg(DPOConfig, pairs, base, tmp_path / str(compile_), lr=1e-2, max_steps=3, eval_every=0,
+                                 ckpt_every=0))
+        run_dpo(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compile_)))
+        runs[compile_] = records(tmp_path / str(compile_))
+    assert sorted(runs[True]) == [1, 2, 3]
+    assert max(abs(runs[True][s]["loss"] - runs[False][s]["loss"]) for s in runs[False]) < 1e-5
