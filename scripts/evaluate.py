@@ -17,7 +17,6 @@ figures with 95 % intervals and one record per problem or pair. More: docs/evalu
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from sprout.atomic import sha256_file, write_json_atomic
 from sprout.errors import SproutError, run_main
 from sprout.evaluation.tasks import SPLITS, TASKS, dev_slice_record, file_prompts, task_prompts
 from sprout.formats.preference_tokens import TRUNCATIONS
+from sprout.ranges import is_finite_number
 from sprout.stages.configs import RewardLossConfig
 
 DEFAULT_KS = (1, 8)  # those at most --n, when --k is not given
@@ -99,7 +99,7 @@ def main() -> int:
         raise SproutError(f"--n must be at least 1 (or 0 with --greedy), not {args.n}")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise SproutError("--max-new-tokens and --batch-size must be at least 1")
-    if not (math.isfinite(args.temperature) and args.temperature > 0):  # written so that NaN fails too
+    if not (is_finite_number(args.temperature) and args.temperature > 0):
         raise SproutError(f"--temperature: got {args.temperature}; expected a finite number > 0 (use --greedy for "
                           f"greedy answers)")
     ks = parse_ks(args.k, args.n)

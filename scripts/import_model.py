@@ -13,9 +13,10 @@ folder: checkpoints/step_00000000 (an 'lm' checkpoint, the source and its config
 meta.json, and a log-probability reward model's rule when config.json has sprout_reward_score)
 and the tokenizer files in tokenizer/NAME/ with the chat format detected from the model's own
 chat template (see src/sprout/model/hf_import.py). A folder that holds a run is refused unless
---overwrite. config.json is read as transformers' AutoModelForCausalLM reads it, or refused in
-one line naming the field (src/sprout/model/hf_config.py). --max-seq-len shortens the context,
-which is at most 1,048,576 tokens. The run is built in a staging folder inside --out and moved
+--overwrite, which replaces that run only once the new one is built. config.json is read as
+transformers' AutoModelForCausalLM reads it, or refused in one line naming the field
+(src/sprout/model/hf_config.py). --max-seq-len shortens the context, which is at most 1,048,576
+tokens. The run is built in a staging folder inside --out and moved
 into place; a refused import leaves --out as it was, and what a killed one left there goes when
 the next import into --out starts (src/sprout/model/import_staging.py).
 
@@ -28,8 +29,9 @@ are refused in one line (see src/sprout/model/peft_adapter.py).
 """
 
 import argparse
+from pathlib import Path
 
-from sprout.engine.cli import check_fresh_run
+from sprout.engine.cli import check_fresh_run, hold_run
 from sprout.errors import run_main
 
 
@@ -49,14 +51,21 @@ def main() -> None:
     from sprout.model.hf_import import read_source, summary, write_run  # after parsing: --help never loads torch
     from sprout.model.import_staging import ImportStaging, clean_killed_imports
 
+    def claim() -> list[Path]:
+        """The old run's files the new one replaces (--overwrite), the folder held from now on."""
+        old = check_fresh_run(args.out, args.overwrite, resumable=False)  # again: a run may have appeared
+        if old:
+            hold_run(args.out)  # no trainer writes the run this import moves aside
+        return old
+
     clean_killed_imports(args.out)  # a killed import's staging folder, and what it had moved in
-    if not args.overwrite:
-        check_fresh_run(args.out, resumable=False)  # before the source is read, not only after
-    with ImportStaging(args.out) as staging:
+    check_fresh_run(args.out, args.overwrite, resumable=False)  # before the source is read, not only after
+    with ImportStaging(args.out, claim) as staging:
         imported = read_source(args.source, staging.path / "source", revision=args.revision,
                                max_seq_len=args.max_seq_len, tokenizer_name=args.tokenizer_name, adapter=args.adapter)
-        check_fresh_run(args.out, args.overwrite, resumable=False)
-        result = write_run(imported, args.out, staging)
+        result = write_run(imported, args.out, staging)  # its last act: `staging.publish`, which claims
+    if staging.replaced:
+        print(f"--overwrite: deleted the previous run's {', '.join(staging.replaced)} in {args.out}", flush=True)
     print(summary(result))
 
 

@@ -13,12 +13,14 @@ use it for one-process runs whose outcome is their output and files, not for lau
 kills, resource limits, locks the test's process holds, or start-up settings. What a run may
 change is put back (environment, cwd, argv, sys.path, warning filters, logging streams, signal
 handlers, torch threads, Python/NumPy/torch random states, accelerate's state, the run folders it
-held, `sprout.engine.cli`'s pending --overwrite deletions, `sprout.model.generate`'s once-warnings). `one_error` reads a refused run's one `error:` line.
+held, `sprout.engine.cli`'s pending --overwrite deletions, `sprout.model.generate`'s once-warnings). `one_error` reads a refused run's one `error:` line,
+and `tree` what a folder holds, to show a refused run left it as it was.
 """
 
 import contextlib
 import faulthandler
 import gc
+import hashlib
 import io
 import logging
 import os
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 import numpy as np
 import psutil  # a dependency of accelerate
@@ -72,6 +75,23 @@ def one_error(proc, *needles: str, alone: bool = False) -> str:
     assert not alone or lines == errors, proc.stderr
     assert all(n in errors[0] for n in needles), (needles, errors[0])
     return errors[0]
+
+
+def tree(folder: str | os.PathLike) -> dict:
+    """Every entry under `folder`, not following links: a link's target, a file's sha256 and
+    mtime, None for a folder ({} when there is no `folder`)."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in sorted(dirs + files):
+            p = Path(root) / name
+            key = str(p.relative_to(folder))
+            if p.is_symlink():
+                out[key] = ("link", os.readlink(p))
+            elif p.is_file():
+                out[key] = (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            else:
+                out[key] = None
+    return out
 
 
 def interpreter_warnings() -> None:

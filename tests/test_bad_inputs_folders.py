@@ -9,7 +9,9 @@ bytes).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import stat
@@ -17,17 +19,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
-from proc import one_error, run_here
+from proc import free_port, one_error, run_here, tree
 from test_run_folders import flags
 from test_train import write_data
 
-from sprout.atomic import atomic_path, atomic_write, hold_lock, open_append, sha256_file
+from sprout.atomic import atomic_path, atomic_write, hold_lock, open_append
 from sprout.checkpoint import save_checkpoint
-from sprout.engine.cli import RUN_LOCK, check_fresh_run, clear_deferred, run_lock
+from sprout.engine import cli as run_cli
+from sprout.engine.callbacks import StopSignals
+from sprout.engine.cli import RUN_LOCK, check_fresh_run, clear_deferred, run_lock, setup_finished
 from sprout.engine.metrics import read_metrics
 from sprout.errors import SproutError
 from sprout.model.transformer import ModelConfig, Transformer
@@ -36,23 +42,6 @@ from sprout.prep.sft_data import prepare as prepare_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-
-
-def tree(folder: Path) -> dict:
-    """Every entry under `folder`, not following links: a link's target, a file's sha256 and
-    mtime, None for a folder."""
-    out = {}
-    for root, dirs, files in os.walk(folder):
-        for name in sorted(dirs + files):
-            p = Path(root) / name
-            key = str(p.relative_to(folder))
-            if p.is_symlink():
-                out[key] = ("link", os.readlink(p))
-            elif p.is_file():
-                out[key] = (sha256_file(p), p.stat().st_mtime_ns)
-            else:
-                out[key] = None
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +91,6 @@ def test_a_link_in_a_finished_run_is_refused_on_resume_and_overwrite(flag, data,
     """The run's metrics.jsonl replaced by a link to a copy outside: --resume would rewrite it
     from its checkpoint, --overwrite delete it; both are refused before either."""
     out = tiny_run(data, tmp_path / "run")
-    (out / RUN_LOCK).unlink()
     outside = tmp_path / "metrics_copy.jsonl"
     outside.write_bytes((out / "metrics.jsonl").read_bytes())
     (out / "metrics.jsonl").unlink()
@@ -164,23 +152,52 @@ def test_a_setup_that_fails_puts_back_what_it_wrote_and_what_overwrite_moved(dat
     assert tree(out) == before
 
 
-def run_until(cmd: list, marker: str, *, wait: float = 0.0, timeout: float = 300):
-    """Start `cmd`, send SIGTERM `wait` seconds after a stdout line starts with `marker`; returns
-    (the process's result, seconds from the signal to its exit)."""
+def test_a_finished_setup_keeps_nothing_of_the_folder_it_recorded(data, tmp_path):
+    """What the setup recorded to put the folder back (metrics.jsonl's bytes among it) is dropped
+    at the first step, not kept for the rest of the run."""
+    out = tiny_run(data, tmp_path / "run")
+    with run_lock(out):
+        setup = run_cli._setups[out.resolve()]
+        assert setup.entries["metrics.jsonl"] is not None and setup.lock_before is not None
+        setup_finished(out)
+        assert (setup.entries, setup.temps, setup.lock_before) == ({}, set(), None)
+
+
+def run_until(cmd: list, marker: str, *, wait: float = 0.0, timeout: float = 300, rank: int | None = None):
+    """Start `cmd`, send SIGTERM `wait` seconds after a stdout line starts with `marker` (to the
+    launched worker of that RANK when `rank` is given, else to `cmd`); returns (the process's
+    result, seconds from the signal to its exit). Every process it started is killed after `timeout`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env=env)
     seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith(marker):
-            time.sleep(wait)
-            proc.send_signal(signal.SIGTERM)
-            break
-    sent = time.perf_counter()
-    stdout, stderr = proc.communicate(timeout=timeout)
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(marker):
+                time.sleep(wait)
+                target = proc if rank is None else worker(proc.pid, rank)
+                target.send_signal(signal.SIGTERM)
+                break
+        sent = time.perf_counter()
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        kill_tree(proc.pid)
     took = time.perf_counter() - sent
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(seen) + stdout, stderr), took
+
+
+def worker(pid: int, rank: int) -> psutil.Process:
+    """The launched process of `pid`'s tree whose environment says RANK=`rank`."""
+    return next(p for p in psutil.Process(pid).children(recursive=True) if p.environ().get("RANK") == str(rank))
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to whatever of `pid`'s process tree still runs."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 @pytest.mark.slow
@@ -226,26 +243,93 @@ def sft_setup(sp, tmp_path_factory):
     return root / "prep" / "sft.h5", base
 
 
-@pytest.mark.slow
-def test_sigterm_during_the_end_of_run_samples_stops_them_and_writes_the_report(sft_setup, tmp_path):
-    """3,000 sample prompts (a minute or more of answers on this model): SIGTERM once training is
-    done stops them within seconds, and the run ends as a finished run, its report saying the
-    samples were stopped."""
+def sft_command(sft_setup, out: Path, *launch, processes: int = 1) -> list:
+    """train_sft.py for 2 steps with 3,000 sample prompts (a minute or more of answers on this
+    model), after `launch` (e.g. accelerate launch and its options, for `processes`)."""
     data, base = sft_setup
-    out = tmp_path / "run"
     prompts = json.dumps([f"What is {i} plus {i}?" for i in range(3000)])
-    cmd = [sys.executable, SCRIPTS / "train_sft.py", "--data", data, "--init", base, "--out", out,
-           "--batch.global_tokens", "64", "--batch.micro_tokens", "64", "--train.max_steps", "2",
-           "--train.progress", "false", "--train.peak_tflops", "-1", "--sample_prompts", prompts]
-    proc, took = run_until(cmd, "step 2/2", wait=3.0)
-    assert proc.returncode == 0, proc.stderr
-    assert "SIGTERM: stopping the end-of-run samples; the report follows" in proc.stderr
-    assert "samples: stopped by SIGTERM; the report has none" in proc.stdout and "Traceback" not in proc.stderr
-    assert took < 15, took
+    return [*(launch or [sys.executable]), SCRIPTS / "train_sft.py", "--data", data, "--init", base, "--out", out,
+            "--batch.global_tokens", 64 * processes, "--batch.micro_tokens", "64", "--train.max_steps", "2",
+            "--train.progress", "false", "--train.peak_tflops", "-1", "--sample_prompts", prompts]
+
+
+def check_stopped_samples(out: Path) -> None:
+    """The run in `out` is complete, its report says SIGTERM stopped the samples, and resuming
+    it has nothing to do (what a pipeline's rerun does with a stage stopped so)."""
     record = next(r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "samples")
     assert record["stopped"] == "SIGTERM" and record["samples"] == []
     assert "None: SIGTERM stopped them at step 2." in (out / "report.md").read_text()
     assert (out / "checkpoints" / "step_00000002").is_dir()
+    again = run_here([sys.executable, str(SCRIPTS / "train_sft.py"), "--out", str(out), "--resume"], cwd=ROOT)
+    assert again.returncode == 0 and f"nothing to do: {out} is complete at step 2" in again.stdout, again.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_end_of_run_samples_stops_them_and_writes_the_report(sft_setup, tmp_path):
+    """SIGTERM once training is done stops the samples within seconds; the report is written,
+    saying so, and the trainer exits 143, as a stopped command (a pipeline stops there)."""
+    out = tmp_path / "run"
+    proc, took = run_until(sft_command(sft_setup, out), "step 2/2", wait=3.0)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "SIGTERM: stopping the end-of-run samples; the report follows" in proc.stderr
+    assert "samples: stopped by SIGTERM; the report has none" in proc.stdout and "Traceback" not in proc.stderr
+    assert f"stopped by SIGTERM after the last step: {out} is complete at step 2" in proc.stdout
+    assert took < 15, took
+    check_stopped_samples(out)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_before_the_same_sample(sft_setup, tmp_path):
+    """2 processes (DDP over gloo): SIGTERM to rank 1 alone during the samples. Rank 0 learns
+    of it before its next prompt, so both stop within seconds (rank 0 went on alone for minutes
+    when rank 1 stopped at once), the report is written and the launch fails."""
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              ROOT / "configs" / "accelerate" / "cpu_ddp.yaml", "--main_process_port", free_port()]
+    proc, took = run_until(sft_command(sft_setup, out, *launch, processes=2), "step 2/2", wait=3.0, rank=1,
+                           timeout=120)
+    assert took < 20, took
+    # the launcher's report: a worker that left with 143 (the other one too, unless the launcher's
+    # SIGTERM to what remains came first, as it does once one has failed)
+    assert proc.returncode == 1 and "exitcode  : 143" in proc.stderr, proc.stderr[-3000:]
+    assert "samples: stopped by SIGTERM; the report has none" in proc.stdout
+    check_stopped_samples(out)
+
+
+def _stop_after_step(rank: int, port: int, signums: tuple, results) -> None:
+    """One of 2 gloo processes: `StopSignals.after_step` with `signums[rank]` received here."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        def reduce(t, op):  # what Accelerator.reduce(t, "sum") does
+            torch.distributed.all_reduce(t)
+            return t
+
+        acc = SimpleNamespace(num_processes=2, device=torch.device("cpu"), reduce=reduce)
+        run = SimpleNamespace(trainer=SimpleNamespace(accelerator=acc, steps_done=1, cfg=SimpleNamespace(max_steps=5)),
+                              stopping=False, interrupted=None)
+        stop = StopSignals()
+        stop.signum = signums[rank]
+        stop.after_step(run)
+        results.put((rank, run.stopping, run.interrupted))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("signums, agreed", [((signal.SIGINT, signal.SIGTERM), signal.SIGTERM),
+                                             ((None, signal.SIGINT), signal.SIGINT), ((None, None), None)])
+def test_two_processes_stop_on_the_same_signal(signums, agreed):
+    """Ranks that received different signals agree on one they received (the larger number),
+    never on a number in between (the mean of SIGINT and SIGTERM is SIGFPE's)."""
+    ctx = multiprocessing.get_context("fork")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_stop_after_step, args=(rank, port, signums, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = sorted(results.get(timeout=1) for _ in procs)
+    assert got == [(rank, agreed is not None, agreed) for rank in range(2)]
 
 
 # ---- the umask -------------------------------------------------------------------------------------
@@ -264,7 +348,7 @@ def umask(request):
     os.umask(old)
 
 
-@pytest.mark.parametrize("umask", [0o002, 0o027], indirect=True)
+@pytest.mark.parametrize("umask", [0o002, 0o027], indirect=True, ids=["002", "027"])
 def test_a_run_and_its_export_follow_the_umask(umask, data, sp, tmp_path):
     """Files 0666 & ~umask, folders 0777 & ~umask, as `open` and `mkdir` give them: a training
     run's folder (checkpoints built in a temporary folder, safetensors' own 0600 files), an export

@@ -4,8 +4,9 @@ shard, or the PEFT adapter whose merge made them), a max_position_embeddings of 
 would allocate rotary tables of terabytes: refused unless --max-seq-len caps it), a context of 0,
 errors about the tokenizer files (they name the source's files, never the import's staging
 copies), an `hf:` tokenizer folder whose Jinja chat template sprout would ignore (refused by the
-SFT prep), and an import killed by SIGKILL at three points: the next import into the same folder
-removes what it left and succeeds."""
+SFT prep), a symbolic link in --out where the run is written, and an import killed by SIGKILL at
+three points: the next import into the same folder removes what it left and succeeds, and an
+--overwrite killed before its new run is in place leaves the old one."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from proc import one_error, run_group, run_here
-from test_bad_inputs_train import tree
+from proc import one_error, run_group, run_here, tree
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[import]')")
 
@@ -192,9 +192,10 @@ elif point == "checkpoint":  # the run written in the staging folder, nothing mo
     import sprout.model.hf_import as hf_import
     save = hf_import.save_rotating
     hf_import.save_rotating = lambda *a, **k: (save(*a, **k), die())
-elif point == "publish":  # the tokenizer moved into --out, the checkpoints not yet
+elif point == "publish":  # the tokenizer moved into --out, the checkpoints not yet (an old run's moved aside)
     rename = os.rename
-    os.rename = lambda a, b: die() if os.path.basename(b) == "checkpoints" else rename(a, b)
+    os.rename = lambda a, b: die() if os.path.basename(b) == "checkpoints" and ".tmp-import-" not in str(b) \
+        else rename(a, b)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -218,6 +219,41 @@ def test_a_killed_import_is_cleaned_up_by_the_next_one(point, left, source, tmp_
     model, meta = load_model(out)
     assert meta["stage"] == "import" and ".tmp-import-" not in json.dumps(meta)
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
+
+
+@pytest.mark.parametrize("point", ["checkpoint", "publish"])
+def test_an_overwrite_killed_before_its_run_is_in_place_leaves_the_old_run(point, source, tmp_path):
+    """--overwrite replaces the old run only once the new one is built: killed while writing the
+    new checkpoint, the old run is still in --out; killed between the renames that move the new
+    run in, the next import puts the old run back as it removes what moved in."""
+    from sprout.model.import_staging import clean_killed_imports
+
+    out = tmp_path / "run"
+    assert import_model(source, "--out", out, "--tokenizer-name", "old").returncode == 0
+    before = tree(out)
+    killed = run_group([sys.executable, "-c", KILLER, point, str(SCRIPT), str(source), "--out", str(out),
+                        "--overwrite"], timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    clean_killed_imports(out)  # what the next import does first
+    assert {k: v for k, v in tree(out).items() if k != "run.lock"} == before  # the lock: its dead holder's pid
+    done = import_model(source, "--out", out, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert "--overwrite: deleted the previous run's checkpoints, tokenizer" in done.stdout
+    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("name", ["checkpoints", "tokenizer", "run.lock"])
+def test_a_link_in_out_where_the_import_writes_is_refused(name, overwrite, source, tmp_path):
+    """A run folder holding a symbolic link where the run goes: one line naming it, before the
+    source is read, and nothing written in --out nor where the link points."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("precious\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(outside)
+    refused(tmp_path, source, *(["--overwrite"] if overwrite else []), needles=[f"{out / name}: is a symbolic link"])
 
 
 def test_a_live_imports_staging_folder_is_left_alone(tmp_path):

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from data_fixtures import make_docs, train_tiny_sp
-from proc import one_error, run_here
+from proc import one_error, run_here, tree
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.checkpoint import read_meta, save_checkpoint, save_rotating
 from sprout.errors import SproutError
@@ -56,13 +56,6 @@ def run(script: str, *args, limit: int | None = None, timeout: float = 180):
     if limit is None:
         return run_here(cmd, cwd=ROOT, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=cap, cwd=ROOT, env=env)
-
-
-def tree(folder: Path) -> dict:
-    """Every path under `folder` with the sha256 of its bytes (None for folders)."""
-    if not folder.exists():
-        return {}
-    return {str(p.relative_to(folder)): sha256_file(p) if p.is_file() else None for p in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture(scope="module")

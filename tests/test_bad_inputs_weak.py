@@ -23,9 +23,8 @@ import pytest
 
 from data_fixtures import make_docs
 from preference_train_fixtures import base, cli_flags, marked_pairs, write_pairs  # noqa: F401 (base: a fixture)
-from proc import one_error, run_here
+from proc import one_error, run_here, tree
 from test_bad_inputs_rl import TINY, lines, prepared, write_lines  # noqa: F401 (prepared: a fixture)
-from test_bad_inputs_train import tree
 
 from sprout.errors import SproutError
 from sprout.rl.verifiers import REWARD_LIMIT, WeightedReward, combine_rewards

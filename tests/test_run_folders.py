@@ -90,13 +90,12 @@ def test_fresh_run_into_a_run_folder_is_refused_and_overwrite_clears_only_the_ru
 def test_overwrite_refused_by_the_inputs_leaves_the_old_run_whole(data, tmp_path):
     """--overwrite deletes the old run only once the new run's inputs are checked."""
     out = small_run(data, tmp_path / "run")
-    (out / RUN_LOCK).unlink()
+    (out / RUN_LOCK).write_text("12345\n")  # the pid of the trainer that held it last
     before = tree_hash(out)
     proc = pretrain("--data", str(tmp_path / "missing"), "--out", str(out), "--overwrite", *flags(train__max_steps=2))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "missing" in proc.stderr and "deleted" not in proc.stdout
-    (out / RUN_LOCK).unlink()  # the lock file records its last holder's pid; everything else is as it was
-    assert tree_hash(out) == before
+    assert tree_hash(out) == before  # the lock file too: the folder is taken only once the inputs are checked
 
 
 def test_clear_run_deletes_the_run_files_and_its_tensorboard_folder_only(tmp_path):

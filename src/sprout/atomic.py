@@ -13,12 +13,14 @@ h5py has closed the file (HDF5 crashes the process when it closes a file after a
 `sha256_file(path, remember=True)` reuses a digest for the life of the process while the file's
 (device, inode, size, mtime, ctime) is unchanged, and only for a file that had not changed for
 `SETTLED_NS` before it was read. `hold_lock` / `locked` hold a folder for one process (an
-exclusive `flock` recording the pid; a second process is refused naming it); the kernel drops
-the lock when its holder exits. What is written follows the process's umask, as a plain
-`open()` / `mkdir` would (files 0666 & ~umask, folders 0777 & ~umask), not tempfile's 0600 /
-0700. No write follows a symbolic link: a rename replaces a link at the final name, and a file
-opened in place (a lock file, an appended log: `open_append`) is opened with O_NOFOLLOW and
-refused in one line naming the link (`symlink_error`).
+exclusive `flock` recording the pid; a second process is refused naming it; `check_unlocked`
+refuses as it would, writing nothing); the kernel drops the lock when its holder exits.
+`remove_path`, `first_missing` and `remove_created` undo what a writer made. What is written
+follows the process's umask, as a plain `open()` / `mkdir` would (files 0666 & ~umask, folders
+0777 & ~umask), not tempfile's 0600 / 0700. No write follows a symbolic link: a rename replaces
+a link at the final name, and a file opened in place (a lock file, an appended log:
+`open_append`) is opened with O_NOFOLLOW and refused in one line naming the link
+(`symlink_error`).
 """
 
 from __future__ import annotations
@@ -347,7 +349,6 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike, files) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-
 def hold_lock(folder: str | os.PathLike, name: str, what: str) -> IO:
     """Take an exclusive lock on `folder` (created if needed): `flock` on its file `name`, into
     which this process's pid is written; returns the open file, which holds the lock until it is
@@ -368,9 +369,9 @@ def hold_lock(folder: str | os.PathLike, name: str, what: str) -> IO:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            holder = _holder(fd)
             os.close(fd)
-            raise SproutError(f"{folder}: in use by another {what} (pid {holder}, holding {path})") from None
+            raise _in_use(folder, path, holder, what) from None
         try:
             now = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
@@ -381,6 +382,31 @@ def hold_lock(folder: str | os.PathLike, name: str, what: str) -> IO:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
     return os.fdopen(fd, "r+")
+
+
+def _holder(fd: int) -> str:
+    """The pid a lock file's holder wrote into it."""
+    return os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+
+
+def _in_use(folder: Path, path: Path, holder: str, what: str) -> SproutError:
+    return SproutError(f"{folder}: in use by another {what} (pid {holder}, holding {path})")
+
+
+def check_unlocked(folder: str | os.PathLike, name: str, what: str) -> None:
+    """The refusal of `hold_lock` when another process holds the lock now, without taking it:
+    nothing is created or written (no lock file: nobody holds it)."""
+    path = Path(folder) / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file, or one `hold_lock` refuses itself (a link)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes
+    except BlockingIOError:
+        raise _in_use(Path(folder), path, _holder(fd), what) from None
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -401,13 +427,45 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     if not path.parent.is_dir():
         return removed
     for p in path.parent.glob(f".tmp-{glob.escape(path.name)}.*"):
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+        remove_path(p)
         removed.append(p)
     return removed
+
+
+def remove_path(path: str | os.PathLike) -> None:
+    """Delete `path`: a folder with everything in it, a file, or a link (never what it points
+    to); nothing when it is not there."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def first_missing(path: str | os.PathLike) -> Path | None:
+    """The outermost of `path` and its parents that does not exist: the first folder `mkdir -p
+    path` would create (None when `path` exists). `remove_created` takes it."""
+    missing = None
+    for folder in (Path(path), *Path(path).parents):
+        if os.path.lexists(folder):
+            break
+        missing = folder
+    return missing
+
+
+def remove_created(path: str | os.PathLike, created: Path | None) -> None:
+    """Remove the folder `path` and its parents up to `created` (`first_missing` before they
+    were made; None: nothing was), each only while it is empty."""
+    if created is None:
+        return
+    for folder in (Path(path), *Path(path).parents):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == created:
+            return
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:

@@ -10,12 +10,14 @@ An interval is written as in mathematics, "[" / "]" closed and "(" / ")" open, w
 dataclass is built, in one line naming where the value came from, and `config_help` shows the
 interval in --help after the type. `check_ranges` checks a config built in Python, which
 skips `from_dict`: each stage's run function calls it before anything is written.
+`is_finite_number` is the one test of a number a user gives where NaN or inf must not pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 from sprout.errors import SproutError
@@ -56,6 +58,11 @@ class Interval:
                 return "inf" if x > 0 else "-inf"
             return str(int(x)) if x == int(x) else f"{x:g}"
         return f"{'[' if self.low_closed else '('}{bound(self.low)}, {bound(self.high)}{']' if self.high_closed else ')'}"
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real number (not a bool) that is neither NaN nor infinite."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def in_range(default: Any, interval: str, *, metadata: dict | None = None) -> Any:

@@ -7,8 +7,8 @@ order the callbacks are listed, `end(run)` after the last step unless the loop r
 `close(run)` always, last, to give back what start took.
 
     StopSignals         Ctrl-C and SIGTERM stop every rank after the same step; during the
-                        end-of-run samples at once; before the first step, the setup's
-                        handler (`sprout.engine.cli.run_lock`) puts the run folder back
+                        end-of-run samples before the same prompt; before the first step, the
+                        setup's handler (`sprout.engine.cli.run_lock`) puts the run folder back
     TrainingRecords     training records: throughput, MFU, the progress bar or log lines
     EvalCadence         evals before training, every train.eval_every steps and at the end
     CheckpointCadence   checkpoints every train.ckpt_every steps and at the end
@@ -16,6 +16,7 @@ order the callbacks are listed, `end(run)` after the last step unless the loop r
     RunReport           loss.png and report.md (rank 0)
 
 Eval and checkpoint time is paused time (`FitRun.paused`): no training record counts it.
+Where the ranks must agree on a signal, each asks `agreed_signal` at the same point.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from sprout.engine.run_setup import pass_on
-from sprout.engine.trainer import TrainConfig, Trainer, all_reduce_sums
+from sprout.engine.run_setup import Stopped, pass_on
+from sprout.engine.trainer import TrainConfig, Trainer
 from sprout.engine.metrics import MetricsLogger, log_line, measure_matmul_flops, mfu, plot_loss_curve
 from sprout.engine.report import start_record, write_report
 from sprout.engine.stage import Stage
@@ -44,9 +45,9 @@ class FitRun:
     """What the callbacks share: `metrics` is the last step's figures (`Trainer.step`),
     `batch_s` the time its `next_micro_batches` took and `generated` the tokens it generated
     (all processes); `stopping` is set when a signal stops the run, `interrupted` to its number;
-    `signalled` is the signal this process received (also once training is done); `setting_up`
-    is set while the callbacks' `start` runs (the run's setup), `sampling` while the end-of-run
-    samples are generated."""
+    `signalled` is the signal this process received (also once training is done: then `fit`
+    sets it on every process to the one any received); `setting_up` is set while the callbacks'
+    `start` runs (the run's setup), `sampling` while the end-of-run samples are generated."""
     trainer: Trainer
     stage: Stage
     logger: MetricsLogger | None
@@ -76,13 +77,14 @@ class FitRun:
             self.paused_s += time.perf_counter() - t
 
 
-class SamplesStopped(BaseException):
-    """A signal during the end-of-run samples (`Samples`); not an Exception, so no `except
-    Exception` in the generation swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
+def agreed_signal(accelerator: Accelerator, signum: int | None) -> int | None:
+    """The largest signal number any process received (`signum` here; None when none did), the
+    same on every process: one collective, so every process calls it at the same point."""
+    if accelerator.num_processes == 1:
+        return signum
+    flag = torch.tensor(signum or 0, dtype=torch.int64, device=accelerator.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return int(flag.item()) or None
 
 
 class StopSignals:
@@ -90,8 +92,9 @@ class StopSignals:
     asks the loop to stop after the current step, with a checkpoint, the plot and report.md;
     a second one exits at once (SIGINT raises KeyboardInterrupt, SIGTERM takes its default:
     the process ends). A signal on any rank stops every rank after the same step (the flag is
-    all-reduced after each step). During the end-of-run samples the first one stops them at
-    once (`SamplesStopped`), and the report follows; in the callbacks' `start`
+    all-reduced after each step). During the end-of-run samples the first one stops them, the
+    report follows and the trainer exits with 128 + its number: one process at once (`Stopped`),
+    several before the same prompt (`Samples`); in the callbacks' `start`
     (`FitRun.setting_up`) it goes to the handler this one replaced (the setup's). Installed
     only in the main thread, and not over a signal the process ignores; the old handlers come
     back on close."""
@@ -111,11 +114,10 @@ class StopSignals:
                     self._old[sig] = signal.signal(sig, self._handle)
 
     def after_step(self, run: FitRun) -> None:
-        flags = all_reduce_sums(run.trainer.accelerator, {"stop": float(self.signum is not None),
-                                                          "signum": self.signum or 0})
-        if flags["stop"] > 0 and run.trainer.steps_done < run.trainer.cfg.max_steps:
+        signum = agreed_signal(run.trainer.accelerator, self.signum)
+        if signum is not None and run.trainer.steps_done < run.trainer.cfg.max_steps:
             run.stopping = True
-            run.interrupted = round(flags["signum"] / flags["stop"])  # the signal the ranks received
+            run.interrupted = signum
 
     def close(self, run: FitRun | None = None) -> None:
         for sig, handler in self._old.items():
@@ -144,8 +146,8 @@ class StopSignals:
             else:
                 what = "stopping after this step with a checkpoint"
             print(f"\n{name}: {what}; {again} again to exit at once", file=sys.stderr, flush=True)
-        if run is not None and run.sampling:
-            raise SamplesStopped(signum)
+        if run is not None and run.sampling and run.trainer.accelerator.num_processes == 1:
+            raise Stopped(signum)  # with more, every process stops before the same prompt (`Samples`)
 
 
 def peak_flops(cfg: TrainConfig, acc: Accelerator) -> tuple[float, str]:
@@ -267,27 +269,31 @@ class CheckpointCadence:
 
 
 class Samples:
-    """A chat stage (one with `samples(model) -> [(prompt, answer)]`) shows what it answers
-    after training, as a `samples` record for report.md; every rank generates (it may be a
-    collective). Not after a signal that stopped training; a signal received since the last
-    step (on any rank) or during the samples stops them (`StopSignals`): the record then has
-    no samples and `stopped`, the signal's name."""
+    """A chat stage (one with `samples(model)`, which yields (prompt, answer) one prompt at a
+    time) shows what it answers after training, as a `samples` record for report.md; every rank
+    generates (it may be a collective). Not after a signal that stopped training; a signal
+    received since the last step or during the samples, on any rank, stops them (`StopSignals`;
+    before each prompt every rank asks `agreed_signal`, so all stop before the same one): the
+    record then has no samples and `stopped`, the signal's name."""
 
     def end(self, run: FitRun) -> None:
         trainer, stage = run.trainer, run.stage
         if not hasattr(stage, "samples") or run.interrupted is not None:
             return
         samples, stopped = [], None
-        run.sampling = True  # from here a signal raises SamplesStopped
+        run.sampling = True  # from here a signal stops the samples
         try:
-            flags = all_reduce_sums(trainer.accelerator, {"stop": float(run.signalled is not None),
-                                                          "signum": run.signalled or 0})
-            if flags["stop"] > 0:
-                raise SamplesStopped(round(flags["signum"] / flags["stop"]))
             trainer.generation_model.eval()
-            samples = stage.samples(trainer.generation_model)
-        except SamplesStopped as exc:
-            stopped = signal.Signals(exc.signum).name
+            answers = iter(stage.samples(trainer.generation_model))
+            while (signum := agreed_signal(trainer.accelerator, run.signalled)) is None:
+                answer = next(answers, None)
+                if answer is None:
+                    break
+                samples.append(answer)
+            else:
+                raise Stopped(signum)
+        except Stopped as exc:
+            samples, stopped = [], signal.Signals(exc.signum).name
         finally:
             run.sampling = False
             trainer.model.train()

@@ -9,10 +9,10 @@
     when the run is complete.
 Nothing here imports torch, so --help, a refused folder and "nothing to do" never load it.
 One trainer at a time per run folder: `run_lock` holds `<out>/run.lock` (rank 0) while it
-trains, and --overwrite takes it before deleting anything; a second trainer exits 2 naming the
-folder and the holder's pid. A run folder holding a symbolic link where a trainer writes
-(`RUN_WRITES`, or inside those folders) is refused in one line naming it (`check_run_links`),
-before anything is written. Setup, from taking the folder to the first step, leaves the folder
+trains, --overwrite deletes nothing before it holds it, and a second trainer exits 2 naming the
+folder and the holder's pid (with --overwrite as the command line is read, writing nothing). A
+run folder holding a symbolic link where a trainer writes (`RUN_WRITES`, or inside those
+folders) is refused in one line naming it (`check_run_links`), before anything is written. Setup, from taking the folder to the first step, leaves the folder
 as it was when it ends early: a refusal, an error, or SIGINT / SIGTERM (then exit 128 + the
 signal number) puts back what the run wrote or deleted there (`run_lock`; --overwrite's old
 files are only moved aside until `setup_finished`). An interrupted run prints the command that
@@ -32,13 +32,13 @@ from glob import escape as glob_escape
 from pathlib import Path
 from typing import IO, Iterator
 
-from sprout.atomic import hold_lock, symlink_error
+from sprout.atomic import check_unlocked, first_missing, hold_lock, symlink_error
 from sprout.config import load_config, missing_fields, parse_overrides, read_yaml
 from sprout.config_help import add_config_help
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import META, read_meta, resolve_checkpoint
 from sprout.formats.verify_inputs import VERIFY_MODES
-from sprout.engine.run_setup import OVERWRITTEN, RunSetup, SetupStopped, catch_signals, file_state
+from sprout.engine.run_setup import OVERWRITTEN, RunSetup, Stopped, catch_signals, file_state
 
 
 def run_parser(doc: str, config_example: str) -> argparse.ArgumentParser:
@@ -150,25 +150,25 @@ def check_run_links(out: str | Path) -> None:
 _pending_clear: dict[Path, list[Path]] = {}  # run folder -> the old run's files --overwrite deletes later
 
 
-def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = True, *, defer: bool = False) -> None:
-    """A fresh run may start in `out` when it holds no run; with `overwrite` the old run's files
-    are deleted (rank 0; `clear_run`), at once or, with `defer`, by `clear_deferred` just before the
-    new run's first write, so a run refused by its own input checks leaves the old one whole.
-    The folder is held (`hold_run`) from here on. Otherwise one line says what to pass (--resume
-    only when the script has it: `resumable`). A folder with a link where a trainer writes is
-    refused first (`check_run_links`)."""
+def check_fresh_run(out: str | Path, overwrite: bool = False, resumable: bool = True, *,
+                    defer: bool = False) -> list[Path]:
+    """A fresh run may start in `out` when it holds no run: returns the old run's files (`run_files`)
+    that it replaces, none when there is none. With `overwrite` they are deleted later, by the
+    caller once it holds the folder and is about to write (with `defer`: `clear_deferred`), so a
+    run refused by its own checks leaves the old one whole; a folder another process holds now is
+    refused at once (`check_unlocked`, rank 0: nothing is written). Otherwise one line says what
+    to pass (--resume only when the script has it: `resumable`). A folder with a link where a
+    trainer writes is refused first (`check_run_links`)."""
     check_run_links(out)
     files = run_files(out)
     if not files:
-        return
+        return []
     if overwrite:
-        if is_rank0():
-            hold_run(out)  # another trainer may be writing this run: refused before anything is deleted
-            if defer:
-                _pending_clear[Path(out).resolve()] = files
-            else:
-                clear_run(out, files)
-        return
+        if is_rank0() and Path(out).resolve() not in _held_runs:
+            check_unlocked(out, RUN_LOCK, "trainer")  # another trainer may be writing this run
+        if defer:
+            _pending_clear[Path(out).resolve()] = files
+        return files
     step = latest_step(out)
     held = f"holds a run at step {step}" if step is not None else \
         f"holds the files of a run without a checkpoint ({', '.join(f.name for f in files)})"
@@ -190,11 +190,7 @@ def hold_run(out: str | Path) -> bool:
     if key in _held_runs:
         return False
     check_run_links(out)
-    created = None
-    for folder in (Path(out), *Path(out).parents):
-        if os.path.lexists(folder):
-            break
-        created = folder
+    created = first_missing(out)
     before = file_state(Path(out) / RUN_LOCK)
     _held_runs[key] = hold_lock(out, RUN_LOCK, "trainer")
     _before_hold[key] = (created, before)
@@ -213,11 +209,11 @@ def release_run(out: str | Path) -> None:
 
 @contextlib.contextmanager
 def run_lock(out: str | Path, main: bool = True) -> Iterator[None]:
-    """The run folder held for the block (on the main process: `main`), and released after it,
-    also when --overwrite took it earlier (`check_fresh_run`). The block is the run's setup until
-    `setup_finished(out)`: if it ends before that (an exception, or SIGINT / SIGTERM, which stop
-    the setup at once), the main process first puts the folder back as it was when it was taken
-    (`sprout.engine.run_setup`); a signal then ends the process with 128 + its number."""
+    """The run folder held for the block (on the main process: `main`), and released after it.
+    The block is the run's setup until `setup_finished(out)`: if it ends before that (an
+    exception, or SIGINT / SIGTERM, which stop the setup at once), the main process first puts
+    the folder back as it was when it was taken (`sprout.engine.run_setup`); a signal then ends
+    the process with 128 + its number."""
     if main:
         hold_run(out)
     key = Path(out).resolve()
@@ -229,7 +225,7 @@ def run_lock(out: str | Path, main: bool = True) -> Iterator[None]:
     except BaseException as exc:
         if setup.active:
             setup.roll_back(Path(out) / RUN_LOCK, _held_runs.get(key))
-            if isinstance(exc, SetupStopped):
+            if isinstance(exc, Stopped):
                 name = signal.Signals(exc.signum).name
                 print_rank0(f"stopped by {name} before the first step; {out} is as it was before this run")
                 raise SystemExit(128 + exc.signum) from None

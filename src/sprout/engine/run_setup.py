@@ -6,9 +6,9 @@ its run folders and `.tmp-*` temporaries hold; `roll_back` puts that back: files
 created since, entries added to those folders, the old run's files --overwrite moved aside
 (`put_aside`; deleted for good by `finish`), the lock file's old bytes (or no lock file, and the
 folders taking it created). Nothing else in the folder is touched, and only the main process
-records and restores. `catch_signals` makes SIGINT and SIGTERM raise `SetupStopped` while a
-setup is active, so a signal stops the setup at once and the folder is put back; a second
-signal does what it did before.
+records and restores. `catch_signals` makes SIGINT and SIGTERM raise `Stopped` while a setup
+is active, so a signal stops the setup at once and the folder is put back; a second signal
+does what it did before.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import IO, Callable
 
-from sprout.atomic import atomic_write
+from sprout.atomic import atomic_write, remove_created, remove_path
 
 OVERWRITTEN = ".tmp-overwritten."  # prefix of the folder --overwrite moves the old run's files into
 
 
-class SetupStopped(BaseException):
-    """SIGINT or SIGTERM during a trainer's setup; not an Exception, so no `except Exception`
-    in the setup swallows it."""
+class Stopped(BaseException):
+    """SIGINT or SIGTERM (`signum`) that stops what a trainer is doing at once: its setup
+    (`catch_signals`), or its end-of-run samples (`sprout.engine.callbacks.StopSignals`). Not an
+    Exception, so no `except Exception` on the way swallows it."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -44,14 +45,6 @@ def file_state(path: Path):
         return (path.read_bytes(), st) if S_ISREG(st.st_mode) else None
     except OSError:
         return None
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 class RunSetup:
@@ -81,8 +74,10 @@ class RunSetup:
             os.replace(f, self.aside / f.name)
 
     def finish(self) -> None:
-        """The first step is next: the setup is over, and the old run's files go for good."""
+        """The first step is next: the setup is over, what it recorded is dropped, and the old
+        run's files go for good."""
         self.active = False
+        self.entries, self.temps, self.lock_before = {}, set(), None
         if self.aside is not None:
             names = sorted(p.name for p in self.aside.iterdir())
             shutil.rmtree(self.aside, ignore_errors=True)
@@ -97,7 +92,7 @@ class RunSetup:
         out = self.out
         if self.aside is not None:
             for p in sorted(self.aside.iterdir()):
-                _remove(out / p.name)
+                remove_path(out / p.name)
                 os.replace(p, out / p.name)
             self.aside.rmdir()
         for name, state in self.entries.items():
@@ -105,7 +100,7 @@ class RunSetup:
                 self._put_back(out / name, state)
         for p in out.glob(".tmp-*"):
             if p.name not in self.temps:
-                _remove(p)
+                remove_path(p)
         if held is not None:
             if self.lock_before is None:
                 lock.unlink(missing_ok=True)  # one taken later is taken on a new file (`hold_lock`)
@@ -114,25 +109,18 @@ class RunSetup:
                 os.ftruncate(held.fileno(), 0)
                 os.pwrite(held.fileno(), data, 0)
                 os.utime(held.fileno(), ns=(st.st_atime_ns, st.st_mtime_ns))
-        if self.created is not None:  # the folders taking the lock created, when nothing else is there
-            for folder in (out, *out.parents):
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break
-                if folder == self.created:
-                    break
+        remove_created(out, self.created)  # the folders taking the lock created, when nothing else is there
 
     @staticmethod
     def _put_back(path: Path, state) -> None:
         if state is None:
             if os.path.lexists(path):
-                _remove(path)
+                remove_path(path)
         elif isinstance(state, set):
             if path.is_dir():
                 for p in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
                     if str(p.relative_to(path)) not in state:
-                        _remove(p)
+                        remove_path(p)
         else:
             data, st = state
             try:
@@ -140,7 +128,7 @@ class RunSetup:
             except FileNotFoundError:
                 now = None
             if now is None or (now.st_ino, now.st_size, now.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
-                _remove(path)
+                remove_path(path)
                 with atomic_write(path, "wb") as f:
                     f.write(data)
                 os.chmod(path, st.st_mode & 0o7777)
@@ -148,7 +136,7 @@ class RunSetup:
 
 
 def catch_signals(active: Callable[[], bool]) -> Callable[[], None]:
-    """Make SIGINT and SIGTERM raise `SetupStopped` while `active()` (main thread only; not a
+    """Make SIGINT and SIGTERM raise `Stopped` while `active()` (main thread only; not a
     signal the process ignores), and do what they did before otherwise or the second time.
     Returns the function that puts the old handlers back."""
     if threading.current_thread() is not threading.main_thread():
@@ -159,7 +147,7 @@ def catch_signals(active: Callable[[], bool]) -> Callable[[], None]:
         if active():
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            raise SetupStopped(signum)
+            raise Stopped(signum)
         pass_on(old.get(signum, signal.SIG_DFL), signum, frame)
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -13,7 +13,10 @@ copies the tokenizer into <out>/tokenizer/ and records it with its sha256 in eac
 (`sprout.checkpoint.bundle_tokenizer`); records the config and its resume part
 (`sprout.config.resume_config`: every field not `resume_free`); resumes (weights, optimizer, RNG,
 loader position); saves <out>/config.yaml (rank 0; a resumed run that fails before its first new
-checkpoint puts back the one it resumed from); runs `sprout.engine.training_loop.fit`.
+checkpoint puts back the one it resumed from); runs `sprout.engine.training_loop.fit`. A
+SIGINT / SIGTERM ends the process with 128 + its number: during training after a checkpoint
+(printing the command that resumes it), after the last step once the report is written (the
+run is complete: resuming it has nothing to do).
 """
 
 from __future__ import annotations
@@ -143,6 +146,12 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
                 print(f"stopped by {signal.Signals(signum).name} at step {result['steps']} of {train_cfg.max_steps}; "
                       f"checkpoint {result['checkpoint']}\nresume with:\n  {resume_command(out, acc.num_processes)}",
                       flush=True)
+            raise SystemExit(128 + signum)
+        if result.get("signalled"):  # after the last step: the run is complete, but the command was stopped
+            signum = result["signalled"]
+            if acc.is_main_process:
+                print(f"stopped by {signal.Signals(signum).name} after the last step: {out} is complete at step "
+                      f"{result['steps']} (checkpoint {result['checkpoint']}) and its report written", flush=True)
             raise SystemExit(128 + signum)
         return result
 

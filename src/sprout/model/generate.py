@@ -16,7 +16,6 @@ process computes on its prompts, to float rounding. `generate` is the list form 
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from sprout.chat import template_for
 from sprout.errors import SproutError
 from sprout.model.decode import make_decoder
 from sprout.model.heads import padding_inputs
+from sprout.ranges import is_finite_number
 
 AUTO_COMPILE_TOKENS = 8192  # compile="auto": compile when rows × steps reaches this
 STOP_CHECK_EVERY = {"cpu": 1}  # device type -> decode steps between reads of "every row stopped"
@@ -73,16 +73,12 @@ def check_sampling(temperature: float, top_k: int | None = None, top_p: float | 
     a number in (0, 1]. Each bound is written as what must hold, so NaN, which fails every
     comparison, is refused as well (sampling from NaN logits would index past the vocabulary)."""
     t_name, k_name, p_name = names
-    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+    if not (is_finite_number(temperature) and temperature >= 0):
         raise SproutError(f"{t_name}: got {temperature!r}; expected a finite number >= 0 (0: greedy)")
     if top_k is not None and not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 1):
         raise SproutError(f"{k_name}: got {top_k!r}; expected an integer >= 1 (or none: all tokens)")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+    if top_p is not None and not (is_finite_number(top_p) and 0 < top_p <= 1):
         raise SproutError(f"{p_name}: got {top_p!r}; expected a number in (0, 1] (or none: all tokens)")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,

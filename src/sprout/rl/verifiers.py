@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 from dataclasses import dataclass
 from collections.abc import Iterable, Sized
 from typing import Callable, Sequence
 
 from sprout.answers import answers_match, is_reasoning_format, parse_answer, parse_number
 from sprout.errors import SproutError
+from sprout.ranges import is_finite_number
 
 REWARD_COLUMNS = ("gold", "completion_lengths")  # what the RL stages pass a reward function besides the completions
 # The largest reward magnitude taken, a function's value or a weighted sum. Rewards are squared
@@ -115,11 +115,6 @@ def check_reward_function(name: str, fn, where: str) -> None:
     except TypeError:
         raise SproutError(f"{where}: {name!r} is not a reward function: it takes {signature}, not (completions, "
                           f"**columns) with the columns {', '.join(REWARD_COLUMNS)}") from None
-
-
-def is_finite_number(value) -> bool:
-    """A real number (not a bool) that is neither NaN nor infinite."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _short(value) -> str:

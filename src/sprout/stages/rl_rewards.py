@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from sprout.config import require
 from sprout.errors import SproutError
-from sprout.ranges import in_range
+from sprout.ranges import in_range, is_finite_number
 from sprout.rl.verifiers import (SoftOverlongPenalty, WeightedReward, check_reward_function, correctness_reward,
-                                 format_reward, is_finite_number)
+                                 format_reward)
 
 REWARD_FUNCS = ("correctness", "format", "overlong")
 
