@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from proc import run_group
 from sprout.chat import render
-from sprout.chat_detect import read_chat_template
+from sprout.chat_formats import read_chat_template
 from sprout.tokenizer import CHAT_TEMPLATE_FILE
 from sprout.checkpoint import read_meta
 from sprout.errors import SproutError

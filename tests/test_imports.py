@@ -28,7 +28,8 @@ TORCH_FREE = ("sprout.model.config", "sprout.losses.loss_types", "sprout.engine.
 LAYERS = (
     ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.ranges", "sprout.option_names", "sprout.config",
               "sprout.config_help", "sprout.mirror", "sprout.answers")),
-    ("text", ("sprout.tokenizer", "sprout.chat_formats", "sprout.chat", "sprout.chat_detect", "sprout.bpb")),
+    ("text", ("sprout.tokenizer", "sprout.tokenizer_files", "sprout.chat_formats", "sprout.chat", "sprout.chat_detect",
+              "sprout.bpb")),
     ("formats", ("sprout.formats",)),
     ("prep", ("sprout.prep",)),
     ("checkpoint", ("sprout.checkpoint", "sprout.lora_weights")),

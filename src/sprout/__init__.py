@@ -13,6 +13,7 @@ losses, rl, evaluation, then the top-level `data_loader`, engine, stages, pipeli
     mirror.py        the local data mirror: which folder, and `${SPROUT_MIRROR}` in paths
     answers.py       `<think>…</think><answer>N</answer>` answers and their exact numbers
     tokenizer.py     runtime tokenizers (tiktoken, SentencePiece, Hugging Face) and byte tables
+    tokenizer_files.py  a tokenizer's files against what data or a checkpoint recorded of them
     chat_formats.py  chat formats as data: sprout, chatml, llama3
     chat.py          the chat template: a conversation -> (ids, loss_mask), and back
     chat_detect.py   the chat format a Jinja chat template writes

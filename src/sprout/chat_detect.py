@@ -38,8 +38,6 @@ CONVERSATIONS = (
     (("user", "Hello"), ("assistant", "Hi! How can I help?"), ("user", "a  b   c"), ("assistant", "d")),
 )
 PROBE = [{"role": "user", "content": "Hello"}]  # no system message: shows the template's default one
-__all__ = ["read_chat_template", "detect_chat_format", "folder_chat_format"]  # the first lives in
-# sprout.chat_formats, which refuses a folder whose template has no chat_format.json
 
 
 def folder_chat_format(folder: Path, tok) -> ChatFormat | None:

@@ -15,8 +15,10 @@ tokenizer's eot id. `version` is what data files, checkpoints and caches record 
 `sprout-chat-v1`; a default system message adds a digest of its text). `format_for(tok)`: the
 tokenizer's `chat_format` attribute, else a `chat_format.json` beside its files (not for
 tiktoken or sentencepiece), else sprout; an `hf:` folder whose own Jinja chat template
-(`read_chat_template`) has no chat_format.json beside it is refused. `sprout.chat_detect`
-finds a template's format (an import writes it as chat_format.json).
+(`read_chat_template`) has no chat_format.json beside it is refused where a format is chosen
+(a prep), while a checkpoint's tokenizer (`Tokenizer.checkpoint`) takes the format of the
+`template_version` it records, the one it was trained with. `sprout.chat_detect` finds a
+template's format (an import writes it as chat_format.json).
 """
 
 from __future__ import annotations
@@ -162,10 +164,14 @@ def read_chat_template(folder: Path) -> tuple[str, Path] | None:
     return (template, config) if isinstance(template, str) and template.strip() else None
 
 
-def format_for_spec(spec: str) -> ChatFormat:
+def format_for_spec(spec: str, checkpoint: tuple[str, str | None] | None = None) -> ChatFormat:
     """The format of the tokenizer `spec` names, from the `chat_format.json` beside its files. An
     `hf:` folder with a Jinja chat template but no chat_format.json is refused, naming the template:
-    sprout would render its own format where the model expects the template's."""
+    sprout would render its own format where the model expects the template's. `checkpoint`:
+    (meta.json, template_version) of the checkpoint whose tokenizer copy `spec` is
+    (`Tokenizer.checkpoint`); such a folder then renders the table's format of that version (an
+    earlier version of sprout rendered its own format for such a folder), and a checkpoint that
+    records none is refused with advice of its own."""
     kind, _, arg = spec.partition(":")
     if kind in SPROUT_KINDS or not arg:
         return SPROUT
@@ -174,6 +180,8 @@ def format_for_spec(spec: str) -> ChatFormat:
     if (folder / CHAT_FORMAT_FILE).is_file():
         return read_chat_format(folder / CHAT_FORMAT_FILE)
     found = read_chat_template(folder) if kind == "hf" else None
+    if found is not None and checkpoint is not None:
+        return _trained_format(found[1], *checkpoint)
     if found is not None:
         raise SproutError(f"{found[1]}: a chat template without the {CHAT_FORMAT_FILE} that tells sprout which of "
                           f"its chat formats ({', '.join(FORMATS)}) renders it; sprout would render its own format "
@@ -191,7 +199,19 @@ def format_for(tok) -> ChatFormat:
         return format_named(own)
     if isinstance(own, dict):
         return ChatFormat.from_json(own, f"tokenizer {tok.spec}")
-    return format_for_spec(tok.spec)
+    return format_for_spec(tok.spec, getattr(tok, "checkpoint", None))
+
+
+def _trained_format(template: Path, meta: str, version: str | None) -> ChatFormat:
+    fmt = next((f for f in FORMATS.values() if f.version == version), None)
+    if fmt is not None:
+        return fmt
+    recorded = (f"records chat template {version!r}, no format of sprout's table ({', '.join(FORMATS)})" if version
+                else "records no chat template version (it was never trained on chat)")
+    raise SproutError(f"{template}: a chat template without a {CHAT_FORMAT_FILE} in the tokenizer copy of the "
+                      f"checkpoint {meta}, which {recorded}, so sprout cannot tell its chat format; pass "
+                      f"--tokenizer hf:FOLDER naming the same tokenizer with the {CHAT_FORMAT_FILE} of the format "
+                      f"to use beside it (sprout.chat_formats.write_chat_format writes one)")
 
 
 def check_trained_format(recorded: str | None, fmt: ChatFormat, where: str) -> None:

@@ -300,15 +300,16 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
     SentencePiece: the .model (and the .vocab beside it, if any) is copied atomically, unless the
     same file is already there; returns {"tokenizer_file": "tokenizer/NAME.model",
     "tokenizer_sha256": ...}. hf: the tokenizer.json and its side files
-    (`sprout.tokenizer.side_file_names`, those present) go to `tokenizer/FOLDER/`, FOLDER being
-    the name of the folder holding the tokenizer.json, and the fields add "tokenizer_side_sha256"
-    (`sprout.tokenizer.files_record`, what a prep records of the same files). A tiktoken spec (or
-    none) returns {}. `write=False` only computes the fields (the processes of a run that do not
-    write to its folder). A different tokenizer already in the run folder is refused; when the
-    spec does not resolve here (a relative path, a resume from another directory) the run
-    folder's own copy (`bundled_file`) stands in for it.
+    (`sprout.tokenizer_files.side_file_names`, those present) go to `tokenizer/FOLDER/`, FOLDER
+    being the name of the folder holding the tokenizer.json, and the fields add
+    "tokenizer_side_sha256" (`sprout.tokenizer_files.hash_side_files`, what a prep records of the
+    same files). A tiktoken spec (or none) returns {}. `write=False` only computes the fields (the
+    processes of a run that do not write to its folder). A different tokenizer already in the run
+    folder is refused; when the spec does not resolve here (a relative path, a resume from another
+    directory) the run folder's own copy (`bundled_file`) stands in for it.
     """
-    from sprout.tokenizer import files_record, side_file_names, spec_file
+    from sprout.tokenizer import spec_file
+    from sprout.tokenizer_files import hash_side_files, side_file_names
 
     kind = (spec or "").partition(":")[0]
     dst = bundled_file(spec, run_dir)
@@ -323,10 +324,9 @@ def bundle_tokenizer(spec: str | None, run_dir: str | os.PathLike, write: bool =
         return main.with_suffix(name) if name.startswith(".") else main.parent / name
 
     def fields(main: Path) -> dict:
-        record = files_record(main, kind)
-        out = {"tokenizer_file": rel, "tokenizer_sha256": record["sha256"]}
+        out = {"tokenizer_file": rel, "tokenizer_sha256": sha256_file(main)}
         if kind == "hf":
-            out["tokenizer_side_sha256"] = record["side_sha256"]
+            out["tokenizer_side_sha256"] = hash_side_files(main, kind)
         return out
 
     if not src.is_file():
@@ -365,40 +365,50 @@ def run_folder(checkpoint: str | os.PathLike) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
 
 
+class TokenizerUnavailable(SproutError):
+    """A checkpoint's tokenizer, named by its spec alone, cannot be loaded here (`checkpoint_tokenizer`)."""
+
+
 def checkpoint_tokenizer(meta: dict, spec: str | None = None):
     """The tokenizer a checkpoint was trained with (`meta` from `read_meta`); `spec` overrides.
 
-    With `tokenizer_file` in meta: that file in the checkpoint's run folder (with the side files
-    of `tokenizer_side_sha256`), refused when a sha256 differs, loaded as the kind of the
-    recorded `tokenizer` spec (sentencepiece unless that is hf:). Otherwise the `tokenizer` spec
-    (tiktoken: a name, whose ranks file the loader pins). A recorded `tokenizer_fingerprint` must
-    match either way; a tokenizer that cannot be loaded is refused naming the meta.json too.
+    With `tokenizer_file` in meta: that file in the checkpoint's run folder, loaded as the kind of
+    the recorded `tokenizer` spec (sentencepiece unless that is hf:) and checked against the
+    meta's record of it (`sprout.tokenizer_files.load_recorded`: `tokenizer_sha256`, and for hf:
+    every side file by `tokenizer_side_sha256`, one changed, gone or new refused). Otherwise the
+    `tokenizer` spec (tiktoken: a name, whose ranks file the loader pins); one that cannot be
+    loaded here raises `TokenizerUnavailable` naming the meta.json. A recorded
+    `tokenizer_fingerprint` must match either way. A tokenizer loaded from the meta's record
+    carries the checkpoint (`Tokenizer.checkpoint`: the meta.json and its `template_version`),
+    by which `sprout.chat_formats.format_for` tells the chat format it was trained with.
     """
     from sprout.tokenizer import load_tokenizer
+    from sprout.tokenizer_files import Record, load_recorded
 
     ckpt_meta = Path(meta["path"]) / META
-    if spec is None and meta.get("tokenizer_file"):
+    recorded = spec is None
+    if recorded and meta.get("tokenizer_file"):
         f = run_folder(meta["path"]) / meta["tokenizer_file"]
-        sides = [(f.parent / name, digest, "tokenizer_side_sha256")
-                 for name, digest in meta.get("tokenizer_side_sha256", {}).items()]
-        for g, digest, key in [(f, meta.get("tokenizer_sha256"), "tokenizer_sha256"), *sides]:
-            if not g.is_file():
-                raise SproutError(f"{g}: tokenizer file missing (named by {ckpt_meta}); was the run folder split up?")
-            if sha256_file(g) != digest:
-                raise SproutError(f"{g}: sha256 does not match {key} in {ckpt_meta}; "
-                                  f"not the tokenizer this model was trained with")
+        if not f.is_file():
+            raise SproutError(f"{f}: tokenizer file missing (named by {ckpt_meta}); was the run folder split up?")
         kind = "hf" if str(meta.get("tokenizer", "")).startswith("hf:") else "sentencepiece"
-        spec = f"{kind}:{f}"
-    spec = spec or meta.get("tokenizer")
-    if not spec:
-        raise SproutError(f"{ckpt_meta}: no tokenizer recorded; pass --tokenizer SPEC")
-    try:
-        tok = load_tokenizer(spec)
-    except SproutError as exc:  # a tiktoken spec's ranks file replaced, a missing file
-        raise SproutError(f"{ckpt_meta}: tokenizer {spec} cannot be loaded ({exc})") from None
+        record = Record(meta.get("tokenizer_sha256"), meta.get("tokenizer_side_sha256"), str(ckpt_meta),
+                        ("tokenizer_sha256", "tokenizer_side_sha256"), made="this model was trained with", fix="")
+        tok = load_recorded(f"{kind}:{f}", record, note=None)
+        spec = tok.spec
+    else:
+        spec = spec or meta.get("tokenizer")
+        if not spec:
+            raise TokenizerUnavailable(f"{ckpt_meta}: no tokenizer recorded; pass --tokenizer SPEC")
+        try:
+            tok = load_tokenizer(spec)
+        except SproutError as exc:  # a tiktoken spec's ranks file replaced, a missing file
+            raise TokenizerUnavailable(f"{ckpt_meta}: tokenizer {spec} cannot be loaded ({exc})") from None
     want = meta.get("tokenizer_fingerprint")
     if want and tok.fingerprint() != want:
         raise SproutError(f"{spec}: not the tokenizer {ckpt_meta} was trained with (fingerprint differs)")
+    if recorded:
+        tok.checkpoint = (str(ckpt_meta), meta.get("template_version"))
     return tok
 
 

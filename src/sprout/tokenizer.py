@@ -9,9 +9,9 @@ tiktoken ranks load offline from the data mirror's `tokenizers/gpt2.tiktoken` (`
 byte-identical to r50k_base.tiktoken), else through tiktoken's download. `hf:` encodes as
 `AutoTokenizer.from_pretrained(folder)` with `add_special_tokens=False` (an added token typed
 in the text IS its single id); bos, eos and pad come from `tokenizer_config.json`.
-A tokenizer's files are what `file_record` hashes: its own file (the .model, the tokenizer.json,
-the ranks) and, for `hf:`, the side files beside it (`side_file_names`). Preps record that with
-the fingerprint, and `load_recorded` refuses a tokenizer whose files differ from the record.
+The fingerprint is the sha256 of the tokenizer's file (the .model, the tokenizer.json, the
+ranks), which data and checkpoints record (`sprout.tokenizer_files` checks a tokenizer's files
+against such a record).
 `byte_luts()` gives `sprout.bpb` three per-id tables: bytes of the piece, a leading "▁", and
 boundary (control) ids; a target covers `base[t] + (lead[t] & ~boundary[prev])` bytes. A "▁"
 inside a piece counts as one byte; without a dummy prefix (`sprout.prep.tokenizer_train`'s
@@ -51,7 +51,10 @@ class Tokenizer:
 
     spec: str
     name: str
-    file: Path | None  # the file it was loaded from (`file_record`); None for tiktoken ranks from tiktoken's cache
+    file: Path | None  # the file it was loaded from; None for tiktoken ranks from tiktoken's cache
+    # (meta.json, template_version) of the checkpoint whose record it was loaded from
+    # (`sprout.checkpoint.checkpoint_tokenizer`; `sprout.chat_formats.format_for` reads it)
+    checkpoint: tuple[str, str | None] | None = None
     vocab_size: int
     eot_id: int
     bos_id: int | None
@@ -62,10 +65,9 @@ class Tokenizer:
         self._mirror = mirror
         self._luts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._fingerprint: str | None = None
-        self._files: dict | None = None  # `file_record`, hashed once
 
     def __reduce__(self):  # workers rebuild from the spec instead of pickling native objects
-        return (load_tokenizer, (self.spec, self._mirror))
+        return (load_tokenizer, (self.spec, self._mirror), {"checkpoint": self.checkpoint})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
@@ -370,69 +372,6 @@ def spec_file(spec: str, mirror: str | None = None) -> Path | None:
     if not path.is_file() and root is not None and (root / path).is_file():
         path = root / path
     return path
-
-
-def side_file_names(kind: str) -> tuple[str, ...]:
-    """The files beside a tokenizer's own that belong to it: for `hf`, those transformers reads
-    (`HF_SIDE_FILES`) and the chat format's (`CHAT_FORMAT_FILE`, `CHAT_TEMPLATE_FILE`); none for
-    the other kinds."""
-    if kind != "hf":
-        return ()
-    return (*HF_SIDE_FILES, CHAT_FORMAT_FILE, CHAT_TEMPLATE_FILE)
-
-
-def files_record(main: Path, kind: str) -> dict:
-    """{"sha256": of the tokenizer file `main`, "side_sha256": {name: sha256} of the
-    `side_file_names(kind)` present beside it}."""
-    sides = {name: main.parent / name for name in side_file_names(kind)}
-    return {"sha256": sha256_file(main), "side_sha256": {n: sha256_file(p) for n, p in sides.items() if p.is_file()}}
-
-
-def file_record(tok: Tokenizer) -> dict:
-    """What a prep records of `tok`'s files (`files_record` of its file). tiktoken's file is the
-    ranks file: the mirror's `tokenizers/gpt2.tiktoken`, whose sha256 the loader pins to
-    r50k_base's, so its sha256 is the fingerprint, which is also what ranks from tiktoken's own
-    cache give. Hashed on the first call and kept (a prep calls it when it loads the tokenizer)."""
-    if tok._files is None:
-        if isinstance(tok, TiktokenTokenizer):
-            tok._files = {"sha256": tok.fingerprint(), "side_sha256": {}}
-        else:
-            tok._files = files_record(tok.file, tok.spec.partition(":")[0])
-    return tok._files
-
-
-def load_recorded(spec: str, record: dict, where, stand_in: Path | None = None) -> Tokenizer:
-    """The tokenizer `spec` names, checked against what `where` (the data that was tokenized
-    with it) recorded: `record` holds its `fingerprint`, `sha256` and `side_sha256` (`file_record`).
-    A file that cannot be loaded, was replaced, or whose side files changed, appeared or went is
-    refused in one line naming that file and `where`. `stand_in`: a copy that is used when the
-    spec's file is not here (a run folder's own copy on a resume from another directory)."""
-    path = spec_file(spec)
-    if path is not None and not path.is_file() and stand_in is not None and stand_in.is_file():
-        spec = f"{spec.partition(':')[0]}:{stand_in}"
-    try:
-        tok = load_tokenizer(spec)
-    except SproutError as exc:
-        raise SproutError(f"{where}: the tokenizer this data was prepared with, {spec}, cannot be loaded ({exc})") from None
-    now = file_record(tok)
-    named = tok.file or spec
-    fix = "put back the file the data was prepared with, or prepare the data again with this one"
-    if now["sha256"] != record["sha256"]:
-        raise SproutError(f"{named}: sha256 {now['sha256'][:12]}… is not the {record['sha256'][:12]}… that {where} "
-                          f"records for the tokenizer it was prepared with (replaced after prep, or another "
-                          f"tokenizer's file); {fix}")
-    for name in sorted(set(now["side_sha256"]) | set(record["side_sha256"])):
-        was, got = record["side_sha256"].get(name), now["side_sha256"].get(name)
-        if was != got:
-            state = ("is new" if was is None else "is missing" if got is None
-                     else f"has sha256 {got[:12]}…, not the {was[:12]}… recorded")
-            raise SproutError(f"{Path(named).parent / name}: {state} since {where} was prepared with the tokenizer "
-                              f"{spec} beside it; {fix}")
-    if tok.fingerprint() != record["fingerprint"]:
-        raise SproutError(f"{named}: tokenizer fingerprint {tok.fingerprint()[:12]}… is not the "
-                          f"{record['fingerprint'][:12]}… that {where} records for the tokenizer it was prepared "
-                          f"with; {fix}")
-    return tok
 
 
 def hf_json(path: Path) -> Path:

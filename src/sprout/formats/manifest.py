@@ -2,10 +2,10 @@
 
 Written last and atomically by `sprout.prep.pretrain` (the old one removed first), so a folder
 without one is unfinished. It lists every `.bin` shard and `.h5` file with its token count,
-sha256 and largest id, the tokenizer with its fingerprint and its files' sha256, the split rule, the per-source counts
-and the command; its fields are in `read_manifest`'s docstring, which refuses anything else
-naming the file and field. `check_output_dir` refuses to write into a folder holding another
-dataset's outputs.
+sha256 and largest id, the tokenizer with its fingerprint (and an hf: tokenizer's side files'
+sha256), the split rule, the per-source counts and the command; its fields are in
+`read_manifest`'s docstring, which refuses anything else naming the file and field.
+`check_output_dir` refuses to write into a folder holding another dataset's outputs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.errors import SproutError
-from sprout.tokenizer import file_record
+from sprout.tokenizer_files import Record, side_files_sha256
 
 FORMAT = "sprout-pretrain-v1"
 MANIFEST = "manifest.json"
@@ -26,8 +26,7 @@ SIDECAR = "doc_hashes.npz"
 REQUIRED = {"format": str, "dataset": str, "tokenizer": dict, "token_dtype": str, "shards": dict,
             "hdf5": dict, "splits": dict, "sources": list, "split_rule": dict, "doc_hashes": dict,
             "command": list}
-TOKENIZER_REQUIRED = {"spec": str, "name": str, "vocab_size": int, "eot_id": int, "fingerprint": str,
-                      "sha256": str, "side_sha256": dict}
+TOKENIZER_REQUIRED = {"spec": str, "name": str, "vocab_size": int, "eot_id": int, "fingerprint": str}
 OUTPUT_FILE = re.compile(r"^(?P<dataset>.+)_(?P<split>train|val)(_\d{6}\.bin|\.h5)$")
 TEMPORARY = re.compile(r"^\.tmp-(?P<name>.+)\.[^.]+$")  # sprout.atomic's `.tmp-<final name>.<random>`
 
@@ -35,8 +34,21 @@ TEMPORARY = re.compile(r"^\.tmp-(?P<name>.+)\.[^.]+$")  # sprout.atomic's `.tmp-
 
 def tokenizer_info(tok) -> dict:
     """The manifest's `tokenizer` record of `tok` (`read_manifest`)."""
+    sides = side_files_sha256(tok)
     return {"spec": tok.spec, "name": tok.name, "vocab_size": int(tok.vocab_size), "eot_id": int(tok.eot_id),
-            "bos_id": tok.bos_id, "pad_id": tok.pad_id, "fingerprint": tok.fingerprint(), **file_record(tok)}
+            "bos_id": tok.bos_id, "pad_id": tok.pad_id, "fingerprint": tok.fingerprint(),
+            **({"side_sha256": sides} if sides is not None else {})}
+
+
+def tokenizer_record(man: dict, path: Path) -> Record | None:
+    """What the manifest `path` (read with `read_manifest` as `man`) records of the tokenizer its
+    data was prepared with (`sprout.tokenizer_files.load_recorded` checks it); None when it names
+    none (spec "", data made outside prep)."""
+    tok = man["tokenizer"]
+    if not tok["spec"]:
+        return None
+    return Record(tok["fingerprint"], tok.get("side_sha256"), str(path),
+                  ("tokenizer.fingerprint", "tokenizer.side_sha256"))
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
@@ -48,7 +60,7 @@ def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
 def write_shard_manifest(directory: str | os.PathLike, dataset: str, vocab_size: int, eot_id: int = 0) -> Path:
     """A manifest for `.bin` shards made outside prep (synthetic test or benchmark data): each
     `<dataset>_<split>_NNNNNN.bin` in the folder with its token count, sha256 and largest id;
-    the tokenizer is unnamed (spec "", no fingerprint nor sha256), sources and split rule empty."""
+    the tokenizer is unnamed (spec "", no fingerprint), sources and split rule empty."""
     from sprout.formats.shards import SHARD_RE, open_shard, read_header
 
     directory = Path(directory)
@@ -65,7 +77,7 @@ def write_shard_manifest(directory: str | os.PathLike, dataset: str, vocab_size:
     return write_manifest(directory, {
         "dataset": dataset, "token_dtype": dtype or "uint16", "shards": shards, "hdf5": {}, "splits": splits,
         "tokenizer": {"spec": "", "name": "none", "vocab_size": int(vocab_size), "eot_id": int(eot_id),
-                      "bos_id": None, "pad_id": None, "fingerprint": "", "sha256": "", "side_sha256": {}},
+                      "bos_id": None, "pad_id": None, "fingerprint": ""},
         "sources": [], "split_rule": {}, "doc_hashes": {}, "command": []})
 
 
@@ -74,11 +86,12 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
         format*       "sprout-pretrain-v1"
         dataset*      the file name prefix: `<dataset>_<split>_<6 digits>.bin`, `<dataset>_<split>.h5`
-        tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*, sha256*,
-                      side_sha256*}; fingerprint: `Tokenizer.fingerprint()`; sha256: of the tokenizer's
-                      file, side_sha256: {name: sha256} of an hf: tokenizer's side files
-                      (`sprout.tokenizer.file_record`; a trainer compares them with the file now,
-                      `sprout.tokenizer.load_recorded`); spec "": no tokenizer named, nothing compared
+        tokenizer*    {spec*, name*, vocab_size*, eot_id*, bos_id, pad_id, fingerprint*, side_sha256};
+                      fingerprint: `Tokenizer.fingerprint()`, the sha256 of the tokenizer's file;
+                      side_sha256: {name: sha256} of an hf: tokenizer's side files
+                      (`sprout.tokenizer_files.side_files_sha256`; absent for the other kinds and in
+                      hf: data of an earlier version); a trainer compares both with the files now
+                      (`tokenizer_record`); spec "": no tokenizer named, nothing compared
         token_dtype*  "uint16" | "uint32"
         shards*       {"train": [{file*, num_tokens*, sha256*, max_token_id*}, ...], "val": [...]}: the
                       `.bin` shards (`sprout.formats.shards`) in stream order, [] for hdf5 only;
@@ -107,10 +120,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise SproutError(f"{path}: top level must be a JSON object")
     _check_fields(path, data, REQUIRED, "")
-    if isinstance(data["tokenizer"], dict) and "sha256" not in data["tokenizer"]:
-        raise SproutError(f"{path}: tokenizer has no sha256 of its file (written by an earlier version of sprout); "
-                          f"prepare the data again")
     _check_fields(path, data["tokenizer"], TOKENIZER_REQUIRED, "tokenizer.")
+    sides = data["tokenizer"].get("side_sha256", {})
+    if not isinstance(sides, dict) or not all(isinstance(v, str) for v in sides.values()):
+        raise SproutError(f"{path}: field tokenizer.side_sha256 should be an object of sha256 strings")
     if data["format"] != FORMAT:
         raise SproutError(f"{path}: format {data['format']!r}, expected {FORMAT!r}")
     for split, entries in data["shards"].items():

@@ -26,6 +26,7 @@ import numpy as np
 
 from sprout.atomic import AtomicH5
 from sprout.errors import SproutError
+from sprout.tokenizer_files import Record
 
 FORMAT = "sprout-sft"
 FORMAT_VERSION = 1
@@ -123,10 +124,11 @@ class SFTFile:
         segment_ids   uint16      1..k for the row's k documents, 0 on padding
         position_ids  uint16      0.. within each document (restart per document), 0 on padding
     Attributes: format "sprout-sft", format_version 1, split ("train"|"val"), seq_len, num_rows,
-    tokenizer_spec, tokenizer_name, tokenizer_fingerprint, tokenizer_sha256 (of the tokenizer's
-    file, `sprout.tokenizer.file_record`), vocab_size, eot_id, pad_id, template_version (e.g.
-    `sprout-chat-v1`), command, prep_run_id; as JSON: tokenizer_side_sha256 (of an hf:
-    tokenizer's side files; `tokenizer_record`), template (role
+    tokenizer_spec, tokenizer_name, tokenizer_fingerprint (the sha256 of the tokenizer's file),
+    vocab_size, eot_id, pad_id, template_version (e.g. `sprout-chat-v1`), command, prep_run_id;
+    as JSON: tokenizer_side_sha256 (of an hf: tokenizer's side files,
+    `sprout.tokenizer_files.side_files_sha256`; absent for the other kinds and in hf: files of an
+    earlier version; `tokenizer_record`), template (role
     header ids, eot; for other chat formats also the format, the ids after each eot and the BOS),
     counts (per-source reads, drops by reason, dedup, split, packing totals), config (the
     resolved prep config), held_out (the held-out sets the prep excluded, `sprout.prep.held_out`;
@@ -257,14 +259,14 @@ class SFTFile:
             raise SFTFormatError(f"{self.path}: corrupted data ({exc})") from None
         return np.concatenate(found) if found else np.zeros(0, np.int64)
 
-    def tokenizer_record(self) -> dict:
-        """What the prep recorded of its tokenizer: {fingerprint, sha256, side_sha256}, which a
-        trainer compares with the tokenizer file now (`sprout.tokenizer.load_recorded`); a file
-        without tokenizer_sha256 is refused."""
-        if "tokenizer_sha256" not in self.attrs:
-            self._fail("no tokenizer_sha256 (written by an earlier version of sprout); prepare the data again")
-        return {"fingerprint": self.attrs["tokenizer_fingerprint"], "sha256": self.attrs["tokenizer_sha256"],
-                "side_sha256": self.attrs.get("tokenizer_side_sha256", {})}
+    def tokenizer_record(self) -> Record:
+        """What the prep recorded of its tokenizer's files, which a trainer compares with the files
+        now (`sprout.tokenizer_files.load_recorded`)."""
+        sides = self.attrs.get("tokenizer_side_sha256")
+        if sides is not None and not isinstance(sides, dict):
+            self._fail("attribute tokenizer_side_sha256 is not an object of sha256 strings")
+        return Record(self.attrs["tokenizer_fingerprint"], sides, str(self.path),
+                      ("tokenizer_fingerprint", "tokenizer_side_sha256"))
 
     def close(self) -> None:
         self._f.close()

@@ -11,7 +11,7 @@ Each raises SproutError naming the file at the first failure and returns a `Data
 `line()` says what was checked and how long it took. Mode "full" hashes every byte; "sizes"
 checks presence, sizes and counts only and trusts the recorded largest id (`data.verify`); its
 line names the checks it skipped (`DataCheck.skipped`). The tokenizer the data records is
-checked by the trainers themselves (`sprout.tokenizer.load_recorded`), which load it.
+checked by the trainers themselves (`sprout.tokenizer_files.load_recorded`), which load it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from sprout.errors import SproutError
 from sprout.formats import manifest as mf
 from sprout.formats.h5tokens import open_tokens_h5
 from sprout.formats.shards import HEADER_BYTES, open_shard, read_header
+from sprout.tokenizer_files import Record
 
 BLOCK = 1 << 22  # tokens read per block when scanning a file's ids
 
@@ -56,7 +57,7 @@ class DataCheck:
     vocab_size: int | None = None
     tokenizer: str | None = None
     tokenizer_fingerprint: str | None = None  # the tokenizer's fingerprint, as prep recorded it
-    tokenizer_record: dict | None = None  # {fingerprint, sha256, side_sha256} as prep recorded them
+    tokenizer_record: Record | None = None  # the tokenizer's files as prep recorded them
     max_token_id: int = -1
     max_where: str = ""
     notes: list = field(default_factory=list)
@@ -223,8 +224,7 @@ def verify_token_data(path: str | Path, mode: str = "full", show_progress: bool 
     man = mf.read_manifest(directory)
     tok = man["tokenizer"]
     check.vocab_size, check.tokenizer, check.tokenizer_fingerprint = tok["vocab_size"], tok["spec"] or None, tok["fingerprint"] or None
-    if tok["spec"]:
-        check.tokenizer_record = {k: tok[k] for k in ("fingerprint", "sha256", "side_sha256")}
+    check.tokenizer_record = mf.tokenizer_record(man, directory / mf.MANIFEST)
     for p in sorted(directory.iterdir()):
         if p.suffix in TOKEN_SUFFIXES:
             check_listed(p, man)

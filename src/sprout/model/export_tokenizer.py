@@ -22,10 +22,9 @@ import shutil
 from pathlib import Path
 
 from sprout.chat import MARKERS, RESERVED, template_for
-from sprout.tokenizer import CHAT_TEMPLATE_FILE
 from sprout.errors import SproutError
-from sprout.tokenizer import (EOT, HF_FILE, HF_SIDE_FILES, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer,
-                              bytes_to_unicode)
+from sprout.tokenizer import (CHAT_TEMPLATE_FILE, EOT, HF_FILE, HF_SIDE_FILES, HFTokenizer, SentencePieceTokenizer,
+                              TiktokenTokenizer, bytes_to_unicode)
 
 HEADER_CUT = r"<\|(?:system|user|assistant)\|>\n"  # tiktoken: text is cut after each role header
 SP_WORD = r"▁*[^▁]+|▁+"  # SentencePiece's words: a run of "▁", then the text up to the next "▁"

@@ -54,7 +54,7 @@ def _bad(where: str, name: str, value, want: str) -> SproutError:
     return SproutError(f"{where}: {name} {json.dumps(value)} {want}")
 
 
-def whole(config: dict, name: str, default, where: str, *, minimum: int = 1, none_ok: bool = False):
+def whole_number_field(config: dict, name: str, default, where: str, *, minimum: int = 1, none_ok: bool = False):
     """config[name] (`default` when absent) as a whole number of at least `minimum` (None when
     `none_ok`), else one line naming the field."""
     value = config.get(name, default)
@@ -65,7 +65,7 @@ def whole(config: dict, name: str, default, where: str, *, minimum: int = 1, non
     return value
 
 
-def positive(value, name: str, where: str) -> float:
+def positive_field(value, name: str, where: str) -> float:
     """`value` as a finite number above 0, else one line naming the field `name`."""
     if not is_finite_number(value) or value <= 0:
         raise _bad(where, name, value, "is not a finite number above 0")
@@ -110,8 +110,8 @@ def rope_settings(config: dict, where: str, max_positions: int | None = None) ->
     `max_positions`: its max_position_embeddings (llama3's default original length)."""
     field, rope, kind = chosen_rope(config, where)
     own = "rope_theta" in rope
-    theta = positive(rope["rope_theta"] if own else config.get("rope_theta", ROPE_THETA),
-                     f"{field}'s rope_theta" if own else "rope_theta", where)
+    theta = positive_field(rope["rope_theta"] if own else config.get("rope_theta", ROPE_THETA),
+                           f"{field}'s rope_theta" if own else "rope_theta", where)
     if kind not in ROPE_KINDS:
         raise SproutError(f"{where}: rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)}; "
                           f"transformers reads it from {field})")
@@ -124,7 +124,7 @@ def rope_settings(config: dict, where: str, max_positions: int | None = None) ->
     missing = [k for k in ("factor", *(LLAMA3_ROPE[1:3] if kind == "llama3" else ())) if k not in rope]
     if missing:
         raise SproutError(f"{where}: {field} of type {kind} lacks {', '.join(missing)}")
-    factor = positive(rope["factor"], f"{field}'s factor", where)
+    factor = positive_field(rope["factor"], f"{field}'s factor", where)
     if kind == "dynamic":
         return theta, None
     values = {k: rope.get(k) for k in LLAMA3_ROPE}
@@ -133,7 +133,7 @@ def rope_settings(config: dict, where: str, max_positions: int | None = None) ->
     elif values["original_max_position_embeddings"] is None:
         values["original_max_position_embeddings"] = max_positions
     for k in LLAMA3_ROPE[1:]:
-        positive(values[k], k if k == "original_max_position_embeddings" else f"{field}'s {k}", where)
+        positive_field(values[k], k if k == "original_max_position_embeddings" else f"{field}'s {k}", where)
     return theta, {"rope_type": "llama3", **values, "factor": factor}
 
 
@@ -160,14 +160,14 @@ def sliding_window(config: dict, arch: str, n_layers: int, where: str) -> int | 
     config.json), or None when every layer attends to the whole context."""
     if arch == "LlamaForCausalLM":
         return None
-    window = whole(config, "sliding_window", DEFAULTS[arch]["sliding_window"], where, none_ok=True)
+    window = whole_number_field(config, "sliding_window", DEFAULTS[arch]["sliding_window"], where, none_ok=True)
     if arch == "MistralForCausalLM":
         return window
     if not config.get("use_sliding_window", False):
         window = None
     layer_types = config.get("layer_types")
     if layer_types is None:
-        first = whole(config, "max_window_layers", DEFAULTS[arch]["max_window_layers"], where, minimum=0)
+        first = whole_number_field(config, "max_window_layers", DEFAULTS[arch]["max_window_layers"], where, minimum=0)
         layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                        for i in range(n_layers)]
     if "sliding_attention" not in layer_types:
@@ -201,25 +201,26 @@ def model_config(config: dict, where: str, max_seq_len: int | None = None) -> Mo
     tie = config.get("tie_word_embeddings", defaults["tie_word_embeddings"])
     if not isinstance(tie, bool):
         raise _bad(where, "tie_word_embeddings", tie, "is not true or false")
-    vocab, hidden, layers, heads = (whole(config, k, defaults[k], where) for k in
+    vocab, hidden, layers, heads = (whole_number_field(config, k, defaults[k], where) for k in
                                     ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"))
-    kv_heads = whole(config, "num_key_value_heads", defaults["num_key_value_heads"], where, none_ok=True) or heads
-    d_ff = whole(config, "intermediate_size", defaults["intermediate_size"], where)
+    kv_heads = (whole_number_field(config, "num_key_value_heads", defaults["num_key_value_heads"], where, none_ok=True)
+                or heads)
+    d_ff = whole_number_field(config, "intermediate_size", defaults["intermediate_size"], where)
     if arch == "Qwen2ForCausalLM":  # no head_dim field: config.json's is used when there, null included
-        head_dim = whole(config, "head_dim", hidden // heads, where)
+        head_dim = whole_number_field(config, "head_dim", hidden // heads, where)
     else:
-        head_dim = whole(config, "head_dim", None, where, none_ok=True) or hidden // heads
+        head_dim = whole_number_field(config, "head_dim", None, where, none_ok=True) or hidden // heads
     if arch == "LlamaForCausalLM" and hidden % heads:
         raise SproutError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                           f"(transformers refuses such a Llama config)")
-    positions = whole(config, "max_position_embeddings", defaults["max_position_embeddings"], where)
+    positions = whole_number_field(config, "max_position_embeddings", defaults["max_position_embeddings"], where)
     tokens = context(positions, max_seq_len, head_dim, where)
     window = sliding_window(config, arch, layers, where)
     if window is not None and window < tokens:
         raise SproutError(f"{where}: sliding_window {window} is shorter than the context {tokens} (sliding-window "
                           f"attention is not supported; a --max-seq-len of at most {window} avoids it)")
     theta, scaling = rope_settings(config, where, positions)
-    eps = positive(config.get("rms_norm_eps", defaults["rms_norm_eps"]), "rms_norm_eps", where)
+    eps = positive_field(config.get("rms_norm_eps", defaults["rms_norm_eps"]), "rms_norm_eps", where)
     init = config.get("initializer_range", 0.02)  # initialisation only: no part of the maths
     init = float(init) if isinstance(init, (int, float)) and not isinstance(init, bool) and 0 < init < 1 else 0.02
     try:

@@ -34,8 +34,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from sprout.atomic import sha256_file
-from sprout.chat_detect import folder_chat_format, read_chat_template
-from sprout.chat_formats import ChatFormat, write_chat_format
+from sprout.chat_detect import folder_chat_format
+from sprout.chat_formats import ChatFormat, read_chat_template, write_chat_format
 from sprout.checkpoint import bundle_tokenizer, save_rotating
 from sprout.config import config_to_dict
 from sprout.errors import SproutError

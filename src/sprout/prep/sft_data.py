@@ -37,7 +37,7 @@ from sprout.prep.packing import OVERLONG_POLICIES, pack
 from sprout.prep.records import empty_split_warning, kept_records, log_first_drops
 from sprout.prep.sources import print_warning
 from sprout.ranges import SEED_RANGE, in_range
-from sprout.tokenizer import file_record
+from sprout.tokenizer_files import side_files_sha256
 
 
 @dataclass
@@ -80,7 +80,8 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_wa
     without a row is written and warned about). Examples longer than `seq_len` follow `overlong`;
     every count goes to the files' `counts` attribute."""
     specs = _check_config(cfg)
-    tok_files = file_record(tok)  # the tokenizer's files hashed now, as they are when it is loaded
+    tok.fingerprint()  # the tokenizer's files hashed now, as they are when it is loaded, and kept
+    sides = side_files_sha256(tok)
     t0 = time.perf_counter()
     per_source = {s.name: Counter() for s in specs}
     seen: set[bytes] = set()
@@ -127,7 +128,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_wa
     pad_id = tok.pad_id if tok.pad_id is not None else tok.eot_id
     token_dtype = dtype_for_vocab(tok.vocab_size)
     attrs = {"tokenizer_spec": tok.spec, "tokenizer_name": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
-             "tokenizer_sha256": tok_files["sha256"], "tokenizer_side_sha256": tok_files["side_sha256"],
+             **({"tokenizer_side_sha256": sides} if sides is not None else {}),
              "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "pad_id": pad_id,
              "template_version": tpl.version, "template": tpl.to_json(),
              "config": {k: v for k, v in vars(cfg).items()}, "command": command, "held_out": held_out.record()}

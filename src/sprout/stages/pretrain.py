@@ -31,7 +31,8 @@ from sprout.formats.data_paths import token_data_path
 from sprout.formats.verify_inputs import DataCheck, verify_token_data
 from sprout.losses.tokens import token_nll_sum
 from sprout.model.transformer import Transformer
-from sprout.tokenizer import Tokenizer, load_recorded, load_tokenizer
+from sprout.tokenizer import Tokenizer, load_tokenizer
+from sprout.tokenizer_files import load_recorded
 from sprout.ranges import check_ranges
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.stage import TokenStage, micro_steps
@@ -106,17 +107,17 @@ def verify_data(data: TokenDataConfig) -> DataCheck:
     return check
 
 
-def data_tokenizer(spec: str | None, check: DataCheck, manifest: Path, out: str) -> Tokenizer | None:
+def data_tokenizer(spec: str | None, check: DataCheck, out: str) -> Tokenizer | None:
     """The tokenizer of the val bits per byte: `spec` (data.tokenizer), else the one the data
-    names, whose files and fingerprint must be those `manifest` records (`load_recorded`; the
-    run folder `out`'s own copy stands in for a file not here); None when neither names one.
-    Data made outside prep records none, and its tokenizer is taken as it is."""
+    names, whose files must be those its manifest records (`load_recorded`; the run folder
+    `out`'s own copy stands in for a file not here); None when neither names one. Data made
+    outside prep records none, and its tokenizer is taken as it is."""
     spec = spec or check.tokenizer
     if not spec:
         return None
     if check.tokenizer_record is None:
         return load_tokenizer(spec)
-    return load_recorded(spec, check.tokenizer_record, manifest, stand_in=bundled_file(spec, out))
+    return load_recorded(spec, check.tokenizer_record, stand_in=bundled_file(spec, out), note=print_rank0)
 
 
 def vocab_for_data(data_vocab: int) -> int:
@@ -178,7 +179,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict:
     data_dir = Path(cfg.data.dir)
     where = data_dir / "manifest.json" if data_dir.is_dir() else data_dir
     spec = cfg.data.tokenizer or check.tokenizer
-    tok = data_tokenizer(spec, check, (data_dir if data_dir.is_dir() else data_dir.parent) / "manifest.json", cfg.out)
+    tok = data_tokenizer(spec, check, cfg.out)
     train_src, val_src = open_token_sources(cfg.data.dir, "train"), open_token_sources(cfg.data.dir, "val")
     if cfg.model.vocab_size is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_for_data(check.vocab_size)))

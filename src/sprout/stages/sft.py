@@ -27,7 +27,8 @@ from data_loader.sft_batches import SFTLoader, shift
 from sprout.atomic import check_writable
 from sprout.chat import ChatError
 from sprout.chat_formats import ChatFormat, format_for, format_for_spec
-from sprout.checkpoint import bundled_file, checkpoint_tokenizer, init_record, load_weights, read_meta
+from sprout.checkpoint import (TokenizerUnavailable, bundled_file, checkpoint_tokenizer, init_record, load_weights,
+                               read_meta)
 from sprout.errors import SproutError
 from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
@@ -44,7 +45,7 @@ from sprout.engine.stage import TokenStage, micro_steps
 from sprout.engine.run_stage import lora_policy, start_run, train_stage, with_epochs
 from sprout.engine.cli import is_rank0, print_rank0, resolve_resume
 from sprout.stages.configs import SFTConfig
-from sprout.tokenizer import load_recorded
+from sprout.tokenizer_files import load_recorded
 
 
 def sft_batch_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -128,12 +129,10 @@ class SFTStage(TokenStage):
 
 # ---- checks before anything heavy starts ----------------------------------------------------
 def _base_fingerprint(base: dict) -> str | None:
-    """The fingerprint of the base checkpoint's tokenizer (its run folder's copy, else its spec;
-    `sprout.checkpoint.checkpoint_tokenizer`), or None when it cannot be loaded here."""
-    try:
-        return checkpoint_tokenizer(base).fingerprint()
-    except SproutError:
-        return None
+    """The fingerprint of the base checkpoint's tokenizer (`base_tokenizer`), or None when it
+    cannot be loaded here."""
+    tok = base_tokenizer(base)
+    return tok.fingerprint() if tok is not None else None
 
 
 def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, val: Path, val_attrs: dict,
@@ -150,6 +149,21 @@ def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, 
         raise SproutError(f"{data}: rendered with chat template {attrs['template_version']!r}, but the base "
                           f"checkpoint's tokenizer renders {fmt.version!r} ({fmt.name}) at inference; "
                           f"prepare the SFT data again")
+    v, mv = attrs["vocab_size"], model_cfg.vocab_size
+    if not v <= mv <= -(-v // 128) * 128:  # the model's vocab may be the tokenizer's padded for matmuls
+        raise SproutError(f"{data}: data vocab is {v} but the base checkpoint {ckpt} has vocab_size {mv}")
+    if attrs["seq_len"] - 1 > model_cfg.max_seq_len:
+        raise SproutError(f"{data}: rows of {attrs['seq_len']} tokens (inputs of {attrs['seq_len'] - 1}) exceed "
+                          f"max_seq_len {model_cfg.max_seq_len} of the base checkpoint {ckpt}; prepare the SFT "
+                          f"data with --seq-len {model_cfg.max_seq_len}")
+
+
+def check_base_tokenizer(base: dict, data: Path, attrs: dict) -> None:
+    """Refuse SFT data (`data`, its `attrs`) of another tokenizer than the base checkpoint's: by the
+    fingerprints recorded, else by the base's tokenizer loaded (`_base_fingerprint`), else by spec.
+    Comes before the base's tokenizer is loaded for the run, so that a base of another tokenizer is
+    named as such."""
+    ckpt = Path(base["path"]) / "meta.json"
     spec, fp = attrs["tokenizer_spec"], attrs["tokenizer_fingerprint"]
     base_spec, base_fp = base.get("tokenizer"), base.get("tokenizer_fingerprint")
     if base_fp is None and (base.get("tokenizer_file") or base_spec not in (None, spec)):
@@ -160,33 +174,28 @@ def check_sft_data(base: dict, model_cfg: ModelConfig, data: Path, attrs: dict, 
         raise SproutError(f"{data}: SFT data was tokenized with {spec} (fingerprint {fp[:12]}) but the base "
                           f"checkpoint {ckpt} was trained with {base_spec} (fingerprint {base_fp}); "
                           f"prepare the SFT data with --tokenizer {base_spec}")
-    v, mv = attrs["vocab_size"], model_cfg.vocab_size
-    if not v <= mv <= -(-v // 128) * 128:  # the model's vocab may be the tokenizer's padded for matmuls
-        raise SproutError(f"{data}: data vocab is {v} but the base checkpoint {ckpt} has vocab_size {mv}")
-    if attrs["seq_len"] - 1 > model_cfg.max_seq_len:
-        raise SproutError(f"{data}: rows of {attrs['seq_len']} tokens (inputs of {attrs['seq_len'] - 1}) exceed "
-                          f"max_seq_len {model_cfg.max_seq_len} of the base checkpoint {ckpt}; prepare the SFT "
-                          f"data with --seq-len {model_cfg.max_seq_len}")
 
 
 def check_sft_tokenizer(data: Path, val: Path, out: str) -> None:
-    """The pair's tokenizer file (its `tokenizer_spec`) must be the one the train file records,
-    by sha256 and fingerprint (`sprout.tokenizer.load_recorded`; the run folder `out`'s own copy
-    stands in for a file not here), and the val file must record the same."""
+    """The pair's tokenizer files (its `tokenizer_spec`) must be those the train file records
+    (`sprout.tokenizer_files.load_recorded`; the run folder `out`'s own copy stands in for a file
+    not here), and the val file must record the same."""
     with SFTFile(data) as f:
         spec, record = f.attrs["tokenizer_spec"], f.tokenizer_record()
     with SFTFile(val) as f:
-        if f.tokenizer_record() != record:
-            raise SproutError(f"{val}: its tokenizer record (fingerprint, sha256) differs from the train file {data}'s")
-    load_recorded(spec, record, data, stand_in=bundled_file(spec, out))
+        if not f.tokenizer_record().same(record):
+            raise SproutError(f"{val}: its tokenizer record (tokenizer_fingerprint, tokenizer_side_sha256) differs "
+                              f"from the train file {data}'s")
+    load_recorded(spec, record, stand_in=bundled_file(spec, out), note=print_rank0)
 
 
-def _sample_tokenizer(base: dict):
-    """The base checkpoint's tokenizer for the end-of-training samples, or None (no samples)
-    when it cannot be loaded here."""
+def base_tokenizer(base: dict):
+    """The base checkpoint's tokenizer (`checkpoint_tokenizer`), also for the end-of-training
+    samples: a run folder's copy that changed is refused like any other; None (no samples) only
+    when a tokenizer named by its spec alone cannot be loaded here (tiktoken without its ranks)."""
     try:
         return checkpoint_tokenizer(base)
-    except SproutError:
+    except TokenizerUnavailable:
         return None
 
 
@@ -222,7 +231,11 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     print_rank0(check.report("SFT files"))
     check_sft_tokenizer(data, val, cfg.out)
     attrs = _attrs(data)
-    sample_tok = _sample_tokenizer(base)
+    check_base_tokenizer(base, data, attrs)
+    sample_tok = base_tokenizer(base)
+    if sample_tok is not None and sample_tok.checkpoint is not None and base.get("template_version") is None:
+        # a base never trained on chat: a chat template in its tokenizer copy renders what this run trains it with
+        sample_tok.checkpoint = (sample_tok.checkpoint[0], attrs["template_version"])
     fmt = format_for(sample_tok) if sample_tok is not None else format_for_spec(attrs["tokenizer_spec"])
     check_sft_data(base, model_cfg, data, attrs, val, _attrs(val), fmt)
     for path in (data, val):
