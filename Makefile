@@ -5,7 +5,7 @@ PYBIN   := $(VENV)/bin/python
 MIRROR  ?= $(abspath ../shared/data)
 DEMO    ?= runs/demo
 
-.PHONY: venv test test-fast demo docs bench clean
+.PHONY: venv venv-vllm test test-fast demo docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,18 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# rollout.engine: vllm needs a GPU and an environment of its own: vLLM pins transformers below the
+# export/import extras' pin (pyproject.toml). With peft, TensorBoard, pytest and TRL 1.16, whose GRPO
+# with use_vllm is the comparison (docs/gpus.md#vllm-as-the-rollout-engine)
+VLLM_VENV := .venv-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm,lora,track]' trl==1.16.0 'pytest>=8,<9.2'
+	touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
 
 # 2 pytest-xdist workers (JOBS=N for another count); tests/conftest.py says how tests are grouped
 JOBS    ?= 2
@@ -38,4 +50,4 @@ bench: venv
 	SPROUT_MIRROR=$(MIRROR) $(PYBIN) benchmarks/rl_throughput.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

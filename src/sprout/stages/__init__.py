@@ -15,6 +15,9 @@ the loop is never copied here.
     rl_rewards.py        the RL stages' reward functions (built-in verifiers, module:function)
     rl_stage.py          what PPO and GRPO share: prompts, rollouts, the rollout buffer,
                          held-out eval
+    rollout_engine.py    what generates the rollouts (rollout.engine): the interface, sprout's
+                         own decode, the start-up check
+    vllm_engine.py       rollout.engine vllm: vLLM colocated, loaded with the policy's weights
     ppo.py               PPO: a value head, a reward model and/or verifiers, KL, GAE
     grpo.py              GRPO and its variants (Dr. GRPO, DAPO, GSPO, RLOO, CISPO, SAPO)
 """

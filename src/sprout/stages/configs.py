@@ -180,7 +180,15 @@ class RolloutConfig:
     temperature: float = in_range(1.0, "(0, inf)")
     top_k: int | None = in_range(None, "[1, inf)")  # sample among the k likeliest tokens; None: all
     top_p: float | None = in_range(None, "(0, 1]")  # sample within this probability mass (nucleus); None: all
-    compile: bool = resume_free(False)  # compile the decode step (single process only; see model/generate.py)
+    compile: bool = resume_free(False)  # compile sprout's decode step (single process only; model/generate.py)
+    # sprout: sprout's own decode on the live policy; vllm: vLLM in this process, one GPU, its copy of the
+    # weights refreshed after every optimizer step (installed apart: docs/gpus.md); either way the loss
+    # recomputes every log-prob (sprout.stages.rollout_engine)
+    engine: Literal["sprout", "vllm"] = resume_free("sprout")
+    # engine vllm: the share of the GPU's memory vLLM takes (TRL's vllm_gpu_memory_utilization)
+    vllm_gpu_memory_utilization: float = in_range(0.3, "(0, 1]", metadata=RESUME_FREE)
+    # engine vllm: free its weights and KV cache between generations (TRL's vllm_enable_sleep_mode)
+    vllm_enable_sleep_mode: bool = resume_free(False)
     # consecutive steps whose every completion is out of the loss (truncated and masked: loss 0, no
     # gradient) before the run stops; the first such step is warned about
     max_all_masked_steps: int = in_range(5, "[1, inf)", metadata=RESUME_FREE)

@@ -165,11 +165,7 @@ class GRPOStage(RLStage):
                  "completions/min_length": (float(lengths.min()), 1),
                  "completions/clipped_ratio": (float(table[:, 3].sum()), n)}
         if "old_logps" in rollout:  # else the loss logs them (`sampling_metrics`)
-            mask = rollout["completion_mask"].bool()
-            diff = (rollout["old_logps"] - rollout["sampler_logps"]).abs()[mask]
-            d = all_reduce_sums(acc, {"sum": diff.double().sum(), "n": float(diff.numel())})
-            diff_max = float(self.gather(diff.max().reshape(1) if diff.numel() else torch.zeros(1)).max())
-            stats.update({"sampling/logp_diff_mean": (d["sum"], d["n"]), "sampling/logp_diff_max": (diff_max, 1)})
+            stats.update(self.logp_gap_stats(rollout))
         per_fn = {r.name: [None if math.isnan(v) else v for v in table[:, 4 + i].tolist()]
                   for i, r in enumerate(self.rewards)}
         stats.update({k: (v, 1) for k, v in reward_metrics(per_fn).items()})

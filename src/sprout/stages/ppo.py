@@ -213,8 +213,9 @@ class PPOStage(RLStage):
         objective/rlhf_reward (scores + non_score_reward), rewards/reward_model/mean,
         rewards/<fn>/mean|std, val/explained_variance (1 - Var(R - V_old) / Var(R) over completion
         tokens), val/num_eos_tokens, completions/mean_length|max_length|min_length|clipped_ratio,
-        and rank 0's seconds per batch in time/generation_s, time/reward_model_s,
-        time/reference_s, time/values_s (old log-probs and values)."""
+        sampling/logp_diff_mean|max (the old log-probs against the sampler's), and rank 0's
+        seconds per batch in time/generation_s, time/reward_model_s, time/reference_s,
+        time/values_s (old log-probs and values)."""
         mask = rollout["completion_mask"].double()
         R, V = rollout["returns"].double(), rollout["old_values"].double()
         s = all_reduce_sums(self.acc, {"n": mask.sum(), "r": (R * mask).sum(), "r2": (R * R * mask).sum(),
@@ -242,6 +243,7 @@ class PPOStage(RLStage):
                   for i, r in enumerate(self.rewards)}
         stats.update({k: (v, 1) for k, v in reward_metrics(per_fn).items()})
         stats.update({k: (v, 1) for k, v in times.items()})
+        stats.update(self.logp_gap_stats(rollout))
         if stats["val/explained_variance"][0] != stats["val/explained_variance"][0]:
             del stats["val/explained_variance"]  # constant returns: no variance to explain
         return stats

@@ -3,12 +3,15 @@
 Per buffer: `PromptLoader` gives this rank its contiguous slice of each global batch of
 prompts (a seeded permutation per epoch; ranks never share a prompt); `sample` generates G
 completions of each with the stage's own generator (seeded by train.seed and the rank), the
-G of a prompt adjacent on its rank; the reward functions score them; `completion_logps` (the
-loss's own forward, no gradient) gives the old and the reference's log-probs, never the
-sampler's (their difference is logged as `sampling/logp_diff_mean|max`); the subclass turns
-rewards into advantages; the buffer serves `num_iterations` optimizer steps. With a
-temperature other than 1 every log-prob is that of logits / temperature, as TRL's GRPO. The
-buffer and the generator are `tensor_state`, so a resume inside a buffer continues exactly.
+G of a prompt adjacent on its rank, through the rollout engine (`rollout.engine`,
+`sprout.stages.rollout_engine`: its one `generate` call is all that differs between engines,
+and its `update_weights` runs after every optimizer step); the reward functions score them;
+`completion_logps` (the loss's own forward, no gradient) gives the old and the reference's
+log-probs, never the sampler's (their difference is logged as `sampling/logp_diff_mean|max`,
+`logp_gap_stats`); the subclass turns rewards into advantages; the buffer serves
+`num_iterations` optimizer steps. With a temperature other than 1 every log-prob is that of
+logits / temperature, as TRL's GRPO. The buffer and the generator are `tensor_state`, so a
+resume inside a buffer continues exactly.
 Buffer figures are computed once over the gathered global batch and ride on each step's first
 micro-batch as (sum, count) on rank 0 ((0, 0) elsewhere), so the loop's reduction is exact.
 """
@@ -34,7 +37,7 @@ from sprout.formats.prompts import read_prompts
 from sprout.prep.held_out import check_train_jsonl
 from sprout.formats.verify_inputs import verify_jsonl_data
 from sprout.losses.policy import token_entropy
-from sprout.model.generate import generate_tokens
+from sprout.model.generate import default_stop_ids
 from sprout.model.heads import padding_inputs
 from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.config import ModelConfig
@@ -46,6 +49,7 @@ from sprout.engine.run_stage import start_run, with_epochs
 from sprout.engine.cli import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition
 from sprout.stages.configs import PromptBatchConfig, RolloutConfig
+from sprout.stages.rollout_engine import check_engine, make_engine
 
 
 def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: int = 1) -> int:
@@ -152,10 +156,19 @@ class RLStage(LoaderPosition):
         self.buffer_all_masked = False    # no completion token of the global batch is in the loss
         self.all_masked_steps = 0         # steps in a row served such a buffer
         self.model = None                 # the policy for generation and old log-probs (setup)
+        self.engine = None                # what generates the rollouts (setup)
+        self.stop_ids = default_stop_ids(tokenizer)
         self.sharded = False
 
     def setup(self, trainer) -> None:
+        """The policy and its rollout engine; the engine's `update_weights` hooked to the end of
+        every optimizer step (the torch optimizer's post-step hook)."""
         self.model, self.sharded = trainer.generation_model, trainer.sharded
+        self.engine = make_engine(self.rollout, self.model, self.tok, self.acc, rows=self.loader.per_rank * self.G)
+        optimizer = getattr(trainer, "optimizer", None)
+        if optimizer is not None:
+            optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper: the torch optimizer
+            optimizer.register_step_post_hook(lambda *_: self.engine.update_weights(self.model))
 
     # ---- rollouts ----
     def sample(self, idx: np.ndarray, ids: list[list[int]] | None = None) -> dict:
@@ -166,12 +179,9 @@ class RLStage(LoaderPosition):
         input_ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=self.acc.device)
         mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=self.acc.device)
         r = self.rollout
-        self.model.eval()
-        with self.acc.autocast():
-            out = generate_tokens(self.model, input_ids, mask, max_new_tokens=r.max_completion_length,
-                                  num_generations=self.G, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                  tokenizer=self.tok, generator=self.generator, compile=r.compile)
-        self.model.train()
+        out = self.engine.generate(input_ids, mask, num_generations=self.G, max_new_tokens=r.max_completion_length,
+                                   temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, stop_ids=self.stop_ids,
+                                   generator=self.generator)
         self.generated_tokens += int(out.lengths.sum())
         return {"prompt_ids": out.prompt_ids.cpu(), "prompt_mask": out.prompt_mask.cpu(),
                 "completion_ids": out.completion_ids.cpu(), "completion_mask": out.completion_mask.cpu(),
@@ -216,6 +226,14 @@ class RLStage(LoaderPosition):
         L, T = rollout["completion_ids"].shape[1], self.rollout.temperature
         out = self.no_grad_pass(lambda part: pad_columns(completion_logps(model, part, T)[0], L), rollout)
         return torch.cat(out) * rollout["completion_mask"]
+
+    def logp_gap_stats(self, rollout: dict) -> dict:
+        """sampling/logp_diff_mean|max over the global batch: |the old log-prob the loss's forward
+        took - the sampler's| per completion token, as {name: (sum, count)} (every rank calls)."""
+        diff = (rollout["old_logps"] - rollout["sampler_logps"]).abs()[rollout["completion_mask"].bool()]
+        d = all_reduce_sums(self.acc, {"sum": diff.double().sum(), "n": float(diff.numel())})
+        diff_max = float(self.gather(diff.max().reshape(1) if diff.numel() else torch.zeros(1)).max())
+        return {"sampling/logp_diff_mean": (d["sum"], d["n"]), "sampling/logp_diff_max": (diff_max, 1)}
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """`t` [n, ...] of every rank, concatenated in rank order (every rank has the same n)."""
@@ -362,7 +380,8 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     data.verify is `sizes`); the train file against the dev file and the sealed test file beside it
     (`data_loader.prompt_batches.check_held_out`: no prompt in both, by id or by prompt key); it
     must hold no dev or test problem of an evaluation task and, when prepared, record that
-    (`sprout.prep.held_out.check_train_jsonl`)."""
+    (`sprout.prep.held_out.check_train_jsonl`); rollout.engine must run here (`check_engine`:
+    vllm importable, one process)."""
     if not cfg.init:
         raise SproutError("no init model: set init in the config or pass --init CHECKPOINT")
     if not cfg.data.path:
@@ -388,6 +407,7 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
                           f"{base['path']}")
     resume_path = resolve_resume(resume, cfg.out)
     acc = start_run(cfg.train, cfg.out)
+    check_engine(cfg.rollout.engine, acc.num_processes)
     rank, world = acc.process_index, acc.num_processes
     loader = PromptLoader(data, tok, cfg.data.max_prompt_length, cfg.batch.global_prompts, seed=cfg.train.seed,
                           rank=rank, world_size=world, sources=cfg.data.sources)
