@@ -143,7 +143,8 @@ def test_data_from_another_tokenizer_is_refused_in_one_line(smollm2, data, tmp_p
                  tmp_path / "r50k" / "sft.h5", *COMMON, "--out", tmp_path / "out")
     assert got.returncode == 2
     lines = got.stderr.strip().splitlines()
-    assert len(lines) == 1 and "sft.h5" in lines[0] and "chatml" in lines[0], got.stderr
+    assert len(lines) == 1 and "sft.h5: SFT data was tokenized with tiktoken:r50k_base" in lines[0], got.stderr
+    assert "was trained with hf:" in lines[0], got.stderr  # the base's own tokenizer, named beside the data's
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
