@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from sprout.atomic import sha256_file
 from sprout.checkpoint import WEIGHTS, checkpoint_tokenizer, lora_base, run_folder
 from sprout.errors import SproutError
+from sprout.tokenizer import read_json_object
 from sprout.formats.checkpoint_meta import read_meta, resolve_checkpoint
 from sprout.model.export import (EXPORT_FOLDERS, ExportResult, build_export, check_export_out, check_ids,
                                  check_outside_run, check_vocab, compare_logits, logprob_rule_of,
@@ -163,12 +164,7 @@ def read_adapter_config(folder: Path) -> dict:
     f = folder / ADAPTER_CONFIG
     if not f.is_file():
         raise SproutError(f"{folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
-    try:
-        config = json.loads(f.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise SproutError(f"{f}: not JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise SproutError(f"{f}: not a JSON object")
+    config = read_json_object(f)
     if config.get("peft_type") != "LORA":
         raise SproutError(f"{f}: peft_type {json.dumps(config.get('peft_type'))} is not supported (only LORA)")
     if config.get("task_type") not in (None, "CAUSAL_LM"):
