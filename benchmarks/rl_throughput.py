@@ -11,14 +11,26 @@ transformers). Aim: sprout at >= 2x transformers' new tokens/s. Then, on the rol
 GRPO's own rollouts (`GRPOStage.sample`) against `generate_tokens` (target >= 0.9) and the
 seconds and shares of a GRPO and a PPO step.
 
+With --lora R, also LoRA rollouts at SmolLM2-135M's shape (d_model 576, 30 layers, 9 heads, 3 KV
+heads, SwiGLU hidden 1536, vocab 49152, tied embeddings; random weights): `generate_tokens` eager
+on the model with rank-R adapters on every linear layer (`sprout.model.lora.add_adapters`,
+alpha 2R, lora_B drawn at random so that the adapters change the tokens) against the plain model
+with those adapters merged into its weights, on the rollouts shape, alternating, best of --rounds;
+their greedy tokens must first be equal. Aim: LoRA at >= 0.9x the plain model's new tokens/s
+(decoding merges the adapters into its fused weight copies once per generate call, whose
+seconds are printed); then up to 64 decode steps of the two taking turns step by step, a
+per-step ratio that a changing load on the machine does not skew.
+
     .venv/bin/python benchmarks/rl_throughput.py [--new-tokens 256] [--rounds 2] [--no-compile]
-                                                 [--no-grpo] [--no-ppo]
+                                                 [--no-grpo] [--no-ppo] [--cases rollouts,chat shape]
+                                                 [--lora 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from importlib.metadata import version
 from types import SimpleNamespace
@@ -26,11 +38,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from sprout.model.decode import make_decoder
 from sprout.model.generate import generate_tokens, pad_prompts
 from sprout.model.heads import padding_inputs
 from sprout.model.transformer import ModelConfig, Transformer
 
 CASES = {"rollouts": (4, 4), "chat shape": (16, 1)}  # name -> (prompts, generations per prompt)
+SMOLLM2 = {"vocab_size": 49152, "d_model": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "d_ff": 1536,
+           "tie_embeddings": True}  # SmolLM2-135M's shape
 
 
 def to_transformers(model):
@@ -226,6 +241,109 @@ def grpo_breakdown(cfg, prompts, G, args) -> None:
                     phases, args.rounds)
 
 
+# ---- LoRA rollouts against the plain model's -----------------------------------------------------------
+def lora_models(cfg: ModelConfig, r: int):
+    """(adapted, merged, scale): a random model of `cfg` with rank-`r` LoRA adapters (alpha 2r) on
+    every linear layer, lora_B drawn N(0, 0.02) (peft starts it at 0), and a plain `Transformer`
+    holding its base weights with those adapters merged (`merge_adapters`: W + s B A)."""
+    from sprout.engine.configs import LoraConfig
+    from sprout.lora_weights import lora_scale, merge_adapters
+    from sprout.model.lora import add_adapters
+
+    torch.manual_seed(0)
+    adapted = Transformer(cfg).eval()
+    base = {k: v.clone() for k, v in adapted.state_dict().items()}
+    lora = LoraConfig(r=r, alpha=2.0 * r)
+    add_adapters(adapted, lora, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    scale = lora_scale(lora.r, lora.alpha)
+    adapters = {k: v for k, v in adapted.state_dict().items() if ".lora_" in k}
+    merged = Transformer(cfg).eval()
+    merged.load_state_dict(merge_adapters(base, adapters, scale))
+    return adapted.eval(), merged, scale
+
+
+def lora_rollouts(args, rng) -> None:
+    """`generate_tokens` eager on the LoRA model against the merged plain model at SmolLM2-135M's
+    shape, on the rollouts shape (4 prompts x 4 samples of --new-tokens), alternating, best of
+    --rounds; first their greedy tokens (which must be equal) and the adapters-off model's
+    (which the random lora_B should change); then the seconds of one generate call's fused weight
+    copies (`DecodeWeights.of`, the adapters merged in for the LoRA model)."""
+    from sprout.model.decode import DecodeWeights
+    from sprout.model.lora import adapters_disabled
+    from sprout.model.onednn import onednn_available
+
+    cfg = ModelConfig(**SMOLLM2, max_seq_len=128 + args.new_tokens)
+    adapted, merged, scale = lora_models(cfg, args.lora)
+    B, G = CASES["rollouts"]
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)]
+    ids, mask = pad_prompts(prompts)
+    N, rows = args.new_tokens, B * G
+
+    def greedy(model):
+        return generate_tokens(model, ids, mask, max_new_tokens=N, greedy=True).completion_ids
+
+    lora_tokens, merged_tokens = greedy(adapted), greedy(merged)
+    if not torch.equal(lora_tokens, merged_tokens):
+        raise SystemExit(f"error: the LoRA model's greedy tokens differ from the merged model's at "
+                         f"{int((lora_tokens != merged_tokens).sum())} of {lora_tokens.numel()} places")
+    with adapters_disabled(adapted):
+        changed = int((greedy(adapted) != lora_tokens).sum())
+
+    def sample(model, seed):
+        out = generate_tokens(model, ids, mask, max_new_tokens=N, num_generations=G,
+                              generator=torch.Generator().manual_seed(seed))
+        assert int(out.lengths.min()) == N
+
+    engines = {"plain (merged)": merged, f"LoRA r {args.lora}": adapted}
+    best = {k: float("inf") for k in engines}
+    for i in range(args.rounds):
+        for k, model in engines.items():
+            best[k] = min(best[k], timed(lambda: sample(model, i)))
+    onednn = onednn_available(merged.lm_head.weight, cfg.d_model)
+    kinds = ("onednn", "onednn") if onednn else ("dense", "dense")
+    copies = {k: min(timed(lambda: DecodeWeights.of(m, rows, *kinds)) for _ in range(args.rounds))
+              for k, m in engines.items()}
+    step_ms = interleaved_steps(engines, ids, mask, G, min(N, 64))
+    trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    print(f"\nLoRA rollouts at SmolLM2-135M's shape ({merged.num_params():,} params, random weights): r {args.lora}, "
+          f"alpha {2 * args.lora}, scale {scale:g}, on every linear layer ({trained:,} adapter params); "
+          f"{B} prompts x {G} samples = {rows} rows, prompt lengths {int(mask.sum(1).min())}..{int(mask.sum(1).max())}, "
+          f"{N} new tokens per row, generate_tokens eager, sampling at temperature 1; best of {args.rounds}")
+    print(f"  greedy tokens: LoRA model = merged plain model at all {lora_tokens.numel():,}; "
+          f"with the adapters off, {changed:,} of them differ")
+    for k, t in best.items():
+        print(f"  {k:16s} {rows * N / t:9,.0f} new tokens/s  ({t:.2f} s; fused weight copies {copies[k]:.3f} s "
+              f"of it, {kinds[0]})")
+    lora_key = f"LoRA r {args.lora}"
+    print(f"  LoRA / plain: {best['plain (merged)'] / best[lora_key]:.2f}x (target >= 0.9)")
+    n_steps = len(step_ms[lora_key])
+    print(f"  decode steps alternating one by one between the two ({n_steps} each, greedy, median ms): "
+          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in step_ms.items())
+          + f"; LoRA / plain per step {statistics.median(step_ms['plain (merged)']) / statistics.median(step_ms[lora_key]):.3f}x")
+
+
+@torch.no_grad()
+def interleaved_steps(engines: dict, ids, mask, G: int, steps: int) -> dict[str, list[float]]:
+    """Milliseconds of each of `steps` decode steps (`Decoder.step`, greedy) per model of `engines`,
+    the models taking turns step by step (the first of a pair alternating), so that a load that
+    changes during the run falls on both alike."""
+    decoders = {k: make_decoder(m, ids.shape[0] * G, ids.shape[1] + steps) for k, m in engines.items()}
+    tokens = {k: d.prefill(ids, mask, repeats=G).argmax(-1) for k, d in decoders.items()}
+    out: dict[str, list[float]] = {k: [] for k in engines}
+    for i in range(steps):
+        for k in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
+            t0 = time.perf_counter()
+            logits = decoders[k].step(tokens[k])
+            out[k].append((time.perf_counter() - t0) * 1e3)
+            tokens[k] = logits.argmax(-1)
+    return out
+
+
 # ---- PPO's step breakdown ------------------------------------------------------------------------
 def ppo_breakdown(cfg, prompts, args) -> None:
     """One PPO generation batch on the rollouts shape (len(prompts) prompts × 4 samples), timed
@@ -283,7 +401,9 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled sprout engine")
     ap.add_argument("--no-ppo", action="store_true", help="skip PPO's step breakdown")
     ap.add_argument("--no-grpo", action="store_true", help="skip GRPO's rollouts and step breakdown")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)} (empty: none)")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="also LoRA rank-R rollouts against the merged plain model at SmolLM2-135M's shape (0: not)")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=6, n_heads=8, max_seq_len=128 + args.new_tokens)
@@ -294,7 +414,7 @@ def main() -> None:
           f"transformers {version('transformers') if hf is not None else 'absent'}, "
           f"load average {os.getloadavg()[0]:.1f}")
     rng = np.random.default_rng(0)
-    for name in args.cases.split(","):
+    for name in filter(None, args.cases.split(",")):
         B, G = CASES[name]
         prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)]
         run_case(name, model, hf, prompts, G, args)
@@ -307,6 +427,8 @@ def main() -> None:
         B, _ = CASES["rollouts"]
         ppo_breakdown(cfg, [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in rng.integers(16, 129, size=B)],
                       args)
+    if args.lora:
+        lora_rollouts(args, rng)
 
 
 if __name__ == "__main__":

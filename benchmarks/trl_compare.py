@@ -8,9 +8,11 @@ Rows (the trainer rows: benchmarks/trl_compare_rows.py): GRPO, DPO and SFT steps
 first-batch check that feeds the same tensors to both losses, and generation (KV cache on both
 sides; the check: the largest |logit difference|). Step times are medians over --steps steps
 after --warmup untimed ones, the two sides alternating; measure on an otherwise idle machine.
-The table gives both medians, the speed ratio, its target (GRPO 1.5x, DPO and SFT 1.1x,
-generation 2x) and the check's largest |difference|; --profile adds one profiled sprout step per
-row. Needs the 'bench' extra (trl, transformers): pip install -e '.[bench]'.
+The LoRA rows grpo_lora, dpo_lora and sft_lora (benchmarks/trl_compare_lora.py; run when --only
+names them) are the same steps with LoRA adapters on both sides, TRL's through peft. The table
+gives both medians, the speed ratio, its target (GRPO 1.5x, DPO and SFT 1.1x, generation 2x,
+the LoRA rows 1.3x) and the check's largest |difference|; --profile adds one profiled sprout
+step per row. Needs the 'bench' extra (trl, transformers, peft): pip install -e '.[bench]'.
 
     python benchmarks/trl_compare.py [--run runs/smollm2] [--hf-folder DIR] [--only grpo,dpo,sft,generate]
                                      [--steps 5] [--warmup 1] [--threads N] [--profile] [sizes: see --help]
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
@@ -31,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rl_throughput import check_logits  # noqa: E402
-from trl_compare_rows import Bench, Row, dpo, grpo, median, print_profile, problems, sft, user  # noqa: E402
+from trl_compare_lora import dpo_lora, grpo_lora, sft_lora  # noqa: E402
+from trl_compare_rows import Bench, Row, dpo, grpo, median, problems, sft, user  # noqa: E402
 
 from sprout.chat import render  # noqa: E402
 from sprout.checkpoint import checkpoint_tokenizer, read_meta  # noqa: E402
@@ -76,15 +80,18 @@ def generation(b: Bench) -> Row:
                ours)
 
 
-ROWS = {"grpo": grpo, "dpo": dpo, "sft": sft, "generate": generation}
+ROWS = {"grpo": grpo, "dpo": dpo, "sft": sft, "generate": generation,
+        "grpo_lora": grpo_lora, "dpo_lora": dpo_lora, "sft_lora": sft_lora}
+DEFAULT_ROWS = "grpo,dpo,sft,generate"
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"\n{'':10s} {'sprout':>14s} {'TRL/transformers':>18s} {'speed ratio':>12s} {'target':>8s}   "
+    w = max(10, *(len(r.name) for r in rows))
+    print(f"\n{'':{w}s} {'sprout':>14s} {'TRL/transformers':>18s} {'speed ratio':>12s} {'target':>8s}   "
           f"first-batch check (max |diff|)")
     for r in rows:
         fmt = (lambda v: f"{v:.3f} s") if r.unit == "s" else (lambda v: f"{v:,.{0 if v >= 100 else 2}f} {r.unit}")
-        print(f"{r.name:10s} {fmt(r.sprout):>14s} {fmt(r.other):>18s} {r.speedup:>11.2f}x {r.target:>7.1f}x   "
+        print(f"{r.name:{w}s} {fmt(r.sprout):>14s} {fmt(r.other):>18s} {r.speedup:>11.2f}x {r.target:>7.1f}x   "
               + ", ".join(f"{k} {v:.1e}" for k, v in r.check.items()))
     for r in rows:
         print(f"\n{r.name}:" + "".join(f"\n  {n}" for n in r.notes))
@@ -92,11 +99,54 @@ def print_table(rows: list[Row]) -> None:
             print(f"  below the {r.target}x target: --profile shows where sprout's step spends its time")
 
 
+# ---- --profile ----------------------------------------------------------------------------------
+@contextmanager
+def labelled(phases: dict):
+    """Each `getattr(obj, name)` of `phases` {label: (obj, name)} runs inside a profiler range
+    "phase: label" until the block ends."""
+    from torch.profiler import record_function
+
+    def wrap(fn, label):
+        def run(*args, **kwargs):
+            with record_function(f"phase: {label}"):
+                return fn(*args, **kwargs)
+        return run
+
+    patched = []
+    for label, (obj, name) in phases.items():
+        patched.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, wrap(getattr(obj, name), label))
+    try:
+        yield
+    finally:
+        for obj, name, own in reversed(patched):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+
+
+def print_profile(row: Row, top: int = 15) -> None:
+    """One more sprout step of `row` under torch.profiler: its labelled phases (CPU time, share
+    of the step's wall time), then the top ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with labelled(row.phases), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        row.step()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    print(f"\nprofile: one sprout {row.name} ({wall:.2f} s wall, under the profiler)")
+    for e in sorted((e for e in events if e.key.startswith("phase: ")), key=lambda e: -e.cpu_time_total):
+        print(f"  {e.key[len('phase: '):]:26s} {e.cpu_time_total / 1e6:7.2f} s  {e.cpu_time_total / 1e6 / wall:6.1%}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/smollm2", help="sprout run folder or checkpoint (scripts/import_model.py)")
     p.add_argument("--hf-folder", help="its transformers export (default: exported into a temporary folder)")
-    p.add_argument("--only", default=",".join(ROWS), help=f"comma-separated rows, of: {', '.join(ROWS)}")
+    p.add_argument("--only", default=DEFAULT_ROWS, help=f"comma-separated rows, of: {', '.join(ROWS)}")
     p.add_argument("--steps", type=int, default=5, help="timed steps (generation: timed runs) per side")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--threads", type=int, default=0, help="torch threads for every row (0: torch's default)")
@@ -117,6 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--beta", type=float, default=0.1, help="DPO beta")
     g.add_argument("--rows", type=int, default=8, help="SFT conversations per micro-batch")
     g.add_argument("--accum", type=int, default=1, help="micro-batches per step (DPO, SFT)")
+    g = p.add_argument_group("LoRA rows (grpo_lora, dpo_lora, sft_lora: adapters on every linear layer, both sides)")
+    g.add_argument("--lora-r", type=int, default=16, help="adapter rank")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="scale numerator (scale alpha / r)")
     g = p.add_argument_group("generate")
     g.add_argument("--gen-rows", type=int, default=16)
     g.add_argument("--new-tokens", type=int, default=64)

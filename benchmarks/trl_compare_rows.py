@@ -5,6 +5,8 @@ TRL: the transformers export of the same weights), the same data (arithmetic pro
 `sprout.prep.arithmetic`, in conversational form) and the same batch, times optimizer steps
 on each in alternation (`Bench.time_side_by_side`) and checks the first batch's loss: the same
 tensors fed to both loss functions, initial weights on both sides (see each row's function).
+With `Bench.lora` set (benchmarks/trl_compare_lora.py) both sides train LoRA adapters instead,
+and each check runs once more with the same non-zero adapters on both.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import random
 import statistics
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -60,7 +61,8 @@ class Row:
 
 @dataclass
 class Bench:
-    """The run folder, its transformers export, both tokenizers, a scratch folder and the options."""
+    """The run folder, its transformers export, both tokenizers, a scratch folder and the options;
+    `lora` (trl_compare_lora.Adapters) makes both sides train LoRA adapters instead of every weight."""
     args: argparse.Namespace
     run: str
     hf: Path
@@ -68,14 +70,26 @@ class Bench:
     tok: object      # sprout's tokenizer of the run
     hf_tok: object   # transformers' tokenizer of the export
     context: int     # the model's max_seq_len
+    lora: object | None = None
 
     @property
     def total_steps(self) -> int:
         return self.args.warmup + self.args.steps
 
     def sprout_model(self):
-        """A fresh sprout model with the run's weights (train mode)."""
-        return load_model(self.run)[0].train()
+        """A fresh sprout model with the run's weights (train mode), with LoRA adapters (B = 0) in a LoRA row."""
+        model = load_model(self.run)[0].train()
+        if self.lora is not None:
+            self.lora.add(model)
+        return model
+
+    def reference(self, policy):
+        """The policy's frozen reference: a fresh copy, or in a LoRA row the policy with its adapters off."""
+        return self.lora.reference(policy) if self.lora is not None else self.sprout_model()
+
+    def trl_options(self) -> dict:
+        """What a TRL trainer takes besides its model: in a LoRA row the peft config."""
+        return {} if self.lora is None else {"peft_config": self.lora.peft_config()}
 
     def hf_model(self):
         from transformers import AutoModelForCausalLM
@@ -278,14 +292,16 @@ def grpo(b: Bench) -> Row:
                        shuffle_dataset=False)
     data = Dataset.from_list([{"prompt": r["prompt"], "gold": r["gold"]} for r in records])
     trl = RecordingGRPO(model=b.hf_model(), reward_funcs=[correctness], args=cfg, train_dataset=data,
-                        processing_class=b.hf_tok)
+                        processing_class=b.hf_tok, **b.trl_options())
     ours, theirs = b.time_side_by_side(trl, step)
 
     loss_ours, loss_theirs, logp_err = grpo_check(b, stage, trl.first_step)
+    check = {"loss": abs(loss_ours - loss_theirs), "logps": logp_err}
+    if b.lora is not None:  # the log-probs again with the same non-zero adapters on both sides
+        check["adapted logps"] = grpo_adapted_logps(b, stage, trl)
     adv = torch.cat([c["advantages"] for c in trl.first_step])
     trl_lengths = trl.lengths
-    return Row("GRPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.5,
-               {"loss": abs(loss_ours - loss_theirs), "logps": logp_err},
+    return Row("GRPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.5, check,
                [f"{P} prompts x {G} completions of <= {L} tokens, micro-batch {M}, loss_type {a.loss_type}, "
                 f"temperature {a.temperature}; each step generates, scores, computes log-probs and updates",
                 f"mean completion length over the timed steps: sprout {np.mean(lengths[a.warmup:]):.1f}, "
@@ -318,6 +334,21 @@ def grpo_check(b: Bench, stage: GRPOStage, captured: list[dict]) -> tuple[float,
     return loss_sum / count, sum(c["loss"] for c in captured), logp_err
 
 
+def grpo_adapted_logps(b: Bench, stage: GRPOStage, trl) -> float:
+    """The largest |log-prob difference| over TRL's first step's completion tokens, TRL's
+    model (after training) and a sprout model both holding the same non-zero adapters
+    (`b.lora.same_adapters`): a LoRA row's check of the adapters' arithmetic."""
+    model, err = b.sprout_model(), 0.0
+    with b.lora.same_adapters(trl.model, model), torch.no_grad():
+        for c in trl.first_step:
+            ids = torch.cat([c["prompt_ids"], c["completion_ids"]], dim=1)
+            mask = torch.cat([c["prompt_mask"], c["completion_mask"]], dim=1)
+            theirs = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, c["completion_ids"].size(1))[0]
+            ours = completion_logps(model, c, stage.rollout.temperature)[0]
+            err = max(err, float((ours - theirs).abs()[c["completion_mask"].bool()].max()))
+    return err
+
+
 # ---- DPO ----------------------------------------------------------------------------------------
 def dpo(b: Bench) -> Row:
     """DPOStage (live reference: a frozen copy, one forward per micro-batch) against TRL's
@@ -342,26 +373,37 @@ def dpo(b: Bench) -> Row:
     trainer = b.sprout_trainer(b.sprout_model(), 5e-7)
     loader = PreferenceLoader(b.tmp / "preferences.jsonl", b.tok, B * K, b.context, shuffle=False)
     stage = DPOStage(trainer.accelerator, loader, None, K, DPOLossConfig(loss_type="sigmoid", beta=a.beta),
-                     ref_model=b.sprout_model())
+                     ref_model=b.reference(trainer.model))
     stage.setup(trainer)
 
     cfg = b.trl_config(DPOConfig, "dpo", 5e-7, per_device_train_batch_size=B, gradient_accumulation_steps=K,
                        beta=a.beta, loss_type=["sigmoid"], max_length=None, precompute_ref_log_probs=False)
     data = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in records])
-    trl = DPOTrainer(model=b.hf_model(), ref_model=b.hf_model(), args=cfg, train_dataset=data,
-                     processing_class=b.hf_tok)
+    trl = DPOTrainer(model=b.hf_model(), ref_model=None if b.lora else b.hf_model(), args=cfg, train_dataset=data,
+                     processing_class=b.hf_tok, **b.trl_options())  # with peft: the reference is its adapters off
 
     # the check first: both sides still hold the initial weights
     trl_batch = trl.data_collator([trl.train_dataset[i] for i in range(B)])
-    with torch.no_grad():
-        loss_theirs = float(trl.compute_loss(trl.model, trl_batch))
     policy = b.sprout_model()
     pair_fields = {"pair_mask": torch.ones(B, dtype=torch.bool), "margin": torch.zeros(B), "pair_index": torch.arange(B)}
-    same, metrics = first_loss(stage, policy, {**shifted(trl_batch["input_ids"], trl_batch["attention_mask"],
-                                                         trl_batch["completion_mask"]), **pair_fields})
+    same_tensors = {**shifted(trl_batch["input_ids"], trl_batch["attention_mask"], trl_batch["completion_mask"]),
+                    **pair_fields}
+
+    def losses() -> tuple[float, float, float]:
+        """(TRL's loss, sprout's on TRL's tensors, largest |diff| of the summed log-probs' means)."""
+        with torch.no_grad():
+            theirs = float(trl.compute_loss(trl.model, trl_batch))
+        ours, metrics = first_loss(stage, policy, same_tensors)
+        trl_metrics = trl._metrics["train" if trl.model.training else "eval"]
+        return theirs, ours, max(abs(metrics[k] - trl_metrics[k][-1]) for k in ("logps/chosen", "logps/rejected"))
+
+    loss_theirs, same, logp_err = losses()
     own = first_loss(stage, policy, loader.collate(np.arange(B)))[0]
-    trl_metrics = trl._metrics["train" if trl.model.training else "eval"]
-    logp_err = max(abs(metrics[k] - trl_metrics[k][-1]) for k in ("logps/chosen", "logps/rejected"))
+    check = {"loss": abs(same - loss_theirs), "logps": logp_err}
+    if b.lora is not None:  # again with the same non-zero adapters on both: the policy is no longer the reference
+        with b.lora.same_adapters(trl.model, policy):
+            adapted = losses()
+        check.update({"adapted loss": abs(adapted[1] - adapted[0]), "adapted logps": adapted[2]})
     n = len(records)
     tokens = compare_tokens([(p.chosen.tolist(), p.chosen_mask) for p in loader.pairs]
                             + [(p.rejected.tolist(), p.rejected_mask) for p in loader.pairs],
@@ -372,14 +414,16 @@ def dpo(b: Bench) -> Row:
         trainer.step(stage.next_micro_batches(trainer.steps_done), stage)
 
     ours, theirs = b.time_side_by_side(trl, step)
-    return Row("DPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
-               {"loss": abs(same - loss_theirs), "logps": logp_err},
+    return Row("DPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1, check,
                [f"{B} pairs per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's first), "
-                f"{K} per step, beta {a.beta}, sigmoid, reference model live in both",
+                f"{K} per step, beta {a.beta}, sigmoid, reference live in both: "
+                + ("the policy with its adapters off" if b.lora is not None else "a frozen copy"),
                 f"first micro-batch's loss: TRL {loss_theirs:.6f}; sprout on TRL's tensors {same:.6f}, on its own "
                 f"rendering {own:.6f} (|diff| {abs(own - loss_theirs):.1e}); the initial policy is the reference, "
                 f"so that loss is log 2 on both sides and the summed log-probs (mean over the pairs, chosen and "
                 f"rejected: |diff| {logp_err:.1e}) carry the check",
+                *([f"with the same non-zero adapters on both sides: loss TRL {adapted[0]:.6f}, sprout "
+                   f"{adapted[1]:.6f}"] if b.lora is not None else []),
                 tokens],
                step, {"forwards + loss": (stage, "pair_terms"), "reference forward (in it)": (stage, "_ref_logps"),
                 "backward": (trainer.accelerator, "backward"), "optimizer step": (trainer.optimizer, "step")})
@@ -413,68 +457,36 @@ def sft(b: Bench) -> Row:
     cfg = b.trl_config(SFTConfig, "sft", 3e-5, per_device_train_batch_size=R, gradient_accumulation_steps=K,
                        completion_only_loss=True, packing=False, max_length=None, shuffle_dataset=False)
     data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in convs])
-    trl = SFTTrainer(model=b.hf_model(), args=cfg, train_dataset=data, processing_class=b.hf_tok)
+    trl = SFTTrainer(model=b.hf_model(), args=cfg, train_dataset=data, processing_class=b.hf_tok, **b.trl_options())
 
     trl_batch = trl.data_collator([trl.train_dataset[i] for i in range(R)])
-    with torch.no_grad():
-        loss_theirs = float(trl.compute_loss(trl.model, trl_batch))
     model = b.sprout_model()
-    same = first_loss(stage, model, shifted(trl_batch["input_ids"], trl_batch["attention_mask"],
-                                            trl_batch["labels"] != -100))[0]
+    same_tensors = shifted(trl_batch["input_ids"], trl_batch["attention_mask"], trl_batch["labels"] != -100)
+
+    def losses() -> tuple[float, float]:
+        """(TRL's loss, sprout's on TRL's tensors)."""
+        with torch.no_grad():
+            theirs = float(trl.compute_loss(trl.model, trl_batch))
+        return theirs, first_loss(stage, model, same_tensors)[0]
+
+    loss_theirs, same = losses()
     own = first_loss(stage, model, micro[0])[0]
+    check = {"loss": abs(same - loss_theirs)}
+    if b.lora is not None:  # again with the same non-zero adapters on both sides
+        with b.lora.same_adapters(trl.model, model):
+            adapted = losses()
+        check["adapted loss"] = abs(adapted[1] - adapted[0])
     tokens = compare_tokens(rendered, [(x["input_ids"], [int(t != -100) for t in x["labels"]])
                                        for x in (trl.train_dataset[i] for i in range(len(convs)))], b.hf_tok.decode)
 
     ours, theirs = b.time_side_by_side(trl, step)
-    return Row("SFT step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1,
-               {"loss": abs(same - loss_theirs)},
+    return Row("SFT step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.1, check,
                [f"{R} conversations per micro-batch ({int(trl_batch['attention_mask'].sum())} tokens in TRL's "
                 f"first), {K} per step, completion-only loss",
                 f"first micro-batch's loss: TRL {loss_theirs:.6f}; sprout on TRL's tensors {same:.6f}, on its own "
                 f"rendering {own:.6f} (|diff| {abs(own - loss_theirs):.1e})",
+                *([f"with the same non-zero adapters on both sides: loss TRL {adapted[0]:.6f}, sprout "
+                   f"{adapted[1]:.6f}"] if b.lora is not None else []),
                 tokens],
                step, {"forward + loss": (stage, "loss"), "backward": (trainer.accelerator, "backward"),
                       "optimizer step": (trainer.optimizer, "step")})
-
-
-# ---- --profile ----------------------------------------------------------------------------------
-@contextmanager
-def labelled(phases: dict):
-    """Each `getattr(obj, name)` of `phases` {label: (obj, name)} runs inside a profiler range
-    "phase: label" until the block ends."""
-    from torch.profiler import record_function
-
-    def wrap(fn, label):
-        def run(*args, **kwargs):
-            with record_function(f"phase: {label}"):
-                return fn(*args, **kwargs)
-        return run
-
-    patched = []
-    for label, (obj, name) in phases.items():
-        patched.append((obj, name, obj.__dict__.get(name)))
-        setattr(obj, name, wrap(getattr(obj, name), label))
-    try:
-        yield
-    finally:
-        for obj, name, own in reversed(patched):
-            if own is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, own)
-
-
-def print_profile(row: Row, top: int = 15) -> None:
-    """One more sprout step of `row` under torch.profiler: its labelled phases (CPU time, share
-    of the step's wall time), then the top ops by self CPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with labelled(row.phases), profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        row.step()
-        wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    print(f"\nprofile: one sprout {row.name} ({wall:.2f} s wall, under the profiler)")
-    for e in sorted((e for e in events if e.key.startswith("phase: ")), key=lambda e: -e.cpu_time_total):
-        print(f"  {e.key[len('phase: '):]:26s} {e.cpu_time_total / 1e6:7.2f} s  {e.cpu_time_total / 1e6 / wall:6.1%}")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=top))

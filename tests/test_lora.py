@@ -22,7 +22,8 @@ from sprout.errors import SproutError
 from sprout.model.config import ModelConfig
 from sprout.model.decode import Decoder
 from sprout.model.load import load_model
-from sprout.model.lora import AdaptersOff, add_adapters, lora_scale, merge_adapters
+from sprout.lora_weights import lora_scale, merge_adapters
+from sprout.model.lora import AdaptersOff, add_adapters
 from sprout.model.transformer import Transformer
 from sprout.stages.grpo import GRPOConfig, run_grpo
 

@@ -26,7 +26,7 @@ from sprout.engine.metrics import read_metrics
 from sprout.engine.configs import LoraConfig
 from sprout.model.heads import PolicyWithValue, RewardModel
 from sprout.model.load import load_model
-from sprout.model.lora import merge_adapters
+from sprout.lora_weights import merge_adapters
 from sprout.stages.dpo import DPOConfig, run_dpo
 from sprout.stages.grpo import GRPOConfig, run_grpo
 from sprout.stages.ppo import PPOConfig, run_ppo

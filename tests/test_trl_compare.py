@@ -59,3 +59,47 @@ def test_grpo_row_agrees_for_cispo_and_sapo(tmp_path, monkeypatch, loss_type):
     nonzero = re.search(r"\((\d+) of \d+ completions with a non-zero advantage\)", row.notes[2])
     assert nonzero and int(nonzero.group(1)) > 0, row.notes[2]
     assert max(row.check.values()) < 1e-4, row.check
+
+
+def tiny_run(tmp_path) -> str:
+    hf_model("llama tied").save_pretrained(tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf")
+    write_run(read_source(str(tmp_path / "hf"), tmp_path / "work"), tmp_path / "run")
+    return str(tmp_path / "run")
+
+
+TINY = ["--steps", "1", "--warmup", "1", "--threads", "1", "--prompts", "2", "--generations", "2",
+        "--micro-completions", "2", "--completion-length", "4", "--pairs", "2", "--rows", "2"]
+
+
+@pytest.mark.slow
+def test_lora_rows_agree_at_init_and_with_the_same_adapters(tmp_path):
+    """The LoRA rows: TRL with peft against sprout's adapters. At the start (B = 0) both give
+    the base's loss; with the same non-zero adapters on both the losses and log-probs agree
+    again, and differ from the base's (the adapters are on)."""
+    rows = trl_compare.main(["--run", tiny_run(tmp_path), "--only", "grpo_lora,dpo_lora,sft_lora", *TINY])
+    assert [r.name for r in rows] == ["GRPO LoRA step", "DPO LoRA step", "SFT LoRA step"]
+    assert [sorted(r.check) for r in rows] == [["adapted logps", "logps", "loss"],
+                                               ["adapted logps", "adapted loss", "logps", "loss"],
+                                               ["adapted loss", "loss"]]
+    for r in rows:
+        assert r.sprout > 0 and r.other > 0 and r.target == 1.3, r.name
+        assert max(r.check.values()) < 1e-4, (r.name, r.check)
+        assert r.notes[0].startswith("LoRA r 16, alpha 32 (scale 2)"), r.notes[0]
+    for r in rows[1:]:
+        base = float(re.search(r"first micro-batch's loss: TRL ([\d.]+)", " ".join(r.notes)).group(1))
+        adapted = float(re.search(r"non-zero adapters on both sides: loss TRL ([\d.]+)", " ".join(r.notes)).group(1))
+        assert abs(adapted - base) > 1e-3, (r.name, base, adapted)
+
+
+@pytest.mark.slow
+def test_lora_check_catches_another_scale(tmp_path, monkeypatch):
+    """sprout's adapters scaled other than TRL's (alpha 16 against 32): B = 0 hides it at the
+    start, the check with the same non-zero adapters does not."""
+    import trl_compare_lora
+
+    add = trl_compare_lora.Adapters.add
+    monkeypatch.setattr(trl_compare_lora.Adapters, "add",
+                        lambda self, model: add(trl_compare_lora.Adapters(self.r, self.alpha / 2), model))
+    (row,) = trl_compare.main(["--run", tiny_run(tmp_path), "--only", "sft_lora", *TINY])
+    assert row.check["loss"] < 1e-4 and row.check["adapted loss"] > 1e-3, row.check

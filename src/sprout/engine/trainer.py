@@ -46,7 +46,8 @@ from sprout.engine.fsdp import optimizer_state_by_index, optimizer_state_by_name
 from sprout.engine.metrics import MetricsLogger, check_trackers
 from sprout.engine.schedule import chinchilla_steps
 from sprout.engine.stage import Stage
-from sprout.model.lora import AdaptersOff, has_adapters
+from sprout.lora_weights import has_adapters
+from sprout.model.lora import AdaptersOff
 
 
 class NonFiniteLoss(SproutError):

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from sprout.errors import SproutError
-from sprout.lora_weights import (ADAPTER, adapter_pairs, has_adapters, is_lora_layer, lora_scale,  # noqa: F401
-                                 merge_adapters, peft_adapter_state, sprout_adapter_state)
+from sprout.lora_weights import ADAPTER, has_adapters, is_lora_layer, lora_scale
 
 SCALAR_HEADS = ("score_head", "value_head")  # `sprout.model.heads`' heads: trained in full beside the adapters
 
