@@ -12,7 +12,8 @@ within 1e-5 of their scale); the prefill runs once per distinct prompt. `compile
 step under `torch.compile(fullgraph=True)`, one graph for every step, prompt length and cache
 size. `ModelDecoder` has the same two methods through the module's forward, for anything that
 is not a `Transformer` with an lm_head in one process: under FSDP only a forward gathers the
-sharded parameters.
+sharded parameters. `sprout.model.static_decode` has the step on buffers of fixed shape and
+address, for a CUDA graph.
 """
 
 from __future__ import annotations
@@ -43,9 +44,19 @@ class DecodeWeights:
 
     @classmethod
     def of(cls, model: Transformer, rows: int = 1, kind: str = "dense", head_kind: str = "dense"):
-        """The weights of `model` now, packed (where `kind` packs) for `rows` rows."""
-        return cls(model.layers, model.norm, [block.fused_weights(rows, kind) for block in model.layers],
-                   matmul_weight(model.lm_head.weight, rows, head_kind), kind, head_kind)
+        """The weights of `model` now, packed (where `kind` packs) for `rows` rows. Under autocast the
+        dense matrices are stored in its dtype: the matmuls are the ones autocast would run on them
+        (it casts both operands), without casting every weight at every step."""
+        layers = [block.fused_weights(rows, kind) for block in model.layers]
+        head = matmul_weight(model.lm_head.weight, rows, head_kind)
+        device = model.lm_head.weight.device.type
+        if torch.is_autocast_enabled(device):
+            low = torch.get_autocast_dtype(device)
+            if kind == "dense":
+                layers = [((qkv.to(low), o.to(low), bias), (gate_up.to(low), down.to(low)))
+                          for (qkv, o, bias), (gate_up, down) in layers]  # the q/k/v bias stays: an add
+            head = head.to(low) if head_kind == "dense" else head
+        return cls(model.layers, model.norm, layers, head, kind, head_kind)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, V] of `decode_step`'s hidden states [N, d]."""
@@ -88,13 +99,18 @@ def compiled_decode_step():
     return torch.compile(decode_step, fullgraph=True)
 
 
+def decode_kinds(model: Transformer, compile: bool) -> tuple[str, str]:
+    """The `sprout.model.onednn` kinds (the layers', the lm_head's) of `model`'s fused weights here:
+    oneDNN-packed where faster; a compiled graph takes dense tensors only (`onednn_op`)."""
+    onednn = onednn_available(model.lm_head.weight, model.config.d_model)
+    return ("onednn_op" if compile else "onednn") if onednn else "dense", "onednn" if onednn else "dense"
+
+
 class Decoder:
     """`prefill_step`, then `decode_step`, on fused weights and cache buffers of its own (see the module doc)."""
 
     def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
-        onednn = onednn_available(model.lm_head.weight, model.config.d_model)
-        kind = ("onednn_op" if compile else "onednn") if onednn else "dense"  # a graph takes dense tensors only
-        self.model, self.weights = model, DecodeWeights.of(model, rows, kind, "onednn" if onednn else "dense")
+        self.model, self.weights = model, DecodeWeights.of(model, rows, *decode_kinds(model, compile))
         cache = model.new_cache(rows, max_len)  # its keys/values only: the decoder keeps positions and padding itself
         self.k, self.v = cache.k, cache.v
         self.compile = compile
@@ -154,8 +170,15 @@ class ModelDecoder:
         return self.model(tokens[:, None], cache=self.cache)[:, -1]
 
 
+def fusable(model) -> bool:
+    """Whether `model` can decode on fused weights (`Decoder`, `sprout.model.static_decode.StaticDecoder`):
+    a plain `Transformer`, or a subclass with an lm_head (in one process: under FSDP only its forward
+    gathers the sharded parameters, so callers take a `ModelDecoder` there)."""
+    return isinstance(model, Transformer) and hasattr(model, "lm_head")
+
+
 def make_decoder(model, rows: int, max_len: int, compile: bool = False, fused: bool = True):
-    """A `Decoder` for a plain `Transformer` (or subclass with an lm_head) when `fused`, else a `ModelDecoder`."""
-    if fused and isinstance(model, Transformer) and hasattr(model, "lm_head"):
+    """A `Decoder` for a `fusable` model when `fused`, else a `ModelDecoder`."""
+    if fused and fusable(model):
         return Decoder(model, rows, max_len, compile)
     return ModelDecoder(model, rows, max_len)

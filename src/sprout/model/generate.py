@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 from sprout.chat import template_for
 from sprout.errors import SproutError
-from sprout.model.decode import make_decoder
+from sprout.model.decode import fusable, make_decoder
 from sprout.model.heads import padding_inputs
+from sprout.model.static_decode import StaticDecoder
 from sprout.ranges import is_finite_number
 
 AUTO_COMPILE_TOKENS = 8192  # compile="auto": compile when rows × steps reaches this
@@ -161,7 +162,8 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     max_new_tokens: int, num_generations: int = 1, temperature: float = 1.0,
                     top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
                     stop_ids=None, tokenizer=None, generator: torch.Generator | None = None,
-                    vocab_size: int | None = None, pad_id: int = 0, compile: bool | str = False) -> Rollout:
+                    vocab_size: int | None = None, pad_id: int = 0, compile: bool | str = False,
+                    cuda_graph: bool | str = "auto") -> Rollout:
     """Sample `num_generations` completions of up to `max_new_tokens` per prompt (see the module doc).
 
     `tokenizer`: the model's tokenizer; gives the defaults `stop_ids = default_stop_ids(tok)` and
@@ -170,6 +172,11 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     (e.g. 50,257 -> 50,304) never samples the padding ids, and log-probs are over the real ids.
     `compile`: True (the decode step under torch.compile), False, or "auto" (compile when rows ×
     steps reaches `AUTO_COMPILE_TOKENS`); ignored under torch.distributed. Sampling stays eager.
+    `cuda_graph`: True (the decode step on buffers of fixed shape, `sprout.model.static_decode`,
+    replayed as a CUDA graph on CUDA and run eagerly elsewhere), False, or "auto" (True on CUDA);
+    with `compile`, the graph holds the compiled step. Under torch.distributed the step stays the
+    module's forward (`ModelDecoder`: an FSDP forward gathers sharded parameters, a collective
+    that a graph of one process's kernels cannot hold), as it does for a model that is not `fusable`.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise SproutError(f"generate: input_ids must be [batch, length] with batch >= 1, got {tuple(input_ids.shape)}")
@@ -182,8 +189,9 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if num_generations < 1 or max_new_tokens < 0:
         raise SproutError(f"generate: need num_generations >= 1 and max_new_tokens >= 0 "
                           f"(got {num_generations}, {max_new_tokens})")
-    if compile not in (True, False, "auto"):
-        raise SproutError(f"generate: compile must be True, False or 'auto', got {compile!r}")
+    for name, value in (("compile", compile), ("cuda_graph", cuda_graph)):
+        if not any(value is choice for choice in (True, False)) and value != "auto":
+            raise SproutError(f"generate: {name} must be True, False or 'auto', got {value!r}")
     mask = attention_mask.long()
     lengths = mask.sum(dim=1)
     if bool((lengths == 0).any()):
@@ -210,8 +218,9 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     rows = ids.shape[0] * num_generations
     use_compile = (compile is True or (compile == "auto" and rows * steps >= AUTO_COMPILE_TOKENS)) \
         and not _distributed()
+    static = static_decode_wanted(cuda_graph, device)
 
-    tokens, logp, n = _sample_loop(model, ids, mask, num_generations, steps, stops, vocab_size, use_compile,
+    tokens, logp, n = _sample_loop(model, ids, mask, num_generations, steps, stops, vocab_size, use_compile, static,
                                    lambda logits: sample_next(logits, temperature, top_k, top_p, generator))
     if num_generations > 1:
         ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
@@ -229,14 +238,24 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     )
 
 
-def _sample_loop(model, ids, mask, G: int, steps: int, stops, vocab_size, use_compile: bool, sample):
+def static_decode_wanted(cuda_graph: bool | str, device: torch.device) -> bool:
+    """Whether `generate_tokens(cuda_graph=...)` decodes with a `StaticDecoder` on `device`: when True,
+    or "auto" on CUDA; never under torch.distributed (see `generate_tokens`)."""
+    return (cuda_graph is True or (cuda_graph == "auto" and device.type == "cuda")) and not _distributed()
+
+
+def _sample_loop(model, ids, mask, G: int, steps: int, stops, vocab_size, use_compile: bool, static: bool, sample):
     """(tokens [N, n], logprobs [N, n], n): the decode loop over N = B × G rows (prompts ids [B, P],
-    each prefilled once and its cache shared by its G rows), every row running all n steps."""
+    each prefilled once and its cache shared by its G rows), every row running all n steps (a
+    finished row's tokens are dropped afterwards). `static`: a `StaticDecoder` where `fusable`."""
     (B, P), device = ids.shape, ids.device
     N = B * G
     out_tokens = torch.zeros(N, steps, dtype=torch.long, device=device)
     out_logp = torch.zeros(N, steps, dtype=torch.float32, device=device)
-    decoder = make_decoder(model, N, P + steps, compile=use_compile, fused=not _distributed())
+    if static and fusable(model):
+        decoder = StaticDecoder(model, N, P + steps, graph=True, compile=use_compile)
+    else:
+        decoder = make_decoder(model, N, P + steps, compile=use_compile, fused=not _distributed())
     logits = decoder.prefill(ids, mask, repeats=G)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     check_every = 1 if _distributed() else STOP_CHECK_EVERY.get(device.type, STOP_CHECK_DEFAULT)
@@ -262,7 +281,7 @@ def _sample_loop(model, ids, mask, G: int, steps: int, stops, vocab_size, use_co
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, stop_ids=(),
              generator: torch.Generator | None = None, vocab_size: int | None = None,
-             compile: bool | str = False) -> Generation:
+             compile: bool | str = False, cuda_graph: bool | str = "auto") -> Generation:
     """`generate_tokens` on lists: one sample per prompt, each row's tokens cut after its stop token."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SproutError("generate: every prompt needs at least one token")
@@ -270,7 +289,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     ids, mask = pad_prompts(prompts, device)
     out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                           top_p=top_p, stop_ids=stop_ids, generator=generator, vocab_size=vocab_size,
-                          compile=compile)
+                          compile=compile, cuda_graph=cuda_graph)
     lengths = out.lengths.tolist()
     return Generation(
         tokens=[row[:k] for row, k in zip(out.completion_ids.tolist(), lengths)],

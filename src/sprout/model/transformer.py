@@ -251,18 +251,27 @@ class Attention(nn.Module):
         qkv = linear(x, weights[0], kind)
         return qkv if weights[2] is None else qkv + weights[2]
 
-    def step(self, x, weights, cos, sin, k_cache, v_cache, bias, kind: str):
+    def step(self, x, weights, cos, sin, k_cache, v_cache, bias, kind: str, slot: torch.Tensor | None = None):
         """`forward` of one new token per row, x [N, d] at rotary cos/sin [N, 1, D], on `fused_weights`:
         its key/value to slot L - 1 of the cache [N, KV, S, D], attention over slots 0..L-1 as q · K
-        plus `bias` [N, 1, 1, L], softmax, times V (queries [N, KV, group, D]: keys read in place)."""
+        plus `bias` [N, 1, 1, L], softmax, times V (queries [N, KV, group, D]: keys read in place).
+        With `slot` (long [1]; shapes that never change, as a CUDA graph needs) the key/value go to that
+        slot and attention runs over all S slots, `bias` [N, 1, 1, S] -inf on those past it."""
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        N, slot = x.shape[0], bias.shape[-1] - 1
+        N = x.shape[0]
         qkv = self._qkv(x, weights, kind).view(N, H + 2 * KV, D)
         qk = apply_rope(qkv[:, : H + KV], cos, sin)
-        k_cache.select(2, slot).copy_(qk[:, H:])
-        v_cache.select(2, slot).copy_(qkv[:, H + KV :])
-        scores = torch.matmul(qk[:, :H].view(N, KV, H // KV, D), k_cache[:, :, : slot + 1].transpose(2, 3))
-        y = torch.matmul((scores + bias).softmax(dim=-1).to(v_cache.dtype), v_cache[:, :, : slot + 1])
+        if slot is None:
+            last = bias.shape[-1] - 1
+            k_cache.select(2, last).copy_(qk[:, H:])
+            v_cache.select(2, last).copy_(qkv[:, H + KV :])
+            keys, values = k_cache[:, :, : last + 1], v_cache[:, :, : last + 1]
+        else:
+            k_cache.index_copy_(2, slot, qk[:, H:, None].to(k_cache.dtype))
+            v_cache.index_copy_(2, slot, qkv[:, H + KV :, None].to(v_cache.dtype))
+            keys, values = k_cache, v_cache
+        scores = torch.matmul(qk[:, :H].view(N, KV, H // KV, D), keys.transpose(2, 3))
+        y = torch.matmul((scores + bias).softmax(dim=-1).to(values.dtype), values)
         return linear(y.view(N, H * D), weights[1], kind)
 
     def prefill(self, x, weights, cos, sin, index, allowed, k_cache, v_cache, kind: str):
@@ -320,9 +329,10 @@ class Block(nn.Module):
         """(the attention's, the MLP's) `fused_weights`, for `step` and `prefill`: the weights now."""
         return self.self_attn.fused_weights(rows, kind), self.mlp.fused_weights(rows, kind)
 
-    def step(self, x, weights, cos, sin, k_cache, v_cache, bias, kind: str):
+    def step(self, x, weights, cos, sin, k_cache, v_cache, bias, kind: str, slot: torch.Tensor | None = None):
         """`forward` of one new token per row, x [N, d], on `fused_weights` (see `Attention.step`)."""
-        x = x + self.self_attn.step(self.input_layernorm(x), weights[0], cos, sin, k_cache, v_cache, bias, kind)
+        x = x + self.self_attn.step(self.input_layernorm(x), weights[0], cos, sin, k_cache, v_cache, bias, kind,
+                                    slot)
         return x + self.mlp.fused(self.post_attention_layernorm(x), weights[1], kind)
 
     def prefill(self, x, weights, cos, sin, index, allowed, k_cache, v_cache, kind: str):
