@@ -15,7 +15,9 @@ non-finite loss, or (fsdp) did not shard or resume exactly.
 
 Under a 10-minute limit per command, run it as two, each with its own --out:
 `--stages eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate` and
-`--stages smollm2_dpo,smollm2_ppo,smollm2_grpo`.
+`--stages smollm2_dpo,smollm2_ppo,smollm2_grpo,decode`. The `decode` stage
+(benchmarks/gpu_check_decode.py) decodes greedily eager and as a CUDA graph on random models
+of SmolLM2-135M's shape: the same tokens, and tokens/s both ways (on the CPU: no graph).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from sprout.atomic import atomic_write  # noqa: E402
 from sprout.engine.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 
 STAGES = ("eager", "compiled", "fsdp", "base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo", "evaluate",
-          "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo")
+          "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo", "decode")
 # the run each post-training run starts from (ppo: sft, and the reward model)
 CHAIN_NEEDS = {"sft": "base", "reward": "sft", "dpo": "sft", "dpo_precomputed": "sft", "ppo": "reward", "grpo": "sft",
                "evaluate": "grpo"}
@@ -61,7 +63,7 @@ NEEDS = {c.prefix + stage: c.prefix + need for c in CHAINS for stage, need in CH
          if c.prefix + stage in STAGES}
 PRETRAINING = ("eager", "compiled", "fsdp")  # on random token shards; the other stages need the made-up inputs
 # the check as two commands (each with its own --out) where one command may run 10 minutes at most
-TWO_COMMANDS = ("eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate", "smollm2_dpo,smollm2_ppo,smollm2_grpo")
+TWO_COMMANDS = ("eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate", "smollm2_dpo,smollm2_ppo,smollm2_grpo,decode")
 
 
 def with_needs(stages) -> list[str]:
@@ -252,7 +254,7 @@ def pretraining(check: Check, size: Sizes, steps: int, global_batch: int, n_gpu:
 def post_training(check: Check, size: Sizes, steps: int, train_flags: list[str]) -> None:
     """Each chain's base, then every trainer from it with the chain's preset configs (sized
     here), then evaluate on the first chain's GRPO policy."""
-    if set(check.stages) <= set(PRETRAINING):
+    if set(check.stages) <= {*PRETRAINING, "decode"}:  # no run needs the inputs
         return
     out = check.out
     tok = inputs.train_tokenizer(out / "tokenizer")
@@ -332,6 +334,22 @@ def chain_runs(check: Check, chain: Chain, size: Sizes, flags: list[str], tok, t
             check.stage(name(stage), functools.partial(check.train, name(stage), cmd))
 
 
+def decode(check: Check, gpu: bool) -> None:
+    """The `decode` stage: benchmarks/gpu_check_decode.py in its own process (on the CPU its tiny
+    model, the static step run eagerly: no CUDA graph), its figures from its JSON; the table's
+    generation tokens/s is the graph's under bf16 on SmolLM2-135M's shape."""
+    def body() -> dict:
+        report = check.out / "decode.json"
+        cmd = [sys.executable, "benchmarks/gpu_check_decode.py", "--out", str(report)]
+        wall = check.run("decode", cmd + ([] if gpu else ["--device", "cpu", "--new-tokens", "16"]))
+        figures = json.loads(report.read_text())
+        figures.pop("failed")
+        bf16 = figures.get("smollm2_135m", {}).get("bf16", {})
+        return {"wall_s": wall, "graph": gpu, "generation_tokens_per_s": bf16.get("graph_tokens_per_s"), **figures}
+
+    check.stage("decode", body)
+
+
 def print_table(results: dict, stages=STAGES) -> None:
     print(f"\n{results['device']}; peak {results['peak_tflops']:.1f} TFLOP/s measured here")
     print(f"{'run':16s} {'tokens/s':>12s} {'MFU':>7s} {'gen tok/s':>10s} {'loss':>8s} {'wall s':>8s}")
@@ -392,6 +410,7 @@ def main() -> None:
     results = check.results
     pretraining(check, size, args.steps or size.steps, global_batch, n_gpu, fsdp_config, train_flags)
     post_training(check, size, args.trainer_steps or size.trainer_steps, train_flags)
+    decode(check, gpu)
     print_table(results, stages)  # gpu_check.json: saved after each stage
     if results["failed"]:
         raise SystemExit(f"gpu_check failed: {'; '.join(results['failed'].values())}")

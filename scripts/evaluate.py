@@ -30,7 +30,9 @@ from sprout.stages.configs import RewardLossConfig
 
 DEFAULT_KS = (1, 8)  # those at most --n, when --k is not given
 GENERATION = {"n": 16, "k": None, "greedy": False, "max_examples": None, "max_new_tokens": 256, "temperature": 1.0,
-              "seed": 0, "samples": 4, "split": None, "mirror": None}  # options, defaults: not with --preferences
+              "seed": 0, "samples": 4, "split": None, "mirror": None,
+              "cuda_graph": "auto"}  # options, defaults: not with --preferences
+CUDA_GRAPH = {"auto": "auto", "true": True, "false": False}  # --cuda-graph -> generate_tokens(cuda_graph=)
 ROWS = ("pass@{k}", "greedy/accuracy", "greedy/format_rate", "format/rate", "completions/mean_length",
         "completions/clipped_ratio", "flexible/pass@{k}", "flexible/greedy/accuracy")
 
@@ -85,6 +87,9 @@ def main() -> int:
     p.add_argument("--out", help="the JSON to write (default: <run folder>/eval/<task>_<split>_step<step>.json)")
     p.add_argument("--mirror", help="data mirror folder for --task gsm8k (default: sprout.mirror's rule)")
     p.add_argument("--tokenizer", help="tokenizer spec (default: the one the checkpoint records)")
+    p.add_argument("--cuda-graph", choices=sorted(CUDA_GRAPH),
+                   help="decode step replayed as a CUDA graph: auto (default: on CUDA in one process), true, false "
+                   "(docs/gpus.md)")
     pref = p.add_argument_group("--preferences (`sprout.stages.preference_ranking`; --batch-size: pairs per forward)")
     pref.add_argument("--beta", type=float, help=f"β of an LM's log-probability score (default {RewardLossConfig().beta}, the reward stage's)")
     pref.add_argument("--reference", help="a reference LM: DPO's implicit reward β × (log p − log p_ref)")
@@ -149,7 +154,8 @@ def main() -> int:
 
     ev = evaluate_prompts(model, tok, prompts, n=args.n, ks=ks, greedy=args.greedy,
                           max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size,
-                          temperature=args.temperature, accelerator=accelerator, num_samples=args.samples)
+                          temperature=args.temperature, accelerator=accelerator, num_samples=args.samples,
+                          cuda_graph=CUDA_GRAPH[args.cuda_graph])
     if main_rank:
         intervals, level_intervals = ev.intervals()
         metrics = {**ev.metrics, **intervals}
@@ -163,7 +169,8 @@ def main() -> int:
             "settings": {"n": args.n, "ks": ks, "greedy": args.greedy, "seed": args.seed,
                          "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                          "batch_size": args.batch_size, "max_examples": args.max_examples,
-                         "processes": accelerator.num_processes, "tokenizer": tok.spec},
+                         "processes": accelerator.num_processes, "tokenizer": tok.spec,
+                         "cuda_graph": args.cuda_graph},
             "metrics": metrics, "by_level": by_level, "samples": ev.samples,
             "command": shlex.join(sys.argv), "problems": ev.problems(),
         }

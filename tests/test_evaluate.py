@@ -66,7 +66,7 @@ def fake_generate(tok, calls):
     which = {tuple(render(p["prompt"], tok, add_generation_prompt=True)[0]): i for i, p in enumerate(PROMPTS)}
 
     def generate_tokens(model, ids, mask, *, max_new_tokens, num_generations=1, greedy=False, tokenizer=None,
-                        generator=None, temperature=1.0):
+                        generator=None, temperature=1.0, cuda_graph="auto"):
         calls.append((ids.shape[0], num_generations, greedy, max_new_tokens))
         rows = []
         for r in range(ids.shape[0]):
@@ -276,6 +276,20 @@ def test_script_writes_the_json_and_a_table(base, tmp_path):
             assert 0 <= lo <= figures[name] <= hi <= 1
         assert "completions/mean_length_ci" not in figures
     assert "  95 % interval" in r.stdout
+
+
+def test_script_cuda_graph_option_gives_the_same_answers(base, tmp_path):
+    """--cuda-graph true (the static-shape decode step; a CUDA graph only on CUDA) answers as the
+    default does here (auto: the eager step on the CPU), and the JSON records it."""
+    results = {}
+    for value in ("auto", "true"):
+        out = tmp_path / f"{value}.json"
+        r = evaluate_script(base, *ARGS, "--cuda-graph", value, "--out", out)
+        assert r.returncode == 0, r.stderr[-2000:]
+        results[value] = json.loads(out.read_text())
+    assert results["true"]["settings"]["cuda_graph"] == "true"
+    assert results["true"]["problems"] == results["auto"]["problems"]
+    assert results["true"]["samples"] == results["auto"]["samples"]
 
 
 def test_script_refuses_a_k_above_n_with_one_line(base):

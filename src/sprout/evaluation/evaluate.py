@@ -226,14 +226,16 @@ def _last_user(prompt: list) -> str:
 @torch.no_grad()
 def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, ks: Sequence[int] = (1,),
                      greedy: bool = False, max_new_tokens: int = 256, seed: int = 0, batch_size: int = 8,
-                     temperature: float = 1.0, accelerator=None, num_samples: int = 4) -> Evaluation:
+                     temperature: float = 1.0, accelerator=None, num_samples: int = 4,
+                     cuda_graph: bool | str = "auto") -> Evaluation:
     """Sample and verify completions of `prompts` (records with `prompt`, `gold`, `level`,
     optional `id`). `n` may be 0 when `greedy` is on (greedy only). `batch_size` prompts per
     `generate_tokens` call (batch_size × n rows). Under torch.distributed batch j goes to rank
     j mod world_size and one `all_gather_object` gives every rank all counts, in prompt order.
     Every rank makes the same number of `generate_tokens` calls (a rank without a batch
     generates one token for a repeated prompt, counted nothing): under FSDP each forward is a
-    collective. The model is used as given; a DDP wrapper is looked through to its module."""
+    collective. The model is used as given; a DDP wrapper is looked through to its module.
+    `cuda_graph`: `generate_tokens`'s (the decode step as a CUDA graph; "auto": on CUDA, one process)."""
     ks = sorted(set(int(k) for k in ks)) if n else []
     if n < 0 or (n == 0 and not greedy):
         raise SproutError(f"evaluate: n must be >= 1 (or 0 with greedy), got {n}")
@@ -268,9 +270,11 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
             if j >= len(batches):  # keep the other ranks' collectives company, count nothing
                 ids, mask = pad_prompts(rendered[:1], device)
                 if n:
-                    generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer)
+                    generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer,
+                                    cuda_graph=cuda_graph)
                 if greedy:
-                    generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer)
+                    generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer,
+                                    cuda_graph=cuda_graph)
                 continue
             batch = batches[j]
             ids, mask = pad_prompts([rendered[i] for i in batch], device)
@@ -281,7 +285,8 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
             if n:
                 gen = torch.Generator(device=device).manual_seed(batch_seed(seed, j))
                 out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, num_generations=n,
-                                      temperature=temperature, tokenizer=tokenizer, generator=gen)
+                                      temperature=temperature, tokenizer=tokenizer, generator=gen,
+                                      cuda_graph=cuda_graph)
                 flat = completion_texts(out, tokenizer)
                 repeated = [g for g in golds for _ in range(n)]
                 correct = correctness_reward(flat, repeated)
@@ -297,7 +302,8 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
                     o.truncated = sum(bool(truncated[i]) for i in rows)
                     texts[b].append(flat[b * n])
             if greedy:
-                out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, greedy=True, tokenizer=tokenizer)
+                out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, greedy=True, tokenizer=tokenizer,
+                                      cuda_graph=cuda_graph)
                 flat = completion_texts(out, tokenizer)
                 correct, formatted = correctness_reward(flat, golds), format_reward(flat)
                 flexible = correctness_reward(flat, golds, fallback_last_number=True)

@@ -181,6 +181,9 @@ class RolloutConfig:
     top_k: int | None = in_range(None, "[1, inf)")  # sample among the k likeliest tokens; None: all
     top_p: float | None = in_range(None, "(0, 1]")  # sample within this probability mass (nucleus); None: all
     compile: bool = resume_free(False)  # compile sprout's decode step (single process only; model/generate.py)
+    # sprout's decode step on fixed-shape buffers, replayed as a CUDA graph (model/static_decode.py); auto:
+    # on CUDA; never with several processes (an FSDP forward gathers sharded weights: a collective)
+    cuda_graph: bool | Literal["auto"] = resume_free("auto")
     # sprout: sprout's own decode on the live policy; vllm: vLLM in this process, one GPU, its copy of the
     # weights refreshed after every optimizer step (installed apart: docs/gpus.md); either way the loss
     # recomputes every log-prob (sprout.stages.rollout_engine)

@@ -331,7 +331,7 @@ class RLStage(LoaderPosition):
         ev = evaluate_prompts(self.model if self.model is not None else model, self.tok, self.val.records, n=n,
                               ks=sorted({1, n}) if n else (), greedy=True,
                               max_new_tokens=self.rollout.max_completion_length, seed=self.seed,
-                              batch_size=self.eval_batch, accelerator=self.acc)
+                              batch_size=self.eval_batch, accelerator=self.acc, cuda_graph=self.rollout.cuda_graph)
         out = {f"val_{k}": v for k, v in ev.metrics.items() if k != "prompts"}
         out["val_accuracy"], out["val_format"] = ev.metrics["greedy/accuracy"], ev.metrics["greedy/format_rate"]
         if n:

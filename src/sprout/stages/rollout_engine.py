@@ -49,12 +49,14 @@ class RolloutEngine(Protocol):
 
 class SproutEngine:
     """sprout's own KV-cached decode (`generate_tokens`) on the live policy, in eval mode under the
-    accelerator's autocast; `rollout.compile` compiles its decode step."""
+    accelerator's autocast; `rollout.compile` compiles its decode step, `rollout.cuda_graph` replays
+    it as a CUDA graph."""
 
     name = "sprout"
 
-    def __init__(self, model, vocab_size: int, *, autocast, compile: bool = False):
+    def __init__(self, model, vocab_size: int, *, autocast, compile: bool = False, cuda_graph: bool | str = "auto"):
         self.model, self.vocab_size, self.autocast, self.compile = model, vocab_size, autocast, compile
+        self.cuda_graph = cuda_graph
 
     def generate(self, input_ids, attention_mask, *, num_generations, max_new_tokens, temperature, top_k, top_p,
                  stop_ids, generator) -> Rollout:
@@ -64,7 +66,7 @@ class SproutEngine:
                 return generate_tokens(self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                        num_generations=num_generations, temperature=temperature, top_k=top_k,
                                        top_p=top_p, stop_ids=stop_ids, vocab_size=self.vocab_size,
-                                       generator=generator, compile=self.compile)
+                                       generator=generator, compile=self.compile, cuda_graph=self.cuda_graph)
         finally:
             self.model.train()
 
@@ -73,7 +75,8 @@ class SproutEngine:
 
 
 def sprout_engine(rollout, model, tokenizer, accelerator, rows: int) -> SproutEngine:
-    return SproutEngine(model, tokenizer.vocab_size, autocast=accelerator.autocast, compile=rollout.compile)
+    return SproutEngine(model, tokenizer.vocab_size, autocast=accelerator.autocast, compile=rollout.compile,
+                        cuda_graph=rollout.cuda_graph)
 
 
 def vllm_engine(rollout, model, tokenizer, accelerator, rows: int):
