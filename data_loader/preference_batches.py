@@ -106,6 +106,11 @@ class PreferenceLoader(EpochOrder):
             "pair_index": torch.from_numpy(pair_idx),
         }
 
+    def side_lengths(self, pair_idx: np.ndarray) -> np.ndarray:
+        """Tokens of each side of these pairs (indices into `pairs`): [n, 2] (chosen, rejected)."""
+        pair_idx = np.asarray(pair_idx, dtype=np.int64)
+        return np.stack([self._lengths[pair_idx], self._lengths[pair_idx + self.num_pairs]], axis=1)
+
     def next_batch(self) -> dict:
         return self.collate(self.next(f"{self.batch_size} x {self.world_size} ranks"))
 

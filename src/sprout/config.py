@@ -354,6 +354,9 @@ def field_default(f: dataclasses.Field) -> Any:
 
 
 RESUME_FREE = {"resume": "free"}  # field metadata: this field may change when a run is resumed
+# field metadata: at its default this field is left out of the resume config (so adding it kept
+# every earlier run's config hash); set to another value, a resume must match it
+HASHED_WHEN_SET = {"resume": "when_set"}
 
 
 def missing_fields(cls: type, data: dict, prefix: str = "") -> list[str]:
@@ -400,10 +403,24 @@ def resume_free_paths(cls: type) -> set[str]:
     return paths
 
 
+def default_paths(cfg: Any, prefix: str = "") -> set[str]:
+    """Dotted paths of the fields declared `HASHED_WHEN_SET` in the dataclass instance `cfg` (and
+    the dataclasses in it) that hold their default."""
+    paths = set()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.metadata.get("resume") == "when_set" and value == field_default(f):
+            paths.add(prefix + f.name)
+        elif dataclasses.is_dataclass(value):
+            paths |= default_paths(value, f"{prefix}{f.name}.")
+    return paths
+
+
 def resume_config(cfg: Any) -> dict:
     """`cfg` as a dict without its `resume_free` fields, nor a section that is `off` (a LoRA
-    section of rank 0: a run without it had the same config): what a resume must match."""
-    free = resume_free_paths(type(cfg))
+    section of rank 0: a run without it had the same config), nor a `HASHED_WHEN_SET` field at
+    its default: what a resume must match."""
+    free = resume_free_paths(type(cfg)) | default_paths(cfg)
     free |= {f.name for f in dataclasses.fields(cfg) if getattr(getattr(cfg, f.name), "off", False) is True}
 
     def keep(node: dict, prefix: str) -> dict:

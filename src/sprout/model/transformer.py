@@ -418,10 +418,16 @@ class Transformer(nn.Module):
         """Logits [B, T, vocab] in float32; with return_hidden, (logits, hidden_states).
 
         `logits_to_keep` = k > 0: logits of the last k positions only, [B, k, vocab] (as in
-        transformers; a prefill needs the last position's alone); hidden states stay [B, T, d].
+        transformers; a prefill needs the last position's alone); a LongTensor [K]: logits of these
+        positions of the flattened [B * T] batch only, [1, K, vocab] (a packed batch's completion
+        tokens); hidden states stay [B, T, d].
         """
         h = self.hidden_states(input_ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache)
-        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h).float()
+        if torch.is_tensor(logits_to_keep):
+            kept = h.flatten(0, 1)[logits_to_keep][None]
+        else:
+            kept = h[:, -logits_to_keep:] if logits_to_keep else h
+        logits = self.lm_head(kept).float()
         return (logits, h) if return_hidden else logits
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sprout.config import RESUME_FREE, require, resume_free
+from sprout.config import HASHED_WHEN_SET, RESUME_FREE, require, resume_free
 from sprout.ranges import in_range
 from sprout.losses.loss_types import CLIPPED_LOSS_TYPES, PREFERENCE_LOSS_TYPES
 from sprout.model.config import ModelConfig
@@ -79,6 +79,12 @@ class PairBatchConfig:
     """The batch of the preference stages, in pairs (each pair is two rows: chosen and rejected)."""
     global_pairs: int = in_range(64, "[1, inf)")  # per optimizer step, all processes together
     micro_pairs: int = in_range(8, "[1, inf)")    # per forward/backward on one process (2 × micro_pairs rows)
+    # each micro-batch's sides packed into rows without padding, attention and positions per side (TRL's
+    # padding_free; sprout.stages.packing): the same loss and gradients, no padding computed
+    padding_free: bool = resume_free(False)
+    # > 0: a micro-batch also ends before it would pass this many tokens (rows × width; padding_free: its
+    # sides' tokens); at least 2 × data.seq_len, so a pair always fits; 0: micro_pairs pairs each
+    micro_batch_tokens: int = in_range(0, "[0, inf)", metadata=HASHED_WHEN_SET)
 
 
 @dataclass
@@ -153,6 +159,12 @@ class PromptBatchConfig:
     global_prompts: int = in_range(16, "[1, inf)")  # prompts per generation batch, all processes together
     num_generations: int = in_range(8, "[2, inf)")  # G completions per prompt (a group; all on the prompt's rank)
     micro_completions: int = in_range(16, "[1, inf)")  # completions per forward/backward on one process
+    # each micro-batch's prompt + completion sequences packed into rows without padding, attention and
+    # positions per sequence (TRL's padding_free; sprout.stages.packing): the same loss and gradients
+    padding_free: bool = resume_free(False)
+    # > 0: a micro-batch also ends before it would pass this many tokens (rows × width; padding_free: its
+    # sequences' tokens); at least data.max_prompt_length + rollout.max_completion_length; 0: micro_completions each
+    micro_batch_tokens: int = in_range(0, "[0, inf)", metadata=HASHED_WHEN_SET)
 
 
 @dataclass

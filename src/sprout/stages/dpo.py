@@ -35,6 +35,7 @@ from sprout.model.transformer import Transformer, uninitialised
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.run_stage import lora_policy, train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
+from sprout.stages.packing import PackedRows, packed_mean_logit_sums, packed_sequence_logps
 from sprout.stages.preference_stage import PreferenceStage, open_preference_run, pair_groups
 from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
 
@@ -52,9 +53,17 @@ def check_dpo_options(c: DPOLossConfig) -> None:
         raise SproutError(f"dpo.{exc}") from None
 
 
-def side_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def side_logps(model, batch: dict, padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed response log-probs [2B], response tokens [2B], logit sums [2B]) of one forward over
-    both sides; the logit sums (`mean_logit_sums`, no gradient) are taken before any backward."""
+    both sides (`padding_free`: packed, `sprout.stages.packing`); the logit sums (`mean_logit_sums`,
+    no gradient) are taken before any backward."""
+    if padding_free:
+        rows = PackedRows(batch["attention_mask"])
+        logits = rows.forward(model, batch["input_ids"])
+        logit_sums = packed_mean_logit_sums(logits, rows, batch["loss_mask"])
+        logps, lengths = packed_sequence_logps(logits, rows, batch["targets"], batch["loss_mask"],
+                                               overwrite_logits=True)
+        return logps, lengths, logit_sums
     logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
     logit_sums = mean_logit_sums(logits, batch["loss_mask"])
     logps, lengths = sequence_logps(logits, batch["targets"], batch["loss_mask"], overwrite_logits=True)
@@ -66,8 +75,8 @@ class DPOStage(PreferenceStage):
 
     def __init__(self, accelerator, loader, val, accum_steps: int, loss_cfg: DPOLossConfig,
                  ref_model: torch.nn.Module | None = None, ref_path: str | None = None,
-                 tokenizer_fingerprint: str = "", val_groups: list[list[str | None]] | None = None):
-        super().__init__(accelerator, loader, val, accum_steps, val_groups)
+                 tokenizer_fingerprint: str = "", val_groups: list[list[str | None]] | None = None, **batching):
+        super().__init__(accelerator, loader, val, accum_steps, val_groups, **batching)
         self.loss_cfg, self.ref_path, self.fingerprint = loss_cfg, ref_path, tokenizer_fingerprint
         self.ref_model = ref_model          # live reference (unprepared until setup)
         self.cached: ReferenceLogps | None = None  # precomputed reference log-probs (train, val)
@@ -79,7 +88,8 @@ class DPOStage(PreferenceStage):
         ref = trainer.prepare_frozen(self.ref_model)
         if self.loss_cfg.precompute_ref_logps:
             self.cached = reference_logps(self.acc, ref, self.ref_path, self.fingerprint,
-                                          (self.loader, self.val), micro_pairs=self.micro_pairs)
+                                          (self.loader, self.val), micro_pairs=self.micro_pairs,
+                                          padding_free=self.padding_free)
             if ref in trainer.frozen:  # a frozen copy is freed; a LoRA policy's view stays the policy
                 trainer.frozen.remove(ref)
             ref = None
@@ -99,13 +109,13 @@ class DPOStage(PreferenceStage):
         if self.ref_model is None:
             return None
         with torch.no_grad():
-            return response_logps(self.ref_model, batch)
+            return response_logps(self.ref_model, batch, self.padding_free)
 
     def pair_terms(self, model, batch: dict):
         """(per-pair losses [B], metric sums over the batch's real pairs, each pair ranked right:
         implicit reward of chosen > rejected [B]) of one micro-batch."""
         c, keep = self.loss_cfg, batch["pair_mask"]
-        logps, lengths, logit_sums = side_logps(model, batch)
+        logps, lengths, logit_sums = side_logps(model, batch, self.padding_free)
         ref = self._ref_logps(batch)
         b = keep.shape[0]
         lp_c, lp_r, len_c, len_r = logps[:b], logps[b:], lengths[:b], lengths[b:]
@@ -182,7 +192,7 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
         acc.print(f"dpo: reference {ref_path}" + (" (log-probs precomputed)" if cfg.dpo.precompute_ref_logps
                                                  else f" ({how})"))
     stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
-                     run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val))
+                     run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val), **run.batching())
     del ref_model  # the stage holds it (and frees it once its log-probs are precomputed)
     frozen = {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}
     meta = {**run.provenance(), **lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}

@@ -191,7 +191,7 @@ class GRPOStage(RLStage):
         c = self.cfg
         real = batch["completion_mask"].bool()
         logps, entropy = completion_logps(model, batch, self.rollout.temperature, entropy=True,
-                                          entropy_grad=c.entropy_coef > 0)
+                                          entropy_grad=c.entropy_coef > 0, padding_free=self.batch_cfg.padding_free)
         logps = torch.where(real, logps, torch.zeros((), device=logps.device))
         kl = None
         if self.ref_model is not None and c.kl_in == "loss":

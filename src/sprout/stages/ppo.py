@@ -37,6 +37,7 @@ from sprout.engine.run_stage import lora_policy, train_stage
 from sprout.stages.configs import PPOBatchConfig, PPOConfig, PPOLossConfig, RolloutConfig
 from sprout.stages.reward import score_sequences
 from sprout.stages.rl_rewards import build_rewards
+from sprout.stages.packing import CompletionRows
 from sprout.stages.rl_stage import RLStage, completion_logps, open_rl_run, pad_columns
 
 
@@ -81,12 +82,13 @@ class WithValues:
 
 
 def logps_and_values(model, batch: dict, temperature: float = 1.0, entropy: bool = False,
-                     entropy_grad: bool = False):
+                     entropy_grad: bool = False, padding_free: bool = False):
     """(log-probs, values, entropy) [N, L] of the completion tokens: each value is V of the state
-    before its token (read at the position that predicts it). Off-mask positions hold garbage."""
-    net = WithValues(model)
-    logps, ent = completion_logps(net, batch, temperature, entropy=entropy, entropy_grad=entropy_grad)
-    return logps, net.values[:, -batch["completion_ids"].shape[1]:], ent
+    before its token (read at the position that predicts it); `padding_free` as in
+    `completion_logps`. Off-mask positions hold garbage."""
+    net, rows = WithValues(model), CompletionRows(batch, padding_free)
+    logps, ent = completion_logps(net, batch, temperature, entropy=entropy, entropy_grad=entropy_grad, rows=rows)
+    return logps, rows.completion_of_all(net.values), ent
 
 
 # ---- the stage ----------------------------------------------------------------------------------
@@ -127,16 +129,16 @@ class PPOStage(RLStage):
         """The reward model's score [N] float64 of each prompt + completion, in micro-batches: its
         score head read at the completion's last token, or β × the completion's summed
         log-probability under it (temperature 1)."""
-        logprob = self.reward_score["kind"] == "logprob"
+        logprob, free = self.reward_score["kind"] == "logprob", self.batch_cfg.padding_free
 
         def score(part: dict) -> torch.Tensor:
             if logprob:
-                lp, _ = completion_logps(self.reward_model, part)
+                lp, _ = completion_logps(self.reward_model, part, padding_free=free)
                 mask = part["completion_mask"].bool()
                 return (self.reward_score["beta"] * torch.where(mask, lp, 0.0).double().sum(1)).cpu()
             ids = torch.cat([part["prompt_ids"], part["completion_ids"]], dim=1)
             mask = torch.cat([part["prompt_mask"], part["completion_mask"]], dim=1)
-            return score_sequences(self.reward_model, ids, mask).double().cpu()
+            return score_sequences(self.reward_model, ids, mask, padding_free=free).double().cpu()
 
         return torch.cat(self.no_grad_pass(score, rollout))
 
@@ -145,7 +147,8 @@ class PPOStage(RLStage):
         L, mask = rollout["completion_ids"].shape[1], rollout["completion_mask"]
 
         def logps_values(part: dict) -> tuple[torch.Tensor, torch.Tensor]:
-            lp, v, _ = logps_and_values(self.model, part, self.rollout.temperature)
+            lp, v, _ = logps_and_values(self.model, part, self.rollout.temperature,
+                                        padding_free=self.batch_cfg.padding_free)
             return pad_columns(lp, L), pad_columns(v, L)
 
         lps, vals = zip(*self.no_grad_pass(logps_values, rollout))
@@ -279,7 +282,8 @@ class PPOStage(RLStage):
         real = mask.bool()
         zero = torch.zeros((), device=mask.device)
         logps, values, entropy = logps_and_values(model, batch, self.rollout.temperature, entropy=True,
-                                                  entropy_grad=c.entropy_coef > 0)
+                                                  entropy_grad=c.entropy_coef > 0,
+                                                  padding_free=self.batch_cfg.padding_free)
         logps, values = torch.where(real, logps, zero), torch.where(real, values, zero)
         old_values, returns = batch["old_values"], batch["returns"]
         per_token_vf = value_loss(values, old_values, returns, c.cliprange_value)

@@ -27,6 +27,7 @@ from data_loader.preference_batches import PreferenceLoader
 from sprout.atomic import sha256_file
 from sprout.chat_formats import check_trained_format, format_for
 from sprout.checkpoint import checkpoint_tokenizer, init_record, read_meta
+from sprout.config import require
 from sprout.errors import SproutError
 from sprout.formats.data_paths import PREFERENCE_FILES, resolve_data
 from sprout.formats.preference_pairs import kind_group, read_preferences
@@ -37,6 +38,7 @@ from sprout.model.config import ModelConfig
 from sprout.engine.run_stage import start_run, with_epochs
 from sprout.engine.cli import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition, micro_steps
+from sprout.stages.packing import budget_slices, packed_cost
 
 
 def pair_groups(path: str | Path, loader: PreferenceLoader) -> list[list[str | None]]:
@@ -61,9 +63,11 @@ class PreferenceStage(LoaderPosition):
     generated_tokens = 0
 
     def __init__(self, accelerator, loader: PreferenceLoader, val: PreferenceLoader, accum_steps: int,
-                 val_groups: list[list[str | None]] | None = None):
+                 val_groups: list[list[str | None]] | None = None, *, padding_free: bool = False,
+                 micro_batch_tokens: int = 0):
         self.acc, self.loader, self.val, self.accum_steps = accelerator, loader, val, accum_steps
         self.micro_pairs = loader.batch_size // accum_steps
+        self.padding_free, self.micro_batch_tokens = padding_free, micro_batch_tokens  # `PairBatchConfig`'s
         self.val_groups = val_groups or []  # `pair_groups` of the held-out file: accuracy per group
         self.group_names = [sorted(set(groups) - {None}) for groups in self.val_groups]
 
@@ -89,10 +93,18 @@ class PreferenceStage(LoaderPosition):
         return batch
 
     def next_micro_batches(self, step: int) -> list[dict]:
-        """This rank's pairs of the step, in accum_steps micro-batches each padded to its own longest side."""
+        """This rank's pairs of the step in micro-batches, each padded to its own longest side:
+        accum_steps of micro_pairs, or with micro_batch_tokens consecutive pairs (at most
+        micro_pairs) while their tokens fit (padded: 2 × pairs × longest side; padding_free: both
+        sides' tokens), every rank running as many (`sprout.stages.packing.budget_slices`)."""
         idx = self.loader.next_batch()["pair_index"].numpy()
-        m = self.micro_pairs
-        return [self.extend(self.loader.collate(idx[i:i + m])) for i in range(0, len(idx), m)]
+        cost = None
+        if self.micro_batch_tokens:
+            lengths = self.loader.side_lengths(idx)
+            cost = packed_cost(lengths) if self.padding_free else \
+                (lambda i, j: 2 * (j - i) * int(lengths[i:j].max()))
+        slices = budget_slices(len(idx), self.micro_pairs, self.micro_batch_tokens, cost, self.acc, unit="pairs")
+        return [self.extend(self.loader.collate(idx[s])) for s in slices]
 
     def eval_batches(self) -> Iterator[dict]:
         """This rank's held-out micro-batches on the device (the same number on every rank)."""
@@ -146,6 +158,10 @@ class PreferenceRun:
     data: Path
     val_path: Path
 
+    def batching(self) -> dict:
+        """The stage's keyword arguments of batch.padding_free and batch.micro_batch_tokens."""
+        return {"padding_free": self.cfg.batch.padding_free, "micro_batch_tokens": self.cfg.batch.micro_batch_tokens}
+
     def provenance(self) -> dict:
         """Fields for every checkpoint's meta: tokenizer, chat template, the init checkpoint, the data."""
         return {"tokenizer_fingerprint": self.tokenizer.fingerprint(),
@@ -184,6 +200,9 @@ def open_preference_run(cfg, stage_name: str, resume: str | None = None) -> Pref
     if seq_len > model_cfg.max_seq_len:
         raise SproutError(f"data.seq_len {seq_len} exceeds max_seq_len {model_cfg.max_seq_len} of the init "
                           f"checkpoint {base['path']}")
+    require(not cfg.batch.micro_batch_tokens or cfg.batch.micro_batch_tokens >= 2 * seq_len,
+            "batch.micro_batch_tokens", cfg.batch.micro_batch_tokens,
+            f"0 or at least 2 × data.seq_len = {2 * seq_len} (both sides of the longest pair must fit a micro-batch)")
     check = verify_jsonl_data(data, val, cfg.data.verify, kind="preference")
     check_train_jsonl(data, read_preferences(data))
     if data.stat().st_size == val.stat().st_size and sha256_file(data) == sha256_file(val):

@@ -31,6 +31,7 @@ from sprout.atomic import atomic_path, sha256_file
 from sprout.checkpoint import WEIGHTS, read_meta
 from sprout.losses.tokens import sequence_logps
 from sprout.engine.trainer import all_reduce_sums
+from sprout.stages.packing import PackedRows, packed_sequence_logps
 
 
 @dataclass
@@ -69,11 +70,17 @@ def read_cache(path: Path, loader: PreferenceLoader) -> tuple[torch.Tensor, torc
     return t["chosen"], t["rejected"]
 
 
-def response_logps(model, batch: dict) -> torch.Tensor:
+def response_logps(model, batch: dict, padding_free: bool = False, overwrite_logits: bool = False) -> torch.Tensor:
     """The summed response log-probs [2B] of both sides of a micro-batch of pairs under `model`
-    (one forward): what the reference gives DPO, live or cached."""
+    (one forward; `padding_free`: over the sides packed, `sprout.stages.packing`): what the
+    reference gives DPO, live or cached. `overwrite_logits` as in `sequence_logps`."""
+    if padding_free:
+        rows = PackedRows(batch["attention_mask"])
+        logits = rows.forward(model, batch["input_ids"])
+        return packed_sequence_logps(logits, rows, batch["targets"], batch["loss_mask"],
+                                     overwrite_logits=overwrite_logits)[0]
     logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
-    return sequence_logps(logits, batch["targets"], batch["loss_mask"])[0]
+    return sequence_logps(logits, batch["targets"], batch["loss_mask"], overwrite_logits=overwrite_logits)[0]
 
 
 @torch.no_grad()
@@ -110,9 +117,11 @@ def write_cache(path: Path, loader: PreferenceLoader, logps: tuple[torch.Tensor,
 
 
 def reference_logps(accelerator, ref, ref_path: str, tokenizer_fingerprint: str,
-                    loaders: tuple[PreferenceLoader, PreferenceLoader], micro_pairs: int) -> ReferenceLogps:
+                    loaders: tuple[PreferenceLoader, PreferenceLoader], micro_pairs: int,
+                    padding_free: bool = False) -> ReferenceLogps:
     """The reference log-probs of the train and held-out pairs, from their caches or computed
-    (and cached) now; every rank calls it and gets the same tensors."""
+    (and cached) now (`padding_free`: its forwards over packed sides, the same values); every
+    rank calls it and gets the same tensors."""
     found, paths, reused = [], [], []
     for loader in loaders:
         parts = cache_parts(loader, ref_path, tokenizer_fingerprint)
@@ -120,7 +129,8 @@ def reference_logps(accelerator, ref, ref_path: str, tokenizer_fingerprint: str,
         cached = read_cache(path, loader)
         missing = all_reduce_sums(accelerator, {"missing": float(cached is None)})["missing"]
         if missing:
-            cached = compute_logps(accelerator, ref, loader, micro_pairs)
+            cached = compute_logps(accelerator, ref, loader, micro_pairs,
+                                   score=lambda model, batch: response_logps(model, batch, padding_free))
             if accelerator.is_main_process:
                 write_cache(path, loader, cached, parts)
             accelerator.wait_for_everyone()

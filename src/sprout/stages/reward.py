@@ -20,18 +20,19 @@ import torch
 from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.losses.preference import reward_pair_loss
-from sprout.losses.tokens import sequence_logps
 from sprout.model.heads import last_index, padding_inputs, score_at
 from sprout.model.load import init_from_lm
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.run_stage import lora_policy, train_stage
 from sprout.stages.configs import RewardConfig, RewardLossConfig
+from sprout.stages.packing import PackedRows
 from sprout.stages.preference_stage import (
     PreferenceStage,
     open_preference_run,
     pair_groups,
     split_sides,
 )
+from sprout.stages.reference_logps import response_logps
 
 
 def population_std(mean: float, mean_sq: float) -> float:
@@ -42,12 +43,17 @@ def population_std(mean: float, mean_sq: float) -> float:
 
 
 def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    end_index: torch.Tensor | None = None) -> torch.Tensor:
+                    end_index: torch.Tensor | None = None, padding_free: bool = False) -> torch.Tensor:
     """The score of each row [B]: the model's score at `end_index` (default: the row's last real
     token), with segment and position ids from the mask, so left and right padding give the
-    same scores and each row computes what it computes alone."""
-    segment_ids, position_ids = padding_inputs(attention_mask)
-    scores = model(input_ids, segment_ids=segment_ids, position_ids=position_ids)
+    same scores and each row computes what it computes alone; `padding_free`: the rows packed
+    (`sprout.stages.packing.PackedRows`), each score read back at its row's place."""
+    if padding_free:
+        rows = PackedRows(attention_mask)
+        scores = rows.unpack(rows.forward(model, input_ids))
+    else:
+        segment_ids, position_ids = padding_inputs(attention_mask)
+        scores = model(input_ids, segment_ids=segment_ids, position_ids=position_ids)
     return score_at(scores, last_index(attention_mask) if end_index is None else end_index)
 
 
@@ -57,20 +63,18 @@ def reward_score(c: RewardLossConfig) -> dict:
     return {"kind": "logprob", "beta": c.beta} if c.score == "logprob" else {"kind": "head"}
 
 
-def pair_scores(model, batch: dict, loss_cfg: RewardLossConfig) -> torch.Tensor:
-    """The score [2B] of both sides of a micro-batch of pairs (chosen, then rejected), one forward:
-    the score head at each side's end-of-turn, or β × the summed log-probability of each side's
-    response tokens (`reward.score`)."""
+def pair_scores(model, batch: dict, loss_cfg: RewardLossConfig, padding_free: bool = False) -> torch.Tensor:
+    """The score [2B] of both sides of a micro-batch of pairs (chosen, then rejected), one forward
+    (`padding_free`: over the sides packed): the score head at each side's end-of-turn, or β × the
+    summed log-probability of each side's response tokens (`reward.score`)."""
     if loss_cfg.score == "logprob":
-        logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
-        logps, _ = sequence_logps(logits, batch["targets"], batch["loss_mask"], overwrite_logits=True)
-        return loss_cfg.beta * logps
-    return score_sequences(model, batch["input_ids"], batch["attention_mask"], batch["end_index"])
+        return loss_cfg.beta * response_logps(model, batch, padding_free, overwrite_logits=True)
+    return score_sequences(model, batch["input_ids"], batch["attention_mask"], batch["end_index"], padding_free)
 
 
-def reward_batch_loss(model, batch: dict, loss_cfg: RewardLossConfig):
+def reward_batch_loss(model, batch: dict, loss_cfg: RewardLossConfig, padding_free: bool = False):
     """(per-pair losses [B], r_chosen [B], r_rejected [B]) of one micro-batch of pairs, one forward."""
-    r_chosen, r_rejected = split_sides(pair_scores(model, batch, loss_cfg))
+    r_chosen, r_rejected = split_sides(pair_scores(model, batch, loss_cfg, padding_free))
     margin = batch["margin"] if loss_cfg.use_margin else None
     return (reward_pair_loss(r_chosen, r_rejected, margin, loss_cfg.center_rewards_coefficient),
             r_chosen, r_rejected)
@@ -80,12 +84,12 @@ class RewardStage(PreferenceStage):
     name = "reward"
 
     def __init__(self, accelerator, loader, val, accum_steps: int, loss_cfg: RewardLossConfig,
-                 val_groups: list[list[str | None]] | None = None):
-        super().__init__(accelerator, loader, val, accum_steps, val_groups)
+                 val_groups: list[list[str | None]] | None = None, **batching):
+        super().__init__(accelerator, loader, val, accum_steps, val_groups, **batching)
         self.loss_cfg = loss_cfg
 
     def _pair_loss(self, model, batch: dict):
-        return reward_batch_loss(model, batch, self.loss_cfg)
+        return reward_batch_loss(model, batch, self.loss_cfg, self.padding_free)
 
     def loss(self, model, batch: dict):
         """Summed per-pair losses over the real pairs, their count, and per pair: accuracy (r_c > r_r
@@ -148,6 +152,7 @@ def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     model, _ = init_from_lm(run.base["path"], "lm" if logprob else "reward", seed=cfg.train.seed)
     lora = lora_policy(model, cfg, run.base)  # the score head trains in full beside the adapters
     acc.print(f"reward: score {'beta ' + str(c.beta) + ' x the summed response log-prob' if logprob else 'head'}")
-    stage = RewardStage(acc, run.loader, run.val, run.accum_steps, c, pair_groups(run.val_path, run.val))
+    stage = RewardStage(acc, run.loader, run.val, run.accum_steps, c, pair_groups(run.val_path, run.val),
+                        **run.batching())
     return train_stage(acc, model, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=run.accum_steps, extra_meta={**run.provenance(), "reward_score": reward_score(c), **lora})

@@ -38,7 +38,6 @@ from sprout.prep.held_out import check_train_jsonl
 from sprout.formats.verify_inputs import verify_jsonl_data
 from sprout.losses.policy import token_entropy
 from sprout.model.generate import default_stop_ids
-from sprout.model.heads import padding_inputs
 from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.config import ModelConfig
 from sprout.model.transformer import Transformer, uninitialised
@@ -49,6 +48,7 @@ from sprout.engine.run_stage import start_run, with_epochs
 from sprout.engine.cli import print_rank0, resolve_resume
 from sprout.engine.stage import LoaderPosition
 from sprout.stages.configs import PromptBatchConfig, RolloutConfig
+from sprout.stages.packing import CompletionRows, budget_slices, packed_cost
 from sprout.stages.rollout_engine import check_engine, make_engine
 
 
@@ -66,25 +66,24 @@ def rollout_micro_steps(per_rank: int, batch: PromptBatchConfig, mini_batches: i
 
 # ---- the forward every RL loss shares -----------------------------------------------------------
 def completion_logps(model, batch: dict, temperature: float = 1.0, entropy: bool = False,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool = False, padding_free: bool = False,
+                     rows: CompletionRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [N, L] of the completion tokens given their prompts (left-padded prompt
-    then right-padded completion in one row; padding computes nothing, `padding_inputs`), of
-    logits / temperature; with `entropy`, each position's entropy too (with a gradient only
-    when `entropy_grad`). Positions off the completion mask hold garbage: mask them."""
-    completion = batch["completion_ids"]
-    L = completion.shape[1]
-    ids = torch.cat([batch["prompt_ids"], completion], dim=1)[:, :-1]
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)[:, :-1]
-    segments, positions = padding_inputs(mask)
-    logits = model(ids, segment_ids=segments, position_ids=positions, logits_to_keep=L)
+    then right-padded completion in one row; padding computes nothing, `padding_inputs`; with
+    `padding_free` the rows packed, `sprout.stages.packing.CompletionRows`; `rows`: that forward,
+    built by the caller), of logits / temperature; with `entropy`, each position's entropy too
+    (with a gradient only when `entropy_grad`). Positions off the completion mask hold garbage
+    (packed: 0): mask them."""
+    rows = rows or CompletionRows(batch, padding_free)
+    logits = rows.forward(model)
     if temperature != 1.0:
         logits = logits / temperature
-    logps = logits.gather(-1, completion[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
+    logps = logits.gather(-1, rows.targets.view(logits.shape[:-1])[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
     ent = None
     if entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = token_entropy(logits)
-    return logps, ent
+            ent = rows.completion(token_entropy(logits))
+    return rows.completion(logps), ent
 
 
 def trim(batch: dict) -> dict:
@@ -214,17 +213,32 @@ class RLStage(LoaderPosition):
         """[fn(micro-batch)] over every row of `rollout` in micro-batches of batch.micro_completions
         (its [N, L] tensors, trimmed, on the device), under autocast, without gradient."""
         rows = {k: v for k, v in rollout.items() if torch.is_tensor(v) and v.dim() == 2}
-        m, out = self.batch_cfg.micro_completions, []
-        for i in range(0, rollout["completion_ids"].shape[0], m):
-            part = trim({k: v[i:i + m].to(self.acc.device) for k, v in rows.items()})
+        out = []
+        for s in self.micro_slices(rollout, rollout["completion_ids"].shape[0]):
+            part = trim({k: v[s].to(self.acc.device) for k, v in rows.items()})
             with self.acc.autocast():
                 out.append(fn(part))
         return out
 
+    def micro_slices(self, rows: dict, n: int) -> list[slice]:
+        """The first `n` rows of `rows` as micro-batches: batch.micro_completions each, or with
+        batch.micro_batch_tokens consecutive rows while their tokens fit (padded: rows × (longest
+        prompt + longest completion); padding_free: prompt + completion tokens), every process
+        running as many (`sprout.stages.packing.budget_slices`)."""
+        b, cost = self.batch_cfg, None
+        if b.micro_batch_tokens:
+            p, c = rows["prompt_mask"][:n].sum(1).cpu().numpy(), rows["completion_mask"][:n].sum(1).cpu().numpy()
+            if b.padding_free:
+                cost = packed_cost(np.stack([p, c], axis=1))
+            else:
+                cost = lambda i, j: (j - i) * int(p[i:j].max() + c[i:j].max())  # noqa: E731
+        return budget_slices(n, b.micro_completions, b.micro_batch_tokens, cost, self.acc, unit="completions")
+
     def logps_of(self, model, rollout: dict) -> torch.Tensor:
         """`completion_logps` of every row of `rollout` under `model`, in micro-batches, no gradient."""
-        L, T = rollout["completion_ids"].shape[1], self.rollout.temperature
-        out = self.no_grad_pass(lambda part: pad_columns(completion_logps(model, part, T)[0], L), rollout)
+        L, T, free = rollout["completion_ids"].shape[1], self.rollout.temperature, self.batch_cfg.padding_free
+        out = self.no_grad_pass(lambda part: pad_columns(completion_logps(model, part, T, padding_free=free)[0], L),
+                                rollout)
         return torch.cat(out) * rollout["completion_mask"]
 
     def logp_gap_stats(self, rollout: dict) -> dict:
@@ -291,10 +305,9 @@ class RLStage(LoaderPosition):
                   f"{limit} such steps in a row (rollout.max_all_masked_steps)", file=sys.stderr, flush=True)
 
     def micro_batches(self, rows: dict, n: int) -> list[dict]:
-        """The first `n` rows of `rows` in micro-batches of batch.micro_completions, each trimmed;
-        the first carries the buffer's packed stats."""
-        m = self.batch_cfg.micro_completions
-        out = [trim({k: v[i:i + m] for k, v in rows.items()}) for i in range(0, n, m)]
+        """The first `n` rows of `rows` in micro-batches (`micro_slices`), each trimmed; the first
+        carries the buffer's packed stats."""
+        out = [trim({k: v[s] for k, v in rows.items()}) for s in self.micro_slices(rows, n)]
         out[0] = {**out[0], "stats": self.buffer["stats"], "stat_names": self.buffer["stat_names"]}
         return out
 
@@ -405,6 +418,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
         raise SproutError(f"data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_completion_length "
                           f"{cfg.rollout.max_completion_length} exceeds max_seq_len {model_cfg.max_seq_len} of "
                           f"{base['path']}")
+    require(not cfg.batch.micro_batch_tokens or cfg.batch.micro_batch_tokens >= longest, "batch.micro_batch_tokens",
+            cfg.batch.micro_batch_tokens, f"0 or at least data.max_prompt_length + rollout.max_completion_length = "
+            f"{longest} (the longest prompt and completion must fit a micro-batch)")
     resume_path = resolve_resume(resume, cfg.out)
     acc = start_run(cfg.train, cfg.out)
     check_engine(cfg.rollout.engine, acc.num_processes)
