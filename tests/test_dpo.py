@@ -152,7 +152,7 @@ def test_held_out_accuracy_per_group_by_hand(data, sp, tmp_path, monkeypatch):
     chosen, rejected = [-1.0, -3.0, -1.0, -2.0], [-2.0, -1.0, -4.0, -5.0]  # right, wrong, right, right
     table = {tuple(row.tolist()): v for row, v in zip(batch["input_ids"], chosen + rejected)}
 
-    def logps_by_hand(model, b):
+    def logps_by_hand(model, b, padding_free=False):
         lp = torch.tensor([table[tuple(row.tolist())] for row in b["input_ids"]])
         return lp, torch.ones_like(lp), torch.zeros_like(lp)
 

@@ -5,7 +5,10 @@ fixed count (fp32, under gradient accumulation, within 1e-6); position and segme
 matter; bad values refused in one line; the new options leave a default config's hash as it was."""
 
 import copy
+import os
 import random
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,11 +17,13 @@ import torch
 from accelerate import Accelerator
 from grpo_fixtures import config_dict
 from grpo_fixtures import data as prompts  # noqa: F401 (a fixture)
-from preference_train_fixtures import WORDS, base, tiny_cfg, write_pairs  # noqa: F401 (base: a fixture)
+from preference_train_fixtures import WORDS, base, cli_flags, tiny_cfg, write_pairs  # noqa: F401 (base: a fixture)
+from proc import free_port, run_group
 
 from data_loader.preference_batches import PreferenceLoader
 from data_loader.prompt_batches import PromptLoader
 from sprout.config import from_dict, resume_config
+from sprout.engine.metrics import read_metrics
 from sprout.errors import SproutError
 from sprout.formats.preference_pairs import write_preferences
 from sprout.losses.tokens import sequence_logps
@@ -33,6 +38,7 @@ from sprout.stages.reward import RewardStage
 from sprout.stages.rl_rewards import RewardsConfig, build_rewards
 
 TOL = 1e-6
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- the layout and the cuts ----------------------------------------------------------------------------------
@@ -116,25 +122,32 @@ def pairs(tmp_path_factory):
     return write_pairs(tmp_path_factory.mktemp("prefs"), n_train=32, n_test=8)
 
 
+def varied_pairs(n: int, seed: int) -> list[dict]:
+    """Pairs whose sides range from 1 to 9 words: short sides share a packed row."""
+    rng = random.Random(seed)
+    say = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9)))  # noqa: E731
+    return [{"id": f"v{seed}-{i}", "source": "synthetic",
+             "prompt": [{"role": "user", "content": f"Say {rng.choice(WORDS)} {i}."}],
+             "chosen": [{"role": "assistant", "content": say()}],
+             "rejected": [{"role": "assistant", "content": say()}]} for i in range(n)]
+
+
 @pytest.fixture(scope="module")
 def varied(tmp_path_factory):
-    """Pairs whose sides range from 1 to 9 words: short sides share a packed row."""
-    rng = random.Random(0)
-    say = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9)))  # noqa: E731
-    path = tmp_path_factory.mktemp("varied") / "preferences.jsonl"
-    write_preferences(path, [{"id": f"v{i}", "source": "synthetic",
-                              "prompt": [{"role": "user", "content": f"Say {rng.choice(WORDS)}."}],
-                              "chosen": [{"role": "assistant", "content": say()}],
-                              "rejected": [{"role": "assistant", "content": say()}]} for i in range(32)])
-    return path
+    """preferences.jsonl of 32 `varied_pairs`, and 8 others as its dev and test files."""
+    folder = tmp_path_factory.mktemp("varied")
+    write_preferences(folder / "preferences.jsonl", varied_pairs(32, 0))
+    for name in ("preferences_dev.jsonl", "preferences_test.jsonl"):
+        write_preferences(folder / name, varied_pairs(8, 1))
+    return folder / "preferences.jsonl"
 
 
 PREF_VARIANTS = {  # name: (accum_steps of 8 pairs, stage options); "padded" is today's path
     "padded": (4, {}),
     "padding_free": (4, {"padding_free": True}),
     "padding_free, 1 micro-batch": (1, {"padding_free": True}),  # 16 sides in 14 rows
-    "padding_free+tokens": (1, {"padding_free": True, "micro_batch_tokens": 160}),  # 5 micro-batches
-    "padded+tokens": (1, {"micro_batch_tokens": 300}),  # 2 × pairs × longest side: 3
+    "padding_free+tokens": (1, {"padding_free": True, "micro_batch_tokens": 160}),  # both sides' tokens
+    "padded+tokens": (1, {"micro_batch_tokens": 300}),  # 2 × pairs × the longest side
 }
 
 
@@ -154,7 +167,8 @@ def test_dpo_padding_free_and_token_budget_equal_the_padded_step(loss_type, sp, 
                                      DPOLossConfig(loss_type=loss_type), ref)
                for name, (accum, options) in PREF_VARIANTS.items()}
     counts = {name: r[1] for name, r in results.items()}
-    assert counts["padded"] == 4 and counts["padding_free+tokens"] == 5 and counts["padded+tokens"] == 3
+    # the budgets made cuts of their own, still accumulating over several micro-batches
+    assert counts["padded"] == 4 and counts["padding_free+tokens"] not in (1, 4) and counts["padded+tokens"] > 1
     diffs = {name: max_diff(results["padded"][0], r[0]) for name, r in results.items() if name != "padded"}
     report(f"dpo {loss_type}", diffs)
     assert max(diffs.values()) < TOL
@@ -312,3 +326,34 @@ def test_bad_values_are_refused_in_one_line(sp, base, pairs, prompts, tmp_path):
         cfg = config_dict(prompts, base, out)
         run_grpo(from_dict(GRPOConfig, {**cfg, "batch": {**cfg["batch"], "micro_batch_tokens": 30}}))
     assert "\n" not in str(exc.value) and not out.exists()
+
+
+# ---- 2 processes ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_gloo_processes_with_a_token_budget_match_one_padded(sp, varied, base, tmp_path):
+    """2 processes, padding-free, 8 pairs each cut by a 160-token budget (each rank its own cut,
+    then the count both agree on) against 1 process × 2 padded micro-batches of 8: the same
+    losses, step by step, and held-out figures."""
+    ranks = [PreferenceLoader(varied, sp, 8, 64, seed=1337, rank=r, world_size=2) for r in (0, 1)]
+    cuts = [[len(budget_slices(8, 8, 160, packed_cost(ld.side_lengths(ld.next_batch()["pair_index"].numpy()))))
+             for ld in ranks] for _ in range(4)]
+    assert any(a != b for a, b in cuts)  # some step's ranks cut differently and must agree
+    one = tmp_path / "one"
+    run_dpo(tiny_cfg(DPOConfig, varied, base, one, lr=1e-3, max_steps=4, eval_every=2, ckpt_every=4))
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
+           str(ROOT / "scripts" / "train_dpo.py"),
+           *cli_flags(varied, base, out, lr=1e-3, max_steps=4, eval_every=2, ckpt_every=4),
+           "--batch.padding_free", "true", "--batch.micro_batch_tokens", "160"]
+    proc = run_group(cmd, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = {r["step"]: r for r in read_metrics(one / "metrics.jsonl") if "loss" in r}
+    b = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    diff = max(abs(a[s]["loss"] - b[s]["loss"]) for s in a)
+    print(f"dpo, 1 process padded vs 2 processes padding-free by tokens: max |loss diff| {diff:.3g}")
+    assert diff < 1e-5
+    va = [r["val_loss"] for r in read_metrics(one / "metrics.jsonl") if "val_loss" in r]
+    vb = [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+    assert va == pytest.approx(vb, abs=1e-5)
