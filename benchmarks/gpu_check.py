@@ -5,17 +5,19 @@ Every stage runs as its real CLI (bf16 on a GPU) on inputs this script makes its
 denominator); gpt2-small pretraining eager, compiled and under FSDP with a resume that must give
 the same losses; then a base, SFT, reward, DPO (live and precomputed reference), PPO, GRPO and
 evaluate.py with the gpt2-small presets' configs, and the same chain (smollm2_*) with
-smollm2-gpu's, each a few steps. `--tiny` runs the same on the CPU in fp32 with the demo-size
-model, to check the script itself. Prints one table, writes <out>/gpu_check.json after every
-stage with each run's log beside it, and exits 1 naming every stage that failed, logged a
-non-finite loss, or (fsdp) did not shard or resume exactly.
+smollm2-gpu's, each a few steps; then benchmarks/trl_compare.py on SmolLM2-135M-Instruct imported
+from the data mirror (`trl_compare`: benchmarks/gpu_check_trl.py). `--tiny` runs the same on the
+CPU in fp32 with the demo-size model, to check the script itself. Prints one table, writes
+<out>/gpu_check.json after every stage with each run's log beside it, and exits 1 naming every
+stage that failed, logged a non-finite loss, (fsdp) did not shard or resume exactly, or
+(trl_compare) gave a first-batch check beyond its tolerance.
 
     python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, a few minutes
 
 Under a 10-minute limit per command, run it as two, each with its own --out:
 `--stages eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate` and
-`--stages smollm2_dpo,smollm2_ppo,smollm2_grpo,decode`. The `decode` stage
+`--stages smollm2_dpo,smollm2_ppo,smollm2_grpo,decode,trl_compare`. The `decode` stage
 (benchmarks/gpu_check_decode.py) decodes greedily eager and as a CUDA graph on random models
 of SmolLM2-135M's shape: the same tokens, and tokens/s both ways (on the CPU: no graph).
 """
@@ -39,11 +41,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 import gpu_check_inputs as inputs  # noqa: E402  (beside this file)
+import gpu_check_trl  # noqa: E402
 from sprout.atomic import atomic_write  # noqa: E402
 from sprout.engine.metrics import measure_matmul_flops, read_metrics  # noqa: E402
 
 STAGES = ("eager", "compiled", "fsdp", "base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo", "evaluate",
-          "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo", "decode")
+          "smollm2_base", "smollm2_sft", "smollm2_reward", "smollm2_dpo", "smollm2_ppo", "smollm2_grpo", "decode",
+          "trl_compare")
 # the run each post-training run starts from (ppo: sft, and the reward model)
 CHAIN_NEEDS = {"sft": "base", "reward": "sft", "dpo": "sft", "dpo_precomputed": "sft", "ppo": "reward", "grpo": "sft",
                "evaluate": "grpo"}
@@ -63,7 +67,8 @@ NEEDS = {c.prefix + stage: c.prefix + need for c in CHAINS for stage, need in CH
          if c.prefix + stage in STAGES}
 PRETRAINING = ("eager", "compiled", "fsdp")  # on random token shards; the other stages need the made-up inputs
 # the check as two commands (each with its own --out) where one command may run 10 minutes at most
-TWO_COMMANDS = ("eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate", "smollm2_dpo,smollm2_ppo,smollm2_grpo,decode")
+TWO_COMMANDS = ("eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate",
+                "smollm2_dpo,smollm2_ppo,smollm2_grpo,decode,trl_compare")
 
 
 def with_needs(stages) -> list[str]:
@@ -254,7 +259,7 @@ def pretraining(check: Check, size: Sizes, steps: int, global_batch: int, n_gpu:
 def post_training(check: Check, size: Sizes, steps: int, train_flags: list[str]) -> None:
     """Each chain's base, then every trainer from it with the chain's preset configs (sized
     here), then evaluate on the first chain's GRPO policy."""
-    if set(check.stages) <= {*PRETRAINING, "decode"}:  # no run needs the inputs
+    if set(check.stages) <= {*PRETRAINING, "decode", "trl_compare"}:  # no run needs the inputs
         return
     out = check.out
     tok = inputs.train_tokenizer(out / "tokenizer")
@@ -359,12 +364,17 @@ def print_table(results: dict, stages=STAGES) -> None:
         if r is None:
             print(f"{name:16s} FAILED: {failed[name]}")
             continue
+        if "skipped" in r:
+            print(f"{name:16s} skipped: {r['skipped']}")
+            continue
         cells = [f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-",
                  f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
                  f"{r['generation_tokens_per_s']:,.0f}" if r.get("generation_tokens_per_s") is not None else "-",
                  f"{r['loss']:.4f}" if "loss" in r else "-"]
         print(f"{name:16s} {cells[0]:>12s} {cells[1]:>7s} {cells[2]:>10s} {cells[3]:>8s} {r['wall_s']:>8.1f}"
               + (f"  FAILED: {failed[name]}" if name in failed else ""))
+        if name == "trl_compare":
+            print(gpu_check_trl.summary(r))
 
 
 def main() -> None:
@@ -411,6 +421,7 @@ def main() -> None:
     pretraining(check, size, args.steps or size.steps, global_batch, n_gpu, fsdp_config, train_flags)
     post_training(check, size, args.trainer_steps or size.trainer_steps, train_flags)
     decode(check, gpu)
+    check.stage("trl_compare", functools.partial(gpu_check_trl.trl_compare_stage, check, gpu, StageFailed))
     print_table(results, stages)  # gpu_check.json: saved after each stage
     if results["failed"]:
         raise SystemExit(f"gpu_check failed: {'; '.join(results['failed'].values())}")

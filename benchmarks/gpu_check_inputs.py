@@ -10,7 +10,9 @@
   checkpoint records the tokenizer and its vocabulary is the tokenizer's;
 - `sft_rows`, `preference_pairs`, `rl_prompts`: the SFT, preference and RL prompt files
   written by the real prep pipelines (`sprout.prep.sft_data`, `.preferences`, `.rl_prompts`)
-  from their `arithmetic` sources (`sprout.prep.arithmetic`), which need no data file.
+  from their `arithmetic` sources (`sprout.prep.arithmetic`), which need no data file;
+- `tiny_export`: a random model of SmolLM2's kind with that tokenizer as a transformers
+  folder, what the trl_compare stage imports on the CPU (benchmarks/gpu_check_trl.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import random
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from sprout.config import from_dict
 from sprout.formats.manifest import write_shard_manifest
 from sprout.formats.shards import dtype_for_vocab, shard_name, write_shard
+from sprout.model.config import ModelConfig
 from sprout.prep import arithmetic
 from sprout.prep import preference_data as preference_prep
 from sprout.prep import rl_prompts as prompt_prep
@@ -118,3 +122,17 @@ def rl_prompts(folder: Path, train: int, test: int) -> Path:
                      "own_split": True}]})
     prompt_prep.prepare(cfg, command="benchmarks/gpu_check.py", log=quiet)
     return folder / "prompts.jsonl"
+
+
+def tiny_export(folder: Path, tok) -> Path:
+    """A random model (seed 0) of SmolLM2's kind, grouped-query attention and tied embeddings,
+    at the demo scale (d_model 64, 2 layers, context 256), with `tok`, written by
+    `sprout.model.export.export_model` as a transformers folder (replacing one there)."""
+    from sprout.model.export import export_model
+    from sprout.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    max_seq_len=256, tie_embeddings=True))
+    export_model(model, tok, folder, overwrite=True)
+    return folder

@@ -1,6 +1,6 @@
 """The LoRA rows of benchmarks/trl_compare.py: GRPO, DPO and SFT with adapters on both sides.
 
-Each is its full fine-tuning row of benchmarks/trl_compare_rows.py run with `Bench.lora` set:
+Each is its full fine-tuning row (benchmarks/trl_compare_rows.py, trl_compare_grpo.py) run with `Bench.lora` set:
 sprout's model gains LoRA adapters through `sprout.model.lora.add_adapters` (a stage's `lora`
 section: r, alpha, dropout, every linear layer of the blocks), TRL's trainer gets the same
 settings as a peft `LoraConfig` (`peft_config=`, which it applies with `get_peft_model`); DPO's
@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from trl_compare_rows import Bench, Row, dpo, grpo, sft
+from trl_compare_grpo import grpo
+from trl_compare_rows import Bench, Row, dpo, sft
 from sprout.engine.configs import LoraConfig
 from sprout.lora_weights import lora_scale, sprout_adapter_state
 from sprout.model.lora import AdaptersOff, add_adapters

@@ -1,10 +1,12 @@
-"""The trainer rows of benchmarks/trl_compare.py: GRPO, DPO and SFT, sprout's stage against TRL's trainer.
+"""The trainer rows of benchmarks/trl_compare.py: DPO and SFT (GRPO: trl_compare_grpo.py), sprout's
+stage against TRL's trainer, and what every row shares (`Bench`, `Row`).
 
 Each row builds both sides from the same run folder (sprout: `sprout.model.load.load_model`;
 TRL: the transformers export of the same weights), the same data (arithmetic problems from
 `sprout.prep.arithmetic`, in conversational form) and the same batch, times optimizer steps
 on each in alternation (`Bench.time_side_by_side`) and checks the first batch's loss: the same
-tensors fed to both loss functions, initial weights on both sides (see each row's function).
+tensors fed to both loss functions, initial weights on both sides (see each row's function),
+on `Bench.precision`'s device and in its precision (trl_compare_device.py).
 With `Bench.lora` set (benchmarks/trl_compare_lora.py) both sides train LoRA adapters instead,
 and each check runs once more with the same non-zero adapters on both.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,20 +25,16 @@ import numpy as np
 import torch
 
 from data_loader.preference_batches import PreferenceLoader
-from data_loader.prompt_batches import PromptLoader
 from sprout.chat import render
-from sprout.engine.trainer import TrainConfig, Trainer, make_accelerator
+from sprout.engine.trainer import TrainConfig, Trainer
 from sprout.engine.optim import OptimConfig, build_optimizer
 from sprout.formats.preference_pairs import write_preferences
-from sprout.formats.prompts import write_prompts
 from sprout.model.load import load_model
 from sprout.prep.arithmetic import generate as arithmetic_problems
 from sprout.prep.arithmetic import wrong_answer
-from sprout.rl.verifiers import WeightedReward, correctness_reward
 from sprout.stages.dpo import DPOLossConfig, DPOStage
-from sprout.stages.grpo import GRPOLossConfig, GRPOStage
-from sprout.stages.rl_stage import PromptBatchConfig, RolloutConfig, completion_logps
 from sprout.stages.sft import SFTStage
+from trl_compare_device import Precision
 
 
 # ---- what every row shares ----------------------------------------------------------------------
@@ -61,8 +58,9 @@ class Row:
 
 @dataclass
 class Bench:
-    """The run folder, its transformers export, both tokenizers, a scratch folder and the options;
-    `lora` (trl_compare_lora.Adapters) makes both sides train LoRA adapters instead of every weight."""
+    """The run folder, its transformers export, both tokenizers, a scratch folder, the options and
+    the device and precision of both sides; `lora` (trl_compare_lora.Adapters) makes both sides
+    train LoRA adapters instead of every weight."""
     args: argparse.Namespace
     run: str
     hf: Path
@@ -70,6 +68,7 @@ class Bench:
     tok: object      # sprout's tokenizer of the run
     hf_tok: object   # transformers' tokenizer of the export
     context: int     # the model's max_seq_len
+    precision: Precision = Precision()
     lora: object | None = None
 
     @property
@@ -77,11 +76,12 @@ class Bench:
         return self.args.warmup + self.args.steps
 
     def sprout_model(self):
-        """A fresh sprout model with the run's weights (train mode), with LoRA adapters (B = 0) in a LoRA row."""
+        """A fresh sprout model with the run's weights (fp32, train mode, on the device), with LoRA
+        adapters (B = 0) in a LoRA row."""
         model = load_model(self.run)[0].train()
         if self.lora is not None:
             self.lora.add(model)
-        return model
+        return model.to(self.precision.device)
 
     def reference(self, policy):
         """The policy's frozen reference: a fresh copy, or in a LoRA row the policy with its adapters off."""
@@ -94,20 +94,22 @@ class Bench:
     def hf_model(self):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.hf, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(self.hf, dtype=torch.float32).to(self.precision.device)
 
     def sprout_trainer(self, model, lr: float) -> Trainer:
         """sprout's loop with AdamW as transformers' default (betas 0.9/0.999, no weight decay),
-        a constant lr, clipping at 1, fp32."""
-        cfg = TrainConfig(max_steps=10**6, progress=False, peak_tflops=-1, mixed_precision="no")
+        a constant lr, clipping at 1, the precision's mixed_precision on its device."""
+        cfg = TrainConfig(max_steps=10**6, progress=False, peak_tflops=-1, mixed_precision=self.precision.mixed_precision)
         optim = OptimConfig(lr=lr, warmup_steps=0, weight_decay=0.0, beta2=0.999)
-        return Trainer(make_accelerator(cfg), model, build_optimizer(model, optim), lambda step, peak: peak, cfg)
+        return Trainer(self.precision.accelerator(), model, build_optimizer(model, optim), lambda step, peak: peak,
+                       cfg)
 
     def trl_config(self, cls, name: str, lr: float, **options):
-        """A TRL *Config alike: CPU, fp32, no gradient checkpointing (TRL's default is on), no
-        saving, no logging, constant lr, AdamW without weight decay, clipping at 1."""
-        return cls(output_dir=str(self.tmp / name), report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-                   gradient_checkpointing=False, max_steps=self.total_steps, learning_rate=lr,
+        """A TRL *Config alike: the precision's device and bf16 (or fp32), no gradient
+        checkpointing (TRL's default is on), no saving, no logging, constant lr, AdamW without
+        weight decay, clipping at 1."""
+        return cls(output_dir=str(self.tmp / name), report_to="none", save_strategy="no",
+                   **self.precision.trl_options(), gradient_checkpointing=False, max_steps=self.total_steps, learning_rate=lr,
                    lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_strategy="no",
                    disable_tqdm=True, seed=0, **options)
 
@@ -116,26 +118,26 @@ class Bench:
         `trl.train()` runs, and at the end of each of its optimizer steps a callback runs one
         `sprout_step()`. TRL's step time runs from the end of the previous sprout step to the
         end of its own, so neither side's time holds the other's and load from other
-        processes falls on both alike."""
+        processes falls on both alike. On CUDA each timestamp waits for the queued kernels."""
         from transformers import TrainerCallback
         from transformers.trainer_callback import PrinterCallback
 
-        ours, theirs = [], []
+        ours, theirs, clock = [], [], self.precision.clock
 
         class Alternate(TrainerCallback):
             mark = 0.0
 
             def on_train_begin(self, *args, **kwargs):
-                self.mark = time.perf_counter()
+                self.mark = clock()
 
             def on_step_end(self, *args, **kwargs):
-                theirs.append(time.perf_counter() - self.mark)
+                theirs.append(clock() - self.mark)
                 if not trl.accelerator.sync_gradients:  # accelerate's gradient state is shared by both loops
                     raise RuntimeError("a sprout step inside TRL's gradient accumulation would skip its update")
-                t0 = time.perf_counter()
+                t0 = clock()
                 sprout_step()
-                ours.append(time.perf_counter() - t0)
-                self.mark = time.perf_counter()
+                ours.append(clock() - t0)
+                self.mark = clock()
 
         trl.add_callback(Alternate())
         trl.remove_callback(PrinterCallback)
@@ -157,14 +159,6 @@ def user(text: str) -> list[dict]:
 
 def assistant(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
-
-
-def correctness(completions, gold, **_) -> list:
-    """The reward of both GRPO runs: 1 when the completion's answer (its <answer> block, else
-    its last number) equals the gold, else 0 (`sprout.rl.verifiers.correctness_reward`).
-    TRL passes conversational completions as messages, sprout as text."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return correctness_reward(texts, gold, fallback_last_number=True)
 
 
 def shifted(ids: torch.Tensor, attention: torch.Tensor, trained: torch.Tensor) -> dict:
@@ -218,135 +212,16 @@ def trl_side(example: dict, side: str) -> tuple[list[int], list[int]]:
     return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
 
-def first_loss(stage, model, batch: dict) -> tuple[float, dict]:
+def first_loss(b: Bench, stage, model, batch: dict) -> tuple[float, dict]:
     """A stage's loss on one micro-batch (its summed loss over its targets) and its metrics
-    (each sum over its count), no gradient."""
-    with torch.no_grad():
-        loss_sum, n, metrics = stage.loss(model, batch)
+    (each sum over its count), no gradient, the batch on the device, under the precision's autocast."""
+    with torch.no_grad(), b.precision.autocast():
+        loss_sum, n, metrics = stage.loss(model, b.precision.to(batch))
     return float(loss_sum) / float(n), {k: float(s) / float(c) for k, (s, c) in metrics.items() if float(c)}
 
 
 def median(times: list[float]) -> float:
     return statistics.median(times)
-
-
-# ---- GRPO ---------------------------------------------------------------------------------------
-def grpo(b: Bench) -> Row:
-    """GRPOStage under sprout's loop against TRL's GRPOTrainer (transformers generate, no vLLM):
-    the same prompts in the same order (no shuffling), G, completion length, temperature,
-    loss_type, epsilon, epsilon_high, beta 0 (no reference model), batch (TRL: per_device_train_batch_size =
-    micro_completions, gradient_accumulation_steps = prompts × G / micro_completions) and
-    reward. Check: TRL's first optimizer step's micro-batches (prompt and completion ids,
-    masks, advantages) and its loss on each are recorded during training; sprout's
-    GRPOStage.loss on those same tensors, with its old log-probs from its own forward (TRL, at
-    one step per generation batch, takes the current log-probs as the old ones) gives the
-    loss compared; TRL's per-token log-probs of the completions against sprout's too."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    a = b.args
-    P, G, M, L = a.prompts, a.generations, a.micro_completions, a.completion_length
-    if P * G % M:
-        raise SystemExit(f"error: --prompts {P} x --generations {G} is not a multiple of --micro-completions {M}")
-    records = [{"id": f"p{i}", "source": "arithmetic", "prompt": user(p.question), "gold": p.gold, "level": p.level}
-               for i, p in enumerate(problems((b.total_steps + 1) * P))]
-    write_prompts(b.tmp / "prompts.jsonl", records)
-
-    trainer = b.sprout_trainer(b.sprout_model(), 1e-6)
-    loader = PromptLoader(b.tmp / "prompts.jsonl", b.tok, b.context - L, P, shuffle=False)
-    stage = GRPOStage(trainer.accelerator, b.tok, loader, None, PromptBatchConfig(P, G, M),
-                      RolloutConfig(max_completion_length=L, temperature=a.temperature),
-                      [WeightedReward("correctness", correctness)],
-                      grpo=GRPOLossConfig(loss_type=a.loss_type, epsilon=a.epsilon, epsilon_high=a.epsilon_high,
-                                          beta=0.0), seed=0)
-    stage.setup(trainer)
-    lengths = []
-
-    def step():
-        lengths.append(trainer.step(stage.next_micro_batches(trainer.steps_done), stage)["completions/mean_length"])
-
-    class RecordingGRPO(GRPOTrainer):
-        """GRPOTrainer that keeps the first optimizer step's micro-batches, losses and log-probs."""
-        first_step: list[dict] = []
-        lengths: list[float] = []  # mean completion length of each generation batch
-
-        def _generate(self, prompts):
-            out = super()._generate(prompts)
-            self.lengths.append(float(np.mean([len(ids) for ids in out[1]])))
-            return out
-
-        def _compute_loss(self, model, inputs):
-            loss = super()._compute_loss(model, inputs)
-            if len(self.first_step) < self.args.gradient_accumulation_steps:
-                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-                mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-                with torch.no_grad():
-                    logps = self._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
-                self.first_step.append({**{k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)},
-                                        "loss": float(loss), "logps": logps})
-            return loss
-
-    cfg = b.trl_config(GRPOConfig, "grpo", 1e-6, per_device_train_batch_size=M, gradient_accumulation_steps=P * G // M,
-                       num_generations=G, max_completion_length=L, temperature=a.temperature, top_p=1.0, top_k=0,
-                       loss_type=a.loss_type, epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=0.0,
-                       shuffle_dataset=False)
-    data = Dataset.from_list([{"prompt": r["prompt"], "gold": r["gold"]} for r in records])
-    trl = RecordingGRPO(model=b.hf_model(), reward_funcs=[correctness], args=cfg, train_dataset=data,
-                        processing_class=b.hf_tok, **b.trl_options())
-    ours, theirs = b.time_side_by_side(trl, step)
-
-    loss_ours, loss_theirs, logp_err = grpo_check(b, stage, trl.first_step)
-    check = {"loss": abs(loss_ours - loss_theirs), "logps": logp_err}
-    if b.lora is not None:  # the log-probs again with the same non-zero adapters on both sides
-        check["adapted logps"] = grpo_adapted_logps(b, stage, trl)
-    adv = torch.cat([c["advantages"] for c in trl.first_step])
-    trl_lengths = trl.lengths
-    return Row("GRPO step", "s", median(ours), median(theirs), median(theirs) / median(ours), 1.5, check,
-               [f"{P} prompts x {G} completions of <= {L} tokens, micro-batch {M}, loss_type {a.loss_type}, "
-                f"temperature {a.temperature}; each step generates, scores, computes log-probs and updates",
-                f"mean completion length over the timed steps: sprout {np.mean(lengths[a.warmup:]):.1f}, "
-                f"TRL {np.mean(trl_lengths[a.warmup:]):.1f} tokens (sampled: step times follow them)",
-                f"first step's loss on TRL's tensors: sprout {loss_ours:.6f}, TRL {loss_theirs:.6f} "
-                f"({int((adv != 0).sum())} of {len(adv)} completions with a non-zero advantage); largest |log-prob "
-                f"difference| over its completion tokens {logp_err:.1e}",
-                "old log-probs: " + ("taken from the loss's own forward at one optimizer step per generation "
-                                     "batch, as TRL does" if stage.old_from_loss else
-                                     "one extra no-grad forward per generation batch")],
-               step, {"generation": (stage, "sample"), "rewards": (stage, "score"), "old log-probs": (stage, "logps_of"),
-                      "loss forward": (stage, "loss"), "backward": (trainer.accelerator, "backward"),
-                      "optimizer step": (trainer.optimizer, "step")})
-
-
-def grpo_check(b: Bench, stage: GRPOStage, captured: list[dict]) -> tuple[float, float, float]:
-    """(sprout's loss, TRL's loss, largest |log-prob difference|) on TRL's first step's micro-batches."""
-    model = b.sprout_model()
-    loss_sum, count, logp_err = 0.0, 0.0, 0.0
-    for c in captured:
-        batch = {k: c[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
-        batch["extra_target"] = torch.zeros(len(c["advantages"]), dtype=torch.long)
-        real = batch["completion_mask"].bool()
-        with torch.no_grad():
-            logps = completion_logps(model, batch, stage.rollout.temperature)[0]
-            batch["old_logps"] = logps.masked_fill(~real, 0.0)
-            s, n, _ = stage.loss(model, batch)
-        loss_sum, count = loss_sum + float(s), count + float(n)
-        logp_err = max(logp_err, float((logps - c["logps"]).abs()[real].max()))
-    return loss_sum / count, sum(c["loss"] for c in captured), logp_err
-
-
-def grpo_adapted_logps(b: Bench, stage: GRPOStage, trl) -> float:
-    """The largest |log-prob difference| over TRL's first step's completion tokens, TRL's
-    model (after training) and a sprout model both holding the same non-zero adapters
-    (`b.lora.same_adapters`): a LoRA row's check of the adapters' arithmetic."""
-    model, err = b.sprout_model(), 0.0
-    with b.lora.same_adapters(trl.model, model), torch.no_grad():
-        for c in trl.first_step:
-            ids = torch.cat([c["prompt_ids"], c["completion_ids"]], dim=1)
-            mask = torch.cat([c["prompt_mask"], c["completion_mask"]], dim=1)
-            theirs = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, c["completion_ids"].size(1))[0]
-            ours = completion_logps(model, c, stage.rollout.temperature)[0]
-            err = max(err, float((ours - theirs).abs()[c["completion_mask"].bool()].max()))
-    return err
 
 
 # ---- DPO ----------------------------------------------------------------------------------------
@@ -383,7 +258,7 @@ def dpo(b: Bench) -> Row:
                      processing_class=b.hf_tok, **b.trl_options())  # with peft: the reference is its adapters off
 
     # the check first: both sides still hold the initial weights
-    trl_batch = trl.data_collator([trl.train_dataset[i] for i in range(B)])
+    trl_batch = b.precision.to(trl.data_collator([trl.train_dataset[i] for i in range(B)]))
     policy = b.sprout_model()
     pair_fields = {"pair_mask": torch.ones(B, dtype=torch.bool), "margin": torch.zeros(B), "pair_index": torch.arange(B)}
     same_tensors = {**shifted(trl_batch["input_ids"], trl_batch["attention_mask"], trl_batch["completion_mask"]),
@@ -391,14 +266,14 @@ def dpo(b: Bench) -> Row:
 
     def losses() -> tuple[float, float, float]:
         """(TRL's loss, sprout's on TRL's tensors, largest |diff| of the summed log-probs' means)."""
-        with torch.no_grad():
+        with torch.no_grad(), b.precision.autocast():
             theirs = float(trl.compute_loss(trl.model, trl_batch))
-        ours, metrics = first_loss(stage, policy, same_tensors)
+        ours, metrics = first_loss(b, stage, policy, same_tensors)
         trl_metrics = trl._metrics["train" if trl.model.training else "eval"]
         return theirs, ours, max(abs(metrics[k] - trl_metrics[k][-1]) for k in ("logps/chosen", "logps/rejected"))
 
     loss_theirs, same, logp_err = losses()
-    own = first_loss(stage, policy, loader.collate(np.arange(B)))[0]
+    own = first_loss(b, stage, policy, loader.collate(np.arange(B)))[0]
     check = {"loss": abs(same - loss_theirs), "logps": logp_err}
     if b.lora is not None:  # again with the same non-zero adapters on both: the policy is no longer the reference
         with b.lora.same_adapters(trl.model, policy):
@@ -459,18 +334,18 @@ def sft(b: Bench) -> Row:
     data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in convs])
     trl = SFTTrainer(model=b.hf_model(), args=cfg, train_dataset=data, processing_class=b.hf_tok, **b.trl_options())
 
-    trl_batch = trl.data_collator([trl.train_dataset[i] for i in range(R)])
+    trl_batch = b.precision.to(trl.data_collator([trl.train_dataset[i] for i in range(R)]))
     model = b.sprout_model()
     same_tensors = shifted(trl_batch["input_ids"], trl_batch["attention_mask"], trl_batch["labels"] != -100)
 
     def losses() -> tuple[float, float]:
         """(TRL's loss, sprout's on TRL's tensors)."""
-        with torch.no_grad():
+        with torch.no_grad(), b.precision.autocast():
             theirs = float(trl.compute_loss(trl.model, trl_batch))
-        return theirs, first_loss(stage, model, same_tensors)[0]
+        return theirs, first_loss(b, stage, model, same_tensors)[0]
 
     loss_theirs, same = losses()
-    own = first_loss(stage, model, micro[0])[0]
+    own = first_loss(b, stage, model, micro[0])[0]
     check = {"loss": abs(same - loss_theirs)}
     if b.lora is not None:  # again with the same non-zero adapters on both sides
         with b.lora.same_adapters(trl.model, model):

@@ -173,7 +173,7 @@ def test_each_command_of_the_check_is_read_by_its_script_and_fits_one_process(si
     monkeypatch.setattr(gpu_check.Check, "run", lambda _self, stage, cmd, _log=None: evaluate(stage, cmd))
     check = gpu_check.Check(tmp_path, {}, {})
     gpu_check.post_training(check, sizes, sizes.trainer_steps, ["--train.progress", "false"])
-    assert set(commands) == set(gpu_check.STAGES) - {"eager", "compiled", "fsdp", "decode"}
+    assert set(commands) == set(gpu_check.STAGES) - {"eager", "compiled", "fsdp", "decode", "trl_compare"}
     assert check.failed == {"evaluate": "evaluate: not run"}
     for chain in gpu_check.CHAINS:
         runs = [chain.prefix + run for run in ("base", "sft", "reward", "dpo", "dpo_precomputed", "ppo", "grpo")

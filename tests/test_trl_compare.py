@@ -1,12 +1,16 @@
 """benchmarks/trl_compare.py on a tiny random Llama imported as a run folder (tests/hf_fixtures.py's
 model and ChatML tokenizer): every row runs both sides, and on the same first batch sprout's loss and
-log-probs equal TRL's (GRPO, DPO, SFT) and its logits transformers' (generate). Skipped without trl."""
+log-probs equal TRL's (GRPO, DPO, SFT) and its logits transformers' (generate), in fp32 and, within
+bf16's tolerances, under bf16 autocast; --json writes the table, a check beyond its tolerance
+exits 1 naming the row, and --device cuda without CUDA is refused in one line. Skipped without trl."""
 
+import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sprout.model.hf_import import read_source, write_run
 from hf_fixtures import hf_model, write_tokenizer
@@ -42,12 +46,12 @@ def test_grpo_row_agrees_for_cispo_and_sapo(tmp_path, monkeypatch, loss_type):
     """The GRPO row with TRL 1.16's newer loss types: the same loss on TRL's first batch. A
     random model never answers right, so both sides are scored by the completion text's length
     parity instead, which gives the check non-zero advantages to weigh."""
-    import trl_compare_rows
+    import trl_compare_grpo
 
     def parity(completions, **_):
         return [float(len(c if isinstance(c, str) else c[-1]["content"]) % 2) for c in completions]
 
-    monkeypatch.setattr(trl_compare_rows, "correctness", parity)
+    monkeypatch.setattr(trl_compare_grpo, "correctness", parity)
     hf_model("llama tied").save_pretrained(tmp_path / "hf")
     write_tokenizer(tmp_path / "hf")
     write_run(read_source(str(tmp_path / "hf"), tmp_path / "work"), tmp_path / "run")
@@ -103,3 +107,54 @@ def test_lora_check_catches_another_scale(tmp_path, monkeypatch):
                         lambda self, model: add(trl_compare_lora.Adapters(self.r, self.alpha / 2), model))
     (row,) = trl_compare.main(["--run", tiny_run(tmp_path), "--only", "sft_lora", *TINY])
     assert row.check["loss"] < 1e-4 and row.check["adapted loss"] > 1e-3, row.check
+
+
+def test_bf16_autocast_runs_every_row_within_bf16_tolerances(tmp_path):
+    """--dtype bf16 on the CPU: both sides under bf16 autocast over fp32 weights; every check
+    stays within its bf16 tolerance, and the SFT loss is bf16's, not fp32's (autocast is on)."""
+    run = tiny_run(tmp_path)
+    args = [*TINY, "--gen-rows", "2", "--new-tokens", "4"]
+    rows = trl_compare.main(["--run", run, "--dtype", "bf16", "--json", str(tmp_path / "bf16.json"), *args])
+    assert [r.name for r in rows] == ["GRPO step", "DPO step", "SFT step", "generate"]
+    table = json.loads((tmp_path / "bf16.json").read_text())
+    assert (table["device"], table["dtype"]) == ("CPU", "bf16") and "autocast" in table["precision"]
+    for r, saved in zip(rows, table["rows"]):
+        assert r.sprout > 0 and r.other > 0, r.name
+        assert saved["check_failures"] == [] and saved["check"] == r.check, (r.name, saved)
+        assert saved["tolerance"] == {k: trl_compare.Precision("cpu", "bf16").tolerance(r.name, k) for k in r.check}
+    (fp32,) = trl_compare.main(["--run", run, "--only", "sft", *args])
+    loss = re.compile(r"first micro-batch's loss: TRL ([\d.]+)")
+    assert loss.search(fp32.notes[1]).group(1) != loss.search(rows[2].notes[1]).group(1)
+
+
+def test_json_table_and_a_check_beyond_tolerance_exits_1(tmp_path, monkeypatch, capsys):
+    """The CLI writes the --json table whatever the checks, then exits 1 naming each row whose
+    check is beyond its tolerance (here a stand-in row, fp32's 1e-4 exceeded)."""
+    row = trl_compare.Row("SFT step", "s", 1.0, 2.0, 2.0, 1.1, {"loss": 3e-4}, ["a note"])
+    monkeypatch.setitem(trl_compare.ROWS, "sft", lambda bench: row)
+    out = tmp_path / "table.json"
+    with pytest.raises(SystemExit, match=r"^trl_compare: first-batch check beyond its tolerance: "
+                                         r"SFT step: loss 3\.0e-04 > 0\.0001$"):
+        trl_compare.cli(["--run", tiny_run(tmp_path), "--only", "sft", "--json", str(out)])
+    table = json.loads(out.read_text())
+    assert set(table) == {"device", "dtype", "precision", "versions", "rows"} and table["dtype"] == "fp32"
+    assert set(table["versions"]) == {"torch", "transformers", "trl", "accelerate"}
+    assert table["rows"] == [{"name": "SFT step", "unit": "s", "sprout": 1.0, "other": 2.0, "speedup": 2.0,
+                              "target": 1.1, "check": {"loss": 3e-4}, "tolerance": {"loss": 1e-4},
+                              "check_failures": ["loss 3.0e-04 > 0.0001"], "notes": ["a note"]}]
+    assert "FAILED: loss 3.0e-04 > 0.0001" in capsys.readouterr().out
+    row.check["loss"] = 5e-5  # within fp32's tolerance: no exit
+    trl_compare.cli(["--run", str(tmp_path / "run"), "--only", "sft", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"][0]["check_failures"] == []
+
+
+def test_device_cuda_without_cuda_is_refused_in_one_line(tmp_path, monkeypatch):
+    """--device cuda where torch finds no CUDA: one line, exit status 1, before any file is written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        trl_compare.main(["--run", str(tmp_path / "no_run"), "--device", "cuda", "--json", str(tmp_path / "t.json")])
+    message = str(exit_.value.code)
+    assert message.startswith("error: --device cuda: torch finds no CUDA device here") and "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit):
+        trl_compare.parse_args(["--device", "tpu"])
