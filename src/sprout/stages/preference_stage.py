@@ -1,8 +1,10 @@
 """What the preference stages (reward model, DPO) share: loaders, micro-batches, held-out groups, checks.
 
 Both read preference pairs through `data_loader.preference_batches.PreferenceLoader`: a
-micro-batch of B pairs is 2B rows, the chosen sides then the rejected sides, right-padded;
-their config sections (`PairBatchConfig`, `PairDataConfig`) are in `sprout.stages.configs`.
+micro-batch of B pairs is 2B rows, the chosen sides then the rejected sides, right-padded
+(`batch.padding_free`: packed for the forward; `batch.micro_batch_tokens`: B set by a token
+budget; `sprout.stages.packing`); their config sections (`PairBatchConfig`, `PairDataConfig`)
+are in `sprout.stages.configs`.
 `PreferenceStage`: targets (`count_targets`) are pairs, each real pair (`pair_mask`) counting
 1, so the loop divides the summed per-pair losses by the pairs of the whole global batch (all
 micro-batches, all processes); tokens are every non-padding token of both sides; FLOPs are the

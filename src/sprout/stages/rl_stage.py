@@ -14,6 +14,8 @@ logits / temperature, as TRL's GRPO. The buffer and the generator are `tensor_st
 resume inside a buffer continues exactly.
 Buffer figures are computed once over the gathered global batch and ride on each step's first
 micro-batch as (sum, count) on rank 0 ((0, 0) elsewhere), so the loop's reduction is exact.
+Micro-batches hold batch.micro_completions rows, or fewer by batch.micro_batch_tokens, and
+batch.padding_free packs their forwards (`sprout.stages.packing`).
 """
 
 from __future__ import annotations
