@@ -5,6 +5,7 @@ fixed count (fp32, under gradient accumulation, within 1e-6); position and segme
 matter; bad values refused in one line; the new options leave a default config's hash as it was."""
 
 import copy
+import json
 import os
 import random
 import sys
@@ -357,3 +358,18 @@ def test_two_gloo_processes_with_a_token_budget_match_one_padded(sp, varied, bas
     va = [r["val_loss"] for r in read_metrics(one / "metrics.jsonl") if "val_loss" in r]
     vb = [r["val_loss"] for r in read_metrics(out / "metrics.jsonl") if "val_loss" in r]
     assert va == pytest.approx(vb, abs=1e-5)
+
+
+def test_the_benchmark_runs_both_paths_and_checks_them(tmp_path):
+    """benchmarks/padding_free.py --tiny: both forwards timed, fewer tokens packed, the values equal."""
+    import subprocess
+
+    out = tmp_path / "table.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "padding_free.py"), "--tiny", "--device", "cpu",
+                           "--steps", "1", "--warmup", "0", "--seq", "64", "--rows", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads(out.read_text())
+    for name in ("dpo", "rl"):
+        t = table[name]
+        assert t["real_tokens"] <= t["tokens_packed"] < t["tokens_padded"] and t["max_rel_diff"] < 1e-5
