@@ -62,6 +62,8 @@ def test_packed_rows_lay_every_sequence_once_with_its_own_positions():
                                               rows.segment_ids[rows.segment_ids > 0])}
     assert len(seqs) == 4  # four non-empty sequences, each its own (row, segment)
     assert torch.equal(rows.unpack(packed), torch.where(mask, x, 0))
+    with pytest.raises(ValueError, match="contiguous"):
+        PackedRows(torch.tensor([[1, 0, 1]]).bool())
 
 
 def test_budget_slices_cut_consecutive_units_within_the_budget():

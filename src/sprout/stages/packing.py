@@ -45,6 +45,9 @@ class PackedRows:
         S, T = m.shape
         lengths = m.sum(dim=1).cpu().numpy()
         first = m.int().argmax(dim=1)  # each sequence's first column (0 for an empty one)
+        last = T - 1 - m.flip(1).int().argmax(dim=1)
+        if bool(((last - first + 1).cpu().numpy() != lengths)[lengths > 0].any()):
+            raise ValueError("PackedRows: a row's real tokens are not one contiguous span")
         W = max(1, int(lengths.max()))
         free: list[int] = []           # tokens left in each row
         row, start, segment = (np.zeros(S, dtype=np.int64) for _ in range(3))  # each sequence's place
