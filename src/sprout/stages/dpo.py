@@ -197,4 +197,4 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     frozen = {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}
     meta = {**run.provenance(), **lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
-                       micro_steps=run.accum_steps, extra_meta=meta)
+                       micro_steps=None if cfg.batch.micro_batch_tokens else run.accum_steps, extra_meta=meta)

@@ -247,5 +247,5 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     frozen = {"reference": frozen_model_record(run.base)} if ref is not None else {}
     meta = {**run.provenance(), **lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
-                       micro_steps=stage.accum_steps, extra_meta=meta)
+                       micro_steps=None if cfg.batch.micro_batch_tokens else stage.accum_steps, extra_meta=meta)
 

@@ -373,4 +373,4 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
             "frozen_models": {"reference": frozen_model_record(run.base), **lora.get("frozen_models", {}),
                               **({"reward_model": frozen_model_record(rm_meta, score=kind)} if rm_meta else {})}}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
-                       micro_steps=stage.accum_steps, extra_meta=meta)
+                       micro_steps=None if cfg.batch.micro_batch_tokens else stage.accum_steps, extra_meta=meta)

@@ -155,4 +155,5 @@ def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     stage = RewardStage(acc, run.loader, run.val, run.accum_steps, c, pair_groups(run.val_path, run.val),
                         **run.batching())
     return train_stage(acc, model, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
-                       micro_steps=run.accum_steps, extra_meta={**run.provenance(), "reward_score": reward_score(c), **lora})
+                       micro_steps=None if cfg.batch.micro_batch_tokens else run.accum_steps,
+                       extra_meta={**run.provenance(), "reward_score": reward_score(c), **lora})
