@@ -158,3 +158,19 @@ def test_device_cuda_without_cuda_is_refused_in_one_line(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(SystemExit):
         trl_compare.parse_args(["--device", "tpu"])
+
+
+def test_bf16_tolerances_keep_the_rounding_free_losses_tight():
+    """In bf16 the losses that do not depend on rounding at the first batch (GRPO's, DPO's at
+    the initial weights) keep a tight tolerance, DPO's summed log-probs a wider one than a
+    single token's; in fp32 every check has 1e-4."""
+    bf16, fp32 = trl_compare.Precision("cpu", "bf16"), trl_compare.Precision("cpu", "fp32")
+    assert [bf16.tolerance(row, "loss") for row in ("GRPO step", "GRPO LoRA step", "DPO step", "SFT step")] == \
+        [2e-3, 2e-3, 2e-3, 0.05]
+    assert bf16.tolerance("DPO LoRA step", "adapted loss") == 0.05
+    assert [bf16.tolerance(row, "logps") for row in ("GRPO step", "DPO step")] == [1.0, 1.5]
+    assert bf16.tolerance("generate", "logits") == 3.0
+    assert {fp32.tolerance(row, what) for row, what in (("GRPO step", "loss"), ("DPO step", "logps"),
+                                                         ("generate", "logits"))} == {1e-4}
+    row = trl_compare.Row("GRPO step", "s", 1.0, 1.0, 1.0, 1.5, {"loss": 5e-3, "logps": 0.5})
+    assert bf16.failures(row) == ["loss 5.0e-03 > 0.002"] and len(fp32.failures(row)) == 2
