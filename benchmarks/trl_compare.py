@@ -51,7 +51,7 @@ from sprout.atomic import atomic_write, check_writable  # noqa: E402
 from sprout.chat import render  # noqa: E402
 from sprout.checkpoint import checkpoint_tokenizer, read_meta  # noqa: E402
 from sprout.errors import run_main  # noqa: E402
-from sprout.model.generate import generate_tokens, pad_prompts  # noqa: E402
+from sprout.model.generate import generate_tokens, pad_prompts, static_decode_wanted  # noqa: E402
 
 
 def generation(b: Bench) -> Row:
@@ -91,7 +91,9 @@ def generation(b: Bench) -> Row:
     return Row("generate", "new tok/s", rate[ours], rate[theirs], rate[ours] / rate[theirs], 2.0,
                {"logits": err},
                [f"{ids.shape[0]} rows (prompt lengths {int(lengths.min())}..{int(lengths.max())}) x {N} new tokens, "
-                f"sampled at temperature {a.temperature}, KV cache in both"],
+                f"sampled at temperature {a.temperature}, KV cache in both; sprout's decode step "
+                + ("a CUDA graph" if static_decode_wanted("auto", ids.device) else "eager")
+                + " (generate_tokens' default here)"],
                ours)
 
 
