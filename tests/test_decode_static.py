@@ -5,8 +5,9 @@ embeddings, Llama 3 rotary scaling), left-padded prompts of different lengths sh
 rows; stale values past the current slot never count; no buffer is reallocated between steps;
 `generate_tokens(cuda_graph=True)` gives the eager path's greedy tokens (stop ids, num_generations
 > 1) and its sampled ones; "auto" is CUDA only and never under torch.distributed; autocast's
-pre-cast weights give autocast's own logits; the compiled static step (slow); the CUDA graph
-itself where CUDA is (skipped elsewhere; benchmarks/gpu_check.py's decode stage runs it)."""
+pre-cast weights give autocast's own logits; the compiled static step (slow; also at oneDNN's
+width, the lm_head inside the compiled step); the CUDA graph itself where CUDA is (skipped
+elsewhere; benchmarks/gpu_check.py's decode stage runs it)."""
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import sprout.model.generate as generate_module
 from sprout.errors import SproutError
 from sprout.model.decode import Decoder, DecodeWeights
 from sprout.model.generate import generate_tokens, pad_prompts, static_decode_wanted
+from sprout.model.onednn import ONEDNN_MIN_WIDTH, onednn_available
 from sprout.model.static_decode import StaticDecoder
 from sprout.model.transformer import ModelConfig, Transformer
 
@@ -172,6 +174,25 @@ def test_compiled_static_step_equals_eager_and_compiles_once():
                                new)
         assert_logits_close(compiled, eager)
     assert counters["stats"]["unique_graphs"] - graphs == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_static_step_on_onednn_weights():
+    """At oneDNN's width on the CPU the compiled static step holds the lm_head too: its weight is the
+    kind a compiled graph takes (the packed one alone fails to compile), and the logits are the
+    eager static step's."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, d_model=ONEDNN_MIN_WIDTH, n_layers=1, n_heads=4,
+                                    max_seq_len=64)).eval()
+    ids, mask = pad_prompts(PROMPTS)
+    new = torch.randint(0, 64, (3, 3), generator=torch.Generator().manual_seed(4))
+    compiled = StaticDecoder(model, 3, ids.shape[1] + 3, graph=False, compile=True)
+    if not onednn_available(model.lm_head.weight, ONEDNN_MIN_WIDTH):
+        pytest.skip("no oneDNN here")
+    assert compiled.weights.head_kind == "onednn_op"
+    eager = step_logits(StaticDecoder(model, 3, ids.shape[1] + 3, graph=False), ids, mask, new)
+    assert_logits_close(step_logits(compiled, ids, mask, new), eager)
     torch._dynamo.reset()
 
 

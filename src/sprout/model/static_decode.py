@@ -58,6 +58,8 @@ class StaticDecoder:
 
     def __init__(self, model: Transformer, rows: int, max_len: int, graph: bool = True, compile: bool = False):
         kind, head_kind = decode_kinds(model, compile)
+        if compile:  # the lm_head runs inside the compiled step too: its matmul the op a graph takes
+            head_kind = kind
         self.model, self.weights = model, DecodeWeights.of(model, rows, kind, head_kind)
         cache = model.new_cache(rows, max_len)  # its keys/values only
         self.k, self.v = cache.k, cache.v
