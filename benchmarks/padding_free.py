@@ -28,6 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sprout.atomic import atomic_write, check_writable  # noqa: E402
+from sprout.errors import run_main  # noqa: E402
 from sprout.model.config import ModelConfig  # noqa: E402
 from sprout.model.transformer import Transformer  # noqa: E402
 from sprout.stages.dpo import side_logps  # noqa: E402
@@ -103,6 +105,8 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest difference allowed, relative to the values' scale")
     ap.add_argument("--json", type=Path, help="write the table here as JSON")
     args = ap.parse_args()
+    if args.json:
+        check_writable(args.json)
     device = torch.device(args.device)
     cfg = ModelConfig(**(TINY if args.tiny else SMOLLM2), max_seq_len=max(args.seq, 384))
     torch.manual_seed(0)
@@ -134,11 +138,12 @@ def main() -> None:
               f"(ratio {t['padding_free_seconds'] / t['padded_seconds']:.2f}); peak MiB {t['padded_peak_mib']:.0f} "
               f"padded, {t['padding_free_peak_mib']:.0f} packed; max difference {diff:.2g} of the scale")
     if args.json:
-        args.json.write_text(json.dumps(table, indent=1) + "\n")
+        with atomic_write(args.json, "w") as f:
+            f.write(json.dumps(table, indent=1) + "\n")
     if worst > args.tolerance:
         print(f"FAIL: a difference of {worst:.3g} passes --tolerance {args.tolerance}", file=sys.stderr)
         sys.exit(1)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
