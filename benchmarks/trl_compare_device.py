@@ -12,16 +12,13 @@ follows `torch.cuda.synchronize()` (`Precision.clock`), so a step's time holds i
 
 A check passes when its largest |difference| is at most `Precision.tolerance(row, what)`:
 - fp32: 1e-4 for every check: the two implementations differ only in the order of fp32
-  operations (unit roundoff 6e-8); on SmolLM2-135M the largest difference, the logits', is 7.6e-5.
+  operations (unit roundoff 6e-8); measured: docs/results/2026-12-02-trl-compare-cpu.md.
 - bf16: every matmul's output is rounded to bf16's 8 significant bits (unit roundoff
   u = 2^-8 ~ 3.9e-3) at different points on the two sides, so the two differ by about as much
-  as bf16 moves either side from its own fp32 result. On SmolLM2-135M under CPU autocast
-  (docs/results/2026-12-06-trl-compare-bf16-cpu.md): the SFT loss 0.018 apart (bf16 moves
-  each side's own by 0.006 and 0.013), the largest per-token log-prob 0.31 (0.20 and 0.28),
-  the largest logit 1.1 (0.78 and 1.03, on logits up to 39, whose bf16 spacing is 0.25), DPO's
-  summed log-probs 0.48. The tolerances are about three times those (`BF16`): losses 0.05,
-  log-probs 1.0, logits 3.0, DPO's summed log-probs 1.5. Two losses do not depend on the
-  rounding at the first batch and keep a tight one (`BF16_EXACT`, 2e-3): GRPO's (its ratio is
+  as bf16 moves either side from its own fp32 result. The tolerances (`BF16`; DPO's summed
+  log-probs `BF16_SUMMED`) are about three times the differences measured on SmolLM2-135M
+  under CPU autocast (docs/results/2026-12-06-trl-compare-bf16-cpu.md). Two losses do not
+  depend on the rounding at the first batch and keep a tight one (`BF16_EXACT`): GRPO's (its ratio is
   exactly 1 when the old log-probs are the current ones) and DPO's at the initial weights
   (log 2 when the policy is its reference). A wrong mask, target shift or normaliser moves
   these by far more: a token more or less in a summed log-prob moves it by that token's whole
