@@ -19,6 +19,7 @@ from sprout.model.generate import generate_tokens, pad_prompts, static_decode_wa
 from sprout.model.onednn import ONEDNN_MIN_WIDTH, onednn_available
 from sprout.model.static_decode import StaticDecoder
 from sprout.model.transformer import ModelConfig, Transformer
+from test_decode import assert_logits_close, random_model
 
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 8], [11, 12, 13, 14]]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -28,19 +29,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 def llama_shaped(**overrides) -> Transformer:
     """A tiny model of an imported Llama/Qwen2's kind: 2 key/value heads for 4 query heads, q/k/v biases,
     tied embeddings, Llama 3 rotary scaling; weights large enough that the tokens differ."""
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, attention_bias=True,
-               tie_embeddings=True, rope_scaling=LLAMA3) | overrides
-    m = Transformer(ModelConfig(**cfg)).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 2 or name.endswith(".bias"):
-                p.normal_(0.0, 0.3)
-    return m
-
-
-def assert_logits_close(got, expected):
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    return random_model(**{"attention_bias": True, "tie_embeddings": True, "rope_scaling": LLAMA3} | overrides)
 
 
 def step_logits(decoder, ids, mask, new, repeats=1):
