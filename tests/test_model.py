@@ -168,6 +168,8 @@ def test_param_count_and_flops_hand_checked():
     t = Transformer(ModelConfig(**cfg, tie_embeddings=True))
     assert t.num_params() == 80 + 2 * per_layer + 8
     assert t.flops_per_token(16) == m.flops_per_token(16)  # the lm_head matmul is still done
+    assert m.lm_head_flops_per_token() == t.lm_head_flops_per_token() == 6 * 80
+    assert m.training_flops(16, 32, 8) == 32 * m.flops_per_token(16) - 24 * 6 * 80  # logits at 8 of 32 tokens
     assert ModelConfig(d_model=256).ff_dim == 704 and ModelConfig(d_model=768).ff_dim == 2048
 
 

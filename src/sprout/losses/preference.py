@@ -42,6 +42,7 @@ from sprout.losses.dpo import (
     sppo_hard_loss,
 )
 from sprout.losses.loss_types import PREFERENCE_LOSS_TYPES, REFERENCE_FREE
+from sprout.losses.tokens import logits_at, row_sums
 
 
 # -----------------------------------------------------------------------------------------
@@ -292,11 +293,12 @@ def implicit_rewards(
 
 def mean_logit_sums(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per row, Σ over masked positions of the mean logit over the vocabulary: the numerator of
-    TRL's logits/chosen and logits/rejected (divide by the masked count). logits [B, T, V],
-    mask [B, T]; no gradient, float32, [B]. Allocates only a [B, T] tensor."""
+    TRL's logits/chosen and logits/rejected (divide by the masked count). mask [B, T], logits at
+    every position [B, T, V] or at the masked ones only ([1, K, V], `sprout.losses.tokens.logits_at`);
+    no gradient, float32, [B]. Allocates only a [B, T] tensor."""
     with torch.no_grad():
-        per_token = logits.mean(dim=-1, dtype=torch.float32)
-        return torch.where(mask.bool(), per_token, torch.zeros((), device=per_token.device)).sum(dim=-1)
+        kept, flat = logits_at(logits, mask)
+        return row_sums(kept.mean(dim=-1, dtype=torch.float32), flat, mask.shape)
 
 
 def preference_metric_sums(

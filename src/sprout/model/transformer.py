@@ -12,7 +12,8 @@ query row is fully masked) and `position_ids` restart per document; a left-padde
 and `update`. Init (GPT-2): N(0, init_std), o_proj and down_proj N(0, init_std / sqrt(2
 n_layers)), norms 1, biases 0; `uninitialised` builds a model whose weights are loaded next
 without drawing any. `flops_per_token` = 6 N_matmul + 12 n_layers d seq_len (PaLM appendix B), 4 per
-frozen parameter instead of 6.
+frozen parameter instead of 6; `training_flops` counts the lm_head's part only at the positions
+whose logits are computed.
 """
 
 from __future__ import annotations
@@ -454,8 +455,10 @@ class Transformer(nn.Module):
             if self.config.tie_embeddings and head is not None:  # the shared matrix still does the lm_head matmul
                 n_matmul += head.weight.numel()
                 frozen += 0 if head.weight.requires_grad else head.weight.numel()
-            self._matmul_counts = (n_matmul, frozen)
-        return self._matmul_counts
+            params = {id(p): p for p in head.parameters()}.values() if head is not None else ()
+            head_flops = float(sum((6 if p.requires_grad else 4) * p.numel() for p in params))
+            self._matmul_counts = (n_matmul, frozen, head_flops)  # with `lm_head_flops_per_token`'s
+        return self._matmul_counts[:2]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N_matmul + 12 L d T (PaLM appendix B; see module doc), d the
@@ -466,6 +469,22 @@ class Transformer(nn.Module):
         c = self.config
         n_matmul, frozen = self.matmul_params()
         return 6.0 * n_matmul - 2.0 * frozen + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len
+
+    def lm_head_flops_per_token(self) -> float:
+        """The lm_head's part of `flops_per_token`: 6 per trained parameter of its matmul (a tied
+        head's shared matrix, LoRA adapters on it), 4 per frozen one; 0 for a model without an
+        lm_head (a reward or value model). Counted once, as `matmul_params`."""
+        self.matmul_params()
+        return self._matmul_counts[2]
+
+    def training_flops(self, seq_len: int, tokens: int, logit_positions: int | None = None) -> float:
+        """Training FLOPs of `tokens` tokens in rows of `seq_len` of which the logits are computed
+        at `logit_positions` only (None: every token): flops_per_token(seq_len) × tokens −
+        lm_head_flops_per_token × (tokens − logit_positions), the blocks at every token and the
+        lm_head where a loss reads it (`logits_to_keep`)."""
+        kept = tokens if logit_positions is None else logit_positions
+        return self.flops_per_token(seq_len) * tokens - self.lm_head_flops_per_token() * (tokens - kept)
+
 
 def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
     """A `cls(config)` (the Transformer or a head model) whose parameters hold no values yet,

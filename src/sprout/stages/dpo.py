@@ -1,7 +1,8 @@
 """DPO and its variants on preference pairs, as one stage of the shared loop.
 
 The policy starts from an LM checkpoint; both sides of each pair go through one forward, a
-side's log-probability summed over its response tokens (`sequence_logps`). The loss per pair
+side's log-probability summed over its response tokens (`sequence_logps`; logits are computed
+at those tokens alone, `sprout.stages.packing.loss_forward`). The loss per pair
 is `sprout.losses.preference.preference_loss` with TRL's DPOConfig options (`dpo` section).
 Normaliser: the pairs of the whole global batch (all micro-batches, all processes); within a
 pair, each variant's own rule. aot and aot_unpaired sort within each micro-batch, so their
@@ -10,7 +11,8 @@ does, eval pairs being striped over ranks). The reference (every loss_type outsi
 `REFERENCE_FREE`; none is built otherwise) is `dpo.ref` (default: init), a frozen copy run on
 each micro-batch or, with `precompute_ref_logps`, cached once (`sprout.stages.reference_logps`);
 checkpoints record it in `frozen_models` and a resume refuses it once changed. Metrics are
-TRL's (`preference_metric_sums`); FLOPs and MFU count the policy only, not the reference forward.
+TRL's (`preference_metric_sums`); FLOPs and MFU count the policy only (its lm_head at the
+response tokens only), not the reference forward.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from sprout.model.transformer import Transformer, uninitialised
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.run_stage import lora_policy, train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
-from sprout.stages.packing import PackedRows, packed_mean_logit_sums, packed_sequence_logps
+from sprout.stages.packing import loss_forward
 from sprout.stages.preference_stage import PreferenceStage, open_preference_run, pair_groups
 from sprout.stages.reference_logps import ReferenceLogps, reference_logps, response_logps
 
@@ -55,16 +57,10 @@ def check_dpo_options(c: DPOLossConfig) -> None:
 
 def side_logps(model, batch: dict, padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed response log-probs [2B], response tokens [2B], logit sums [2B]) of one forward over
-    both sides (`padding_free`: packed, `sprout.stages.packing`); the logit sums (`mean_logit_sums`,
-    no gradient) are taken before any backward."""
-    if padding_free:
-        rows = PackedRows(batch["attention_mask"])
-        logits = rows.forward(model, batch["input_ids"])
-        logit_sums = packed_mean_logit_sums(logits, rows, batch["loss_mask"])
-        logps, lengths = packed_sequence_logps(logits, rows, batch["targets"], batch["loss_mask"],
-                                               overwrite_logits=True)
-        return logps, lengths, logit_sums
-    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+    both sides (`padding_free`: packed, `sprout.stages.packing`), logits computed at the response
+    tokens alone (`loss_forward`); the logit sums (`mean_logit_sums`, no gradient) are taken
+    before any backward."""
+    logits = loss_forward(model, batch, padding_free)
     logit_sums = mean_logit_sums(logits, batch["loss_mask"])
     logps, lengths = sequence_logps(logits, batch["targets"], batch["loss_mask"], overwrite_logits=True)
     return logps, lengths, logit_sums
@@ -131,6 +127,9 @@ class DPOStage(PreferenceStage):
         with torch.no_grad():
             rc, rr = implicit_rewards(lp_c, lp_r, ref_c, ref_r, c.beta)
         return per_pair, metrics, rc > rr
+
+    def logit_positions(self, batch: dict) -> int:
+        return int(batch["loss_mask"].sum())  # `side_logps`: the response tokens
 
     def loss(self, model, batch: dict):
         """Summed per-pair losses over the real pairs, their count, and TRL's metrics: per pair

@@ -9,7 +9,8 @@ sequence, so through the model's segment-masked attention (`sprout.model.transfo
 sequence computes what it computes alone in its padded row, as SFT's packed rows do. `unpack(y)`
 [R, W, ...] -> [S, T, ...] puts each value back where the padded batch has it (0 off the mask),
 so a per-sequence sum of unpacked values adds the same terms in the same order as the padded
-path's. No packed row is wider than the longest sequence, so the dense segment mask costs no
+path's; `loss_forward` computes logits at a batch's loss positions alone, padded or packed, in
+the padded batch's order. No packed row is wider than the longest sequence, so the dense segment mask costs no
 row more attention than a padded row. The loss maths stay in `sprout.losses`; only where each
 per-token value comes from changes.
 
@@ -32,8 +33,7 @@ import numpy as np
 import torch
 
 from sprout.errors import SproutError
-from sprout.losses.preference import mean_logit_sums
-from sprout.losses.tokens import sequence_logps
+from sprout.losses.tokens import loss_positions
 from sprout.model.heads import padding_inputs
 
 
@@ -87,23 +87,21 @@ class PackedRows:
         return model(self.pack(input_ids), segment_ids=self.segment_ids, position_ids=self.position_ids, **kwargs)
 
 
-# ---- reading per-sequence values back -----------------------------------------------------------
-def packed_sequence_logps(logits: torch.Tensor, rows: PackedRows, targets: torch.Tensor, mask: torch.Tensor, *,
-                          overwrite_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sprout.losses.tokens.sequence_logps` of the padded batch (targets, mask [S, T]) from the
-    packed logits [R, W, V]: each token's log-prob by the same cross-entropy, unpacked, summed
-    per row in the padded order. Returns (logp_sum [S], n_tokens [S])."""
-    R, W, V = logits.shape
-    per_token, _ = sequence_logps(logits.view(R * W, 1, V), rows.pack(targets).view(-1, 1),
-                                  rows.pack(mask.bool()).view(-1, 1), overwrite_logits=overwrite_logits)
-    return rows.unpack(per_token.view(R, W)).sum(dim=-1), mask.bool().sum(dim=-1)
-
-
-def packed_mean_logit_sums(logits: torch.Tensor, rows: PackedRows, mask: torch.Tensor) -> torch.Tensor:
-    """`sprout.losses.preference.mean_logit_sums` of the padded batch from the packed logits [R, W, V]."""
-    R, W, V = logits.shape
-    per_token = mean_logit_sums(logits.view(R * W, 1, V), rows.pack(mask.bool()).view(-1, 1))
-    return rows.unpack(per_token.view(R, W)).sum(dim=-1)
+# ---- logits at the loss positions -------------------------------------------------------------
+def loss_forward(model, batch: dict, padding_free: bool = False) -> torch.Tensor:
+    """The logits [1, K, V] of a micro-batch of padded rows (`input_ids`, `segment_ids`,
+    `position_ids`, `attention_mask`) at its `loss_mask`'s K positions only, in
+    `sprout.losses.tokens.loss_positions` order (what the masked losses of `sprout.losses.tokens`
+    take): the model on the padded rows, or `padding_free` on `PackedRows` of the real tokens
+    (the loss positions lie among them), either way with the lm_head run at those K places alone
+    (`logits_to_keep`)."""
+    mask = batch["loss_mask"]
+    if padding_free:
+        rows = PackedRows(batch["attention_mask"])
+        kept = rows.index.reshape(-1)[loss_positions(mask)]  # each loss position's packed place
+        return rows.forward(model, batch["input_ids"], logits_to_keep=kept)
+    return model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"],
+                 logits_to_keep=loss_positions(mask))
 
 
 class CompletionRows:

@@ -119,9 +119,17 @@ class PreferenceStage(LoaderPosition):
     def num_tokens(self, batch: dict) -> int:
         return int(batch["attention_mask"].sum())
 
+    def logit_positions(self, batch: dict) -> int | None:
+        """How many positions of the micro-batch the forward computes logits at (None: every one)."""
+        return None
+
     def flops(self, model, batch: dict) -> float:
-        flops_per_token = getattr(model, "flops_per_token", None)
-        return flops_per_token(batch["input_ids"].shape[1]) * self.num_tokens(batch) if flops_per_token else 0.0
+        """The real tokens' training FLOPs, the lm_head's only at `logit_positions`
+        (`sprout.model.transformer.Transformer.training_flops`)."""
+        training_flops = getattr(model, "training_flops", None)
+        if training_flops is None:
+            return 0.0
+        return training_flops(batch["input_ids"].shape[1], self.num_tokens(batch), self.logit_positions(batch))
 
 
 def split_sides(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from sprout.atomic import atomic_path, sha256_file
 from sprout.checkpoint import WEIGHTS, read_meta
 from sprout.losses.tokens import sequence_logps
 from sprout.engine.trainer import all_reduce_sums
-from sprout.stages.packing import PackedRows, packed_sequence_logps
+from sprout.stages.packing import loss_forward
 
 
 @dataclass
@@ -72,14 +72,10 @@ def read_cache(path: Path, loader: PreferenceLoader) -> tuple[torch.Tensor, torc
 
 def response_logps(model, batch: dict, padding_free: bool = False, overwrite_logits: bool = False) -> torch.Tensor:
     """The summed response log-probs [2B] of both sides of a micro-batch of pairs under `model`
-    (one forward; `padding_free`: over the sides packed, `sprout.stages.packing`): what the
-    reference gives DPO, live or cached. `overwrite_logits` as in `sequence_logps`."""
-    if padding_free:
-        rows = PackedRows(batch["attention_mask"])
-        logits = rows.forward(model, batch["input_ids"])
-        return packed_sequence_logps(logits, rows, batch["targets"], batch["loss_mask"],
-                                     overwrite_logits=overwrite_logits)[0]
-    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+    (one forward, logits at the response tokens alone; `padding_free`: over the sides packed,
+    `sprout.stages.packing.loss_forward`): what the reference gives DPO, live or cached.
+    `overwrite_logits` as in `sequence_logps`."""
+    logits = loss_forward(model, batch, padding_free)
     return sequence_logps(logits, batch["targets"], batch["loss_mask"], overwrite_logits=overwrite_logits)[0]
 
 

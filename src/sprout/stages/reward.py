@@ -6,7 +6,7 @@ read at the response's end-of-turn token (`score_sequences`; meta.json `architec
 or `logprob`, the LM itself, a response scoring β × its summed log-probability given the prompt
 (`architecture: lm` with `reward_score: {kind: logprob, beta}`, read by
 `sprout.formats.checkpoint_meta.reward_score_of`; always <= 0, so center_rewards_coefficient is
-refused with it). Loss per pair (`sprout.losses.preference.reward_pair_loss`):
+refused with it; logits computed at the response tokens alone). Loss per pair (`sprout.losses.preference.reward_pair_loss`):
 −log σ(r_c − r_r − m) + center_rewards_coefficient · (r_c + r_r)². Normaliser: the pairs of the
 whole global batch (all micro-batches, all processes), nothing within a pair. Training metrics
 are per pair; `derived_metrics` gives the population std over the global batch's real pairs
@@ -87,6 +87,11 @@ class RewardStage(PreferenceStage):
                  val_groups: list[list[str | None]] | None = None, **batching):
         super().__init__(accelerator, loader, val, accum_steps, val_groups, **batching)
         self.loss_cfg = loss_cfg
+
+    def logit_positions(self, batch: dict) -> int | None:
+        """`score: logprob`: the response tokens (`response_logps`); the score head: none of
+        them (a reward model has no lm_head)."""
+        return int(batch["loss_mask"].sum()) if self.loss_cfg.score == "logprob" else None
 
     def _pair_loss(self, model, batch: dict):
         return reward_batch_loss(model, batch, self.loss_cfg, self.padding_free)

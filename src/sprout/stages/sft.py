@@ -5,7 +5,7 @@
 `sprout.formats.packed_sft`). Per micro-batch (`sft_batch_loss`): attention stays inside each
 packed conversation and positions restart per conversation, so a row computes what each
 conversation would alone; the loss is the cross-entropy summed over the trained targets only
-(`loss_mask`: assistant content and its end-of-turn token). Normaliser: the trained targets of
+(`loss_mask`: assistant content and its end-of-turn token), whose logits alone are computed. Normaliser: the trained targets of
 the whole global batch (all micro-batches, all processes). Metrics, per trained target: token
 accuracy and mean entropy. Eval: masked loss and token accuracy over every val row, sums reduced
 over processes. `run_sft` refuses a train/val pair from different prep runs or no longer
@@ -30,7 +30,7 @@ from sprout.chat_formats import ChatFormat, format_for, format_for_spec
 from sprout.checkpoint import (TokenizerUnavailable, bundled_file, checkpoint_tokenizer, init_record, load_weights,
                                read_meta)
 from sprout.errors import SproutError
-from sprout.losses.tokens import masked_correct_sum, masked_entropy_sum, token_nll_sum
+from sprout.losses.tokens import loss_positions, masked_correct_sum, masked_entropy_sum, token_nll_sum
 from sprout.model.chat_session import ChatSession
 from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
@@ -49,9 +49,12 @@ from sprout.tokenizer_files import load_recorded
 
 
 def sft_batch_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Masked next-token loss of one micro-batch: (nll sum, trained targets, metric sums)."""
-    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+    """Masked next-token loss of one micro-batch: (nll sum, trained targets, metric sums). Logits
+    are computed at the trained positions only (`loss_positions` as `logits_to_keep`), which is
+    all the loss and its metrics read."""
     targets, mask = batch["targets"], batch["loss_mask"]
+    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"],
+                   logits_to_keep=loss_positions(mask))
     nll, n = token_nll_sum(logits, targets, mask, overwrite_logits=True)  # logits unused after backward
     with torch.no_grad():  # both per trained target
         metrics = {"accuracy": (masked_correct_sum(logits, targets, mask), n),
@@ -60,8 +63,9 @@ def sft_batch_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict
 
 
 class SFTStage(TokenStage):
-    """Rows with a loss mask: the targets are the trained ones (count_targets); tokens and
-    FLOPs count every row position, padding included (`TokenStage`)."""
+    """Rows with a loss mask: the targets are the trained ones (count_targets); tokens count
+    every row position, padding included (`TokenStage`), and so do the FLOPs but the lm_head's,
+    counted at the trained positions only (`flops`)."""
 
     name = "sft"
     loss_label = "masked loss"  # the y axis of loss.png
@@ -83,6 +87,13 @@ class SFTStage(TokenStage):
 
     def count_targets(self, batch: dict) -> torch.Tensor:
         return batch["loss_mask"].sum()
+
+    def flops(self, model, batch: dict) -> float:
+        """Every row position's training FLOPs, the lm_head's only where logits are computed: the
+        trained positions (`sft_batch_loss`; `Transformer.training_flops`)."""
+        training_flops = getattr(model, "training_flops", None)
+        ids = batch["input_ids"]
+        return training_flops(ids.shape[-1], ids.numel(), int(batch["loss_mask"].sum())) if training_flops else 0.0
 
     @torch.no_grad()
     def evaluate(self, model) -> dict:
