@@ -349,6 +349,17 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike, files) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def try_lock(fd: int) -> int | None:
+    """`fd` holding an exclusive flock, taken without waiting, or None (and `fd` closed) when
+    another process holds it. The lock goes when the descriptor closes or the process ends."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def hold_lock(folder: str | os.PathLike, name: str, what: str) -> IO:
     """Take an exclusive lock on `folder` (created if needed): `flock` on its file `name`, into
     which this process's pid is written; returns the open file, which holds the lock until it is

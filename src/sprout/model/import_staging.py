@@ -19,7 +19,6 @@ there: a refused import leaves the run folder as it was.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sprout.atomic import atomic_write, first_missing, remove_created, remove_path
+from sprout.atomic import atomic_write, first_missing, remove_created, remove_path, try_lock
 from sprout.errors import SproutError
 
 PREFIX = ".tmp-import-"
@@ -39,13 +38,7 @@ STALE_S = 60  # a staging folder whose lock is free and that is this old is a ki
 
 def _lock(folder: Path) -> int | None:
     """An exclusive flock on `folder` itself (its open descriptor), or None when another holds it."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return try_lock(os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
 
 
 def _running(pid: int) -> bool:

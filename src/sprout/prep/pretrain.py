@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import glob
 import multiprocessing as mp
 import os
@@ -36,7 +35,7 @@ from typing import Callable, Iterator, Literal
 import numpy as np
 
 from sprout.formats import manifest as mf
-from sprout.atomic import check_writable, make_dir, safe_name, sha256_file, write_error
+from sprout.atomic import check_writable, make_dir, safe_name, sha256_file, try_lock, write_error
 from sprout.config import from_dict
 from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
@@ -270,12 +269,7 @@ def _lock(path: Path) -> int | None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise SproutError(f"{path}: cannot create a lock file: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return try_lock(fd)
 
 
 def _tokenize_sources(cfg, specs, tok, dtype, mirror, tmpdir, progress):
