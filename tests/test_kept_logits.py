@@ -219,3 +219,19 @@ def test_flops_count_the_lm_head_at_the_kept_positions_only(tied):
     add_adapters(model, LoraConfig(r=2))  # lm_head is no LoRA target: frozen
     assert model.lm_head_flops_per_token() == 4 * head
     assert stage.flops(model, batch) == model.flops_per_token(16) * tokens - 4 * head * (tokens - kept)
+
+
+def test_rl_flops_count_the_lm_head_at_the_completion_tokens_only():
+    """The RL stages keep logits at the completion tokens (`CompletionRows`): the blocks count
+    every real prompt and completion token, the lm_head the completion tokens alone."""
+    from sprout.stages.rl_stage import RLStage
+
+    model = tiny_lm()
+    batch = {"prompt_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]), "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+             "completion_ids": torch.tensor([[4, 3, 0], [2, 2, 2]]),
+             "completion_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])}
+    tokens, kept = 5 + 5, 5
+    stage = RLStage.__new__(RLStage)  # flops and num_tokens read nothing of the stage's state
+    flops = stage.flops(model, batch)
+    assert flops == model.flops_per_token(6) * tokens - model.lm_head_flops_per_token() * (tokens - kept)
+    assert flops < model.flops_per_token(6) * tokens

@@ -323,9 +323,12 @@ class RLStage(LoaderPosition):
         return int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
 
     def flops(self, model, batch: dict) -> float:
-        flops_per_token = getattr(model, "flops_per_token", None)
+        """The real tokens' training FLOPs, the lm_head's only at the completion tokens (the
+        positions `CompletionRows` keeps logits at; `Transformer.training_flops`)."""
+        training_flops = getattr(model, "training_flops", None)
         T = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
-        return flops_per_token(T) * self.num_tokens(batch) if flops_per_token else 0.0
+        return training_flops(T, self.num_tokens(batch), int(batch["completion_mask"].sum())) \
+            if training_flops else 0.0
 
     def tensor_state(self) -> dict:
         return {"buffer": self.buffer, "served": self.served, "generator": self.generator.get_state(),
