@@ -179,10 +179,11 @@ def test_every_field_of_every_script_config_has_a_meaning():
     from sprout.prep.sft_data import SFTDataConfig
     from sprout.prep.tokenizer_train import TokenizerTrainConfig
     from sprout.stages.pretrain import PretrainConfig
+    from sprout.stages.configs import DPOConfig, GRPOConfig, PPOConfig, RewardConfig
     from sprout.stages.sft import SFTConfig
 
-    for cls in (PretrainConfig, SFTConfig, PrepConfig, SFTDataConfig, PreferenceDataConfig, PromptDataConfig,
-                TokenizerTrainConfig):
+    for cls in (PretrainConfig, SFTConfig, RewardConfig, DPOConfig, PPOConfig, GRPOConfig, PrepConfig, SFTDataConfig,
+                PreferenceDataConfig, PromptDataConfig, TokenizerTrainConfig):
         missing = [name for name, tp, default, meaning in config_fields(cls) if not meaning]
         assert not missing, f"{cls.__name__}: {missing}"
 

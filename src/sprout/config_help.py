@@ -25,8 +25,18 @@ from sprout.ranges import Interval, field_range
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """{field: the comment after it in `cls`'s source (with the comment lines that continue it
-    right below), else the comment lines right above it}; {} when the source is unavailable."""
+    """{field: the comment after it in the source of the class that declares it (with the comment
+    lines that continue it right below), else the comment lines right above it}: a subclass's own
+    comment first, then its dataclass bases'; {} when no source is available."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out.update(_declared_comments(base))
+    return out
+
+
+def _declared_comments(cls: type) -> dict[str, str]:
+    """`field_comments` of the fields written in `cls`'s own source."""
     try:
         lines, _ = inspect.getsourcelines(cls)
     except (OSError, TypeError):

@@ -89,6 +89,7 @@ class PairBatchConfig:
 
 @dataclass
 class PairDataConfig:
+    """The preference pairs: the train file, its held-out file, their length limit and checks."""
     # Paths may change on resume (the loader checks the pair count and global batch), and the
     # epochs, which only set max_steps.
     path: str = resume_free("")         # the preference prep's folder, or a file of it (preferences.jsonl)
@@ -103,6 +104,7 @@ class PairDataConfig:
 
 @dataclass
 class RewardLossConfig:
+    """How the reward model scores a response, and its loss's options (TRL's RewardConfig names)."""
     # head: a score head read at the response's eot; logprob: β × the LM's summed log-prob of the response
     score: Literal["head", "logprob"] = "head"
     beta: float = in_range(0.1, "(0, inf)")  # β of score logprob (DPO's β, no reference)
@@ -169,6 +171,7 @@ class PromptBatchConfig:
 
 @dataclass
 class RLDataConfig:
+    """The RL prompts: the train file, its held-out file and the held-out evaluation's size."""
     path: str = resume_free("")         # scripts/prepare_rl_prompts.py's folder, or a file of it (prompts.jsonl)
     val_path: str | None = resume_free(None)  # None: prompts_dev.jsonl beside the train file
     max_prompt_length: int = in_range(512, "[1, inf)")  # longer prompts (rendered, in tokens) are dropped and counted
@@ -186,6 +189,7 @@ class RLDataConfig:
 
 @dataclass
 class RolloutConfig:
+    """How completions are sampled from the policy, and by which engine."""
     # new tokens per completion (a row without a stop id is truncated)
     max_completion_length: int = in_range(256, "[1, inf)")
     # 1 with no top-k/top-p: the sampler's distribution is the policy's
@@ -223,8 +227,8 @@ class PPOLossConfig:
     missing_eos: Literal["penalty", "zero"] = "penalty"  # a completion without end-of-turn: penalised or scored 0
     missing_eos_penalty: float = in_range(1.0, "[0, inf)")  # subtracted from its score (missing_eos: penalty)
     kl_coef: float = in_range(0.05, "[0, inf)")  # KL weight (the adaptive controller's initial value)
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    kl_in: Literal["reward", "loss"] = "reward"
+    kl_estimator: Literal["k1", "k3"] = "k1"  # per-token KL (r = ref / policy): k1 -log r, k3 r - 1 - log r
+    kl_in: Literal["reward", "loss"] = "reward"  # the KL penalty subtracted from the rewards, or added to the loss
     adaptive_kl: bool = False           # steer kl_coef towards target_kl (Ziegler et al. 2019)
     target_kl: float = in_range(6.0, "(0, inf)")  # objective/kl the adaptive controller aims at (nats per sequence)
     horizon: int = in_range(10000, "[1, inf)")  # the adaptive controller's horizon, in completions
@@ -259,6 +263,7 @@ class PPOConfig(StageConfig, stage="ppo", out="runs/ppo", optim=OptimConfig(lr=1
 @dataclass
 class GRPOLossConfig:
     """TRL's GRPOConfig names where it has them; see sprout.losses.policy and sprout.rl.advantages."""
+    # a reward minus its group's mean (grpo; dr_grpo: never divided by a std) or the others' mean (rloo)
     advantage: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
     # the std the advantages divide by (TRL's true: group, false: none); null: the advantage's (grpo: group)
     scale_rewards: Literal["group", "batch", "none"] | bool | None = None
@@ -284,12 +289,13 @@ class GRPOLossConfig:
     importance_sampling_level: Literal["token", "sequence", "sequence_sum"] | None = None
     num_iterations: int = in_range(1, "[1, inf)")  # μ: optimizer steps per generation batch
     beta: float = in_range(0.0, "[0, inf)")  # KL weight; 0: no reference model at all
+    # the per-token KL (sprout.rl.kl; r = ref / policy): k1 -log r, k2 (log r)² / 2, k3 r - 1 - log r
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"
+    kl_in: Literal["loss", "reward"] = "loss"  # the KL added to the loss, or subtracted from the rewards
     # kl_in loss, beta > 0: the per-token KL × the importance ratio (TRL's default, true), so its
     # gradient is the reverse KL's; the ratio carries a gradient, so even on-policy the KL gradient differs
     use_bias_correction_kl: bool = True
-    mask_truncated_completions: bool = False
+    mask_truncated_completions: bool = False  # a completion cut at max_completion_length leaves the loss (TRL's)
     dynamic_sampling: bool = False      # drop groups whose rewards all agree, generate more
     max_generation_rounds: int = in_range(4, "[1, inf)")  # rounds of generation per batch with dynamic_sampling
     entropy_coef: float = in_range(0.0, "[0, inf)")  # entropy bonus

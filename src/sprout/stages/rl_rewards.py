@@ -25,6 +25,7 @@ REWARD_FUNCS = ("correctness", "format", "overlong")
 
 @dataclass
 class RewardsConfig:
+    """The reward functions that score each completion, and their weights."""
     # correctness, format, overlong, or "module:function" (TRL's signature: fn(completions, **columns) -> floats)
     reward_funcs: list = dataclasses.field(default_factory=lambda: ["correctness", "format"])
     reward_weights: list | None = None  # one per function; None: 1.0 each
