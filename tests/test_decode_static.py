@@ -121,7 +121,7 @@ def test_which_calls_use_the_static_step(monkeypatch):
     generate_tokens(model, ids, mask, max_new_tokens=3, greedy=True)  # "auto" on the CPU: the Decoder
     assert built == []
     generate_tokens(model, ids, mask, max_new_tokens=3, greedy=True, cuda_graph=True)
-    assert built == [{"graph": True, "compile": False}]
+    assert built == [{"graph": True, "compile": False, "weight_cache": None}]
     for bad in ("yes", 1, None):
         with pytest.raises(SproutError, match="generate: cuda_graph must be True, False or 'auto'"):
             generate_tokens(model, ids, mask, max_new_tokens=3, cuda_graph=bad)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from sprout.answers import parse_answer
 from sprout.chat import render
 from sprout.errors import SproutError
+from sprout.model.decode import DecodeWeightsCache
 from sprout.model.generate import check_sampling, generate_tokens, pad_prompts
 from sprout.prep.rl_prompts import prompt_key, source_prompt_id
 from sprout.evaluation.statistics import mean_interval
@@ -234,7 +235,9 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
     j mod world_size and one `all_gather_object` gives every rank all counts, in prompt order.
     Every rank makes the same number of `generate_tokens` calls (a rank without a batch
     generates one token for a repeated prompt, counted nothing): under FSDP each forward is a
-    collective. The model is used as given; a DDP wrapper is looked through to its module.
+    collective. The model is used as given; a DDP wrapper is looked through to its module. Its
+    parameters do not change during the call: the calls share one set of fused weight copies where
+    their rows and kinds agree (`sprout.model.decode.DecodeWeightsCache`), freed on return.
     `cuda_graph`: `generate_tokens`'s (the decode step as a CUDA graph; "auto": on CUDA, one process)."""
     ks = sorted(set(int(k) for k in ks)) if n else []
     if n < 0 or (n == 0 and not greedy):
@@ -264,6 +267,7 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
     shown: list[dict] = []
     was_training = model.training
     model.eval()
+    weight_cache = DecodeWeightsCache()  # freed on return
     try:
         for r in range(-(-len(batches) // world)):
             j = r * world + rank
@@ -271,10 +275,10 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
                 ids, mask = pad_prompts(rendered[:1], device)
                 if n:
                     generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer,
-                                    cuda_graph=cuda_graph)
+                                    cuda_graph=cuda_graph, weight_cache=weight_cache)
                 if greedy:
                     generate_tokens(model, ids, mask, max_new_tokens=1, greedy=True, tokenizer=tokenizer,
-                                    cuda_graph=cuda_graph)
+                                    cuda_graph=cuda_graph, weight_cache=weight_cache)
                 continue
             batch = batches[j]
             ids, mask = pad_prompts([rendered[i] for i in batch], device)
@@ -286,7 +290,7 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
                 gen = torch.Generator(device=device).manual_seed(batch_seed(seed, j))
                 out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, num_generations=n,
                                       temperature=temperature, tokenizer=tokenizer, generator=gen,
-                                      cuda_graph=cuda_graph)
+                                      cuda_graph=cuda_graph, weight_cache=weight_cache)
                 flat = completion_texts(out, tokenizer)
                 repeated = [g for g in golds for _ in range(n)]
                 correct = correctness_reward(flat, repeated)
@@ -303,7 +307,7 @@ def evaluate_prompts(model, tokenizer, prompts: Sequence[dict], *, n: int = 16, 
                     texts[b].append(flat[b * n])
             if greedy:
                 out = generate_tokens(model, ids, mask, max_new_tokens=max_new_tokens, greedy=True, tokenizer=tokenizer,
-                                      cuda_graph=cuda_graph)
+                                      cuda_graph=cuda_graph, weight_cache=weight_cache)
                 flat = completion_texts(out, tokenizer)
                 correct, formatted = correctness_reward(flat, golds), format_reward(flat)
                 flexible = correctness_reward(flat, golds, fallback_last_number=True)

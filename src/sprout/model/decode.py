@@ -4,16 +4,17 @@
     logits = decoder.prefill(ids, mask, repeats=G)  # [N, V]: each prompt's last token, on its G rows
     logits = decoder.step(tokens)                   # [N, V]: tokens [N] appended, one per row
 
-`Decoder` runs the blocks' decoding forms (`Block.prefill`, `Block.step`) on KV buffers of its
-own and on fused copies of the matmul weights (`DecodeWeights`: q/k/v one matmul, gate/up one,
-oneDNN-packed where faster), made once per `generate_tokens` call (parameters change between
-calls, never within one). It computes the model's forward to float rounding (tests: logits
-within 1e-5 of their scale); the prefill runs once per distinct prompt. `compile=True` runs a
-step under `torch.compile(fullgraph=True)`, one graph for every step, prompt length and cache
-size. `ModelDecoder` has the same two methods through the module's forward, for anything that
-is not a `Transformer` with an lm_head in one process: under FSDP only a forward gathers the
-sharded parameters. `sprout.model.static_decode` has the step on buffers of fixed shape and
-address, for a CUDA graph.
+`Decoder` runs the blocks' decoding forms (`Block.prefill`, `Block.step`) on KV buffers of its own
+and on fused copies of the matmul weights (`DecodeWeights`: q/k/v one matmul, gate/up one,
+oneDNN-packed where faster), made per `generate_tokens` call (parameters change between calls,
+never within one), or taken from a `DecodeWeightsCache` whose holder knows the parameters have not
+changed since it built them (the RL stages' rollout rounds, an evaluation's batches). It computes
+the model's forward to float rounding (tests: logits within 1e-5 of their scale); the prefill runs
+once per distinct prompt. `compile=True` runs a step under `torch.compile(fullgraph=True)`, one
+graph for every step, prompt length and cache size. `ModelDecoder` has the same two methods
+through the module's forward, for anything that is not a `Transformer` with an lm_head in one
+process: under FSDP only a forward gathers the sharded parameters. `sprout.model.static_decode`
+has the step on buffers of fixed shape and address, for a CUDA graph.
 """
 
 from __future__ import annotations
@@ -63,6 +64,36 @@ class DecodeWeights:
         return linear(hidden, self.lm_head, self.head_kind).float()
 
 
+class DecodeWeightsCache:
+    """The `DecodeWeights` of one model, built once and handed to every decoder that asks for the same
+    ones: `get(model, rows, kind, head_kind)` returns the set it holds when it was built of the same
+    model object for the same kinds under the same autocast dtype (and the same rows, where a kind
+    packs for them: `sprout.model.onednn`), else builds that set, dropping the one it held (one set
+    alive at a time: a model's size). The copies do not follow the parameters: whoever holds a cache
+    calls `clear()` (or drops it) before the parameters, or which LoRA adapters are on, can have
+    changed since its last `get`; a set served from the cache is the very one a fresh build would
+    make then, so decoding is bit-for-bit the same."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.model: Transformer | None = None
+        self.weights: DecodeWeights | None = None
+
+    def get(self, model: Transformer, rows: int, kind: str, head_kind: str) -> DecodeWeights:
+        device = model.lm_head.weight.device.type
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        packs = kind != "dense" or head_kind != "dense"  # a dense copy is the same for any rows
+        key = (rows if packs else None, kind, head_kind, low)
+        if self.weights is None or self.model is not model or self.key != key:
+            self.clear()  # the old set freed before the new one is built
+            self.weights, self.model, self.key = DecodeWeights.of(model, rows, kind, head_kind), model, key
+        return self.weights
+
+    def clear(self) -> None:
+        """Drop the set held (the next `get` builds)."""
+        self.key = self.model = self.weights = None
+
+
 def decode_step(w: DecodeWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list[torch.Tensor],
                 vs: list[torch.Tensor], bias: torch.Tensor) -> torch.Tensor:
     """Final normed hidden states [N, d] (`DecodeWeights.logits`) of new tokens' embeddings x [N, d]
@@ -106,11 +137,20 @@ def decode_kinds(model: Transformer, compile: bool) -> tuple[str, str]:
     return ("onednn_op" if compile else "onednn") if onednn else "dense", "onednn" if onednn else "dense"
 
 
+def decode_weights(model: Transformer, rows: int, kind: str, head_kind: str,
+                   weight_cache: DecodeWeightsCache | None = None) -> DecodeWeights:
+    """`model`'s `DecodeWeights` for `rows` rows: `weight_cache`'s when given, else built now."""
+    if weight_cache is None:
+        return DecodeWeights.of(model, rows, kind, head_kind)
+    return weight_cache.get(model, rows, kind, head_kind)
+
+
 class Decoder:
     """`prefill_step`, then `decode_step`, on fused weights and cache buffers of its own (see the module doc)."""
 
-    def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False):
-        self.model, self.weights = model, DecodeWeights.of(model, rows, *decode_kinds(model, compile))
+    def __init__(self, model: Transformer, rows: int, max_len: int, compile: bool = False,
+                 weight_cache: DecodeWeightsCache | None = None):
+        self.model, self.weights = model, decode_weights(model, rows, *decode_kinds(model, compile), weight_cache)
         cache = model.new_cache(rows, max_len)  # its keys/values only: the decoder keeps positions and padding itself
         self.k, self.v = cache.k, cache.v
         self.compile = compile
@@ -177,8 +217,10 @@ def fusable(model) -> bool:
     return isinstance(model, Transformer) and hasattr(model, "lm_head")
 
 
-def make_decoder(model, rows: int, max_len: int, compile: bool = False, fused: bool = True):
-    """A `Decoder` for a `fusable` model when `fused`, else a `ModelDecoder`."""
+def make_decoder(model, rows: int, max_len: int, compile: bool = False, fused: bool = True,
+                 weight_cache: DecodeWeightsCache | None = None):
+    """A `Decoder` for a `fusable` model when `fused` (its weights from `weight_cache` when given),
+    else a `ModelDecoder` (no fused weights: `weight_cache` unused)."""
     if fused and fusable(model):
-        return Decoder(model, rows, max_len, compile)
+        return Decoder(model, rows, max_len, compile, weight_cache)
     return ModelDecoder(model, rows, max_len)

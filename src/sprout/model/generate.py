@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from sprout.chat import template_for
 from sprout.errors import SproutError
-from sprout.model.decode import fusable, make_decoder
+from sprout.model.decode import DecodeWeightsCache, fusable, make_decoder
 from sprout.model.heads import padding_inputs
 from sprout.model.static_decode import StaticDecoder
 from sprout.ranges import is_finite_number
@@ -163,7 +163,7 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
                     stop_ids=None, tokenizer=None, generator: torch.Generator | None = None,
                     vocab_size: int | None = None, pad_id: int = 0, compile: bool | str = False,
-                    cuda_graph: bool | str = "auto") -> Rollout:
+                    cuda_graph: bool | str = "auto", weight_cache: DecodeWeightsCache | None = None) -> Rollout:
     """Sample `num_generations` completions of up to `max_new_tokens` per prompt (see the module doc).
 
     `tokenizer`: the model's tokenizer; gives the defaults `stop_ids = default_stop_ids(tok)` and
@@ -177,6 +177,9 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     with `compile`, the graph holds the compiled step. Under torch.distributed the step stays the
     module's forward (`ModelDecoder`: an FSDP forward gathers sharded parameters, a collective
     that a graph of one process's kernels cannot hold), as it does for a model that is not `fusable`.
+    `weight_cache`: the fused weight copies come from it (`sprout.model.decode.DecodeWeightsCache`,
+    reused while they fit this call's rows and kinds) instead of being built for this call alone;
+    the caller vouches that the parameters have not changed since it filled them.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise SproutError(f"generate: input_ids must be [batch, length] with batch >= 1, got {tuple(input_ids.shape)}")
@@ -221,7 +224,8 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     static = static_decode_wanted(cuda_graph, device)
 
     tokens, logp, n = _sample_loop(model, ids, mask, num_generations, steps, stops, vocab_size, use_compile, static,
-                                   lambda logits: sample_next(logits, temperature, top_k, top_p, generator))
+                                   lambda logits: sample_next(logits, temperature, top_k, top_p, generator),
+                                   weight_cache)
     if num_generations > 1:
         ids, mask = ids.repeat_interleave(num_generations, 0), mask.repeat_interleave(num_generations, 0)
     is_stop = torch.isin(tokens, stops)
@@ -244,18 +248,21 @@ def static_decode_wanted(cuda_graph: bool | str, device: torch.device) -> bool:
     return (cuda_graph is True or (cuda_graph == "auto" and device.type == "cuda")) and not _distributed()
 
 
-def _sample_loop(model, ids, mask, G: int, steps: int, stops, vocab_size, use_compile: bool, static: bool, sample):
+def _sample_loop(model, ids, mask, G: int, steps: int, stops, vocab_size, use_compile: bool, static: bool, sample,
+                 weight_cache: DecodeWeightsCache | None = None):
     """(tokens [N, n], logprobs [N, n], n): the decode loop over N = B × G rows (prompts ids [B, P],
     each prefilled once and its cache shared by its G rows), every row running all n steps (a
-    finished row's tokens are dropped afterwards). `static`: a `StaticDecoder` where `fusable`."""
+    finished row's tokens are dropped afterwards). `static`: a `StaticDecoder` where `fusable`;
+    `weight_cache`: where a fused decoder takes its weights."""
     (B, P), device = ids.shape, ids.device
     N = B * G
     out_tokens = torch.zeros(N, steps, dtype=torch.long, device=device)
     out_logp = torch.zeros(N, steps, dtype=torch.float32, device=device)
     if static and fusable(model):
-        decoder = StaticDecoder(model, N, P + steps, graph=True, compile=use_compile)
+        decoder = StaticDecoder(model, N, P + steps, graph=True, compile=use_compile, weight_cache=weight_cache)
     else:
-        decoder = make_decoder(model, N, P + steps, compile=use_compile, fused=not _distributed())
+        decoder = make_decoder(model, N, P + steps, compile=use_compile, fused=not _distributed(),
+                               weight_cache=weight_cache)
     logits = decoder.prefill(ids, mask, repeats=G)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     check_every = 1 if _distributed() else STOP_CHECK_EVERY.get(device.type, STOP_CHECK_DEFAULT)

@@ -6,8 +6,8 @@
 
 `static_decode_step` reads only buffers the decoder allocates once: the step's tokens [N] and
 rotary positions [N], the next cache slot [1], the prompts' padding bias [N, S] and the KV
-buffers [N, kv_heads, S, D], and the fused weights (`DecodeWeights`, made once). Each step
-attends over all S slots, those past the new token's masked with -inf (softmax gives them
+buffers [N, kv_heads, S, D], and the fused weights (`DecodeWeights`, made once, or a cache's).
+Each step attends over all S slots, those past the new token's masked with -inf (softmax gives them
 weight exactly 0), so N, S and every address stay the same; it advances positions and slot in
 place. On CUDA the first step is captured as a `torch.cuda.CUDAGraph` (one warm-up on a side
 stream, the state it advanced put back), and each step copies its tokens in and replays it: no
@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from sprout.model.decode import DecodeWeights, decode_kinds, prefill_step
+from sprout.model.decode import DecodeWeights, DecodeWeightsCache, decode_kinds, decode_weights, prefill_step
 from sprout.model.transformer import Transformer
 
 
@@ -54,13 +54,15 @@ def compiled_static_decode_step():
 
 class StaticDecoder:
     """`Decoder`'s interface on buffers of fixed address (see the module doc); `graph`: capture the
-    step as a CUDA graph when the model is on CUDA (ignored elsewhere); `compile`: the step compiled."""
+    step as a CUDA graph when the model is on CUDA (ignored elsewhere); `compile`: the step compiled;
+    `weight_cache`: where its fused weights come from (`sprout.model.decode.DecodeWeightsCache`)."""
 
-    def __init__(self, model: Transformer, rows: int, max_len: int, graph: bool = True, compile: bool = False):
+    def __init__(self, model: Transformer, rows: int, max_len: int, graph: bool = True, compile: bool = False,
+                 weight_cache: DecodeWeightsCache | None = None):
         kind, head_kind = decode_kinds(model, compile)
         if compile:  # the lm_head runs inside the compiled step too: its matmul the op a graph takes
             head_kind = kind
-        self.model, self.weights = model, DecodeWeights.of(model, rows, kind, head_kind)
+        self.model, self.weights = model, decode_weights(model, rows, kind, head_kind, weight_cache)
         cache = model.new_cache(rows, max_len)  # its keys/values only
         self.k, self.v = cache.k, cache.v
         device = model.lm_head.weight.device

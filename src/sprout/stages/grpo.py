@@ -90,7 +90,8 @@ class GRPOStage(RLStage):
 
     def fill_buffer(self) -> tuple[dict, dict]:
         c, acc = self.cfg, self.acc
-        rollout, totals, per_fn, counts = self.sample_groups()
+        with self.engine.generating():  # the rounds share one set of fused weight copies, freed after them
+            rollout, totals, per_fn, counts = self.sample_groups()
         mask = rollout["completion_mask"]
         if not self.old_from_loss:
             rollout["old_logps"] = self.logps_of(self.model, rollout)

@@ -18,6 +18,7 @@ back as `generate_tokens`'s `Rollout` (`rollout_of`), which needs no vLLM to tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -119,6 +120,10 @@ class VLLMEngine:
 
     def update_weights(self, model) -> None:
         self.model, self.stale = model, True
+
+    def generating(self):
+        """Nothing to keep per block: the weights are loaded into vLLM once per update already."""
+        return contextlib.nullcontext()
 
     def start(self):
         """The `vllm.LLM`, built once: placeholder weights of the policy's shape, in this process
