@@ -66,7 +66,7 @@ def fake_generate(tok, calls):
     which = {tuple(render(p["prompt"], tok, add_generation_prompt=True)[0]): i for i, p in enumerate(PROMPTS)}
 
     def generate_tokens(model, ids, mask, *, max_new_tokens, num_generations=1, greedy=False, tokenizer=None,
-                        generator=None, temperature=1.0, cuda_graph="auto"):
+                        generator=None, temperature=1.0, cuda_graph="auto", weight_cache=None):
         calls.append((ids.shape[0], num_generations, greedy, max_new_tokens))
         rows = []
         for r in range(ids.shape[0]):
