@@ -29,7 +29,8 @@ from proc import free_port, one_error, run_here, tree
 from test_run_folders import flags
 from test_train import write_data
 
-from sprout.atomic import atomic_path, atomic_write, hold_lock, open_append
+from sprout.atomic import atomic_path, atomic_write, open_append
+from sprout.locks import hold_lock
 from sprout.checkpoint import save_checkpoint
 from sprout.engine import cli as run_cli
 from sprout.engine.callbacks import StopSignals

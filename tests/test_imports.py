@@ -26,8 +26,8 @@ TORCH = ("torch", "accelerate", "safetensors.torch")
 TORCH_FREE = ("sprout.model.config", "sprout.losses.loss_types", "sprout.engine.configs", "sprout.engine.cli",
               "sprout.stages.configs")
 LAYERS = (
-    ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.ranges", "sprout.option_names", "sprout.config",
-              "sprout.config_help", "sprout.mirror", "sprout.answers")),
+    ("base", ("sprout", "sprout.errors", "sprout.atomic", "sprout.locks", "sprout.ranges", "sprout.option_names",
+              "sprout.config", "sprout.config_help", "sprout.mirror", "sprout.answers")),
     ("text", ("sprout.tokenizer", "sprout.tokenizer_files", "sprout.chat_formats", "sprout.chat", "sprout.chat_detect",
               "sprout.bpb")),
     ("formats", ("sprout.formats",)),

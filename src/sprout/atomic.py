@@ -1,40 +1,35 @@
 """Atomic file writes (a crash never leaves a file that looks valid), write errors as one line,
-file hashing and folder locks.
+file hashing (folder locks: `sprout.locks`).
 
 Every writer in sprout writes to `.tmp-<final name>.<random>` in the destination folder, fsyncs
 and renames into place (`os.replace`), so a reader sees the old file, the complete new one or
-nothing, never a half-written one. Temporaries are removed on failure; one a killed process
-left is deleted by `remove_stale_temps` when the same output is written again. `SPROUT_FSYNC=0`
-(set by the test suite) skips the fsyncs: writes stay atomic for readers and killed processes,
-only a power loss or kernel crash could leave a renamed file whose bytes never reached the disk.
-A folder that cannot be written, ENOSPC, EDQUOT or EFBIG raise `SproutError` naming the output
+nothing, never a half-written one. Temporaries are removed on failure; one a killed process left
+is deleted by `remove_stale_temps` when the same output is written again. `SPROUT_FSYNC=0` (set
+by the test suite) skips the fsyncs: writes stay atomic for readers and killed processes, only a
+power loss or kernel crash could leave a renamed file whose bytes never reached the disk. A
+folder that cannot be written, ENOSPC, EDQUOT or EFBIG raise `SproutError` naming the output
 path. `AtomicH5` hands h5py a file object that records the first failed write and raises once
 h5py has closed the file (HDF5 crashes the process when it closes a file after a failed write).
 `sha256_file(path, remember=True)` reuses a digest for the life of the process while the file's
 (device, inode, size, mtime, ctime) is unchanged, and only for a file that had not changed for
-`SETTLED_NS` before it was read. `hold_lock` / `locked` hold a folder for one process (an
-exclusive `flock` recording the pid; a second process is refused naming it; `check_unlocked`
-refuses as it would, writing nothing); the kernel drops the lock when its holder exits.
-`remove_path`, `first_missing` and `remove_created` undo what a writer made. What is written
-follows the process's umask, as a plain `open()` / `mkdir` would (files 0666 & ~umask, folders
-0777 & ~umask), not tempfile's 0600 / 0700. No write follows a symbolic link: a rename replaces
-a link at the final name, and a file opened in place (a lock file, an appended log:
-`open_append`) is opened with O_NOFOLLOW and refused in one line naming the link
-(`symlink_error`).
+`SETTLED_NS` before it was read. `remove_path`, `first_missing` and `remove_created` undo what a
+writer made. What is written follows the process's umask, as a plain `open()` / `mkdir` would
+(files 0666 & ~umask, folders 0777 & ~umask), not tempfile's 0600 / 0700. No write follows a
+symbolic link: a rename replaces a link at the final name, and a file opened in place (a lock
+file, an appended log: `open_append`) is opened with O_NOFOLLOW and refused in one line naming
+the link (`symlink_error`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import glob
 import hashlib
 import io
 import json
 import os
 import shutil
-import stat
 import tempfile
 import time
 from pathlib import Path
@@ -347,87 +342,6 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike, files) -> None:
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def try_lock(fd: int) -> int | None:
-    """`fd` holding an exclusive flock, taken without waiting, or None (and `fd` closed) when
-    another process holds it. The lock goes when the descriptor closes or the process ends."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def hold_lock(folder: str | os.PathLike, name: str, what: str) -> IO:
-    """Take an exclusive lock on `folder` (created if needed): `flock` on its file `name`, into
-    which this process's pid is written; returns the open file, which holds the lock until it is
-    closed or the process ends. When another process holds it, SproutError naming the folder,
-    the holder's pid and `what` holds it (e.g. "trainer"). The lock file is never written
-    through a symbolic link nor when it has other hard links (refused naming it), and a lock
-    taken on a file that was removed or replaced meanwhile is taken again on the one in place,
-    so a holder may delete its lock file."""
-    folder = make_dir(folder)
-    path = folder / name
-    while True:
-        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT, what)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
-            os.close(fd)
-            kind = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"has {st.st_nlink - 1} other hard link(s)"
-            raise SproutError(f"{path}: {kind}; the {what} writes its pid into this lock file: remove it")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise _in_use(folder, path, holder, what) from None
-        try:
-            now = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            now = None
-        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-            break
-        os.close(fd)  # its holder deleted it between our open and our lock: lock the file now there
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-    return os.fdopen(fd, "r+")
-
-
-def _holder(fd: int) -> str:
-    """The pid a lock file's holder wrote into it."""
-    return os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-
-
-def _in_use(folder: Path, path: Path, holder: str, what: str) -> SproutError:
-    return SproutError(f"{folder}: in use by another {what} (pid {holder}, holding {path})")
-
-
-def check_unlocked(folder: str | os.PathLike, name: str, what: str) -> None:
-    """The refusal of `hold_lock` when another process holds the lock now, without taking it:
-    nothing is created or written (no lock file: nobody holds it)."""
-    path = Path(folder) / name
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return  # no lock file, or one `hold_lock` refuses itself (a link)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes
-    except BlockingIOError:
-        raise _in_use(Path(folder), path, _holder(fd), what) from None
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def locked(folder: str | os.PathLike, name: str, what: str) -> Iterator[None]:
-    """`hold_lock` for the block's lifetime."""
-    f = hold_lock(folder, name, what)
-    try:
-        yield
-    finally:
-        f.close()
 
 
 def remove_stale_temps(path: str | os.PathLike) -> list[Path]:

@@ -32,7 +32,8 @@ from glob import escape as glob_escape
 from pathlib import Path
 from typing import IO, Iterator
 
-from sprout.atomic import check_unlocked, first_missing, hold_lock, symlink_error
+from sprout.atomic import first_missing, symlink_error
+from sprout.locks import check_unlocked, hold_lock
 from sprout.config import load_config, missing_fields, parse_overrides, read_yaml
 from sprout.config_help import add_config_help
 from sprout.errors import SproutError
@@ -182,7 +183,7 @@ _setups: dict[Path, RunSetup] = {}  # run folder -> its setup, while `run_lock` 
 
 
 def hold_run(out: str | Path) -> bool:
-    """Hold the run folder `out` (`RUN_LOCK`, `sprout.atomic.hold_lock`) until `release_run` or
+    """Hold the run folder `out` (`RUN_LOCK`, `sprout.locks.hold_lock`) until `release_run` or
     the process ends; True when this call took it, False when this process held it already.
     Refuses a folder with a link where a trainer writes (`check_run_links`); once held, removes
     the old files a killed --overwrite left moved aside."""

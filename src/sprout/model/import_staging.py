@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sprout.atomic import atomic_write, first_missing, remove_created, remove_path, try_lock
+from sprout.atomic import atomic_write, first_missing, remove_created, remove_path
+from sprout.locks import try_lock
 from sprout.errors import SproutError
 
 PREFIX = ".tmp-import-"

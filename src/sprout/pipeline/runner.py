@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from sprout.atomic import locked, sha256_file, write_json_atomic
+from sprout.atomic import sha256_file, write_json_atomic
+from sprout.locks import locked
 from sprout.config import read_yaml
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import WEIGHTS, read_meta

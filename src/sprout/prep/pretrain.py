@@ -35,7 +35,8 @@ from typing import Callable, Iterator, Literal
 import numpy as np
 
 from sprout.formats import manifest as mf
-from sprout.atomic import check_writable, make_dir, safe_name, sha256_file, try_lock, write_error
+from sprout.atomic import check_writable, make_dir, safe_name, sha256_file, write_error
+from sprout.locks import try_lock
 from sprout.config import from_dict
 from sprout.ranges import SEED_RANGE, in_range
 from sprout.errors import SproutError
