@@ -1,6 +1,7 @@
 """The docs say what the code does: the generated config reference is current, every command
-README.md shows names a script, make target and flags that exist, and every relative link in
-README.md and docs/ reaches a file.
+README.md shows names a script, make target and flags that exist, every relative link in
+README.md and docs/ reaches a file, and the package map of src/sprout/__init__.py names every
+module.
 
 The README's commands are checked through their scripts' --help, all in one interpreter
 (a --help never imports torch, so this takes a second or two).
@@ -136,3 +137,13 @@ def test_every_relative_link_reaches_a_file(page):
         if not (page.parent / path).exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
+
+
+def test_the_package_map_names_every_module_of_sprout():
+    """src/sprout/__init__.py's map lists each top-level module (`name.py`) and package (`name/`)
+    of sprout, and nothing that is not there."""
+    package = ROOT / "src" / "sprout"
+    listed = set(re.findall(r"^ {4}(\w+(?:\.py|/))\s", (package / "__init__.py").read_text(), re.MULTILINE))
+    present = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    present |= {f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").is_file()}
+    assert listed == present, f"missing: {sorted(present - listed)}, gone: {sorted(listed - present)}"

@@ -5,7 +5,8 @@ first: base (errors .. answers), text (tokenizer .. bpb), formats, prep, checkpo
 losses, rl, evaluation, then the top-level `data_loader`, engine, stages, pipeline, scripts.
 
     errors.py        SproutError and `run_main`: what a user can cause ends in one line, exit 2
-    atomic.py        atomic writes, write errors as one line, file hashing, folder locks
+    atomic.py        atomic writes, write errors as one line, file hashing
+    locks.py         folder locks: one process at a time writes a folder (a flock naming its pid)
     config.py        YAML config + command-line overrides -> typed, validated dataclasses
     config_help.py   a config's fields as a script's --help lists them
     ranges.py        the valid range of a numeric config field, declared beside the field
@@ -21,6 +22,7 @@ losses, rl, evaluation, then the top-level `data_loader`, engine, stages, pipeli
     formats/         the on-disk contracts, their readers, writers and checks (no torch)
     prep/            raw data -> those formats: pretraining, SFT, preference and RL prompt data (no torch)
     checkpoint.py    checkpoint files: weights, meta.json and their sha256, training state
+    lora_weights.py  LoRA adapters as tensors: checkpoint names, merging, PEFT's file names
     model/           the transformer, heads, loading, generation, chat, import and export
     losses/          loss maths as pure functions of tensors, with their counts
     rl/              RL pieces that are not losses: verifiers, advantages, KL estimates
