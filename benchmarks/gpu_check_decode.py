@@ -4,7 +4,9 @@ as a CUDA graph (`sprout.model.static_decode`), on random models of an imported 
 For SmolLM2-135M's shape, and the same with Qwen2's q/k/v biases, in fp32: the graph's logits
 fed the eager path's tokens must equal the eager ones to 1e-4 of their scale, with the same
 argmax wherever the eager top two are further apart than the largest difference, and
-`generate_tokens` must give the same greedy tokens with `cuda_graph` on and off. Then the
+`generate_tokens` must give the same greedy tokens with `cuda_graph` on and off. In both precisions
+two graph calls sharing one set of fused weights (`DecodeWeightsCache`, as GRPO's rounds and an
+evaluation's batches share it) must give the tokens of a call that builds its own. Then the
 tokens/s of both, side by side, in fp32 and under bf16 autocast (as the trainers decode; its
 greedy tokens' agreement is reported, not required: bf16 rounds sums of different lengths
 apart). Writes --out (JSON) and exits 1 naming what differed. `--device cpu` runs the same in
@@ -26,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from sprout.atomic import atomic_write  # noqa: E402
-from sprout.model.decode import Decoder  # noqa: E402
+from sprout.model.decode import DecodeWeightsCache, Decoder  # noqa: E402
 from sprout.model.generate import generate_tokens  # noqa: E402
 from sprout.model.static_decode import StaticDecoder  # noqa: E402
 from sprout.model.transformer import ModelConfig, Transformer  # noqa: E402
@@ -81,12 +83,13 @@ def teacher_forced(model, ids, mask, G: int, steps: int, graph: bool) -> dict:
     return {"max_rel_diff": worst, "clear_argmax_flips": flips}
 
 
-def timed_greedy(model, ids, mask, G: int, steps: int, cuda_graph: bool, sync) -> tuple[torch.Tensor, float]:
+def timed_greedy(model, ids, mask, G: int, steps: int, cuda_graph: bool, sync,
+                 weight_cache: DecodeWeightsCache | None = None) -> tuple[torch.Tensor, float]:
     """(completion ids, seconds) of one greedy `generate_tokens` call, no stop ids: every row runs all steps."""
     sync()
     t0 = time.perf_counter()
     out = generate_tokens(model, ids, mask, max_new_tokens=steps, num_generations=G, greedy=True, stop_ids=(),
-                          cuda_graph=cuda_graph)
+                          cuda_graph=cuda_graph, weight_cache=weight_cache)
     sync()
     return out.completion_ids, time.perf_counter() - t0
 
@@ -109,14 +112,20 @@ def check_shape(name: str, shape: dict, device, prompts: int, longest: int, G: i
             # every call captures its own graph; the first also meets the one-time set-up
             static, first_s = timed_greedy(model, ids, mask, G, steps, True, sync)
             static, static_s = timed_greedy(model, ids, mask, G, steps, True, sync)
+            shared_set = DecodeWeightsCache()  # the second call captures its graph on the first call's weights
+            shared = [timed_greedy(model, ids, mask, G, steps, True, sync, shared_set)[0] for _ in range(2)]
         tokens = prompts * G * steps
         figures[precision] = {"eager_tokens_per_s": tokens / eager_s, "graph_tokens_per_s": tokens / static_s,
                               "speedup": eager_s / static_s, "graph_first_call_s": first_s,
                               "greedy_equal": bool(torch.equal(eager, static)),
-                              "token_agreement": float((eager == static).float().mean())}
+                              "token_agreement": float((eager == static).float().mean()),
+                              "shared_weights_equal": all(torch.equal(s, static) for s in shared)}
         if precision == "fp32" and not figures["fp32"]["greedy_equal"]:
             raise DecodeMismatch(f"{name}: fp32 greedy tokens differ ({figures['fp32']['token_agreement']:.4f} "
                                  f"of them agree)")
+        if not figures[precision]["shared_weights_equal"]:
+            raise DecodeMismatch(f"{name}: {precision} greedy tokens on a shared set of fused weights differ from "
+                                 f"those on a set built for the call")
     return figures
 
 

@@ -1,8 +1,10 @@
 """benchmarks/gpu_check.py's `decode` stage (benchmarks/gpu_check_decode.py) on the CPU: its
 comparison passes for the static step and fails, by shape name, for a step that lets later slots
-count; the stage runs the script with its CPU flags and records its figures, and a failed
-comparison fails the stage by name. The CUDA graph itself runs only on a GPU."""
+count, or for two calls on a shared set of fused weights unlike a fresh build's; the stage runs
+the script with its CPU flags and records its figures, and a failed comparison fails the stage by
+name. The CUDA graph itself runs only on a GPU."""
 
+import copy
 import json
 import os
 import sys
@@ -15,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_check_decode  # noqa: E402
+from sprout.model.decode import DecodeWeightsCache  # noqa: E402
 from sprout.model.static_decode import StaticDecoder  # noqa: E402
 from test_gpu_check import in_this_process  # noqa: E402
 
@@ -45,6 +48,7 @@ def test_the_comparison_passes_for_the_static_step(tmp_path):
     tiny = results["tiny"]
     assert tiny["rows"] == 6 and tiny["clear_argmax_flips"] == 0 and tiny["max_rel_diff"] <= 1e-5
     assert tiny["fp32"]["greedy_equal"] and tiny["fp32"]["token_agreement"] == 1.0 and "bf16" not in tiny
+    assert tiny["fp32"]["shared_weights_equal"]
 
 
 def test_a_step_that_sees_later_slots_fails_by_name(tmp_path, monkeypatch):
@@ -52,6 +56,26 @@ def test_a_step_that_sees_later_slots_fails_by_name(tmp_path, monkeypatch):
     results = gpu_check_decode.run(CPU, tmp_path / "decode.json", prompts=3, longest=12, G=2, steps=6,
                                    shapes={"tiny": gpu_check_decode.TINY})
     assert "tiny" not in results and results["failed"]["tiny"].startswith("tiny: graph logits differ from eager")
+
+
+class StaleSet(DecodeWeightsCache):
+    """A shared set of fused weights that no longer matches the model (every parameter negated)."""
+
+    def get(self, model, *args):
+        if not hasattr(self, "stale"):
+            self.stale = copy.deepcopy(model)
+            with torch.no_grad():
+                for p in self.stale.parameters():
+                    p.neg_()
+        return super().get(self.stale, *args)
+
+
+def test_a_shared_set_unlike_a_fresh_build_fails_by_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check_decode, "DecodeWeightsCache", StaleSet)
+    results = gpu_check_decode.run(CPU, tmp_path / "decode.json", prompts=3, longest=12, G=2, steps=6,
+                                   shapes={"tiny": gpu_check_decode.TINY})
+    assert "tiny" not in results
+    assert results["failed"]["tiny"].startswith("tiny: fp32 greedy tokens on a shared set of fused weights differ")
 
 
 def test_the_stage_runs_the_script_and_records_its_figures(tmp_path, monkeypatch):
