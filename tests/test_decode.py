@@ -194,3 +194,18 @@ def test_compiled_step_equals_eager_and_compiles_once(onednn, monkeypatch):
     biased = random_model(attention_bias=True)  # q/k/v biases: a graph of its own, the same logits
     assert_logits_close(decoded_logits(Decoder(biased, 3, 64, compile=True), ids, mask, new),
                         full_forward_logits(biased, ids, mask, new))
+
+
+def test_a_compiled_modules_eager_view_decodes_on_fused_weights():
+    """With train.compile the trainer generates through `Uncompiled(model)` (its eager forward):
+    fused decoding never calls the forward, so it still gets a `Decoder`, with the same tokens."""
+    from sprout.engine.trainer import Uncompiled
+    from sprout.model.generate import generate_tokens
+
+    model = random_model()
+    model.compile()  # the forward only; decoding reads the blocks and weights
+    view = Uncompiled(model)
+    assert isinstance(make_decoder(view, 2, 16), Decoder)
+    ids, mask = pad_prompts([[5, 9, 2], [4, 8]])
+    greedy = [generate_tokens(m, ids, mask, max_new_tokens=6, greedy=True).completion_ids for m in (view, model)]
+    assert torch.equal(greedy[0], greedy[1])

@@ -128,7 +128,7 @@ class Uncompiled:
     parameters, buffers and hooks (FSDP's included); every other attribute is the module's."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module = module
+        self.module = self.eager_module = module  # eager_module: what `sprout.model.decode.fusable` reads
 
     def __call__(self, *args, **kwargs):
         return self.module._call_impl(*args, **kwargs)  # Module.__call__ without the compiled path

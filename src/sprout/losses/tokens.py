@@ -91,7 +91,7 @@ def token_nll_sum(
     with a mask, [..., V] at the masked positions only (`logits_at`; the lm_head run there alone
     via `loss_positions`). Either way the sum runs over the K masked positions in row-major
     order: the same terms as a masked sum over every position, added in another order (equal
-    to the last bits).
+    to float rounding).
     overwrite_logits: the backward may reuse the logits' memory for their gradient; only
     for callers that never read `logits` after backward.
     Returns (nll_sum float32 scalar, n_targets int64 scalar).

@@ -213,7 +213,10 @@ class ModelDecoder:
 def fusable(model) -> bool:
     """Whether `model` can decode on fused weights (`Decoder`, `sprout.model.static_decode.StaticDecoder`):
     a plain `Transformer`, or a subclass with an lm_head (in one process: under FSDP only its forward
-    gathers the sharded parameters, so callers take a `ModelDecoder` there)."""
+    gathers the sharded parameters, so callers take a `ModelDecoder` there). A module seen through
+    its eager forward after `Module.compile()` (`eager_module`, `sprout.engine.trainer.Uncompiled`)
+    is its module: fused decoding never calls the forward."""
+    model = getattr(model, "eager_module", model)
     return isinstance(model, Transformer) and hasattr(model, "lm_head")
 
 

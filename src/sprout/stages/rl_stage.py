@@ -323,8 +323,8 @@ class RLStage(LoaderPosition):
         return int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
 
     def flops(self, model, batch: dict) -> float:
-        """The real tokens' training FLOPs, the lm_head's only at the completion tokens (the
-        positions `CompletionRows` keeps logits at; `Transformer.training_flops`)."""
+        """The real tokens' training FLOPs, the lm_head's only at the real completion tokens
+        (`CompletionRows` keeps logits at the completion columns; `Transformer.training_flops`)."""
         training_flops = getattr(model, "training_flops", None)
         T = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
         return training_flops(T, self.num_tokens(batch), int(batch["completion_mask"].sum())) \
