@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from sprout.errors import SproutError
 from sprout.model.heads import PolicyWithValue, RewardModel
-from sprout.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables, uninitialised
+from sprout.model.load import uninitialised
+from sprout.model.transformer import ModelConfig, Transformer, apply_rope, rope_tables
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
 
@@ -224,7 +225,8 @@ def test_an_uninitialised_model_runs_no_init_on_the_meta_device():
     code = """
 import sys, torch
 from sprout.model.heads import PolicyWithValue, RewardModel
-from sprout.model.transformer import ModelConfig, Transformer, uninitialised
+from sprout.model.load import uninitialised
+from sprout.model.transformer import ModelConfig, Transformer
 for cls in (Transformer, RewardModel, PolicyWithValue):
     uninitialised(cls, ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64))
 print("torch._dynamo" in sys.modules)

@@ -13,7 +13,22 @@ from sprout.checkpoint import META, WEIGHTS, checkpoint_state, load_weights, rea
 from sprout.errors import SproutError
 from sprout.model.config import ModelConfig
 from sprout.model.heads import ARCHITECTURES, HEAD_WEIGHTS
-from sprout.model.transformer import uninitialised
+from sprout.model.transformer import Transformer, model_rope_tables
+
+
+def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
+    """A `cls(config)` (the Transformer or a head model) whose parameters hold no values yet,
+    for weights that are loaded next: built on the meta device, then allocated on `device`.
+    The tied lm_head is tied again and the rotary tables are computed, as `__init__` does."""
+    with torch.device("meta"):
+        model = cls(config)
+    # not to_empty: its empty_like would run torch's Python reference for meta tensors (an import)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    if config.tie_embeddings and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.embed_tokens.weight
+    cos, sin = model_rope_tables(config)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model
 
 
 def model_class(meta: dict):

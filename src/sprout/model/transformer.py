@@ -10,7 +10,7 @@ Invariants: attention never crosses segment ids (packed documents; padding is se
 query row is fully masked) and `position_ids` restart per document; a left-padded row in a
 `KVCache` computes what its prompt computes alone, and a cache is used only through `reserve`
 and `update`. Init (GPT-2): N(0, init_std), o_proj and down_proj N(0, init_std / sqrt(2
-n_layers)), norms 1, biases 0; `uninitialised` builds a model whose weights are loaded next
+n_layers)), norms 1, biases 0; `sprout.model.load.uninitialised` builds a model whose weights are loaded next
 without drawing any. `flops_per_token` = 6 N_matmul + 12 n_layers d seq_len (PaLM appendix B), 4 per
 frozen parameter instead of 6; `training_flops` counts the lm_head's part only at the positions
 whose logits are computed.
@@ -484,19 +484,3 @@ class Transformer(nn.Module):
         lm_head where a loss reads it (`logits_to_keep`)."""
         kept = tokens if logit_positions is None else logit_positions
         return self.flops_per_token(seq_len) * tokens - self.lm_head_flops_per_token() * (tokens - kept)
-
-
-def uninitialised(cls: type[Transformer], config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
-    """A `cls(config)` (the Transformer or a head model) whose parameters hold no values yet,
-    for weights that are loaded next: built on the meta device, then allocated on `device`.
-    The tied lm_head is tied again and the rotary tables are computed, as `__init__` does."""
-    with torch.device("meta"):
-        model = cls(config)
-    # not to_empty: its empty_like would run torch's Python reference for meta tensors (an import)
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    if config.tie_embeddings and hasattr(model, "lm_head"):
-        model.lm_head.weight = model.embed_tokens.weight
-    cos, sin = model_rope_tables(config)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return model
-

@@ -33,7 +33,8 @@ from sprout.losses.preference import (
 from sprout.losses.loss_types import REFERENCE_FREE
 from sprout.losses.tokens import sequence_logps
 from sprout.model.lora import AdaptersOff
-from sprout.model.transformer import Transformer, uninitialised
+from sprout.model.load import uninitialised
+from sprout.model.transformer import Transformer
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.run_stage import lora_policy, train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig

@@ -42,7 +42,8 @@ from sprout.losses.policy import token_entropy
 from sprout.model.generate import default_stop_ids
 from sprout.model.load import check_init_architecture, init_from_lm
 from sprout.model.config import ModelConfig
-from sprout.model.transformer import Transformer, uninitialised
+from sprout.model.load import uninitialised
+from sprout.model.transformer import Transformer
 from sprout.evaluation.evaluate import evaluate_prompts
 from sprout.rl.verifiers import WeightedReward, combine_rewards
 from sprout.engine.trainer import all_reduce_sums

@@ -34,7 +34,8 @@ from sprout.losses.tokens import loss_positions, masked_correct_sum, masked_entr
 from sprout.model.chat_session import ChatSession
 from sprout.model.load import check_init_architecture
 from sprout.model.config import ModelConfig
-from sprout.model.transformer import Transformer, uninitialised
+from sprout.model.load import uninitialised
+from sprout.model.transformer import Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.packed_sft import SFTFile
 from sprout.prep.held_out import check_record
