@@ -1,23 +1,15 @@
-"""Atomic file writes (a crash never leaves a file that looks valid), write errors as one line,
-file hashing (folder locks: `sprout.locks`).
+"""Atomic file writes, write errors as one line, and file hashing (folder locks: `sprout.locks`).
 
-Every writer in sprout writes to `.tmp-<final name>.<random>` in the destination folder, fsyncs
-and renames into place (`os.replace`), so a reader sees the old file, the complete new one or
-nothing, never a half-written one. Temporaries are removed on failure; one a killed process left
-is deleted by `remove_stale_temps` when the same output is written again. `SPROUT_FSYNC=0` (set
-by the test suite) skips the fsyncs: writes stay atomic for readers and killed processes, only a
-power loss or kernel crash could leave a renamed file whose bytes never reached the disk. A
-folder that cannot be written, ENOSPC, EDQUOT or EFBIG raise `SproutError` naming the output
-path. `AtomicH5` hands h5py a file object that records the first failed write and raises once
-h5py has closed the file (HDF5 crashes the process when it closes a file after a failed write).
-`sha256_file(path, remember=True)` reuses a digest for the life of the process while the file's
-(device, inode, size, mtime, ctime) is unchanged, and only for a file that had not changed for
-`SETTLED_NS` before it was read. `remove_path`, `first_missing` and `remove_created` undo what a
-writer made. What is written follows the process's umask, as a plain `open()` / `mkdir` would
-(files 0666 & ~umask, folders 0777 & ~umask), not tempfile's 0600 / 0700. No write follows a
-symbolic link: a rename replaces a link at the final name, and a file opened in place (a lock
-file, an appended log: `open_append`) is opened with O_NOFOLLOW and refused in one line naming
-the link (`symlink_error`).
+Invariants: every writer writes `.tmp-<final name>.<random>` beside its output, fsyncs and
+renames it into place, so a reader sees the old file, the whole new one or nothing; temporaries
+are removed on failure, and one a killed process left is removed when the output is written
+again (`remove_stale_temps`). `SPROUT_FSYNC=0` (the test suite) skips only the fsyncs. An
+unwritable folder, ENOSPC, EDQUOT or EFBIG raise a `SproutError` naming the output. `AtomicH5`
+raises a failed write once h5py has closed the file. `sha256_file(remember=True)` reuses a digest
+while the file's (device, inode, size, mtime, ctime) is unchanged and it had settled before it
+was read. Files and folders follow the umask (0666 / 0777 & ~umask). No write follows a symbolic
+link: a rename replaces a link, and a file opened in place is opened with O_NOFOLLOW and a link
+there is refused in one line (`symlink_error`).
 """
 
 from __future__ import annotations

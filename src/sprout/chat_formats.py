@@ -2,23 +2,17 @@
 
 A `ChatFormat` gives each role's header, the end-of-turn piece closing every turn (trained on
 assistant turns; where generation stops), untrained text after it, an optional BOS piece and an
-optional default system message (inserted when a conversation has none); `specials` names the
-pieces that are single special tokens, the rest is text (`sprout.chat.template_for` gives ids).
+optional default system message; `specials` names the pieces that are single special tokens.
+`version` is what data files, checkpoints and caches record (a default system message adds a
+digest of its text).
 
     sprout   <|user|>\\n{question}<|endoftext|><|assistant|>\\n{answer}<|endoftext|>
     chatml   <|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n{answer}<|im_end|>\\n
-    llama3   <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\n{question}<|eot_id|>...
 
-sprout's markers are one control token in the SentencePiece models trained here (`header`) and
-plain text plus a newline in tiktoken r50k_base (`plain_header`); its `<|endoftext|>` is the
-tokenizer's eot id. `version` is what data files, checkpoints and caches record (sprout's
-`sprout-chat-v1`; a default system message adds a digest of its text). `format_for(tok)`: the
-tokenizer's `chat_format` attribute, else a `chat_format.json` beside its files (not for
-tiktoken or sentencepiece), else sprout; an `hf:` folder whose own Jinja chat template
-(`read_chat_template`) has no chat_format.json beside it is refused where a format is chosen
-(a prep), while a checkpoint's tokenizer (`Tokenizer.checkpoint`) takes the format of the
-`template_version` it records, the one it was trained with. `sprout.chat_detect` finds a
-template's format (an import writes it as chat_format.json).
+`format_for(tok)`: the tokenizer's `chat_format` attribute, else a `chat_format.json` beside its
+files, else sprout. An `hf:` folder with its own chat template but no chat_format.json is refused
+where a format is chosen (a prep); a checkpoint's tokenizer takes the format of the
+`template_version` it records. Formats are detected from templates in `sprout.chat_detect`.
 """
 
 from __future__ import annotations

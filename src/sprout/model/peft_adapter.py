@@ -2,22 +2,15 @@
 (`export_lora_adapter`, `scripts/export_hf.py --adapter`), and an adapter merged into an
 imported model (`merge_peft_adapter`, `scripts/import_model.py --adapter`).
 
-    export_lora_adapter("runs/demo/sft_lora", "exports/sft_lora")  # OUT/ merged, OUT/base/, OUT/adapter/
-
-An export with its adapter is one folder, written whole or not at all (`sprout.model.export.
-build_export`): the merged model as `export_hf` writes it, `base/` the run's base exported the
-same way (a base that is itself a LoRA run merged), and `adapter/`: `adapter_config.json`
-(peft's own `LoraConfig.save_pretrained`: peft_type LORA, task_type CAUSAL_LM, the run's r,
-alpha, dropout, use_rslora and resolved target_modules, base_model_name_or_path the absolute
-path of `base/`) and `adapter_model.safetensors` (`sprout.lora_weights.peft_adapter_state`'s
-names). A PPO policy's value head is dropped as without --adapter; a reward model's score head
-has no place in a CAUSAL_LM adapter, so a LoRA reward model is refused (export it merged).
-
-An import merges plain LoRA only, W + s B A with s = lora_alpha / r (/ sqrt(r) with
-use_rslora) on the blocks' linear layers: any other setting of adapter_config.json that
-changes the maths (DoRA, biases, modules_to_save, rank or alpha patterns, an init that rewrites
-the base weights, ...) is refused in one line naming the file and field, before anything is
-written; so is a tensor of another base's layer or shape, naming both files.
+Invariants: an export with its adapter is one folder written whole or not at all: the merged
+model, `base/` (the run's base, itself merged if a LoRA run) and `adapter/` (peft's own
+`adapter_config.json`, its base_model_name_or_path the absolute path of `base/`, and
+`adapter_model.safetensors` under peft's names), which `PeftModel.from_pretrained` loads onto
+`base/`. A LoRA reward model is refused (its score head has no place in a CAUSAL_LM adapter). An
+import merges plain LoRA only, W + s B A on the blocks' linear layers; any setting that changes
+those maths (DoRA, biases, modules_to_save, rank or alpha patterns, a base-rewriting init) or a
+tensor of another layer or shape is refused in one line naming the file and field, before
+anything is written. The format details: docs/import-export.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """Padding-free forwards and token-budget micro-batches of the post-training stages (DPO, reward, PPO, GRPO).
 
-`PackedRows(mask)` lays the sequences of a padded micro-batch (`mask` [S, T], True on real tokens,
-each row's real tokens one contiguous span: right padding, left padding, or a left-padded prompt
-then a right-padded completion) into R <= S rows of width W, the longest sequence, first-fit
-decreasing by length (ties in batch order): `pack(x)` [S, T, ...] -> [R, W, ...]; `segment_ids`
-1, 2, ... per sequence of a row (0 on a row's unused tail) and `position_ids` restarting at 0 per
-sequence, so through the model's segment-masked attention (`sprout.model.transformer`) each
-sequence computes what it computes alone in its padded row, as SFT's packed rows do. `unpack(y)`
-[R, W, ...] -> [S, T, ...] puts each value back where the padded batch has it (0 off the mask),
-so a per-sequence sum of unpacked values adds the same terms in the same order as the padded
-path's; `loss_forward` computes logits at a batch's loss positions alone, padded or packed, in
-the padded batch's order. No packed row is wider than the longest sequence, so the dense segment mask costs no
-row more attention than a padded row. The loss maths stay in `sprout.losses`; only where each
-per-token value comes from changes.
+`PackedRows(mask)` lays a padded micro-batch's sequences (each row's real tokens one contiguous
+span) into rows no wider than the longest sequence, with segment and position ids per sequence,
+so through the model's segment-masked attention each sequence computes what it computes alone;
+`unpack` puts each value back where the padded batch has it, so per-sequence sums add the same
+terms in the same order. `loss_forward` computes logits at a batch's loss positions alone,
+padded or packed, in the padded batch's order. The loss maths stay in `sprout.losses`.
 
 `budget_slices` cuts a process's units (pairs, completions) of one optimizer step into
-micro-batches: `max_units` each (micro_pairs, micro_completions), or with a token budget
-(`batch.micro_batch_tokens`) consecutive units while the micro-batch's tokens (`cost`) stay
-within it. The trainer syncs gradients on a process's last micro-batch and FSDP's forwards are
-collectives, so every process must run as many micro-batches: all take the largest count of
-any process, a process with fewer halving its largest micro-batch (the first of equals) until
-it has as many (each process holds the same number of units, so this always ends). The loss
-normaliser is untouched: the loop divides the summed losses by the targets of the whole global
-batch, a sum over micro-batches and processes that no split changes (`sprout.engine.trainer`).
+micro-batches of at most `max_units`, or within a token budget (`batch.micro_batch_tokens`).
+Invariant: every process runs as many micro-batches (gradient sync and FSDP forwards are
+collectives): all take the largest count, a process with fewer halving its largest micro-batch.
+The loss normaliser is untouched: the loop divides by the whole global batch's targets.
 """
 
 from __future__ import annotations
