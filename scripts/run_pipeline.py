@@ -7,13 +7,17 @@
     python scripts/run_pipeline.py --preset my_chain.yaml --report-only
     python scripts/run_pipeline.py --preset smollm2 --model HuggingFaceTB/SmolLM2-135M-Instruct
     python scripts/run_pipeline.py --preset smollm2 --seeds 1337,1338,1339   # GRPO and all after it, per seed
+    python scripts/run_pipeline.py --preset smollm2 --sweep grpo:optim.lr=5e-6,1e-5,2e-5 --sweep grpo:train.seed=1
+    python scripts/run_pipeline.py --preset smollm2 --set grpo:optim.lr=2e-5 --seeds 1337,1338,1339
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
 runs again with everything after it (sprout/pipeline/runner.py: the preset format and the
 rules); killed at any moment, the same command carries on. With seeds, each seeded stage and
 every stage reading it run once per seed, each into its own folder (`<out>_seed<N>`), from the
-same earlier stages. The report card (`<out>/report.md`) compares every stage's checkpoint on one
+same earlier stages. A sweep runs one train stage once per setting and judges each on the dev
+split only (sprout/pipeline/sweep.py), into <out>/sweep_<stage>.md; --set then runs the one
+chosen. The report card (`<out>/report.md`) compares every stage's checkpoint on one
 table (sprout/pipeline/report_card.py).
 """
 
@@ -24,6 +28,7 @@ import sys
 
 from sprout.errors import SproutError, run_main
 from sprout.pipeline.runner import StageFailed, load_preset, preset_path, read_state, run_pipeline
+from sprout.pipeline.sweep import parse_option, parse_select
 
 
 def seed_list(text: str) -> list[int]:
@@ -48,10 +53,21 @@ def main() -> int:
                    "each with --train.seed N (default: the preset's seeds)")
     p.add_argument("--seed-stages", type=lambda text: [s for s in text.split(",") if s], metavar="STAGE,...",
                    help="train stages run once per seed with all they feed (default: the preset's seed_stages)")
+    p.add_argument("--sweep", action="append", default=[], metavar="STAGE:KEY=V1,V2,...",
+                   help="run train stage STAGE once per value (several --sweep multiply), each judged on its eval "
+                   "stages' dev commands only; the table: <out>/sweep_<STAGE>.md")
+    p.add_argument("--sweep-tasks", type=lambda text: [s for s in text.split(",") if s], metavar="TASK,...",
+                   help="judge the sweep on these tasks' dev evaluations only (default: every task evaluated)")
+    p.add_argument("--sweep-select", type=parse_select, metavar="TASK:FIGURE",
+                   help="the dev figure the setting is chosen by (default: the first task's pass@1)")
+    p.add_argument("--set", action="append", default=[], metavar="STAGE:KEY=VALUE",
+                   help="add --KEY VALUE to stage STAGE's commands (a setting chosen by a sweep)")
     p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done")
     p.add_argument("--no-report", action="store_true", help="skip the report card")
     args = p.parse_args()
-    preset = load_preset(preset_path(args.preset), args.out, args.model, args.seeds, args.seed_stages)
+    preset = load_preset(preset_path(args.preset), args.out, args.model, args.seeds, args.seed_stages,
+                         sets=[parse_option(t, many=False) for t in args.set],
+                         sweeps=[parse_option(t, many=True) for t in args.sweep], sweep_tasks=args.sweep_tasks)
     failed = None
     if args.report_only and not any(rec.get("status") == "done" for rec in read_state(preset.out)["stages"].values()):
         raise SproutError(f"{preset.out}: nothing to report: no stage of this pipeline is done there (run it "
@@ -61,11 +77,16 @@ def main() -> int:
             run_pipeline(preset, args.start, args.end, mirror=args.mirror)
         except StageFailed as exc:
             failed = exc
+    if args.sweep and (preset.out / "pipeline_state.json").is_file():
+        from sprout.pipeline.sweep import write_sweep_table  # not at import: --help never loads torch
+
+        print(f"\n==> sweep table: {write_sweep_table(preset, read_state(preset.out), args.sweep_select)}")
     if not args.no_report and (preset.out / "pipeline_state.json").is_file():
         print("\n==> report card")
-        from sprout.pipeline.report_card import write_report_card  # not at import: --help never loads torch
+        from sprout.pipeline.report_card import write_report_card
+        from sprout.pipeline.sweep import without_sweep
 
-        report = write_report_card(preset, read_state(preset.out), log=print)
+        report = write_report_card(without_sweep(preset), read_state(preset.out), log=print)
         print(f"report card: {report}")
     if failed is not None:
         print(f"error: {failed}", file=sys.stderr)

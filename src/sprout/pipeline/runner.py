@@ -36,6 +36,7 @@ from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import WEIGHTS, read_meta
 from sprout.mirror import ENV as MIRROR_ENV
 from sprout.mirror import REPO_ROOT
+from sprout.pipeline import sweep
 
 KINDS = ("prep", "train", "eval")
 LAUNCHERS = ("python", "accelerate")
@@ -60,6 +61,8 @@ class Stage:
     role: str = ""                      # what the report card reads from it: pretrain, sft, reward, dpo, ...
     seed: int | None = None             # a seeded stage's seed (a train stage gets --train.seed)
     seed_of: str | None = None          # a seeded stage: the preset's stage it runs one seed of
+    sweep_of: str | None = None         # a swept stage: the preset's stage it runs one setting of
+    setting: dict = dataclasses.field(default_factory=dict)  # a swept stage's options (sprout.pipeline.sweep)
 
 
 @dataclasses.dataclass
@@ -139,9 +142,11 @@ def _str_list(where: str, value) -> list[str]:
 
 
 def load_preset(path: str | Path, out: str | Path | None = None, model: str | None = None,
-                seeds: list[int] | None = None, seed_stages: list[str] | None = None) -> Preset:
+                seeds: list[int] | None = None, seed_stages: list[str] | None = None, *,
+                sets: list | None = None, sweeps: list | None = None, sweep_tasks: list[str] | None = None) -> Preset:
     """Read and check a preset; `out` overrides its output root, `model` its model, `seeds` and
-    `seed_stages` its own."""
+    `seed_stages` its own; `sets` and `sweeps` (`sprout.pipeline.sweep.parse_option`'s) add an
+    option to a stage or sweep one, judged on `sweep_tasks`' dev evaluations (default: all)."""
     path = Path(path)
     data = read_yaml(path)
     known = {"out", "launcher", "accelerate_config", "model", "stages", "seeds", "seed_stages"}
@@ -213,8 +218,15 @@ def load_preset(path: str | Path, out: str | Path | None = None, model: str | No
             if next((s.kind for s in stages if s.name == name), None) != "train":
                 raise SproutError(f"{path}: seed_stages: {name!r} is not a train stage of this preset (a stage "
                                   f"reading a seeded stage runs per seed by itself)")
+    if sets:
+        stages = sweep.apply_sets(path, stages, sets)
+    if sweeps and seeds and {name for name, _, _ in sweeps} & set(seed_stages or []):
+        raise SproutError(f"--sweep {sweeps[0][0]} with --seeds: a sweep chooses a setting on dev, seeds then "
+                          f"report it; run the sweep first, then the seeds with --set (or sweep train.seed)")
     if seeds:
         stages = expand_seeds(path, stages, seeds, seed_stages)
+    if sweeps:
+        stages = sweep.expand_sweep(path, stages, sweeps, sweep_tasks)
     return Preset(path=path, out=Path(root), launcher=launcher,
                   accelerate_config=_repo_path(acc_cfg) if acc_cfg else None, stages=stages, model=model)
 
@@ -263,10 +275,10 @@ def expand_seeds(path: Path, stages: list[Stage], seeds, seed_stages) -> list[St
 
 
 def select(preset: Preset, start: str | None, end: str | None) -> tuple[list[Stage], list[Stage]]:
-    """(stages before --from, stages from --from to --to), in the preset's order; a seeded
-    stage's name stands for its first seed (--from) or its last (--to)."""
+    """(stages before --from, stages from --from to --to), in the preset's order; a seeded or
+    swept stage's name stands for its first seed or setting (--from) or its last (--to)."""
     def at(name: str) -> list[int]:
-        found = [i for i, s in enumerate(preset.stages) if name in (s.name, s.seed_of)]
+        found = [i for i, s in enumerate(preset.stages) if name in (s.name, s.seed_of, s.sweep_of)]
         return found or [preset.stages.index(preset.stage(name))]
     i = at(start)[0] if start else 0
     j = at(end)[-1] if end else len(preset.stages) - 1

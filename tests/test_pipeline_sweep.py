@@ -1,0 +1,170 @@
+"""Sweeps and --set (sprout.pipeline.sweep, run_pipeline.py --sweep/--set) on the fake preset of
+test_pipeline_seeds: sft -> grpo, each evaluated on test and dev. Its fake trainer here also
+takes --optim.lr, and its skill (what the fake evaluator scores) grows with it.
+
+Checked: a swept stage becomes one stage per setting, each with its option, each evaluated right
+after it on dev only (a test command is dropped), and what else reads it is left out; bad
+options and what cannot be swept are refused in one line; the runs never write a test file; the
+table chooses the best dev figure, pairs every change on the same problems, and tells how to run
+the choice with --set; --set changes the stage's inputs, so it runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from sprout.errors import SproutError
+from sprout.pipeline.runner import command_args, load_preset, read_state, run_pipeline, select
+from sprout.pipeline.report_card import write_report_card
+from sprout.pipeline.sweep import parse_option, parse_select, reads_test, without_sweep, write_sweep_table
+from tests.test_pipeline_seeds import FAKE_TRAIN, ROOT, fake_preset, write_yaml
+
+# the fake trainer with --optim.lr: skill = the config's + round(lr * 10)
+LR_TRAIN = FAKE_TRAIN.replace(
+    'p.add_argument("--train.seed", dest="seed", type=int, default=1337)',
+    'p.add_argument("--train.seed", dest="seed", type=int, default=1337)\n'
+    'p.add_argument("--optim.lr", dest="lr", type=float, default=0.0)').replace(
+    'json.loads(Path(args.config).read_text())["skill"]}',
+    'json.loads(Path(args.config).read_text())["skill"] + round(args.lr * 10)}')
+assert LR_TRAIN.count("args.lr") == 1
+
+
+@pytest.fixture
+def sweep_preset(tmp_path):
+    path = fake_preset(tmp_path)
+    (tmp_path / "fake_train.py").write_text(LR_TRAIN)
+    (tmp_path / "grpo.json").write_text(json.dumps({"skill": 0}))
+    return path
+
+
+def sweeps(*texts):
+    return [parse_option(t, many=True) for t in texts]
+
+
+def test_a_swept_stage_runs_once_per_setting_each_evaluated_on_dev_right_after_it(sweep_preset):
+    data = yaml.safe_load(sweep_preset.read_text())
+    data["stages"] += [{"name": "export", "kind": "prep", "script": "x.py", "inputs": ["grpo"], "out": "export",
+                        "args": ["{grpo}"]},
+                       {"name": "eval_export", "kind": "eval", "script": "x.py", "inputs": ["export"],
+                        "out": "eval/export", "args": ["{export}", "--split", "dev"]}]
+    preset = load_preset(write_yaml(sweep_preset, data), sweeps=sweeps("grpo:optim.lr=0.1,0.2", "grpo:train.seed=7"))
+    root = preset.out
+    assert [s.name for s in preset.stages] == ["sft", "grpo_lr0_1_seed7", "eval_grpo_lr0_1_seed7", "grpo_lr0_2_seed7",
+                                               "eval_grpo_lr0_2_seed7", "eval_sft"]  # export and its eval: left out
+    grpo = preset.stage("grpo_lr0_2_seed7")
+    assert (grpo.out, grpo.sweep_of, grpo.setting) == ("grpo_model_lr0.2_seed7", "grpo",
+                                                       {"optim.lr": "0.2", "train.seed": "7"})
+    assert command_args(preset, grpo) == [["--config", str(sweep_preset.parent / "grpo.json"), "--init",
+                                           str(root / "sft_model"), "--optim.lr", "0.2", "--train.seed", "7",
+                                           "--out", str(root / "grpo_model_lr0.2_seed7")]]
+    ev = preset.stage("eval_grpo_lr0_2_seed7")
+    assert (ev.inputs, ev.out, ev.sweep_of) == (["grpo_lr0_2_seed7"], "eval/grpo_lr0.2_seed7", "eval_grpo")
+    assert command_args(preset, ev) == [[str(root / "grpo_model_lr0.2_seed7"), "--split", "dev", "--out",
+                                         str(root / "eval" / "grpo_lr0.2_seed7" / "arith_dev.json")]]
+    assert command_args(preset, preset.stage("eval_sft"))[0][2] == "test"  # not swept: both splits
+    before, chosen = select(preset, "grpo", "eval_grpo")  # the swept names: first and last setting
+    assert [s.name for s in before] == ["sft"] and chosen[-1].name == "eval_grpo_lr0_2_seed7"
+
+
+def test_reads_test_sees_the_split_flag_and_test_files():
+    assert reads_test(["ckpt", "--split", "test"]) and reads_test(["--split=test"])
+    assert reads_test(["ckpt", "--prompts", "rl/prompts_test.jsonl"])
+    assert not reads_test(["ckpt", "--split", "dev", "--out", "x/arith_dev.json"])
+
+
+@pytest.mark.parametrize("option, many, message", [
+    ("grpo", True, "--sweep grpo: expected STAGE:KEY=VALUE,VALUE"),
+    ("grpo:optim.lr", True, "expected STAGE:KEY=VALUE"),
+    ("grpo:optim..lr=1", True, "'optim..lr' is not an option name"),
+    ("grpo:optim.lr=1,", True, "each value must be letters, digits"),
+    ("grpo:optim.lr=a/b", True, "each value must be"),
+    ("grpo:optim.lr=1,1", True, "a value is listed twice"),
+    ("grpo:optim.lr=1,2", False, "--set grpo:optim.lr=1,2: one value only"),
+])
+def test_a_malformed_option_is_refused_in_one_line(option, many, message):
+    with pytest.raises(SproutError, match=message):
+        parse_option(option, many=many)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"sweeps": sweeps("eval_grpo:x=1")}, "--sweep eval_grpo: not a train stage"),
+    ({"sweeps": sweeps("grpo:x=1", "sft:y=2")}, "one stage at a time"),
+    ({"sweeps": sweeps("grpo:x=1", "grpo:x=2")}, "an option is swept twice"),
+    ({"sweeps": sweeps("grpo:x=1"), "sweep_tasks": ["gsm8k"]}, "no eval stage .* reads grpo with a dev command for gsm8k"),
+    ({"sweeps": sweeps("grpo:x=1"), "seeds": [1, 2], "seed_stages": ["grpo"]}, "--sweep grpo with --seeds"),
+    ({"sets": [parse_option("ppo:x=1", many=False)]}, "--set ppo:x: .* has no stage 'ppo'"),
+    ({"sets": [parse_option("grpo:x=1", many=False)] * 2}, "--set grpo:x: set twice"),
+])
+def test_what_cannot_be_swept_or_set_is_refused_in_one_line(sweep_preset, kw, message):
+    with pytest.raises(SproutError, match=message):
+        load_preset(sweep_preset, **kw)
+
+
+def test_no_test_split_is_read_and_the_table_chooses_the_best_dev_figure(sweep_preset):
+    preset = load_preset(sweep_preset, sweeps=sweeps("grpo:optim.lr=0.1,0.3,0.2", "grpo:train.seed=5"))
+    root = preset.out
+    state = run_pipeline(preset, log=lambda *_: None)
+    assert all(rec["status"] == "done" for rec in state["stages"].values())
+    written = sorted(p.relative_to(root).as_posix() for p in (root / "eval").rglob("*.json"))
+    assert written == ["eval/grpo_lr0.1_seed5/arith_dev.json", "eval/grpo_lr0.2_seed5/arith_dev.json",
+                       "eval/grpo_lr0.3_seed5/arith_dev.json", "eval/sft/arith_dev.json", "eval/sft/arith_test.json"]
+    chose = []
+    md = write_sweep_table(preset, state, log=chose.append)
+    table = json.loads((root / "sweep_grpo.json").read_text())
+    assert {s["setting"]["train.seed"] for s in table["settings"]} == {"5"}
+    dev = {s["setting"]["optim.lr"]: s["dev"]["arith"]["pass@1"]["value"] for s in table["settings"]}
+    best = max(dev, key=dev.get)
+    assert dev["0.3"] > dev["0.1"] and best == "0.3"  # skill grows with lr in the fake trainer
+    assert table["chosen"] == {"optim.lr": "0.3", "train.seed": "5"} and table["select"] == ["arith", "pass@1"]
+    assert chose == ["sweep: chosen on dev optim.lr=0.3, train.seed=5 (of 3 settings)"]
+    text = md.read_text()
+    assert "Settings tried: 3 (optim.lr = 0.1, 0.3, 0.2; train.seed = 5)" in text and "no test split was read" in text
+    assert "Run it with `--set grpo:optim.lr=0.3` and the seeds to report (`--seeds N,N,...`)." in text
+    assert "| sft (start) | done |" in text and "| optim.lr=0.3, train.seed=5 (chosen) | done |" in text
+    # every change is paired on the same dev problems: recompute one from the files
+    sft = json.loads((root / "eval" / "sft" / "arith_dev.json").read_text())["problems"]
+    low = json.loads((root / "eval" / "grpo_lr0.1_seed5" / "arith_dev.json").read_text())["problems"]
+    vs_sft = next(s for s in table["settings"] if s["setting"]["optim.lr"] == "0.1")["changes"]["arith/pass@1 vs sft"]
+    expected = sum(b["correct"] / b["n"] - a["correct"] / a["n"] for a, b in zip(sft, low)) / len(sft)
+    assert vs_sft["diff"] == pytest.approx(expected) and vs_sft["problems"] == len(sft)
+    chosen_row = next(s for s in table["settings"] if s["setting"]["optim.lr"] == "0.3")
+    assert chosen_row["changes"]["arith/pass@1 vs chosen"] is None  # not against itself
+    # selecting by another figure (flexible pass@1) is honoured
+    assert parse_select("arith:flexible/pass@1") == ("arith", "flexible/pass@1")
+    write_sweep_table(preset, state, ("arith", "flexible/pass@1"), log=lambda *_: None)
+    assert json.loads((root / "sweep_grpo.json").read_text())["select"] == ["arith", "flexible/pass@1"]
+
+
+def test_set_gives_a_stage_its_option_and_runs_it_again(sweep_preset):
+    preset = load_preset(sweep_preset)
+    run_pipeline(preset, log=lambda *_: None)
+    chosen = load_preset(sweep_preset, sets=[parse_option("grpo:optim.lr=0.3", many=False)])
+    assert command_args(chosen, chosen.stage("grpo"))[0][-4:-2] == ["--optim.lr", "0.3"]
+    log: list[str] = []
+    run_pipeline(chosen, log=log.append)
+    assert "==> grpo: inputs changed, running it again" in log
+    assert json.loads((chosen.out / "grpo_model" / "run.json").read_text())["skill"] == 3
+
+
+def test_run_pipeline_sweeps_from_its_command_line_and_keeps_the_sweep_out_of_the_report_card(sweep_preset):
+    cmd = [sys.executable, str(ROOT / "scripts" / "run_pipeline.py"), "--preset", str(sweep_preset)]
+    proc = subprocess.run(cmd + ["--sweep", "grpo:optim.lr=0.1,0.2", "--no-report"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    root = sweep_preset.parent / "runs"
+    assert "sweep: chosen on dev optim.lr=0.2 (of 2 settings)" in proc.stdout
+    assert (root / "sweep_grpo.md").is_file() and not (root / "sweep_grpo.png").exists()  # no curves logged
+    state = read_state(root)
+    assert list(state["stages"]) == ["sft", "grpo_lr0_1", "eval_grpo_lr0_1", "grpo_lr0_2", "eval_grpo_lr0_2",
+                                     "eval_sft"]
+    preset = load_preset(sweep_preset, sweeps=sweeps("grpo:optim.lr=0.1,0.2"))
+    report = write_report_card(without_sweep(preset), state, answers=False).read_text()
+    assert "| sft |" in report and "grpo_lr0_1" not in report
+    bad = subprocess.run(cmd + ["--sweep", "grpo:optim.lr"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "error: --sweep grpo:optim.lr: expected STAGE:KEY=VALUE" in bad.stderr
+    assert bad.stderr.count("\n") == 1  # one line, no traceback
