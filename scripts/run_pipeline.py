@@ -12,8 +12,8 @@
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)
-runs again with everything after it (sprout/pipeline/runner.py: the preset format and the
-rules); killed at any moment, the same command carries on. With seeds, each seeded stage and
+runs again with everything after it (the preset format: sprout/pipeline/preset.py; the rules:
+sprout/pipeline/runner.py); killed at any moment, the same command carries on. With seeds, each seeded stage and
 every stage reading it run once per seed, each into its own folder (`<out>_seed<N>`), from the
 same earlier stages. A sweep runs one train stage once per setting and judges each on the dev
 split only (sprout/pipeline/sweep.py), into <out>/sweep_<stage>.md; --set then runs the one
@@ -27,7 +27,8 @@ import argparse
 import sys
 
 from sprout.errors import SproutError, run_main
-from sprout.pipeline.runner import StageFailed, load_preset, preset_path, read_state, run_pipeline
+from sprout.pipeline.runner import StageFailed, read_state, run_pipeline
+from sprout.pipeline.preset import load_preset, preset_path
 from sprout.pipeline.sweep import parse_option, parse_select
 
 

@@ -24,7 +24,8 @@ import yaml
 
 from data_fixtures import make_docs
 from sprout.errors import SproutError
-from sprout.pipeline.runner import command_args, digest, load_preset, read_state, select
+from sprout.pipeline.runner import digest, read_state
+from sprout.pipeline.preset import command_args, load_preset, select
 from sprout.engine.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -447,3 +448,41 @@ def test_killed_at_ten_random_moments_ends_as_an_uninterrupted_run(reference, tm
     assert weights(out) == weights(ref_out)
     assert figures(out) == figures(ref_out)
     assert not [p for p in out.rglob("*") if p.name.startswith(".tmp-")]
+
+
+# ---- another checkout ---------------------------------------------------------------------------
+def test_another_checkout_or_a_state_recorded_with_the_repository_written_out_skips_what_is_done(tmp_path, monkeypatch):
+    import shutil
+
+    from sprout.pipeline import runner
+    from sprout.pipeline.runner import run_pipeline, stage_inputs
+    from tests.test_pipeline_seeds import fake_preset
+
+    first = tmp_path / "checkout_a"
+    monkeypatch.setattr(runner, "REPO_ROOT", first)
+    preset = load_preset(fake_preset(first))
+    state = run_pipeline(preset, log=lambda *_: None)
+    recorded = json.dumps(state["stages"]["grpo"]["inputs"]["commands"])
+    assert "{repo}/grpo.json" in recorded and str(first) not in recorded
+    # a state an earlier sprout wrote (the repository written out) is still the same inputs
+    for s in preset.stages:
+        rec = state["stages"][s.name]
+        rec["inputs"] = stage_inputs(preset, s, state, legacy=True)
+        rec["input_hash"] = digest(rec["inputs"])
+    assert str(first) in json.dumps(state["stages"]["grpo"]["inputs"]["commands"])
+    runner.write_state(preset.out, state)
+    log: list[str] = []
+    run_pipeline(preset, log=log.append)
+    assert log[0] == "recorded the inputs of 4 stage(s) with the repository as {repo} (same inputs)"
+    assert [line for line in log if line.startswith("==> ")] == \
+        [f"==> {s.name}: done, skipped (inputs unchanged, outputs verified)" for s in preset.stages]
+    assert "{repo}/grpo.json" in json.dumps(read_state(preset.out)["stages"]["grpo"]["inputs"]["commands"])
+    # the same preset and output root run from another checkout (its configs at their new place)
+    second = tmp_path / "checkout_b"
+    shutil.copytree(first, second, ignore=shutil.ignore_patterns("runs", "seeds.yaml"))
+    monkeypatch.setattr(runner, "REPO_ROOT", second)
+    moved = load_preset(fake_preset(second), out=preset.out)
+    log = []
+    run_pipeline(moved, log=log.append)
+    assert all(line.endswith("done, skipped (inputs unchanged, outputs verified)") for line in log
+               if line.startswith("==> ")) and len([x for x in log if x.startswith("==> ")]) == 4

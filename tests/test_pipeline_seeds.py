@@ -1,4 +1,4 @@
-"""Seeds as an axis of the pipeline (sprout.pipeline.runner's seeds and seed_stages,
+"""Seeds as an axis of the pipeline (sprout.pipeline.preset's seeds and seed_stages,
 run_pipeline.py --seeds) and the report card's reading of them, on a preset of fake stages
 written here: a "trainer" that writes a checkpoint whose weights are its init's and its seed's,
 and an "evaluator" that writes evaluate.py's JSON (test and dev, strict and flexible) with
@@ -22,7 +22,8 @@ import yaml
 
 from sprout.errors import SproutError
 from sprout.evaluation.statistics import seeds_mean_interval, seeds_paired_difference_interval
-from sprout.pipeline.runner import StageFailed, command_args, load_preset, read_state, run_pipeline, select
+from sprout.pipeline.runner import StageFailed, read_state, run_pipeline
+from sprout.pipeline.preset import command_args, load_preset, select
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = [1, 2, 3]

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from sprout.errors import SproutError
-from sprout.pipeline.runner import command_args, load_preset, read_state, run_pipeline, select
+from sprout.pipeline.runner import read_state, run_pipeline
+from sprout.pipeline.preset import command_args, load_preset, select
 from sprout.pipeline.report_card import write_report_card
 from sprout.pipeline.sweep import parse_option, parse_select, reads_test, without_sweep, write_sweep_table
 from tests.test_pipeline_seeds import FAKE_TRAIN, ROOT, fake_preset, write_yaml

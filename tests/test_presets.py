@@ -21,7 +21,7 @@ import yaml
 
 from dry_run import check_batches, dry_run
 from sprout.errors import SproutError
-from sprout.pipeline.runner import Preset, Stage, command_args, load_preset
+from sprout.pipeline.preset import Preset, Stage, command_args, load_preset
 from sprout.prep.chat_sources import from_dict_source
 from sprout.prep.preference_data import check_config as check_pair_sources
 from sprout.prep.pretrain import resolve_sources

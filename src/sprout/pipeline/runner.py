@@ -1,7 +1,6 @@
 """The pipeline runner: every stage of a preset, in order, skipping what is done.
 
-A preset (configs/pipelines/*.yaml; its format, seeds included, is `Preset`'s docstring) lists
-the stages: a prep stage runs as a plain process, a train or eval stage under `accelerate
+A preset (sprout.pipeline.preset: configs/pipelines/*.yaml, seeds, sweeps) lists the stages: a prep stage runs as a plain process, a train or eval stage under `accelerate
 launch` when the launcher is `accelerate`. `<out>/pipeline_state.json` (written atomically)
 records for each stage its input hashes (`stage_inputs`), its wall time, its peak resident
 memory (`peak_rss_mb`, `run_child`) and, once it completes, its output hashes. Same inputs and
@@ -15,12 +14,11 @@ start the `.tmp-*` a killed write left are removed; a child process dies with th
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
-import dataclasses
 import hashlib
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -31,284 +29,17 @@ from pathlib import Path
 
 from sprout.atomic import sha256_file, write_json_atomic
 from sprout.locks import locked
-from sprout.config import read_yaml
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import WEIGHTS, read_meta
 from sprout.mirror import ENV as MIRROR_ENV
 from sprout.mirror import REPO_ROOT
-from sprout.pipeline import sweep
+from sprout.pipeline.preset import Preset, Stage, command_args, select
 
-KINDS = ("prep", "train", "eval")
-LAUNCHERS = ("python", "accelerate")
 STATE = "pipeline_state.json"
 LOCK = "pipeline.lock"
-PRESETS = REPO_ROOT / "configs" / "pipelines"
-NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-# ---- the preset ---------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Stage:
-    name: str
-    kind: str
-    script: Path
-    out: str | None = None              # relative to the output root
-    config: Path | None = None
-    inputs: list[str] = dataclasses.field(default_factory=list)
-    outputs: list[str] | None = None    # relative to the output root
-    commands: list[list[str]] = dataclasses.field(default_factory=lambda: [[]])  # argument templates
-    role: str = ""                      # what the report card reads from it: pretrain, sft, reward, dpo, ...
-    seed: int | None = None             # a seeded stage's seed (a train stage gets --train.seed)
-    seed_of: str | None = None          # a seeded stage: the preset's stage it runs one seed of
-    sweep_of: str | None = None         # a swept stage: the preset's stage it runs one setting of
-    setting: dict = dataclasses.field(default_factory=dict)  # a swept stage's options (sprout.pipeline.sweep)
-
-
-@dataclasses.dataclass
-class Preset:
-    """A preset (configs/pipelines/*.yaml) is a YAML mapping:
-
-        out: runs/demo                # the output root; every stage's `out` is relative to it
-        launcher: python              # how train and eval stages run: python | accelerate
-        accelerate_config: null       # the --config_file of `accelerate launch` (launcher: accelerate)
-        model: null                   # what {model} in args stands for (a published model to import;
-                                      # run_pipeline.py --model overrides it)
-        seeds: [1337, 1338, 1339]     # optional, with seed_stages: the seeds (--seeds overrides them)
-        seed_stages: [grpo]           # train stages run once per seed (--seed-stages overrides them)
-        stages:
-          - name: pretrain            # a word; other stages name it in `inputs` and as {pretrain}
-            kind: train               # prep | train | eval
-            script: scripts/pretrain.py
-            config: configs/demo/pretrain.yaml       # passed as --config; its sha256 is an input
-            inputs: [pretrain_data]   # the earlier stages whose outputs this one reads
-            out: base                 # its output: a folder, a file, or a file prefix
-            outputs: [...]            # prep/eval: the files that are its output (default: `out`)
-            args: [--data, "{pretrain_data}"]        # {stage} is that stage's out path, {out} its own,
-                                                     # {model} the preset's model (a train stage gets
-                                                     # --out <its out> at the end)
-
-    Relative `script` and `config` paths are read from the repository root; `out` paths from
-    the current directory. `args` may be a list of argument lists: one command each, run in
-    order (an eval stage's tasks).
-
-    Seeds: with `seeds`, each stage of `seed_stages` (train stages) and every stage that reads a
-    seeded stage (any kind: its evaluation, a prep such as an export, a later trainer) becomes
-    one stage per seed N, in place: `<name>_seed<N>`, its out `<out>_seed<N>` (a file's name
-    before its suffix; `outputs` under `out` alike), its seeded inputs the same seed's; a train
-    stage gets `--train.seed N`. So the whole tail after a seeded stage runs once per seed, all
-    seeds from the same earlier stages. `seed_stages` without `seeds` seeds nothing (it names
-    what `--seeds` seeds). `--from/--to <name>` mean its first/last seed.
-    """
-
-    path: Path
-    out: Path
-    launcher: str
-    accelerate_config: Path | None
-    stages: list[Stage]
-    model: str | None = None  # what {model} stands for
-
-    def stage(self, name: str) -> Stage:
-        for s in self.stages:
-            if s.name == name:
-                return s
-        raise SproutError(f"{self.path}: no stage named {name!r} (stages: {', '.join(s.name for s in self.stages)})")
-
-    def out_of(self, stage: Stage) -> Path | None:
-        return self.out / stage.out if stage.out else None
-
-
-def preset_path(preset: str) -> Path:
-    """A preset name (configs/pipelines/<name>.yaml) or a YAML path."""
-    if preset.endswith((".yaml", ".yml")) or os.sep in preset:
-        return Path(preset)
-    path = PRESETS / f"{preset}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in PRESETS.glob("*.yaml"))
-        raise SproutError(f"--preset {preset}: no {path} (presets: {', '.join(known)}; or give a PATH.yaml)")
-    return path
-
-
-def _repo_path(value: str) -> Path:
-    path = Path(value)
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
-def _str_list(where: str, value) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
-                                              for v in value):
-        raise SproutError(f"{where}: expected a list of strings, got {value!r}")
-    return [str(v) for v in value]
-
-
-def load_preset(path: str | Path, out: str | Path | None = None, model: str | None = None,
-                seeds: list[int] | None = None, seed_stages: list[str] | None = None, *,
-                sets: list | None = None, sweeps: list | None = None, sweep_tasks: list[str] | None = None) -> Preset:
-    """Read and check a preset; `out` overrides its output root, `model` its model, `seeds` and
-    `seed_stages` its own; `sets` and `sweeps` (`sprout.pipeline.sweep.parse_option`'s) add an
-    option to a stage or sweep one, judged on `sweep_tasks`' dev evaluations (default: all)."""
-    path = Path(path)
-    data = read_yaml(path)
-    known = {"out", "launcher", "accelerate_config", "model", "stages", "seeds", "seed_stages"}
-    if extra := set(data) - known:
-        raise SproutError(f"{path}: unknown key(s) {', '.join(sorted(extra))} (known: {', '.join(sorted(known))})")
-    launcher = data.get("launcher", "python")
-    if launcher not in LAUNCHERS:
-        raise SproutError(f"{path}: launcher: {launcher!r} is not one of {', '.join(LAUNCHERS)}")
-    acc_cfg = data.get("accelerate_config")
-    if launcher == "accelerate" and not acc_cfg:
-        raise SproutError(f"{path}: launcher accelerate needs accelerate_config (an accelerate config file)")
-    root = out if out is not None else data.get("out")
-    if not root:
-        raise SproutError(f"{path}: out: the output root is missing (or pass --out DIR)")
-    model = model if model is not None else data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise SproutError(f"{path}: model: expected a folder, hub id or .gguf path, got {model!r}")
-    stages_data = data.get("stages")
-    if not isinstance(stages_data, list) or not stages_data:
-        raise SproutError(f"{path}: stages: expected a non-empty list of stages")
-    stages: list[Stage] = []
-    fields = {"name", "kind", "script", "config", "inputs", "out", "outputs", "args", "role"}
-    for i, raw in enumerate(stages_data):
-        where = f"{path}: stages[{i}]"
-        if not isinstance(raw, dict):
-            raise SproutError(f"{where}: expected a mapping")
-        name = raw.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
-            raise SproutError(f"{where}: name: expected a word (letters, digits, _), got {name!r}")
-        where = f"{path}: stage {name}"
-        if extra := set(raw) - fields:
-            raise SproutError(f"{where}: unknown key(s) {', '.join(sorted(extra))} (known: {', '.join(sorted(fields))})")
-        if any(s.name == name for s in stages):
-            raise SproutError(f"{where}: a second stage with this name")
-        kind = raw.get("kind")
-        if kind not in KINDS:
-            raise SproutError(f"{where}: kind: {kind!r} is not one of {', '.join(KINDS)}")
-        if not isinstance(raw.get("script"), str):
-            raise SproutError(f"{where}: script: expected a path")
-        inputs = _str_list(f"{where}: inputs", raw.get("inputs", []))
-        for name_in in inputs:
-            if not any(s.name == name_in for s in stages):
-                raise SproutError(f"{where}: inputs: {name_in!r} is not an earlier stage")
-        args = raw.get("args", [])
-        commands = [_str_list(f"{where}: args", a) for a in args] if args and isinstance(args[0], list) \
-            else [_str_list(f"{where}: args", args)]
-        for arg in (a for c in commands for a in c):
-            for ref in PLACEHOLDER.findall(arg):
-                if ref == "model" and model is None:
-                    raise SproutError(f"{where}: args: {{model}} but the preset has no model (or pass --model)")
-                if ref not in ("out", "model") and ref not in inputs:
-                    raise SproutError(f"{where}: args: {{{ref}}} names no stage in its inputs ({', '.join(inputs) or 'none'})")
-        if kind == "train" and not raw.get("out"):
-            raise SproutError(f"{where}: out: a train stage needs its run folder")
-        outputs = raw.get("outputs")
-        script = raw["script"]
-        role = raw.get("role") or Path(script).stem.removeprefix("train_")
-        stages.append(Stage(name=name, kind=kind, script=_repo_path(script), out=raw.get("out"),
-                            config=_repo_path(raw["config"]) if raw.get("config") else None, inputs=inputs,
-                            outputs=None if outputs is None else _str_list(f"{where}: outputs", outputs),
-                            commands=commands, role=role))
-    if seed_stages is not None and not (seeds if seeds is not None else data.get("seeds")):
-        raise SproutError(f"--seed-stages {','.join(seed_stages)}: no seeds to run them with (pass --seeds N,N,... "
-                          f"or set the preset's seeds:)")
-    seeds = seeds if seeds is not None else data.get("seeds")
-    seed_stages = seed_stages if seed_stages is not None else data.get("seed_stages")
-    if seed_stages is not None:
-        for name in _str_list(f"{path}: seed_stages", seed_stages):
-            if next((s.kind for s in stages if s.name == name), None) != "train":
-                raise SproutError(f"{path}: seed_stages: {name!r} is not a train stage of this preset (a stage "
-                                  f"reading a seeded stage runs per seed by itself)")
-    if sets:
-        stages = sweep.apply_sets(path, stages, sets)
-    if sweeps and seeds and {name for name, _, _ in sweeps} & set(seed_stages or []):
-        raise SproutError(f"--sweep {sweeps[0][0]} with --seeds: a sweep chooses a setting on dev, seeds then "
-                          f"report it; run the sweep first, then the seeds with --set (or sweep train.seed)")
-    if seeds:
-        stages = expand_seeds(path, stages, seeds, seed_stages)
-    if sweeps:
-        stages = sweep.expand_sweep(path, stages, sweeps, sweep_tasks)
-    return Preset(path=path, out=Path(root), launcher=launcher,
-                  accelerate_config=_repo_path(acc_cfg) if acc_cfg else None, stages=stages, model=model)
-
-
-def seeded_path(rel: str, seed: int) -> str:
-    """`grpo_model` -> `grpo_model_seed1337`; a file `eval/x.json` -> `eval/x_seed1337.json`."""
-    path = Path(rel)
-    return str(path.with_name(f"{path.stem}_seed{seed}{path.suffix}"))
-
-
-def expand_seeds(path: Path, stages: list[Stage], seeds, seed_stages) -> list[Stage]:
-    """The stages with each seeded one (a stage of `seed_stages`, or one reading a seeded stage)
-    replaced, in place, by one stage per seed (`Preset`)."""
-    if not seed_stages:
-        raise SproutError(f"{path}: seeds {seeds!r} need the train stages run once per seed (seed_stages:, "
-                          f"--seed-stages)")
-    whole = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 0  # noqa: E731
-    if not isinstance(seeds, list) or not all(map(whole, seeds)) or len(set(seeds)) < len(seeds):
-        raise SproutError(f"{path}: seeds: expected distinct whole numbers >= 0, got {seeds!r}")
-    seeded: set[str] = set()
-    out: list[Stage] = []
-    for stage in stages:
-        reads = [name for name in stage.inputs if name in seeded]
-        if stage.name not in seed_stages and not reads:
-            out.append(stage)
-            continue
-        seeded.add(stage.name)
-        if stage.outputs and (stage.out is None or any(
-                rel != stage.out and not rel.startswith(stage.out.rstrip("/") + "/") for rel in stage.outputs)):
-            raise SproutError(f"{path}: stage {stage.name}: a seeded stage (or one reading a seeded stage) needs an "
-                              f"out that holds all its outputs")
-        for n in seeds:
-            def fill(arg: str) -> str:  # {grpo} -> {grpo_seed<n>} for each seeded input
-                return PLACEHOLDER.sub(lambda m: f"{{{m.group(1)}_seed{n}}}" if m.group(1) in reads else m.group(0),
-                                       arg)
-            out_n = seeded_path(stage.out, n) if stage.out else None
-            out.append(dataclasses.replace(
-                stage, name=f"{stage.name}_seed{n}", out=out_n, seed=n, seed_of=stage.name,
-                inputs=[f"{name}_seed{n}" if name in reads else name for name in stage.inputs],
-                outputs=None if stage.outputs is None else [out_n + rel[len(stage.out):] for rel in stage.outputs],
-                commands=[[fill(a) for a in c] for c in stage.commands]))
-    names = [s.name for s in out]
-    if clash := next((name for name in names if names.count(name) > 1), None):
-        raise SproutError(f"{path}: a seeded stage's name {clash} is also another stage's")
-    return out
-
-
-def select(preset: Preset, start: str | None, end: str | None) -> tuple[list[Stage], list[Stage]]:
-    """(stages before --from, stages from --from to --to), in the preset's order; a seeded or
-    swept stage's name stands for its first seed or setting (--from) or its last (--to)."""
-    def at(name: str) -> list[int]:
-        found = [i for i, s in enumerate(preset.stages) if name in (s.name, s.seed_of, s.sweep_of)]
-        return found or [preset.stages.index(preset.stage(name))]
-    i = at(start)[0] if start else 0
-    j = at(end)[-1] if end else len(preset.stages) - 1
-    if i > j:
-        raise SproutError(f"--from {start} comes after --to {end} in {preset.path}")
-    return preset.stages[:i], preset.stages[i:j + 1]
 
 
 # ---- commands and hashes ------------------------------------------------------------------------
-def command_args(preset: Preset, stage: Stage) -> list[list[str]]:
-    """Each command's arguments with {stage} and {out} filled in (paths under the output root),
-    and {model} (the preset's model, as written: a script expands ${SPROUT_MIRROR} in it)."""
-    paths = {s.name: str(preset.out_of(s)) for s in preset.stages if s.out}
-    paths["out"] = str(preset.out_of(stage)) if stage.out else ""
-    if preset.model is not None:
-        paths["model"] = preset.model
-
-    def fill(arg: str) -> str:
-        def one(m: re.Match) -> str:
-            if m.group(1) not in paths or not paths[m.group(1)]:
-                raise SproutError(f"{preset.path}: stage {stage.name}: {{{m.group(1)}}} has no out path")
-            return paths[m.group(1)]
-        return PLACEHOLDER.sub(one, arg)
-
-    config = ["--config", str(stage.config)] if stage.config else []
-    seed = ["--train.seed", str(stage.seed)] if stage.kind == "train" and stage.seed is not None else []
-    run_dir = ["--out", paths["out"]] if stage.kind == "train" else []  # a trainer's run folder
-    return [config + [fill(a) for a in args] + seed + run_dir for args in stage.commands]
-
-
 def launch_prefix(preset: Preset, stage: Stage) -> list[str]:
     if stage.kind != "prep" and preset.launcher == "accelerate":
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(preset.accelerate_config)]
@@ -319,11 +50,12 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def stage_inputs(preset: Preset, stage: Stage, state: dict) -> dict:
+def stage_inputs(preset: Preset, stage: Stage, state: dict, *, legacy: bool = False) -> dict:
     """What a stage's result depends on: its config's sha256, its command lines (the output root
-    written as {root}, so a moved or copied root keeps its hashes) and the input and output
-    hashes of the stages it reads (so a change anywhere upstream reaches it)."""
-    root = str(preset.out)
+    written as {root} and the repository as {repo}, so a moved root or another checkout keeps its
+    hashes) and the input and output hashes of the stages it reads (so a change anywhere upstream
+    reaches it). `legacy`: the repository written out, as sprout recorded it before {repo}."""
+    root, repo = str(preset.out), str(REPO_ROOT)
     for path, what in ((stage.script, "script"), (stage.config, "config")):
         if path is not None and not path.is_file():
             raise SproutError(f"{path}: stage {stage.name}'s {what} does not exist (yet)")
@@ -336,7 +68,8 @@ def stage_inputs(preset: Preset, stage: Stage, state: dict) -> dict:
     return {"script": str(stage.script.relative_to(REPO_ROOT) if stage.script.is_relative_to(REPO_ROOT)
                           else stage.script),
             "config_sha256": sha256_file(stage.config) if stage.config else None,
-            "commands": [[a.replace(root, "{root}") for a in c] for c in command_args(preset, stage)],
+            "commands": [[a.replace(root, "{root}") if legacy else a.replace(root, "{root}").replace(repo, "{repo}")
+                          for a in c] for c in command_args(preset, stage)],
             "upstream": upstream}
 
 
@@ -382,6 +115,28 @@ def outputs_verify(preset: Preset, stage: Stage, rec: dict) -> bool:
         return hash_outputs(preset, stage) == rec.get("outputs")
     except (SproutError, OSError):
         return False
+
+
+def upgrade_state(preset: Preset, state: dict) -> list[str]:
+    """Rewrite, in preset order, each record whose inputs an earlier sprout hashed with the
+    repository written out (`stage_inputs(legacy=True)`, from this checkout) in today's form;
+    returns the stages rewritten. What it rewrites is what would have been skipped or resumed."""
+    before = copy.deepcopy(state)
+    upgraded = []
+    for stage in preset.stages:
+        rec = state["stages"].get(stage.name)
+        if not rec or "input_hash" not in rec:
+            continue
+        try:
+            legacy = stage_inputs(preset, stage, before, legacy=True)
+        except SproutError:
+            continue
+        if digest(legacy) == rec["input_hash"]:  # the same inputs: recorded again against the upgraded upstream
+            inputs = stage_inputs(preset, stage, state)
+            if digest(inputs) != rec["input_hash"]:
+                rec["inputs"], rec["input_hash"] = inputs, digest(inputs)
+                upgraded.append(stage.name)
+    return upgraded
 
 
 # ---- state, lock, temporaries -------------------------------------------------------------------
@@ -540,6 +295,9 @@ def run_pipeline(preset: Preset, start: str | None = None, end: str | None = Non
         if removed := remove_temporaries(preset.out):
             log(f"removed {len(removed)} temporary file(s) a killed write left under {preset.out}")
         state = read_state(preset.out)
+        if upgraded := upgrade_state(preset, state):
+            write_state(preset.out, state)
+            log(f"recorded the inputs of {len(upgraded)} stage(s) with the repository as {{repo}} (same inputs)")
         for stage in before:
             rec = state["stages"].get(stage.name) or {}
             if rec.get("status") != "done" or not outputs_verify(preset, stage, rec):
