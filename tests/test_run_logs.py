@@ -177,11 +177,16 @@ def test_a_prompt_or_an_answer_shows_its_characters_as_they_are():
     assert text(" a\n\n*b*\t", one_line=True) == "a \\*b\\*"
 
 
-def test_configured_peak_is_recorded_as_config(toy_data, tmp_path):
-    run_pretrain(tiny_cfg(toy_data, tmp_path, max_steps=1, eval_every=0, peak_tflops=2e-3))
-    start = read_metrics(tmp_path / "metrics.jsonl")[0]
-    assert (start["event"], start["peak_source"], start["peak_tflops"]) == ("start", "config", 2e-3)
-    assert "0.002 TFLOP/s per process (train.peak_tflops)" in (tmp_path / "report.md").read_text()
+def test_configured_peak_is_recorded_as_config_and_an_mfu_above_100_percent_is_explained(toy_data, tmp_path, capsys):
+    run_pretrain(tiny_cfg(toy_data, tmp_path, max_steps=2, eval_every=0, peak_tflops=2e-9))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    start = records[0]
+    assert (start["event"], start["peak_source"], start["peak_tflops"]) == ("start", "config", 2e-9)
+    assert "2e-09 TFLOP/s per process (train.peak_tflops)" in (tmp_path / "report.md").read_text()
+    assert all(r["mfu"] > 1 for r in records if "mfu" in r)  # a peak far below what a step reaches
+    said = capsys.readouterr().out
+    assert said.count("is above 100 %: the peak it is measured against, 2e-09 TFLOP/s per process "
+                      "(train.peak_tflops), is below what training reached") == 1  # once per run
 
 
 # ---- SFT: inputs with hashes, samples, the plot ---------------------------------------------------

@@ -180,6 +180,7 @@ class TrainingRecords:
     def start(self, run: FitRun) -> None:
         trainer, acc, cfg = run.trainer, run.trainer.accelerator, run.trainer.cfg
         self.peak, peak_source = peak_flops(cfg, acc)
+        self.peak_source, self.mfu_warned = peak_source, False
         if run.logger and acc.is_main_process:
             run.logger.log(start_record(trainer.steps_done, peak_flops=self.peak, peak_source=peak_source,
                                         device=acc.device, world_size=trainer.world_size,
@@ -214,6 +215,14 @@ class TrainingRecords:
             record["generation/tokens_per_s"] = w["generated"] / w["batch_s"]
         if self.peak > 0 and w["flops"] > 0 and train_s > 0:
             record["mfu"] = mfu(w["flops"], train_s, self.peak * run.trainer.world_size)
+            if record["mfu"] > 1 and not self.mfu_warned:
+                self.mfu_warned = True
+                where = ("measured at start: other load on the machine then lowers it" if self.peak_source == "measured"
+                         else "train.peak_tflops")
+                run.trainer.accelerator.print(
+                    f"note: MFU {record['mfu']:.0%} is above 100 %: the peak it is measured against, "
+                    f"{self.peak / 1e12:.3g} TFLOP/s per process ({where}), is below what training reached; "
+                    f"set train.peak_tflops to the hardware's figure")
         record["elapsed_s"] = time.perf_counter() - run.t_start
         if run.logger:
             run.logger.log(record)
