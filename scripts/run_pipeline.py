@@ -24,6 +24,7 @@ table (sprout/pipeline/report_card.py).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from sprout.errors import SproutError, run_main
@@ -81,7 +82,9 @@ def main() -> int:
     if args.sweep and (preset.out / "pipeline_state.json").is_file():
         from sprout.pipeline.sweep import write_sweep_table  # not at import: --help never loads torch
 
-        print(f"\n==> sweep table: {write_sweep_table(preset, read_state(preset.out), args.sweep_select)}")
+        table = write_sweep_table(preset, read_state(preset.out), args.sweep_select,
+                                  command=shlex.join(["python", "scripts/run_pipeline.py", *sys.argv[1:]]))
+        print(f"\n==> sweep table: {table}")
     if not args.no_report and (preset.out / "pipeline_state.json").is_file():
         print("\n==> report card")
         from sprout.pipeline.report_card import write_report_card

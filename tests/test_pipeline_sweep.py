@@ -126,6 +126,8 @@ def test_no_test_split_is_read_and_the_table_chooses_the_best_dev_figure(sweep_p
     text = md.read_text()
     assert "Settings tried: 3 (optim.lr = 0.1, 0.3, 0.2; train.seed = 5)" in text and "no test split was read" in text
     assert "Run it with `--set grpo:optim.lr=0.3` and the seeds to report (`--seeds N,N,...`)." in text
+    first = f"--optim.lr 0.1 --train.seed 5 --out {root / 'grpo_model_lr0.1_seed5'}`"
+    assert "First setting's training command: `python " in text and first in text
     assert "| sft (start) | done |" in text and "| optim.lr=0.3, train.seed=5 (chosen) | done |" in text
     # every change is paired on the same dev problems: recompute one from the files
     sft = json.loads((root / "eval" / "sft" / "arith_dev.json").read_text())["problems"]
@@ -159,6 +161,8 @@ def test_run_pipeline_sweeps_from_its_command_line_and_keeps_the_sweep_out_of_th
     assert proc.returncode == 0, proc.stderr
     root = sweep_preset.parent / "runs"
     assert "sweep: chosen on dev optim.lr=0.2 (of 2 settings)" in proc.stdout
+    assert f"Sweep: `python scripts/run_pipeline.py --preset {sweep_preset} --sweep grpo:optim.lr=0.1,0.2 " \
+        f"--no-report`" in (root / "sweep_grpo.md").read_text()
     assert (root / "sweep_grpo.md").is_file() and not (root / "sweep_grpo.png").exists()  # no curves logged
     state = read_state(root)
     assert list(state["stages"]) == ["sft", "grpo_lr0_1", "eval_grpo_lr0_1", "grpo_lr0_2", "eval_grpo_lr0_2",

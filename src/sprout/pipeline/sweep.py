@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import shlex
 from pathlib import Path
 
 from sprout.atomic import atomic_write, write_json_atomic
 from sprout.errors import SproutError
+from sprout.mirror import REPO_ROOT
 
 KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 VALUE = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -194,10 +196,13 @@ def choose(rows: list[dict], select: tuple[str, str] | None) -> tuple[tuple[str,
     return select, (max(scored, key=lambda t: t[:2])[2] if scored else None)
 
 
-def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None, log=print) -> Path | None:
+def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None, log=print,
+                      command: str | None = None) -> Path | None:
     """`<out>/sweep_<stage>.md`, `.json` and `.png` (the in-training curves): the module
-    docstring's table; None when the preset sweeps nothing."""
+    docstring's table, with `command` (the sweep's) and the first setting's own command line;
+    None when the preset sweeps nothing."""
     from sprout.engine.metrics import METRICS, read_metrics
+    from sprout.pipeline.preset import command_args
     from sprout.pipeline.report_card import plot_metrics
     from sprout.pipeline.report_held_out import change, change_cell, eval_files, figure_cell, title
 
@@ -221,6 +226,11 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
     lines = [f"# Sweep of {name} on the dev split", "",
              f"Settings tried: {len(rows)} ({'; '.join(f'{k} = ' + ', '.join(v) for k, v in values.items())}), "
              f"each run once. Judged on dev only: no test split was read. Output root: `{preset.out}`.", ""]
+    if command:
+        lines += [f"Sweep: `{command}`", ""]
+    first = ["python", str(swept.script.relative_to(REPO_ROOT) if swept.script.is_relative_to(REPO_ROOT)
+                           else swept.script), *command_args(preset, swept)[0]]
+    lines += [f"First setting's training command: `{shlex.join(first)}`", ""]
     if chosen is not None:
         sets = " ".join(f"--set {name}:{k}={v}" for k, v in chosen["setting"].items() if k != SEED_KEY)
         seeds = " and the seeds to report (`--seeds N,N,...`)" if SEED_KEY in chosen["setting"] else ""
@@ -231,7 +241,7 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
     else:
         lines += ["Chosen: none yet (no setting has a dev evaluation).", ""]
     tasks = list(dict.fromkeys(t for r in rows for t in r["files"]))
-    data = {"stage": name, "select": list(select) if select else None,
+    data = {"stage": name, "command": command, "first_command": first, "select": list(select) if select else None,
             "chosen": chosen["setting"] if chosen else None, "settings": []}
     for r in rows:
         data["settings"].append({k: r[k] for k in ("stage", "setting", "status", "wall_s", "peak_rss_mb", "out")}
