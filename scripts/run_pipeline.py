@@ -65,7 +65,8 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="STAGE:KEY=VALUE",
                    help="add --KEY VALUE to stage STAGE's commands (a setting chosen by a sweep)")
     p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done")
-    p.add_argument("--no-report", action="store_true", help="skip the report card")
+    p.add_argument("--no-report", action="store_true", help="skip the report card (a sweep never writes it: it "
+                   "has its own table)")
     args = p.parse_args()
     preset = load_preset(preset_path(args.preset), args.out, args.model, args.seeds, args.seed_stages,
                          sets=[parse_option(t, many=False) for t in args.set],
@@ -80,17 +81,16 @@ def main() -> int:
         except StageFailed as exc:
             failed = exc
     if args.sweep and (preset.out / "pipeline_state.json").is_file():
-        from sprout.pipeline.sweep import write_sweep_table  # not at import: --help never loads torch
+        from sprout.pipeline.sweep_table import write_sweep_table  # not at import: --help never loads torch
 
         table = write_sweep_table(preset, read_state(preset.out), args.sweep_select,
                                   command=shlex.join(["python", "scripts/run_pipeline.py", *sys.argv[1:]]))
         print(f"\n==> sweep table: {table}")
-    if not args.no_report and (preset.out / "pipeline_state.json").is_file():
+    if not args.no_report and not args.sweep and (preset.out / "pipeline_state.json").is_file():
         print("\n==> report card")
         from sprout.pipeline.report_card import write_report_card
-        from sprout.pipeline.sweep import without_sweep
 
-        report = write_report_card(without_sweep(preset), read_state(preset.out), log=print)
+        report = write_report_card(preset, read_state(preset.out), log=print)
         print(f"report card: {report}")
     if failed is not None:
         print(f"error: {failed}", file=sys.stderr)

@@ -451,32 +451,46 @@ def test_killed_at_ten_random_moments_ends_as_an_uninterrupted_run(reference, tm
 
 
 # ---- another checkout ---------------------------------------------------------------------------
+def written_out(state: dict, repo: str) -> None:
+    """Turn a state's records into what an earlier sprout wrote: the repository's path written out
+    in the command lines (and every upstream input hash following)."""
+    renamed = {}
+    for rec in state["stages"].values():  # upstream first: the state lists stages as they first ran
+        old = rec["input_hash"]
+        rec["inputs"]["commands"] = [[a.replace("{repo}", repo) for a in c] for c in rec["inputs"]["commands"]]
+        for up in rec["inputs"]["upstream"].values():
+            up["inputs"] = renamed[up["inputs"]]
+        rec["input_hash"] = renamed[old] = digest(rec["inputs"])
+
+
 def test_another_checkout_or_a_state_recorded_with_the_repository_written_out_skips_what_is_done(tmp_path, monkeypatch):
     import shutil
 
     from sprout.pipeline import runner
-    from sprout.pipeline.runner import run_pipeline, stage_inputs
+    from sprout.pipeline.runner import run_pipeline
     from tests.test_pipeline_seeds import fake_preset
 
     first = tmp_path / "checkout_a"
     monkeypatch.setattr(runner, "REPO_ROOT", first)
-    preset = load_preset(fake_preset(first))
-    state = run_pipeline(preset, log=lambda *_: None)
-    recorded = json.dumps(state["stages"]["grpo"]["inputs"]["commands"])
+    path = fake_preset(first)
+    preset, seeded = load_preset(path), load_preset(path, seeds=[1, 2], seed_stages=["grpo"])
+    run_pipeline(preset, log=lambda *_: None)
+    state = run_pipeline(seeded, log=lambda *_: None)  # the same root holds both runs' records
+    recorded = json.dumps(state["stages"]["grpo_seed2"]["inputs"]["commands"])
     assert "{repo}/grpo.json" in recorded and str(first) not in recorded
-    # a state an earlier sprout wrote (the repository written out) is still the same inputs
-    for s in preset.stages:
-        rec = state["stages"][s.name]
-        rec["inputs"] = stage_inputs(preset, s, state, legacy=True)
-        rec["input_hash"] = digest(rec["inputs"])
-    assert str(first) in json.dumps(state["stages"]["grpo"]["inputs"]["commands"])
+    # a state an earlier sprout wrote (the repository written out) is still the same inputs, for
+    # every record in it: the plain run upgrades the seeds' records too, so neither run retrains
+    written_out(state, str(first))
+    assert str(first) in json.dumps(state["stages"]["grpo_seed2"]["inputs"]["commands"])
     runner.write_state(preset.out, state)
-    log: list[str] = []
-    run_pipeline(preset, log=log.append)
-    assert log[0] == "recorded the inputs of 4 stage(s) with the repository as {repo} (same inputs)"
-    assert [line for line in log if line.startswith("==> ")] == \
-        [f"==> {s.name}: done, skipped (inputs unchanged, outputs verified)" for s in preset.stages]
-    assert "{repo}/grpo.json" in json.dumps(read_state(preset.out)["stages"]["grpo"]["inputs"]["commands"])
+    for which in (preset, seeded):
+        log: list[str] = []
+        run_pipeline(which, log=log.append)
+        if which is preset:
+            assert log[0] == "recorded the inputs of 8 stage(s) with the repository as {repo} (same inputs)"
+        assert [line for line in log if line.startswith("==> ")] == \
+            [f"==> {s.name}: done, skipped (inputs unchanged, outputs verified)" for s in which.stages]
+    assert "{repo}/grpo.json" in json.dumps(read_state(preset.out)["stages"]["grpo_seed1"]["inputs"]["commands"])
     # the same preset and output root run from another checkout (its configs at their new place)
     second = tmp_path / "checkout_b"
     shutil.copytree(first, second, ignore=shutil.ignore_patterns("runs", "seeds.yaml"))
@@ -484,5 +498,5 @@ def test_another_checkout_or_a_state_recorded_with_the_repository_written_out_sk
     moved = load_preset(fake_preset(second), out=preset.out)
     log = []
     run_pipeline(moved, log=log.append)
-    assert all(line.endswith("done, skipped (inputs unchanged, outputs verified)") for line in log
-               if line.startswith("==> ")) and len([x for x in log if x.startswith("==> ")]) == 4
+    assert [line for line in log if line.startswith("==> ")] == \
+        [f"==> {s.name}: done, skipped (inputs unchanged, outputs verified)" for s in moved.stages]

@@ -21,8 +21,8 @@ import yaml
 from sprout.errors import SproutError
 from sprout.pipeline.runner import read_state, run_pipeline
 from sprout.pipeline.preset import command_args, load_preset, select
-from sprout.pipeline.report_card import write_report_card
-from sprout.pipeline.sweep import parse_option, parse_select, reads_test, without_sweep, write_sweep_table
+from sprout.pipeline.sweep import parse_option, parse_select, reads_dev_only
+from sprout.pipeline.sweep_table import write_sweep_table
 from tests.test_pipeline_seeds import FAKE_TRAIN, ROOT, fake_preset, write_yaml
 
 # the fake trainer with --optim.lr: skill = the config's + round(lr * 10)
@@ -68,14 +68,32 @@ def test_a_swept_stage_runs_once_per_setting_each_evaluated_on_dev_right_after_i
     assert command_args(preset, ev) == [[str(root / "grpo_model_lr0.2_seed7"), "--split", "dev", "--out",
                                          str(root / "eval" / "grpo_lr0.2_seed7" / "arith_dev.json")]]
     assert command_args(preset, preset.stage("eval_sft"))[0][2] == "test"  # not swept: both splits
-    before, chosen = select(preset, "grpo", "eval_grpo")  # the swept names: first and last setting
+    before, chosen = select(preset, "grpo", "eval_grpo_lr0_2_seed7")  # the swept name: its first setting
     assert [s.name for s in before] == ["sft"] and chosen[-1].name == "eval_grpo_lr0_2_seed7"
+    with pytest.raises(SproutError, match="eval_grpo: a swept stage's evaluation runs right after each setting; "
+                                          "name one setting's .eval_grpo_lr0_1_seed7."):
+        select(preset, "eval_grpo", None)  # it would train the later settings again
 
 
-def test_reads_test_sees_the_split_flag_and_test_files():
-    assert reads_test(["ckpt", "--split", "test"]) and reads_test(["--split=test"])
-    assert reads_test(["ckpt", "--prompts", "rl/prompts_test.jsonl"])
-    assert not reads_test(["ckpt", "--split", "dev", "--out", "x/arith_dev.json"])
+def test_only_commands_shown_to_read_dev_are_kept():
+    assert reads_dev_only(["ckpt", "--split", "dev"]) and reads_dev_only(["ckpt", "--split=dev"])
+    assert reads_dev_only(["ckpt", "--task", "arith"])  # evaluate.py's default split is dev
+    assert reads_dev_only(["ckpt", "--prompts", "rl/prompts_dev.jsonl"])
+    assert not reads_dev_only(["ckpt", "--split", "test"]) and not reads_dev_only(["ckpt", "--split=test"])
+    assert not reads_dev_only(["ckpt", "--task", "arith", "--out", "x/arith_test.json"])
+    assert not reads_dev_only(["ckpt", "--prompts", "heldout.jsonl"])  # not shown to be dev: dropped
+
+
+def test_a_stage_reading_a_swept_evaluation_is_left_out_and_a_file_out_keeps_its_suffix(sweep_preset):
+    data = yaml.safe_load(sweep_preset.read_text())
+    data["stages"][3]["out"] = "eval/grpo.json"
+    data["stages"][3]["args"] = [["{grpo}", "--split", "dev", "--out", "{out}"]]
+    data["stages"].append({"name": "summary", "kind": "prep", "script": "x.py", "inputs": ["eval_grpo"],
+                           "out": "summary.md", "args": ["{eval_grpo}"]})
+    preset = load_preset(write_yaml(sweep_preset, data), sweeps=sweeps("grpo:optim.lr=0.1,0.2"))
+    assert [s.name for s in preset.stages] == ["sft", "grpo_lr0_1", "eval_grpo_lr0_1", "grpo_lr0_2", "eval_grpo_lr0_2",
+                                               "eval_sft"]
+    assert preset.stage("eval_grpo_lr0_2").out == "eval/grpo_lr0.2.json"
 
 
 @pytest.mark.parametrize("option, many, message", [
@@ -100,6 +118,10 @@ def test_a_malformed_option_is_refused_in_one_line(option, many, message):
     ({"sweeps": sweeps("grpo:x=1"), "seeds": [1, 2], "seed_stages": ["grpo"]}, "--sweep grpo with --seeds"),
     ({"sets": [parse_option("ppo:x=1", many=False)]}, "--set ppo:x: .* has no stage 'ppo'"),
     ({"sets": [parse_option("grpo:x=1", many=False)] * 2}, "--set grpo:x: set twice"),
+    ({"sets": [parse_option("grpo:optim.lr=9", many=False)], "sweeps": sweeps("grpo:optim.lr=0.1,0.2")},
+     "--set grpo:optim.lr: optim.lr is also swept"),
+    ({"sets": [parse_option("grpo:train.seed=9", many=False)], "seeds": [1], "seed_stages": ["grpo"]},
+     "--set grpo:train.seed: grpo is seeded"),
 ])
 def test_what_cannot_be_swept_or_set_is_refused_in_one_line(sweep_preset, kw, message):
     with pytest.raises(SproutError, match=message):
@@ -124,11 +146,12 @@ def test_no_test_split_is_read_and_the_table_chooses_the_best_dev_figure(sweep_p
     assert table["chosen"] == {"optim.lr": "0.3", "train.seed": "5"} and table["select"] == ["arith", "pass@1"]
     assert chose == ["sweep: chosen on dev optim.lr=0.3, train.seed=5 (of 3 settings)"]
     text = md.read_text()
-    assert "Settings tried: 3 (optim.lr = 0.1, 0.3, 0.2; train.seed = 5)" in text and "no test split was read" in text
-    assert "Run it with `--set grpo:optim.lr=0.3` and the seeds to report (`--seeds N,N,...`)." in text
+    assert "Settings tried: 3 (optim.lr = 0.1, 0.3, 0.2; train.seed = 5)" in text and "no setting's test split was read" in text
+    assert "Run it with `--set grpo:optim.lr=0.3` and the seeds to report (`--seeds N,N,...`), and the options the " \
+        "first setting's command shows." in text
     first = f"--optim.lr 0.1 --train.seed 5 --out {root / 'grpo_model_lr0.1_seed5'}`"
     assert "First setting's training command: `python " in text and first in text
-    assert "| sft (start) | done |" in text and "| optim.lr=0.3, train.seed=5 (chosen) | done |" in text
+    assert "| sft (start) | done | 23.8" in text and "| optim.lr=0.3, train.seed=5 (chosen) | done |" in text
     # every change is paired on the same dev problems: recompute one from the files
     sft = json.loads((root / "eval" / "sft" / "arith_dev.json").read_text())["problems"]
     low = json.loads((root / "eval" / "grpo_lr0.1_seed5" / "arith_dev.json").read_text())["problems"]
@@ -137,10 +160,27 @@ def test_no_test_split_is_read_and_the_table_chooses_the_best_dev_figure(sweep_p
     assert vs_sft["diff"] == pytest.approx(expected) and vs_sft["problems"] == len(sft)
     chosen_row = next(s for s in table["settings"] if s["setting"]["optim.lr"] == "0.3")
     assert chosen_row["changes"]["arith/pass@1 vs chosen"] is None  # not against itself
+    with pytest.raises(SproutError, match=r"--sweep-select arith:pass@2: no setting's dev evaluation has it "
+                                          r"\(they have arith: flexible/pass@1, pass@1, prompts\)"):
+        write_sweep_table(preset, state, ("arith", "pass@2"))
     # selecting by another figure (flexible pass@1) is honoured
     assert parse_select("arith:flexible/pass@1") == ("arith", "flexible/pass@1")
     write_sweep_table(preset, state, ("arith", "flexible/pass@1"), log=lambda *_: None)
     assert json.loads((root / "sweep_grpo.json").read_text())["select"] == ["arith", "flexible/pass@1"]
+
+
+def test_the_start_row_is_the_start_stage_own_evaluation_even_when_a_setting_evaluation_reads_it_too(sweep_preset):
+    data = yaml.safe_load(sweep_preset.read_text())
+    stages = {s["name"]: s for s in data["stages"]}
+    stages["eval_grpo"]["inputs"] = ["sft", "grpo"]  # a setting's evaluation reads the start stage as well
+    data["stages"] = [stages[n] for n in ("sft", "eval_sft", "grpo", "eval_grpo")]
+    preset = load_preset(write_yaml(sweep_preset, data), sweeps=sweeps("grpo:optim.lr=0.3"))
+    state = run_pipeline(preset, log=lambda *_: None)
+    write_sweep_table(preset, state, log=lambda *_: None)
+    table = json.loads((preset.out / "sweep_grpo.json").read_text())
+    sft = json.loads((preset.out / "eval" / "sft" / "arith_dev.json").read_text())["metrics"]["pass@1"]
+    change = table["settings"][0]["changes"]["arith/pass@1 vs sft"]
+    assert change["diff"] == pytest.approx(table["settings"][0]["dev"]["arith"]["pass@1"]["value"] - sft)
 
 
 def test_set_gives_a_stage_its_option_and_runs_it_again(sweep_preset):
@@ -156,20 +196,17 @@ def test_set_gives_a_stage_its_option_and_runs_it_again(sweep_preset):
 
 def test_run_pipeline_sweeps_from_its_command_line_and_keeps_the_sweep_out_of_the_report_card(sweep_preset):
     cmd = [sys.executable, str(ROOT / "scripts" / "run_pipeline.py"), "--preset", str(sweep_preset)]
-    proc = subprocess.run(cmd + ["--sweep", "grpo:optim.lr=0.1,0.2", "--no-report"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(cmd + ["--sweep", "grpo:optim.lr=0.1,0.2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     root = sweep_preset.parent / "runs"
     assert "sweep: chosen on dev optim.lr=0.2 (of 2 settings)" in proc.stdout
-    assert f"Sweep: `python scripts/run_pipeline.py --preset {sweep_preset} --sweep grpo:optim.lr=0.1,0.2 " \
-        f"--no-report`" in (root / "sweep_grpo.md").read_text()
+    assert not (root / "report.md").exists()  # a sweep leaves the root's report card as it is
+    assert f"Sweep: `python scripts/run_pipeline.py --preset {sweep_preset} --sweep grpo:optim.lr=0.1,0.2`" \
+        in (root / "sweep_grpo.md").read_text()
     assert (root / "sweep_grpo.md").is_file() and not (root / "sweep_grpo.png").exists()  # no curves logged
     state = read_state(root)
     assert list(state["stages"]) == ["sft", "grpo_lr0_1", "eval_grpo_lr0_1", "grpo_lr0_2", "eval_grpo_lr0_2",
                                      "eval_sft"]
-    preset = load_preset(sweep_preset, sweeps=sweeps("grpo:optim.lr=0.1,0.2"))
-    report = write_report_card(without_sweep(preset), state, answers=False).read_text()
-    assert "| sft |" in report and "grpo_lr0_1" not in report
     bad = subprocess.run(cmd + ["--sweep", "grpo:optim.lr"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "error: --sweep grpo:optim.lr: expected STAGE:KEY=VALUE" in bad.stderr
     assert bad.stderr.count("\n") == 1  # one line, no traceback

@@ -220,7 +220,7 @@ class TrainingRecords:
                 where = ("measured at start: other load on the machine then lowers it" if self.peak_source == "measured"
                          else "train.peak_tflops")
                 run.trainer.accelerator.print(
-                    f"note: MFU {record['mfu']:.0%} is above 100 %: the peak it is measured against, "
+                    f"note: MFU {100 * record['mfu']:.0f} % is above 100 %: the peak it is measured against, "
                     f"{self.peak / 1e12:.3g} TFLOP/s per process ({where}), is below what training reached; "
                     f"set train.peak_tflops to the hardware's figure")
         record["elapsed_s"] = time.perf_counter() - run.t_start

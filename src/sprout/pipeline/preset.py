@@ -198,6 +198,11 @@ def load_preset(path: str | Path, out: str | Path | None = None, model: str | No
                 raise SproutError(f"{path}: seed_stages: {name!r} is not a train stage of this preset (a stage "
                                   f"reading a seeded stage runs per seed by itself)")
     if sets:
+        for stage, key, _ in sets:  # an option given twice: the last would win, silently
+            if any(stage == name and key == k for name, k, _ in sweeps or []):
+                raise SproutError(f"--set {stage}:{key}: {key} is also swept (--sweep {stage}:{key}=...)")
+            if key == "train.seed" and seeds and stage in (seed_stages or []):
+                raise SproutError(f"--set {stage}:train.seed: {stage} is seeded (--seeds gives each run its seed)")
         stages = sweep.apply_sets(path, stages, sets)
     if sweeps and seeds and {name for name, _, _ in sweeps} & set(seed_stages or []):
         raise SproutError(f"--sweep {sweeps[0][0]} with --seeds: a sweep chooses a setting on dev, seeds then "
@@ -258,6 +263,9 @@ def select(preset: Preset, start: str | None, end: str | None) -> tuple[list[Sta
     swept stage's name stands for its first seed or setting (--from) or its last (--to)."""
     def at(name: str) -> list[int]:
         found = [i for i, s in enumerate(preset.stages) if name in (s.name, s.seed_of, s.sweep_of)]
+        if found and all(preset.stages[i].kind == "eval" and preset.stages[i].sweep_of == name for i in found):
+            raise SproutError(f"{name}: a swept stage's evaluation runs right after each setting; name one setting's "
+                              f"({preset.stages[found[0]].name}) or the swept train stage")
         return found or [preset.stages.index(preset.stage(name))]
     i = at(start)[0] if start else 0
     j = at(end)[-1] if end else len(preset.stages) - 1

@@ -1,6 +1,7 @@
 """The pipeline runner: every stage of a preset, in order, skipping what is done.
 
-A preset (sprout.pipeline.preset: configs/pipelines/*.yaml, seeds, sweeps) lists the stages: a prep stage runs as a plain process, a train or eval stage under `accelerate
+A preset (sprout.pipeline.preset: configs/pipelines/*.yaml, seeds, sweeps) lists the stages:
+a prep stage runs as a plain process, a train or eval stage under `accelerate
 launch` when the launcher is `accelerate`. `<out>/pipeline_state.json` (written atomically)
 records for each stage its input hashes (`stage_inputs`), its wall time, its peak resident
 memory (`peak_rss_mb`, `run_child`) and, once it completes, its output hashes. Same inputs and
@@ -50,11 +51,11 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def stage_inputs(preset: Preset, stage: Stage, state: dict, *, legacy: bool = False) -> dict:
+def stage_inputs(preset: Preset, stage: Stage, state: dict) -> dict:
     """What a stage's result depends on: its config's sha256, its command lines (the output root
     written as {root} and the repository as {repo}, so a moved root or another checkout keeps its
     hashes) and the input and output hashes of the stages it reads (so a change anywhere upstream
-    reaches it). `legacy`: the repository written out, as sprout recorded it before {repo}."""
+    reaches it)."""
     root, repo = str(preset.out), str(REPO_ROOT)
     for path, what in ((stage.script, "script"), (stage.config, "config")):
         if path is not None and not path.is_file():
@@ -68,8 +69,8 @@ def stage_inputs(preset: Preset, stage: Stage, state: dict, *, legacy: bool = Fa
     return {"script": str(stage.script.relative_to(REPO_ROOT) if stage.script.is_relative_to(REPO_ROOT)
                           else stage.script),
             "config_sha256": sha256_file(stage.config) if stage.config else None,
-            "commands": [[a.replace(root, "{root}") if legacy else a.replace(root, "{root}").replace(repo, "{repo}")
-                          for a in c] for c in command_args(preset, stage)],
+            "commands": [[a.replace(root, "{root}").replace(repo, "{repo}") for a in c]
+                         for c in command_args(preset, stage)],
             "upstream": upstream}
 
 
@@ -117,26 +118,31 @@ def outputs_verify(preset: Preset, stage: Stage, rec: dict) -> bool:
         return False
 
 
-def upgrade_state(preset: Preset, state: dict) -> list[str]:
-    """Rewrite, in preset order, each record whose inputs an earlier sprout hashed with the
-    repository written out (`stage_inputs(legacy=True)`, from this checkout) in today's form;
-    returns the stages rewritten. What it rewrites is what would have been skipped or resumed."""
-    before = copy.deepcopy(state)
-    upgraded = []
-    for stage in preset.stages:
-        rec = state["stages"].get(stage.name)
-        if not rec or "input_hash" not in rec:
-            continue
-        try:
-            legacy = stage_inputs(preset, stage, before, legacy=True)
-        except SproutError:
-            continue
-        if digest(legacy) == rec["input_hash"]:  # the same inputs: recorded again against the upgraded upstream
-            inputs = stage_inputs(preset, stage, state)
-            if digest(inputs) != rec["input_hash"]:
-                rec["inputs"], rec["input_hash"] = inputs, digest(inputs)
-                upgraded.append(stage.name)
-    return upgraded
+def upgrade_state(state: dict) -> list[str]:
+    """Rewrite in place every record (of any preset run in this root: seeds, sweep settings)
+    whose inputs an earlier sprout hashed with this checkout's path written out: the path
+    becomes {repo} in its command lines, the upstream input hashes it names become their
+    upgraded ones, and its input hash is recomputed. Only a record whose `inputs` digest to its
+    `input_hash` is touched; returns the names rewritten. What was skipped or resumed still is."""
+    repo, renamed, upgraded = str(REPO_ROOT), {}, []
+    for _ in range(len(state["stages"])):  # upstream records first; passes until nothing changes
+        changed = False
+        for name, rec in state["stages"].items():
+            inputs = rec.get("inputs")
+            if not isinstance(inputs, dict) or digest(inputs) != rec.get("input_hash"):
+                continue
+            new = copy.deepcopy(inputs)
+            new["commands"] = [[a.replace(repo, "{repo}") for a in c] for c in inputs.get("commands", [])]
+            for up in new.get("upstream", {}).values():
+                up["inputs"] = renamed.get(up.get("inputs"), up.get("inputs"))
+            if new != inputs:
+                renamed[rec["input_hash"]] = digest(new)
+                rec["inputs"], rec["input_hash"] = new, digest(new)
+                upgraded.append(name)
+                changed = True
+        if not changed:
+            break
+    return sorted(set(upgraded), key=upgraded.index)
 
 
 # ---- state, lock, temporaries -------------------------------------------------------------------
@@ -295,7 +301,7 @@ def run_pipeline(preset: Preset, start: str | None = None, end: str | None = Non
         if removed := remove_temporaries(preset.out):
             log(f"removed {len(removed)} temporary file(s) a killed write left under {preset.out}")
         state = read_state(preset.out)
-        if upgraded := upgrade_state(preset, state):
+        if upgraded := upgrade_state(state):
             write_state(preset.out, state)
             log(f"recorded the inputs of {len(upgraded)} stage(s) with the repository as {{repo}} (same inputs)")
         for stage in before:
