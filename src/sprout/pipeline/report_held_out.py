@@ -18,8 +18,9 @@ import json
 from pathlib import Path
 
 from sprout.errors import SproutError
-from sprout.evaluation.evaluate import FLEXIBLE, problem_scores
-from sprout.evaluation.statistics import (excludes_zero, paired_difference_interval, seeds_mean_interval,
+from sprout.evaluation.compare import change, paired_scores
+from sprout.evaluation.evaluate import FLEXIBLE
+from sprout.evaluation.statistics import (excludes_zero, seeds_mean_interval,
                                           seeds_paired_difference_interval, wilson_interval)
 
 FIGURE_TITLES = {"greedy/accuracy": "greedy accuracy", "greedy/format_rate": "greedy format rate",
@@ -113,40 +114,6 @@ def figure_cell(metrics: dict, figure: str) -> str:
 def interval_cell(value: float, ci) -> str:
     text = f"{100 * value:.1f}"
     return text + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
-
-
-def paired_scores(a: dict, b: dict, figure: str) -> tuple[dict, dict] | str:
-    """({problem id: score} of eval file `a`, of `b`) for `figure`, or why they do not pair: they
-    pair only with the same problem ids and max_new_tokens (and, for pass@k, temperature)."""
-    pa, pb = a.get("problems"), b.get("problems")
-    if not pa or not pb:
-        return "no per-problem outcomes"
-    settings = ("max_new_tokens", "temperature") if "pass@" in figure else ("max_new_tokens",)
-    for key in settings:
-        x, y = (a.get("settings") or {}).get(key), (b.get("settings") or {}).get(key)
-        if x != y:
-            return f"different {key} ({x} vs {y})"
-    ids_a, ids_b = [p["id"] for p in pa], [p["id"] for p in pb]
-    if len(set(ids_a)) < len(ids_a) or len(set(ids_b)) < len(ids_b):
-        return "repeated problem ids"
-    if set(ids_a) != set(ids_b):
-        return f"different problems ({len(ids_a)} vs {len(ids_b)}, {len(set(ids_a) & set(ids_b))} shared)"
-    sa, sb = problem_scores(pa, figure), problem_scores(pb, figure)
-    if sa is None or sb is None:
-        return f"no per-problem {figure}"
-    return dict(zip(ids_a, sa)), dict(zip(ids_b, sb))
-
-
-def change(before: dict, after: dict, figure: str) -> dict:
-    """The change of `figure` from eval file `before` to `after` on the same problems: the mean over
-    problems of after's score minus before's (the files' `problems` records) with the paired
-    bootstrap interval, {diff, ci, real} (fractions; real: ✓, the interval excludes 0), or
-    {not_paired: why}. A seeded stage against several seeds is not paired (`changes_rows`)."""
-    scores = paired_scores(before, after, figure)
-    if isinstance(scores, str):
-        return {"not_paired": scores}
-    diff, lo, hi = paired_difference_interval(*scores)
-    return {"diff": diff, "ci": [lo, hi], "real": excludes_zero(lo, hi), "problems": len(scores[0])}
 
 
 def seeds_change(before: dict, after: list[dict], figure: str) -> dict:

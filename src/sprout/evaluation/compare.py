@@ -1,0 +1,107 @@
+"""Two evaluations of the same problems or pairs, compared: the paired change of each figure.
+
+`change(before, after, figure)` reads two scripts/evaluate.py JSONs: a task's (`problems`, each
+problem's score `problem_scores` gives) or a preference ranking's (`pairs`, 1 for a pair ranked
+right, else 0; figures `accuracy` and `by_kind/<kind>/accuracy` over that kind's pairs). The
+change is the mean over the shared problems of after's score minus before's, with the paired
+bootstrap interval (`paired_difference_interval`); files pair only on the same problem ids and
+the same generation length (and temperature for pass@k), or the same preference file.
+`compare_rows` gives every figure both files hold; scripts/compare_evals.py prints them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sprout.errors import SproutError
+from sprout.evaluation.evaluate import problem_scores
+from sprout.evaluation.statistics import excludes_zero, paired_difference_interval
+
+PREFERENCES = "preferences"
+
+
+def read_evaluation(path: str | Path) -> dict:
+    """An evaluate.py JSON: an object with `task` and `metrics`, and `problems` (a task's) or
+    `pairs` (a preference ranking's) to pair on; anything else is refused naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SproutError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict) or "task" not in data or not isinstance(data.get("metrics"), dict):
+        raise SproutError(f"{path}: not a scripts/evaluate.py JSON (no `task` and `metrics`)")
+    field = "pairs" if data["task"] == PREFERENCES else "problems"
+    if not isinstance(data.get(field), list):
+        raise SproutError(f"{path}: {field}: missing, so nothing can be paired (an evaluation written before "
+                          f"per-{field[:-1]} records; evaluate it again)")
+    return data
+
+
+def _pair_scores(records: list[dict], figure: str) -> dict[str, float] | None:
+    """{pair id: 1.0 ranked right, else 0.0} of the pairs `figure` is over, or None."""
+    if figure == "accuracy":
+        kept = records
+    elif figure.startswith("by_kind/") and figure.endswith("/accuracy"):
+        kept = [p for p in records if p.get("kind") == figure[len("by_kind/"):-len("/accuracy")]]
+    else:
+        return None
+    return {p["id"]: float(p["correct"]) for p in kept} or None
+
+
+def paired_scores(a: dict, b: dict, figure: str) -> tuple[dict, dict] | str:
+    """({problem or pair id: score} of eval file `a`, of `b`) for `figure`, or why they do not
+    pair: problems pair only with the same ids and max_new_tokens (and, for pass@k,
+    temperature); preference pairs only from the same file (its sha256)."""
+    if a.get("task") == PREFERENCES or b.get("task") == PREFERENCES:
+        if a.get("task") != b.get("task"):
+            return "a preference ranking against a task's evaluation"
+        if a.get("preferences_sha256") != b.get("preferences_sha256"):
+            return "different preference files"
+        sa, sb = _pair_scores(a.get("pairs") or [], figure), _pair_scores(b.get("pairs") or [], figure)
+        if sa is None or sb is None:
+            return f"no per-pair {figure}"
+        if set(sa) != set(sb):
+            return f"different pairs ({len(sa)} vs {len(sb)}, {len(set(sa) & set(sb))} shared)"
+        return sa, sb
+    pa, pb = a.get("problems"), b.get("problems")
+    if not pa or not pb:
+        return "no per-problem outcomes"
+    settings = ("max_new_tokens", "temperature") if "pass@" in figure else ("max_new_tokens",)
+    for key in settings:
+        x, y = (a.get("settings") or {}).get(key), (b.get("settings") or {}).get(key)
+        if x != y:
+            return f"different {key} ({x} vs {y})"
+    ids_a, ids_b = [p["id"] for p in pa], [p["id"] for p in pb]
+    if len(set(ids_a)) < len(ids_a) or len(set(ids_b)) < len(ids_b):
+        return "repeated problem ids"
+    if set(ids_a) != set(ids_b):
+        return f"different problems ({len(ids_a)} vs {len(ids_b)}, {len(set(ids_a) & set(ids_b))} shared)"
+    sa, sb = problem_scores(pa, figure), problem_scores(pb, figure)
+    if sa is None or sb is None:
+        return f"no per-problem {figure}"
+    return dict(zip(ids_a, sa)), dict(zip(ids_b, sb))
+
+
+def change(before: dict, after: dict, figure: str) -> dict:
+    """The change of `figure` from eval file `before` to `after` on the same problems or pairs:
+    {diff, ci, real, problems} (fractions; real: the interval excludes 0), or {not_paired: why}."""
+    scores = paired_scores(before, after, figure)
+    if isinstance(scores, str):
+        return {"not_paired": scores}
+    diff, lo, hi = paired_difference_interval(*scores)
+    return {"diff": diff, "ci": [lo, hi], "real": excludes_zero(lo, hi), "problems": len(scores[0])}
+
+
+def compare_rows(before: dict, after: dict) -> list[dict]:
+    """One row per figure both files hold that is a mean over problems or pairs, in `after`'s
+    order: {figure, before, after, change} (`change`'s result)."""
+    mb, ma = before.get("metrics", {}), after.get("metrics", {})
+    rows = []
+    for figure in ma:
+        if figure in mb and not figure.endswith("_ci") and isinstance(ma[figure], (int, float)):
+            result = change(before, after, figure)
+            if result.get("not_paired", "").startswith("no per-"):
+                continue  # a count or a length, not a mean of per-problem scores
+            rows.append({"figure": figure, "before": mb[figure], "after": ma[figure], "change": result})
+    return rows

@@ -1,0 +1,106 @@
+"""Two evaluations compared (sprout.evaluation.compare, scripts/compare_evals.py): the paired
+change of every figure both files hold, on made-up evaluate.py JSONs of problems and of
+preference pairs written here.
+
+Checked: the change is the mean of the per-problem (per-pair) differences, by kind for pairs;
+files of other problems, another generation length or another preference file do not pair and
+say why; what is not an evaluate.py JSON is refused in one line; the script prints and writes
+the rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sprout.errors import SproutError
+from sprout.evaluation.compare import change, compare_rows, read_evaluation
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def task_file(correct: list[int], greedy: list[int], *, n=4, max_new_tokens=64, ids=None) -> dict:
+    ids = ids or [f"p{i}" for i in range(len(correct))]
+    problems = [{"id": i, "n": n, "correct": c, "formatted": n, "greedy_correct": g}
+                for i, c, g in zip(ids, correct, greedy)]
+    return {"task": "arith", "split": "dev", "settings": {"n": n, "temperature": 1.0, "max_new_tokens": max_new_tokens},
+            "metrics": {"prompts": len(problems), "pass@1": sum(correct) / (n * len(correct)),
+                        "greedy/accuracy": sum(greedy) / len(greedy), "completions/mean_length": 20.0},
+            "problems": problems}
+
+
+def pref_file(correct: list[bool], kinds: list[str], sha="aa") -> dict:
+    pairs = [{"id": f"q{i}", "kind": k, "correct": c, "margin": 1.0} for i, (c, k) in enumerate(zip(correct, kinds))]
+    by = {}
+    for k in sorted(set(kinds)):
+        group = [p for p in pairs if p["kind"] == k]
+        by[f"by_kind/{k}/accuracy"] = sum(p["correct"] for p in group) / len(group)
+        by[f"by_kind/{k}/pairs"] = len(group)
+    return {"task": "preferences", "preferences_sha256": sha, "pairs": pairs,
+            "metrics": {"accuracy": sum(correct) / len(correct), "pairs": len(pairs), "margin": 1.0, **by}}
+
+
+def test_the_change_is_the_mean_of_the_paired_differences():
+    a = task_file([0, 1, 2, 4, 3, 0], [0, 0, 1, 1, 1, 0])
+    b = task_file([2, 1, 4, 4, 3, 1], [1, 0, 1, 1, 1, 1])
+    rows = {r["figure"]: r for r in compare_rows(a, b)}
+    assert list(rows) == ["pass@1", "greedy/accuracy"]  # counts and lengths are no per-problem means
+    assert rows["pass@1"]["change"]["diff"] == pytest.approx((2 + 0 + 2 + 0 + 0 + 1) / 4 / 6)
+    assert rows["greedy/accuracy"]["change"]["diff"] == pytest.approx(2 / 6)
+    lo, hi = rows["pass@1"]["change"]["ci"]
+    assert lo <= rows["pass@1"]["change"]["diff"] <= hi and rows["pass@1"]["change"]["problems"] == 6
+    assert change(a, a, "pass@1")["diff"] == 0 and not change(a, a, "pass@1")["real"]
+
+
+def test_files_that_do_not_pair_say_why():
+    a = task_file([1, 2], [1, 0])
+    assert change(a, task_file([1, 2], [1, 0], ids=["p0", "x"]), "pass@1")["not_paired"] == \
+        "different problems (2 vs 2, 1 shared)"
+    assert change(a, task_file([1, 2], [1, 0], max_new_tokens=32), "greedy/accuracy")["not_paired"] == \
+        "different max_new_tokens (64 vs 32)"
+    p = pref_file([True, False], ["near_miss", "near_miss"])
+    assert change(p, pref_file([True, True], ["near_miss", "near_miss"], sha="bb"), "accuracy")["not_paired"] == \
+        "different preference files"
+    assert change(a, p, "accuracy")["not_paired"] == "a preference ranking against a task's evaluation"
+
+
+def test_preference_rankings_pair_on_their_pairs_overall_and_by_kind():
+    kinds = ["near_miss"] * 4 + ["broken_format"] * 2
+    a = pref_file([True, True, False, True, True, True], kinds)
+    b = pref_file([True, False, False, False, True, True], kinds)
+    rows = {r["figure"]: r["change"] for r in compare_rows(a, b)}
+    assert set(rows) == {"accuracy", "by_kind/near_miss/accuracy", "by_kind/broken_format/accuracy"}
+    assert rows["accuracy"]["diff"] == pytest.approx(-2 / 6) and rows["accuracy"]["problems"] == 6
+    assert rows["by_kind/near_miss/accuracy"]["diff"] == pytest.approx(-2 / 4)
+    assert rows["by_kind/broken_format/accuracy"]["diff"] == 0
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "not a scripts/evaluate.py JSON"),
+    ("{", "not a readable JSON file"),
+    (json.dumps({"task": "arith", "metrics": {}}), "problems: missing, so nothing can be paired"),
+    (json.dumps({"task": "preferences", "metrics": {}}), "pairs: missing"),
+])
+def test_what_is_not_an_evaluation_is_refused_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "x.json"
+    path.write_text(content)
+    with pytest.raises(SproutError, match=f"{path}: {message}"):
+        read_evaluation(path)
+
+
+def test_the_script_prints_each_change_and_writes_the_rows(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(task_file([0, 0, 0, 0, 0, 0, 0, 0], [0] * 8)))
+    b.write_text(json.dumps(task_file([4] * 8, [1] * 8)))
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(a), str(b), "--json",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "pass@1" in proc.stdout and "+100.0 [+100.0, +100.0] ✓  (8 paired)" in proc.stdout
+    assert [r["figure"] for r in json.loads(out.read_text())["rows"]] == ["pass@1", "greedy/accuracy"]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(a), str(tmp_path / "no.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "no.json: not a readable JSON file" in bad.stderr
