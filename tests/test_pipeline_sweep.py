@@ -146,7 +146,8 @@ def test_no_test_split_is_read_and_the_table_chooses_the_best_dev_figure(sweep_p
     assert table["chosen"] == {"optim.lr": "0.3", "train.seed": "5"} and table["select"] == ["arith", "pass@1"]
     assert chose == ["sweep: chosen on dev optim.lr=0.3, train.seed=5 (of 3 settings)"]
     text = md.read_text()
-    assert "Settings tried: 3 (optim.lr = 0.1, 0.3, 0.2; train.seed = 5)" in text and "no setting's test split was read" in text
+    assert "Settings tried: 3 (optim.lr = 0.1, 0.3, 0.2; train.seed = 5)" in text
+    assert "no setting's test split was read" in text
     assert "Run it with `--set grpo:optim.lr=0.3` and the seeds to report (`--seeds N,N,...`), and the options the " \
         "first setting's command shows." in text
     first = f"--optim.lr 0.1 --train.seed 5 --out {root / 'grpo_model_lr0.1_seed5'}`"

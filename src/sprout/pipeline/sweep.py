@@ -19,8 +19,8 @@ from pathlib import Path
 
 from sprout.errors import SproutError
 
-KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-VALUE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+OPTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+OPTION_VALUE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
 # ---- the command line ---------------------------------------------------------------------------
@@ -33,9 +33,9 @@ def parse_option(text: str, *, many: bool) -> tuple[str, str, list[str]]:
     if not stage or not key or not eq:
         raise SproutError(f"{flag} {text}: expected STAGE:KEY=VALUE{',VALUE,...' if many else ''} "
                           f"(e.g. grpo:optim.lr=1e-5{',2e-5' if many else ''})")
-    if not KEY.match(key):
+    if not OPTION_NAME.match(key):
         raise SproutError(f"{flag} {text}: {key!r} is not an option name (words joined by dots: optim.lr)")
-    if not values or not all(VALUE.match(v) for v in values):
+    if not values or not all(OPTION_VALUE.match(v) for v in values):
         raise SproutError(f"{flag} {text}: each value must be letters, digits or _ . + - (got {values_text!r})")
     if not many and len(values) > 1:
         raise SproutError(f"{flag} {text}: one value only (--sweep tries several)")

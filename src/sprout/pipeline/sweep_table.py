@@ -47,7 +47,8 @@ def sweep_rows(preset, state: dict) -> tuple[str, list[dict]] | None:
     return settings[0].sweep_of, rows
 
 
-def choose(rows: list[dict], select: tuple[str, str] | None, tasks: list[str]) -> tuple[tuple[str, str] | None, dict | None]:
+def choose(rows: list[dict], select: tuple[str, str] | None,
+           tasks: list[str]) -> tuple[tuple[str, str] | None, dict | None]:
     """((task, figure) selected on, the row with its highest dev mean; the first on ties). The
     default: the first of `tasks` (the eval commands' order) that a setting has, by pass@1, or by
     greedy accuracy where it has no pass@1. A figure no done setting's file has is refused,
