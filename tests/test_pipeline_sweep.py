@@ -32,7 +32,10 @@ LR_TRAIN = FAKE_TRAIN.replace(
     'p.add_argument("--optim.lr", dest="lr", type=float, default=0.0)').replace(
     'json.loads(Path(args.config).read_text())["skill"]}',
     'json.loads(Path(args.config).read_text())["skill"] + round(args.lr * 10)}')
-assert LR_TRAIN.count("args.lr") == 1
+LR_TRAIN = LR_TRAIN.replace(  # three training records; the median step time is 3.0 s
+    'json.dumps({"step": 1, "loss": 1.0 / (1 + run["skill"])}) + "\\n")',
+    '"".join(json.dumps({"step": i, "loss": 1.0, "step_time_s": t}) + "\\n" for i, t in ((1, 2.0), (2, 9.0), (3, 3.0))))')
+assert LR_TRAIN.count("args.lr") == 1 and LR_TRAIN.count("step_time_s") == 1
 
 
 @pytest.fixture
@@ -140,6 +143,7 @@ def test_no_test_split_is_read_and_the_table_chooses_the_best_dev_figure(sweep_p
     md = write_sweep_table(preset, state, log=chose.append)
     table = json.loads((root / "sweep_grpo.json").read_text())
     assert {s["setting"]["train.seed"] for s in table["settings"]} == {"5"}
+    assert {s["step_time_s"] for s in table["settings"]} == {3.0}
     dev = {s["setting"]["optim.lr"]: s["dev"]["arith"]["pass@1"]["value"] for s in table["settings"]}
     best = max(dev, key=dev.get)
     assert dev["0.3"] > dev["0.1"] and best == "0.3"  # skill grows with lr in the fake trainer

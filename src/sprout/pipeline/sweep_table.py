@@ -3,7 +3,8 @@
 `write_sweep_table` writes `<out>/sweep_<stage>.md`, `.json` and `.png` (the curves each run
 logged while training): the sweep's command and the first setting's training command, then per
 setting its dev figures with their 95 % intervals, its paired change (same dev problems) from
-the stage the sweep starts from and from the chosen setting, its wall time and peak memory.
+the stage the sweep starts from and from the chosen setting, its wall time, median step time
+and peak memory.
 Chosen: the highest dev mean of the selection figure (`choose`; ties: the first listed).
 Every figure is read back from evaluate.py's JSON, never recomputed.
 """
@@ -32,8 +33,9 @@ def _setting_text(setting: dict[str, str]) -> str:
 
 
 def sweep_rows(preset, state: dict) -> tuple[str, list[dict]] | None:
-    """(swept stage, one row per setting: {stage, setting, status, wall_s, peak_rss_mb, files:
-    {task: dev eval JSON}}), or None when the preset sweeps nothing."""
+    """(swept stage, one row per setting: {stage, setting, status, wall_s, peak_rss_mb,
+    step_time_s (the median of its training records' `step_time_s`), files: {task: dev eval
+    JSON}}), or None when the preset sweeps nothing."""
     settings = [s for s in preset.stages if s.sweep_of and s.kind == "train"]
     if not settings:
         return None
@@ -41,8 +43,10 @@ def sweep_rows(preset, state: dict) -> tuple[str, list[dict]] | None:
     for s in settings:
         rec = state["stages"].get(s.name) or {}
         files = {task: splits["dev"] for task, splits in eval_files(preset, s.name, state).items() if "dev" in splits}
+        times = sorted(r["step_time_s"] for r in read_metrics(preset.out_of(s) / METRICS) if "step_time_s" in r)
         rows.append({"stage": s.name, "setting": s.setting, "status": rec.get("status", "not run"),
                      "wall_s": rec.get("wall_s"), "peak_rss_mb": rec.get("peak_rss_mb"),
+                     "step_time_s": times[len(times) // 2] if times else None,
                      "out": str(preset.out_of(s)), "files": files})
     return settings[0].sweep_of, rows
 
@@ -115,7 +119,8 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
     data = {"stage": name, "command": command, "first_command": first, "select": list(select) if select else None,
             "chosen": chosen["setting"] if chosen else None, "settings": []}
     for r in rows:
-        data["settings"].append({k: r[k] for k in ("stage", "setting", "status", "wall_s", "peak_rss_mb", "out")}
+        data["settings"].append({k: r[k] for k in ("stage", "setting", "status", "wall_s", "peak_rss_mb", "step_time_s",
+                                                   "out")}
                                 | {"dev": {t: {f: {"value": d["metrics"].get(f), "ci": d["metrics"].get(f"{f}_ci")}
                                                for f in TABLE_FIGURES if f in d.get("metrics", {})}
                                            for t, d in r["files"].items()}, "changes": {}})
@@ -127,11 +132,11 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
         head = [title(f) for f in figures] + ([f"{title(key)} vs {base[0]}"] if base else []) + \
             ([f"{title(key)} vs chosen"] if chosen and task in chosen["files"] else [])
         lines += [f"### {task} (dev, {' / '.join(f'{n:.0f}' for n in sizes)} problems)", "",
-                  "| setting | status | " + " | ".join(head) + " | wall | peak RSS |",
-                  "| --- | --- | " + " | ".join("---:" for _ in head) + " | ---: | ---: |"]
+                  "| setting | status | " + " | ".join(head) + " | wall | step time | peak RSS |",
+                  "| --- | --- | " + " | ".join("---:" for _ in head) + " | ---: | ---: | ---: |"]
         if base:
             cells = [figure_cell(base[1]["metrics"], f) for f in figures] + ["–"] * (len(head) - len(figures))
-            lines.append(f"| {base[0]} (start) | done | " + " | ".join(cells) + " | – | – |")
+            lines.append(f"| {base[0]} (start) | done | " + " | ".join(cells) + " | – | – | – |")
         for r, rec in zip(rows, data["settings"]):
             d = r["files"].get(task)
             cells = [figure_cell(d["metrics"], f) if d else "–" for f in figures]
@@ -145,9 +150,10 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
                 rec["changes"][f"{task}/{key} vs chosen"] = ch
             wall = f"{r['wall_s'] / 60:.0f} min" if r["wall_s"] else "–"
             rss = f"{r['peak_rss_mb'] / 1024:.2f} GiB" if r["peak_rss_mb"] else "–"
+            step = f"{r['step_time_s']:.1f} s" if r["step_time_s"] else "–"
             mark = " (chosen)" if r is chosen else ""
             lines.append(f"| {_setting_text(r['setting'])}{mark} | {r['status']} | " + " | ".join(cells) +
-                         f" | {wall} | {rss} |")
+                         f" | {wall} | {step} | {rss} |")
         lines.append("")
     curves = {tag_of(r["setting"]): read_metrics(Path(r["out"]) / METRICS) for r in rows}
     png = plot_metrics(curves, ["reward", "val_pass@1", "val_accuracy", "val_loss", "val_rewards/accuracies"],
@@ -157,7 +163,8 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
                   "The curves are what each run logged while training (its own held-out evaluations, "
                   "on dev prompts).", ""]
     lines += ["Changes are paired on the same dev problems, with the 95 % bootstrap interval; ✓: it excludes 0. "
-              "Wall time and peak RSS are the pipeline runner's, per training stage.", ""]
+              "Wall time and peak RSS are the pipeline runner's, per training stage; step time the median of "
+              "its training records' (generation included).", ""]
     md = preset.out / f"sweep_{name}.md"
     with atomic_write(md, "w") as f:
         f.write("\n".join(lines))
