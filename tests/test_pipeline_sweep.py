@@ -188,6 +188,27 @@ def test_the_start_row_is_the_start_stage_own_evaluation_even_when_a_setting_eva
     assert change["diff"] == pytest.approx(table["settings"][0]["dev"]["arith"]["pass@1"]["value"] - sft)
 
 
+def test_a_failed_setting_is_passed_over_and_the_others_go_on(sweep_preset, monkeypatch):
+    from sprout.pipeline.runner import StageFailed
+
+    preset = load_preset(sweep_preset, sweeps=sweeps("grpo:train.seed=1,2,3"))
+    monkeypatch.setenv("FAKE_FAIL_SEED", "2")  # the fake trainer exits 1 after its first checkpoint
+    log: list[str] = []
+    with pytest.raises(StageFailed, match=r"1 setting\(s\) failed: grpo_seed2 "):
+        run_pipeline(preset, log=log.append)
+    assert "==> grpo_seed2: failed; the other settings go on" in log
+    assert "==> eval_grpo_seed2: passed over (it reads a failed setting)" in log
+    stages = read_state(preset.out)["stages"]
+    assert stages["eval_grpo_seed3"]["status"] == "done" and stages["eval_sft"]["status"] == "done"
+    assert "eval_grpo_seed2" not in stages
+    monkeypatch.delenv("FAKE_FAIL_SEED")
+    log = []
+    run_pipeline(preset, log=log.append)  # the same command resumes the failed setting alone
+    assert f"==> grpo_seed2: resuming from its latest checkpoint ({preset.out / 'grpo_model_seed2'})" in log
+    assert [line.split(":")[0] for line in log if line.startswith("==> ") and "skipped" not in line] == \
+        ["==> grpo_seed2", "==> eval_grpo_seed2"]
+
+
 def test_set_gives_a_stage_its_option_and_runs_it_again(sweep_preset):
     preset = load_preset(sweep_preset)
     run_pipeline(preset, log=lambda *_: None)

@@ -290,7 +290,9 @@ def run_pipeline(preset: Preset, start: str | None = None, end: str | None = Non
     """Run the preset's stages from `start` to `end` (names; default: all); returns the state.
 
     With `start`, the stages before it must be done (they are checked, never run) and
-    `start` and every stage after it run again. Raises StageFailed when a stage's process fails.
+    `start` and every stage after it run again. Raises StageFailed when a stage's process fails;
+    a sweep's setting that fails (not one interrupted) is passed over with what reads it, the
+    other settings go on, and StageFailed names every failed setting at the end.
     """
     before, chosen = select(preset, start, end)
     env = dict(os.environ)
@@ -309,8 +311,22 @@ def run_pipeline(preset: Preset, start: str | None = None, end: str | None = Non
             if rec.get("status") != "done" or not outputs_verify(preset, stage, rec):
                 raise SproutError(f"--from {start}: the earlier stage {stage.name} is not done; "
                                   f"run without --from (or --from {stage.name})")
-        t0 = time.perf_counter()
+        t0, failed, passed_over = time.perf_counter(), [], set()
         for stage in chosen:
-            run_stage(preset, stage, state, env, force=start is not None, log=log)
+            if passed_over & set(stage.inputs):
+                log(f"==> {stage.name}: passed over (it reads a failed setting)")
+                passed_over.add(stage.name)
+                continue
+            try:
+                run_stage(preset, stage, state, env, force=start is not None, log=log)
+            except StageFailed as exc:
+                if not stage.sweep_of or exc.code != 1:  # not a sweep's, or interrupted: stop here
+                    raise
+                log(f"==> {stage.name}: failed; the other settings go on")
+                failed.append(stage.name)
+                passed_over.add(stage.name)
+        if failed:
+            raise StageFailed(f"{len(failed)} setting(s) failed: {', '.join(failed)} (their output above says why; "
+                              f"run the pipeline again to resume them)", 1)
         log(f"pipeline: {len(chosen)} stage(s) up to date in {time.perf_counter() - t0:.1f}s ({preset.out})")
     return state
