@@ -42,7 +42,7 @@ def seed_list(text: str) -> list[int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, help="demo | gpt2-small | smollm2 | smollm2-gpu "
+    p.add_argument("--preset", required=True, help="demo | gpt2-small | smollm2 | smollm2-lora | smollm2-gpu "
                    "(configs/pipelines/<name>.yaml) or PATH.yaml")
     p.add_argument("--from", dest="start", metavar="STAGE", help="run this stage and every later one again "
                    "(the earlier ones must be done)")
@@ -61,10 +61,12 @@ def main() -> int:
     p.add_argument("--sweep-tasks", type=lambda text: [s for s in text.split(",") if s], metavar="TASK,...",
                    help="judge the sweep on these tasks' dev evaluations only (default: every task evaluated)")
     p.add_argument("--sweep-select", type=parse_select, metavar="TASK:FIGURE",
-                   help="the dev figure the setting is chosen by (default: the first task's pass@1)")
+                   help="the dev figure the setting is chosen by (default: pass@1 of the first task evaluated, "
+                   "greedy accuracy without pass@1)")
     p.add_argument("--set", action="append", default=[], metavar="STAGE:KEY=VALUE",
                    help="add --KEY VALUE to stage STAGE's commands (a setting chosen by a sweep)")
-    p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done")
+    p.add_argument("--report-only", action="store_true", help="run no stage; write the report card of those done "
+                   "(with --sweep: the sweep table)")
     p.add_argument("--no-report", action="store_true", help="skip the report card (a sweep never writes it: it "
                    "has its own table)")
     args = p.parse_args()
