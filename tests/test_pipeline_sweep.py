@@ -233,6 +233,11 @@ def test_run_pipeline_sweeps_from_its_command_line_and_keeps_the_sweep_out_of_th
     state = read_state(root)
     assert list(state["stages"]) == ["sft", "grpo_lr0_1", "eval_grpo_lr0_1", "grpo_lr0_2", "eval_grpo_lr0_2",
                                      "eval_sft"]
+    (root / "sweep_grpo.md").unlink()
+    again = subprocess.run(cmd + ["--sweep", "grpo:optim.lr=0.1,0.2", "--report-only"], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and "==> grpo_lr0_1" not in again.stdout  # runs nothing, writes the table
+    assert (root / "sweep_grpo.md").is_file() and not (root / "report.md").exists()
     bad = subprocess.run(cmd + ["--sweep", "grpo:optim.lr"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "error: --sweep grpo:optim.lr: expected STAGE:KEY=VALUE" in bad.stderr
     assert bad.stderr.count("\n") == 1  # one line, no traceback
