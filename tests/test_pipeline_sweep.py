@@ -78,6 +78,13 @@ def test_a_swept_stage_runs_once_per_setting_each_evaluated_on_dev_right_after_i
         select(preset, "eval_grpo", None)  # it would train the later settings again
 
 
+def test_a_tag_names_each_option_by_its_last_part_unless_two_share_it():
+    from sprout.pipeline.sweep import tag_of
+
+    assert tag_of({"optim.lr": "2e-5", "train.seed": "1"}) == "lr2e-5_seed1"
+    assert tag_of({"optim.lr": "1e-4", "ppo.lr": "1e-3"}) == "optim_lr1e-4_ppo_lr1e-3"
+
+
 def test_only_commands_shown_to_read_dev_are_kept():
     assert reads_dev_only(["ckpt", "--split", "dev"]) and reads_dev_only(["ckpt", "--split=dev"])
     assert reads_dev_only(["ckpt", "--task", "arith"])  # evaluate.py's default split is dev
@@ -106,6 +113,7 @@ def test_a_stage_reading_a_swept_evaluation_is_left_out_and_a_file_out_keeps_its
     ("grpo:optim.lr=1,", True, "each value must be letters, digits"),
     ("grpo:optim.lr=a/b", True, "each value must be"),
     ("grpo:optim.lr=1,1", True, "a value is listed twice"),
+    ("grpo:optim.lr=1e-5,1E-5", True, "a value is listed twice"),  # the same number
     ("grpo:optim.lr=1,2", False, "--set grpo:optim.lr=1,2: one value only"),
 ])
 def test_a_malformed_option_is_refused_in_one_line(option, many, message):

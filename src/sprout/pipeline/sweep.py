@@ -39,9 +39,17 @@ def parse_option(text: str, *, many: bool) -> tuple[str, str, list[str]]:
         raise SproutError(f"{flag} {text}: each value must be letters, digits or _ . + - (got {values_text!r})")
     if not many and len(values) > 1:
         raise SproutError(f"{flag} {text}: one value only (--sweep tries several)")
-    if len(set(values)) < len(values):
+    if len(set(map(_same_value, values))) < len(values):
         raise SproutError(f"{flag} {text}: a value is listed twice")
     return stage, key, values
+
+
+def _same_value(value: str):
+    """A value as it compares with the others: a number by its value (1e-5 is 1E-5 is 0.00001)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def parse_select(text: str) -> tuple[str, str]:
@@ -93,7 +101,11 @@ def tagged_path(rel: str, tag: str) -> str:
 
 
 def tag_of(setting: dict[str, str]) -> str:
-    return "_".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in setting.items())
+    """`lr2e-5_seed1`: each key's last part and its value; the whole key (dots as _) where two
+    keys share a last part (`optim_lr1e-4_critic_lr1e-3`)."""
+    last = [key.rsplit(".", 1)[-1] for key in setting]
+    return "_".join(f"{part if last.count(part) == 1 else key.replace('.', '_')}{value}"
+                    for part, (key, value) in zip(last, setting.items()))
 
 
 def expand_sweep(path: Path, stages: list, sweeps: list[tuple[str, str, list[str]]],
