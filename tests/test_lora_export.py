@@ -225,10 +225,30 @@ def test_a_peft_adapter_imports_merged_to_peft_logits(kind, lora, tmp_path):
     record = meta["adapter"]
     assert record.pop("sha256") == __import__("hashlib").sha256(
         (adapter / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert record.pop("base_model_name_or_path") == json.loads((adapter / "adapter_config.json").read_text()).get(
+        "base_model_name_or_path") or None
     assert record == {"path": str(adapter.resolve()), "r": lora.get("r", 4), "lora_alpha": 8,
                       "use_rslora": lora.get("use_rslora", False),
                       "target_modules": sorted(lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                             "gate_proj", "up_proj", "down_proj"]))}
+
+
+def test_an_adapter_naming_another_base_is_noted_and_a_matching_name_is_not(llama_adapter, tmp_path):
+    from sprout.model.hf_import import names_source
+
+    _, source, adapter = llama_adapter
+    copy = shutil.copytree(adapter, tmp_path / "adapter")
+    edit_config(copy, base_model_name_or_path="SomeOrg/Another-Model-7B")
+    notes = read_source(str(source), tmp_path / "work", adapter=str(copy)).notes
+    assert [n for n in notes if n.startswith("adapter: ")] == [
+        f"adapter: {copy.resolve()} names SomeOrg/Another-Model-7B as its base (adapter_config.json "
+        f"base_model_name_or_path), not {source}; its shapes match, check it is the same model"]
+    edit_config(copy, base_model_name_or_path=str(source))
+    assert not [n for n in read_source(str(source), tmp_path / "work2", adapter=str(copy)).notes
+                if n.startswith("adapter: ")]
+    assert names_source("HuggingFaceTB/SmolLM2-135M-Instruct", "/m/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert names_source("/home/me/models/smollm2-135m-instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert not names_source("meta-llama/Llama-3.2-1B", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="module")

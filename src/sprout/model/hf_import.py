@@ -127,7 +127,17 @@ def read_source(source: str, workdir: Path, *, revision: str | None = None, max_
         for name, p in model.state_dict().items():
             check_finite(name, p, where)
     note = rope_note(src.config)
+    if merged is not None and (base := merged["base_model_name_or_path"]) and not names_source(base, source):
+        notes.append(f"adapter: {merged['path']} names {base} as its base (adapter_config.json "
+                     f"base_model_name_or_path), not {source}; its shapes match, check it is the same model")
     return Imported(src, model, tok_dir, tok, fmt, score, merged, notes + ([note] if note else []))
+
+
+def names_source(base: str, source: str) -> bool:
+    """Whether an adapter's base name could be `source`: its last part (`SmolLM2-135M-Instruct` of
+    a hub id or a folder) within the source's path or id, or the other way round, ignoring case."""
+    last = [Path(x.rstrip("/")).name.lower() for x in (base, source)]
+    return last[0] in source.lower() or Path(last[1]).stem.split(".")[0] in base.lower()
 
 
 def folder_source(folder: Path) -> Source:

@@ -189,7 +189,8 @@ def merge_peft_adapter(model, folder: str | os.PathLike, base_where: str) -> dic
     """Merge the PEFT LoRA adapter in `folder` into `model` (a sprout Transformer), in place:
     W + s B A for each adapted layer. `base_where` names the model's source (its config.json)
     in errors. Returns meta.json's `adapter` record: {path, sha256 of adapter_model.safetensors,
-    r, lora_alpha, use_rslora, target_modules}."""
+    r, lora_alpha, use_rslora, target_modules, base_model_name_or_path (what the adapter names as
+    its base; only its shapes are checked against the model)}."""
     folder = Path(folder)
     if not folder.is_dir():
         raise SproutError(f"{folder}: no such PEFT adapter folder")
@@ -214,4 +215,5 @@ def merge_peft_adapter(model, folder: str | os.PathLike, base_where: str) -> dic
     model.load_state_dict(merged, strict=True)
     targets = config.get("target_modules")
     return {"path": str(folder.resolve()), "sha256": sha256_file(f), "r": r, "lora_alpha": config["lora_alpha"],
-            "use_rslora": use_rslora, "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+            "use_rslora": use_rslora, "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+            "base_model_name_or_path": config.get("base_model_name_or_path") or None}
