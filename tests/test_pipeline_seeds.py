@@ -313,12 +313,14 @@ def test_the_report_card_reads_prompt_file_evaluations_skips_rankings_and_refuse
     test = json.loads((folder / "arith_test.json").read_text())
     prompts = {**test, "task": None, "split": None, "prompts_file": "data/my_prompts.jsonl"}  # evaluate.py --prompts
     ranking = {"task": "preferences", "preferences_file": "prefs/preferences_test.jsonl", "metrics": {"accuracy": 0.5}}
-    for name, data in (("my_prompts.json", prompts), ("ranking.json", ranking)):
+    rl_dev = {**prompts, "prompts_file": "rl_prompts/prompts_dev.jsonl"}  # a dev prompt file: task prompts, dev
+    for name, data in (("my_prompts.json", prompts), ("ranking.json", ranking), ("rl_dev.json", rl_dev)):
         (folder / name).write_text(json.dumps(data))
         state["stages"]["eval_sft"]["outputs"][f"eval/sft/{name}"] = "sha"
     evaluated = evaluated_stages(preset, state)
-    assert sorted(evaluated["sft"]) == ["arith", "my_prompts"]  # the ranking is not a held-out task's
+    assert sorted(evaluated["sft"]) == ["arith", "my_prompts", "prompts"]  # the ranking is not a held-out task's
     assert evaluated["sft"]["my_prompts"] == {"test": prompts}  # a prompt file: named by its stem, under test
+    assert evaluated["sft"]["prompts"] == {"dev": rl_dev}
     report = write_report_card(preset, state, answers=False).read_text()
     assert f"### my_prompts (test: {PROBLEMS} problems)" in report and "| sft | strict |" in report
     del test["split"]  # a task's evaluation without a split: refused, naming the file

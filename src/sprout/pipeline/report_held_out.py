@@ -33,8 +33,8 @@ REAL, NOT_REAL = "✓", "not significant"
 def eval_files(preset, stage_name: str, state: dict) -> dict[str, dict[str, dict]]:
     """{task: {split: the evaluate.py JSON}} for every done eval stage that reads `stage_name`:
     its JSON outputs with a `task` (`<task>_test.json`, `<task>_dev.json`, by their `task` and
-    `split`). A prompt file's evaluation (`task` null) is named by its file's stem and reported
-    under test; a preference ranking (`task` "preferences") is not read; a task's file without a
+    `split`). A prompt file's evaluation (`task` null) of `x_dev.jsonl` or `x_test.jsonl` is task
+    x's dev or test; of any other file it is named by the JSON's stem, under test. A preference ranking (`task` "preferences") is not read; a task's file without a
     split (an earlier sprout's) is refused."""
     found: dict[str, dict[str, dict]] = {}
     for s in preset.stages:
@@ -47,8 +47,10 @@ def eval_files(preset, stage_name: str, state: dict) -> dict[str, dict[str, dict
             data = json.loads(path.read_text())
             if "task" not in data or data["task"] == "preferences":
                 continue
-            if data["task"] is None:  # --prompts FILE: the file is its own split
-                found.setdefault(path.stem, {})["test"] = data
+            if data["task"] is None:  # --prompts FILE: `x_dev.jsonl` / `x_test.jsonl` are task x's splits
+                stem = Path(data.get("prompts_file") or "").stem
+                split = next((sp for sp in SPLITS if stem.endswith(f"_{sp}")), None)
+                found.setdefault(stem[:-len(split) - 1] if split else path.stem, {})[split or "test"] = data
             elif data.get("split") not in SPLITS:
                 raise SproutError(f"{path}: split {data.get('split')!r} is not one of {', '.join(SPLITS)} (an "
                                   f"evaluation written by an earlier version of sprout); evaluate it again")
