@@ -187,6 +187,7 @@ def test_configured_peak_is_recorded_as_config_and_an_mfu_above_100_percent_is_e
     said = capsys.readouterr().out
     assert said.count("is above 100 %: the peak it is measured against, 2e-09 TFLOP/s per process "
                       "(train.peak_tflops), is below what training reached") == 1  # once per run
+    assert "an MFU above 100 % means the peak it is measured against is below" in (tmp_path / "report.md").read_text()
 
 
 # ---- SFT: inputs with hashes, samples, the plot ---------------------------------------------------

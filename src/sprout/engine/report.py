@@ -269,6 +269,9 @@ def write_report(out_dir: str | Path, *, stage: str, meta: dict, num_params: int
             if seg_mfu:
                 lines.append(f"  - segment {i} (from step {seg['step']:,}): MFU median {statistics.median(seg_mfu):.1%}"
                              f" against {_peak(seg)}")
+        if mfus and max(mfus) > 1:
+            lines.append("  - an MFU above 100 % means the peak it is measured against is below what training "
+                         "reached (a peak measured at start under other load, or a train.peak_tflops set too low)")
         if batch_s:
             lines.append(f"- preparing each step's batches (next_micro_batches): median "
                          f"{statistics.median(batch_s):.3f} s per step"
