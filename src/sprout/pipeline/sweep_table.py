@@ -28,6 +28,11 @@ SEED_KEY = "train.seed"  # a sweep's own seed: not part of the setting it recomm
 TABLE_FIGURES = ("pass@1", "pass@8", "greedy/accuracy", "format/rate", "flexible/pass@1", "flexible/greedy/accuracy")
 
 
+def _done(rows: list[dict]) -> str:
+    done = sum(r["status"] == "done" for r in rows)
+    return f"{done} setting{'' if done == 1 else 's'}"
+
+
 def _setting_text(setting: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in setting.items())
 
@@ -110,7 +115,7 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
         sets = " ".join(f"--set {name}:{k}={v}" for k, v in chosen["setting"].items() if k != SEED_KEY)
         seeds = " and the seeds to report (`--seeds N,N,...`)" if SEED_KEY in chosen["setting"] else ""
         lines += [f"Chosen: **{_setting_text(chosen['setting'])}**, the highest dev {select[0]} {title(select[1])} "
-                  f"of the {sum(r['status'] == 'done' for r in rows)} settings done. Its paired change against "
+                  f"of the {_done(rows)} done. Its paired change against "
                   f"each other setting shows whether dev separates them."
                   + (f" Run it with `{sets}`{seeds}, and the options the first setting's command shows." if sets
                      else ""), ""]
