@@ -29,6 +29,9 @@ def main() -> int:
 
     before, after = read_evaluation(args.before), read_evaluation(args.after)
     rows = compare_rows(before, after)
+    if not rows:
+        print(f"{args.before} and {args.after} hold no figure in common that is a mean over problems or pairs")
+        return 1
     print(f"{'figure':36s} {'before':>8s} {'after':>8s}  change, points [95 % interval]")
     for r in rows:
         ch = r["change"]

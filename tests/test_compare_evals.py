@@ -101,6 +101,11 @@ def test_the_script_prints_each_change_and_writes_the_rows(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "pass@1" in proc.stdout and "+100.0 [+100.0, +100.0] ✓  (8 paired)" in proc.stdout
     assert [r["figure"] for r in json.loads(out.read_text())["rows"]] == ["pass@1", "greedy/accuracy"]
+    prefs = tmp_path / "prefs.json"
+    prefs.write_text(json.dumps(pref_file([True], ["near_miss"])))
+    none = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(a), str(prefs)],
+                          capture_output=True, text=True, timeout=120)
+    assert none.returncode == 1 and "hold no figure in common" in none.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(a), str(tmp_path / "no.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "no.json: not a readable JSON file" in bad.stderr

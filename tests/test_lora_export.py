@@ -225,8 +225,8 @@ def test_a_peft_adapter_imports_merged_to_peft_logits(kind, lora, tmp_path):
     record = meta["adapter"]
     assert record.pop("sha256") == __import__("hashlib").sha256(
         (adapter / "adapter_model.safetensors").read_bytes()).hexdigest()
-    assert record.pop("base_model_name_or_path") == json.loads((adapter / "adapter_config.json").read_text()).get(
-        "base_model_name_or_path") or None
+    assert record.pop("base_model_name_or_path") == (json.loads((adapter / "adapter_config.json").read_text()).get(
+        "base_model_name_or_path") or None)
     assert record == {"path": str(adapter.resolve()), "r": lora.get("r", 4), "lora_alpha": 8,
                       "use_rslora": lora.get("use_rslora", False),
                       "target_modules": sorted(lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj",

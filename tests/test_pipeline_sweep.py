@@ -35,7 +35,8 @@ LR_TRAIN = FAKE_TRAIN.replace(
 LR_TRAIN = LR_TRAIN.replace(  # three training records; the median step time is 3.0 s
     'json.dumps({"step": 1, "loss": 1.0 / (1 + run["skill"])}) + "\\n")',
     '"".join(json.dumps({"step": i, "loss": 1.0, "step_time_s": t}) + "\\n" for i, t in ((1, 2.0), (2, 9.0), (3, 3.0))))')
-assert LR_TRAIN.count("args.lr") == 1 and LR_TRAIN.count("step_time_s") == 1
+LR_TRAIN = LR_TRAIN.replace("sys.exit(1)", 'sys.exit(int(os.environ.get("FAKE_FAIL_CODE", "1")))')  # 143: SIGTERM
+assert LR_TRAIN.count("args.lr") == 1 and LR_TRAIN.count("step_time_s") == 1 and "FAKE_FAIL_CODE" in LR_TRAIN
 
 
 @pytest.fixture
@@ -200,7 +201,13 @@ def test_a_failed_setting_is_passed_over_and_the_others_go_on(sweep_preset, monk
     from sprout.pipeline.runner import StageFailed
 
     preset = load_preset(sweep_preset, sweeps=sweeps("grpo:train.seed=1,2,3"))
-    monkeypatch.setenv("FAKE_FAIL_SEED", "2")  # the fake trainer exits 1 after its first checkpoint
+    monkeypatch.setenv("FAKE_FAIL_SEED", "2")  # the fake trainer exits after its first checkpoint
+    monkeypatch.setenv("FAKE_FAIL_CODE", "143")  # as a trainer stopped by SIGTERM: the sweep stops there
+    stopping = load_preset(sweep_preset, out=sweep_preset.parent / "stopped", sweeps=sweeps("grpo:train.seed=1,2,3"))
+    with pytest.raises(StageFailed, match="stage grpo_seed2 was interrupted") as stopped:
+        run_pipeline(stopping, log=lambda *_: None)
+    assert stopped.value.interrupted and "grpo_seed3" not in read_state(stopping.out)["stages"]
+    monkeypatch.delenv("FAKE_FAIL_CODE")  # exit 1: a failure of its own
     log: list[str] = []
     with pytest.raises(StageFailed, match=r"1 setting\(s\) failed: grpo_seed2 "):
         run_pipeline(preset, log=log.append)

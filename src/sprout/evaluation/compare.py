@@ -97,11 +97,13 @@ def compare_rows(before: dict, after: dict) -> list[dict]:
     """One row per figure both files hold that is a mean over problems or pairs, in `after`'s
     order: {figure, before, after, change} (`change`'s result)."""
     mb, ma = before.get("metrics", {}), after.get("metrics", {})
-    rows = []
-    for figure in ma:
-        if figure in mb and not figure.endswith("_ci") and isinstance(ma[figure], (int, float)):
-            result = change(before, after, figure)
-            if result.get("not_paired", "").startswith("no per-"):
-                continue  # a count or a length, not a mean of per-problem scores
-            rows.append({"figure": figure, "before": mb[figure], "after": ma[figure], "change": result})
-    return rows
+    return [{"figure": f, "before": mb[f], "after": ma[f], "change": change(before, after, f)}
+            for f in ma if f in mb and is_mean(before, f) and is_mean(after, f)]
+
+
+def is_mean(data: dict, figure: str) -> bool:
+    """Whether `figure` of an evaluation is a mean of per-problem (per-pair) scores it records
+    (not a count, a length or an interval)."""
+    if data.get("task") == PREFERENCES:
+        return _pair_scores(data.get("pairs") or [], figure) is not None
+    return bool(data.get("problems")) and problem_scores(data["problems"], figure) is not None

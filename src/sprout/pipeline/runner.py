@@ -187,11 +187,12 @@ def _die_with_parent() -> None:
 
 
 class StageFailed(Exception):
-    """A stage's process exited non-zero (its own output says why); `code`: the runner's exit status."""
+    """A stage's process exited non-zero (its own output says why); `code`: the runner's exit status;
+    `interrupted`: stopped by a signal or Ctrl-C/SIGTERM, not failed by itself."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int, interrupted: bool = False):
         super().__init__(message)
-        self.code = code
+        self.code, self.interrupted = code, interrupted
 
 
 def run_child(cmd: list[str], env: dict) -> tuple[int, int]:
@@ -223,9 +224,9 @@ def _exit_message(stage: Stage, code: int) -> StageFailed:
     if code < 0:
         name = signal.Signals(-code).name
         return StageFailed(f"stage {stage.name} was killed by {name}; run the pipeline again to "
-                           f"{'resume it' if stage.kind == 'train' else 'run it again'}", 128 - code)
+                           f"{'resume it' if stage.kind == 'train' else 'run it again'}", 128 - code, True)
     if code in (130, 143):  # interrupted by Ctrl-C / SIGTERM: the trainer saved a checkpoint
-        return StageFailed(f"stage {stage.name} was interrupted; run the pipeline again to resume it", code)
+        return StageFailed(f"stage {stage.name} was interrupted; run the pipeline again to resume it", code, True)
     return StageFailed(f"stage {stage.name} failed ({stage.script.name} exited with status {code}; "
                        f"its output above says why)", 1)
 
@@ -320,7 +321,7 @@ def run_pipeline(preset: Preset, start: str | None = None, end: str | None = Non
             try:
                 run_stage(preset, stage, state, env, force=start is not None, log=log)
             except StageFailed as exc:
-                if not stage.sweep_of or exc.code != 1:  # not a sweep's, or interrupted: stop here
+                if not stage.sweep_of or exc.interrupted:  # not a sweep's setting, or interrupted: stop here
                     raise
                 log(f"==> {stage.name}: failed; the other settings go on")
                 failed.append(stage.name)

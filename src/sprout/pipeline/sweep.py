@@ -94,10 +94,10 @@ def command_task(command: list[str]) -> str | None:
 
 
 def tagged_path(rel: str, tag: str) -> str:
-    """`grpo_model` -> `grpo_model_lr2e-5`; a file `eval/x.json` -> `eval/x_lr2e-5.json`."""
+    """`grpo_model` -> `grpo_model_lr2e-5`; a file `eval/x.json` -> `eval/x_lr2e-5.json` (a seed's
+    tag is `seed1337`)."""
     path = Path(rel)
-    return str(path.with_name(f"{path.stem}_{tag}{path.suffix}")) if path.suffix in (".json", ".jsonl", ".md") \
-        else f"{rel}_{tag}"
+    return str(path.with_name(f"{path.stem}_{tag}{path.suffix}"))
 
 
 def tag_of(setting: dict[str, str]) -> str:

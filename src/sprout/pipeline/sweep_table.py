@@ -20,7 +20,8 @@ from sprout.errors import SproutError
 from sprout.mirror import REPO_ROOT
 from sprout.pipeline.preset import command_args
 from sprout.pipeline.report_card import plot_metrics
-from sprout.pipeline.report_held_out import change, change_cell, eval_files, figure_cell, title
+from sprout.evaluation.compare import change
+from sprout.pipeline.report_held_out import change_cell, eval_files, figure_cell, title
 from sprout.pipeline.sweep import command_task, tag_of, without_sweep
 
 DEFAULT_FIGURE, FALLBACK_FIGURE = "pass@1", "greedy/accuracy"
@@ -40,7 +41,7 @@ def _setting_text(setting: dict[str, str]) -> str:
 def sweep_rows(preset, state: dict) -> tuple[str, list[dict]] | None:
     """(swept stage, one row per setting: {stage, setting, status, wall_s, peak_rss_mb,
     step_time_s (the median of its training records' `step_time_s`), files: {task: dev eval
-    JSON}}), or None when the preset sweeps nothing."""
+    JSON}, records: its metrics.jsonl}), or None when the preset sweeps nothing."""
     settings = [s for s in preset.stages if s.sweep_of and s.kind == "train"]
     if not settings:
         return None
@@ -48,11 +49,12 @@ def sweep_rows(preset, state: dict) -> tuple[str, list[dict]] | None:
     for s in settings:
         rec = state["stages"].get(s.name) or {}
         files = {task: splits["dev"] for task, splits in eval_files(preset, s.name, state).items() if "dev" in splits}
-        times = sorted(r["step_time_s"] for r in read_metrics(preset.out_of(s) / METRICS) if "step_time_s" in r)
+        records = read_metrics(preset.out_of(s) / METRICS)
+        times = sorted(r["step_time_s"] for r in records if "step_time_s" in r)
         rows.append({"stage": s.name, "setting": s.setting, "status": rec.get("status", "not run"),
                      "wall_s": rec.get("wall_s"), "peak_rss_mb": rec.get("peak_rss_mb"),
                      "step_time_s": times[len(times) // 2] if times else None,
-                     "out": str(preset.out_of(s)), "files": files})
+                     "out": str(preset.out_of(s)), "files": files, "records": records})
     return settings[0].sweep_of, rows
 
 
@@ -160,7 +162,7 @@ def write_sweep_table(preset, state: dict, select: tuple[str, str] | None = None
             lines.append(f"| {_setting_text(r['setting'])}{mark} | {r['status']} | " + " | ".join(cells) +
                          f" | {wall} | {step} | {rss} |")
         lines.append("")
-    curves = {tag_of(r["setting"]): read_metrics(Path(r["out"]) / METRICS) for r in rows}
+    curves = {tag_of(r["setting"]): r["records"] for r in rows}
     png = plot_metrics(curves, ["reward", "val_pass@1", "val_accuracy", "val_loss", "val_rewards/accuracies"],
                        preset.out / f"sweep_{name}.png")
     if png is not None:
