@@ -18,7 +18,9 @@ holds tensors already freed; --mmap-threshold sets MALLOC_MMAP_THRESHOLD_ in the
 131072: every tensor of 128 KiB or more is mapped on its own and returned when freed), so that
 RSS follows the live tensors.
 
-Part a: DPO at SmolLM2-135M's shape, full and LoRA, both measured. Part b: a model of over 1e9
+Part a: DPO at SmolLM2-135M's shape, full and LoRA, both measured. Part c: GRPO at SmolLM2-135M's
+shape and the smollm2 preset's batch (16 prompts x 8 samples, micro-batches of 32 completions,
+beta 0: no reference phase), full, LoRA, and LoRA with gradient checkpointing, all measured. Part b: a model of over 1e9
 parameters in the Llama layout (TinyLlama-1.1B's shape: d_model 2048, 22 layers, 32 heads, 8 KV
 heads, SwiGLU hidden 5632, vocab 32000), SFT, DPO and GRPO with LoRA, measured; beside each,
 full fine-tuning's estimate: per phase, the LoRA run's resident + 12 bytes per parameter (its
@@ -27,7 +29,7 @@ its optimizer step) + 4 per parameter for the reference copy where the stage has
 working memory measured with LoRA; the largest over phases. Part a prints the same estimate
 beside its measured full run.
 
-    python benchmarks/lora_memory.py [--parts a,b] [--warmup 1] [--steps 2] [--b-steps 1]
+    python benchmarks/lora_memory.py [--parts a,b,c] [--warmup 1] [--steps 2] [--b-steps 1]
                                      [--gradient-checkpointing] [--mmap-threshold BYTES] [--tiny]
 """
 
@@ -89,7 +91,8 @@ def child(spec: dict) -> dict:
     cfg = ModelConfig(**SHAPES[spec["shape"]], max_seq_len=spec["seq"])
     policy = Transformer(cfg)
     params = policy.num_params()
-    stage_name, needs_ref = spec["stage"], spec["stage"] in ("dpo", "grpo")
+    stage_name = spec["stage"]
+    needs_ref = stage_name == "dpo" or (stage_name == "grpo" and spec.get("beta", 0.04) > 0)
     ref = None
     if spec["lora"]:
         add_adapters(policy, LoraConfig(r=spec["lora"], alpha=2.0 * spec["lora"]), seed=0)
@@ -124,9 +127,11 @@ def child(spec: dict) -> dict:
 
         B, G = spec["prompts"], rows // spec["prompts"]
         new_tokens = seq - spec["prompt_length"]
-        batch = PromptBatchConfig(global_prompts=B, num_generations=G, micro_completions=B * G)
+        batch = PromptBatchConfig(global_prompts=B, num_generations=G,
+                                  micro_completions=spec.get("micro_completions") or B * G)
         stage = GRPOStage(acc, NoStopTokenizer(cfg.vocab_size), SimpleNamespace(per_rank=B), None, batch,
-                          RolloutConfig(max_completion_length=new_tokens), [], grpo=GRPOLossConfig(beta=0.04),
+                          RolloutConfig(max_completion_length=new_tokens), [],
+                          grpo=GRPOLossConfig(beta=spec.get("beta", 0.04)),
                           ref_model=ref, seed=0)
         stage.setup(trainer)
         rng = np.random.default_rng(0)
@@ -149,19 +154,21 @@ def child(spec: dict) -> dict:
             return trainer.step(stage.micro_batches(r, n), stage)
 
         def phases(i):
-            return {"rollout": rollout, "reference log-probs": reference, "update": update}
+            return {"rollout": rollout, **({"reference log-probs": reference} if ref is not None else {}),
+                    "update": update}
 
     gc.collect()
     resident_kib, setup_peak_kib = proc_status_kib("VmRSS"), proc_status_kib("VmHWM")
     phase_peak: dict[str, int] = {}
-    step_times, losses = [], []
+    step_times, losses, phase_times = [], [], {}
     for i in range(steps):
         t_step = 0.0
         for name, fn in phases(i).items():
             reset_peak()
             t0 = time.perf_counter()
             out = fn()
-            t_step += time.perf_counter() - t0
+            phase_times.setdefault(name, []).append(time.perf_counter() - t0)
+            t_step += phase_times[name][-1]
             phase_peak[name] = max(phase_peak.get(name, 0), proc_status_kib("VmHWM"))
             if isinstance(out, dict) and "loss" in out:
                 losses.append(float(out["loss"]))
@@ -169,7 +176,8 @@ def child(spec: dict) -> dict:
             step_times.append(t_step)
     return {**spec, "params": params, "trained": trained, "start_kib": start_kib, "resident_kib": resident_kib,
             "peak_kib": max(setup_peak_kib, *phase_peak.values()), "phase_peak_kib": phase_peak,
-            "step_s": statistics.median(step_times), "step_times": step_times, "losses": losses,
+            "step_s": statistics.median(step_times), "step_times": step_times, "phase_times": phase_times,
+            "losses": losses,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "peft": version("peft")}
 
 
@@ -222,6 +230,34 @@ def part_a(args) -> None:
           f"(measured: {gib(full['peak_kib'] * 1024)} GiB)")
 
 
+def part_c(args) -> None:
+    shape = "tiny" if args.tiny else "smollm2"
+    base = {"stage": "grpo", "shape": shape, "seq": args.c_prompt_length + args.c_new_tokens, "rows": args.c_prompts * 8,
+            "prompts": args.c_prompts, "prompt_length": args.c_prompt_length, "micro_completions": args.c_micro,
+            "beta": 0.0, "warmup": args.warmup, "steps": args.steps}
+    runs = [run_child({**base, "name": "full", "lora": 0, "gradient_checkpointing": False}, args.mmap_threshold),
+            run_child({**base, "name": f"LoRA r {args.r}", "lora": args.r, "gradient_checkpointing": False},
+                      args.mmap_threshold),
+            run_child({**base, "name": f"LoRA r {args.r}, gradient checkpointing", "lora": args.r,
+                       "gradient_checkpointing": True}, args.mmap_threshold)]
+    full = runs[0]
+    print(f"\n## c. GRPO at {'a tiny model' if args.tiny else 'SmolLM2-135M'}'s shape and the smollm2 preset's batch "
+          f"({full['params']:,} params, random weights)\n")
+    print(f"{args.c_prompts} prompts of {args.c_prompt_length} tokens x 8 samples of {args.c_new_tokens} new tokens, "
+          f"micro-batches of {args.c_micro} completions, beta 0 (no reference phase); GRPOStage + Trainer.step, AdamW, "
+          f"fp32, {full['threads']} threads, torch {full['torch']}, peft {full['peft']}; step time the median of "
+          f"{args.steps} steps after {args.warmup} untimed (rollout + update); the children ran one after the other.\n")
+    print("| GRPO | trained params | resident GiB | peak RSS GiB | step s | rollout s | update s | x full step | "
+          "x full peak RSS |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in runs:
+        ph = {k: statistics.median(v[args.warmup:]) for k, v in r["phase_times"].items()}
+        print(f"| {r['name']} | {r['trained']:,} | {gib(r['resident_kib'] * 1024)} | {gib(r['peak_kib'] * 1024)} | "
+              f"{r['step_s']:.2f} | {ph['rollout']:.2f} | {ph['update']:.2f} | {r['step_s'] / full['step_s']:.2f}x | "
+              f"{r['peak_kib'] / full['peak_kib']:.2f}x |")
+    print("\nlosses: " + "; ".join(f"{r['name']}: " + ", ".join(f"{x:.4f}" for x in r["losses"]) for r in runs))
+
+
 def part_b(args) -> None:
     shape = "tiny" if args.tiny else "1b"
     rows, seq = args.b_rows, args.b_seq
@@ -267,18 +303,23 @@ def part_b(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="a,b", help="comma-separated, of: a, b")
+    p.add_argument("--parts", default="a,b", help="comma-separated, of: a, b, c")
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha 2r)")
     p.add_argument("--a-seq", type=int, default=256, help="part a: tokens per row")
     p.add_argument("--a-pairs", type=int, default=4, help="part a: pairs per step")
-    p.add_argument("--warmup", type=int, default=1, help="part a: untimed steps")
-    p.add_argument("--steps", type=int, default=2, help="part a: timed steps")
+    p.add_argument("--warmup", type=int, default=1, help="parts a and c: untimed steps")
+    p.add_argument("--steps", type=int, default=2, help="parts a and c: timed steps")
     p.add_argument("--b-seq", type=int, default=128, help="part b: tokens per row (GRPO: prompt + new tokens)")
     p.add_argument("--b-rows", type=int, default=4, help="part b: rows per step (DPO: 2 per pair; GRPO: completions)")
     p.add_argument("--b-prompts", type=int, default=2, help="part b: GRPO prompts (rows / prompts samples each)")
     p.add_argument("--b-prompt-length", type=int, default=64, help="part b: GRPO prompt tokens")
     p.add_argument("--b-steps", type=int, default=1, help="part b: steps per stage (all timed)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="train.gradient_checkpointing in every run")
+    p.add_argument("--c-prompts", type=int, default=16, help="part c: GRPO prompts (8 samples each)")
+    p.add_argument("--c-prompt-length", type=int, default=48, help="part c: GRPO prompt tokens")
+    p.add_argument("--c-new-tokens", type=int, default=64, help="part c: new tokens per sample")
+    p.add_argument("--c-micro", type=int, default=32, help="part c: completions per micro-batch")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="train.gradient_checkpointing in every run of parts a and b (part c runs both ways)")
     p.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
                    help="MALLOC_MMAP_THRESHOLD_ of the children (0: glibc's default, a threshold that rises)")
     p.add_argument("--tiny", action="store_true", help="a tiny model in both parts (a smoke run of the code)")
@@ -299,6 +340,8 @@ def main() -> None:
         part_a(args)
     if "b" in parts:
         part_b(args)
+    if "c" in parts:
+        part_c(args)
 
 
 if __name__ == "__main__":

@@ -51,11 +51,19 @@ def test_full_fine_tuning_estimate_per_phase():
 def test_lora_memory_runs_at_toy_size():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lora_memory.py"), "--tiny", "--warmup", "0",
                            "--steps", "1", "--a-seq", "16", "--a-pairs", "2", "--b-seq", "24", "--b-prompt-length",
-                           "8"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "8", "--parts", "a,b,c", "--c-prompts", "4", "--c-prompt-length", "8", "--c-new-tokens", "8",
+                           "--c-micro", "16"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    ab, c = proc.stdout.split("\n## c. ")
+    rows = {line.split("|")[1].strip(): line for line in ab.splitlines() if line.startswith("| ")}
     assert {"full", "LoRA r 16", "LoRA / full", "SFT", "DPO", "GRPO"} <= set(rows)
     trained = {k: int(rows[k].split("|")[3].strip().replace(",", "")) for k in ("full", "LoRA r 16")}
     assert 0 < trained["LoRA r 16"] < trained["full"]
     # LoRA's DPO starts with its reference equal to the policy: the first loss is ln 2
     assert rows["LoRA r 16"].split("|")[7].strip().startswith("0.6931")
+    # part c: GRPO full, LoRA and LoRA with gradient checkpointing; LoRA starts as the full model (B = 0), and
+    # checkpointing recomputes the same forward, so the first update's loss is the same in all three
+    assert {"full", "LoRA r 16", "LoRA r 16, gradient checkpointing"} == {
+        line.split("|")[1].strip() for line in c.splitlines() if line.startswith("| ") and "---" not in line} - {"GRPO"}
+    losses = dict(part.split(": ") for part in c.split("\nlosses: ")[1].splitlines()[0].split("; "))
+    assert len(losses) == 3 and len({round(float(v), 5) for v in losses.values()}) == 1, losses
