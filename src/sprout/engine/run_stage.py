@@ -40,7 +40,7 @@ from sprout.engine.trainer import Trainer, make_accelerator, resolve_max_steps
 from sprout.engine.optim import build_optimizer, lr_schedule
 from sprout.engine.cli import clear_deferred, latest_step, print_rank0, resume_command, run_lock
 from sprout.engine.schedule import warmup_warning
-from sprout.model.lora import add_adapters, lora_record
+from sprout.model.lora import AdaptersOff, add_adapters, lora_record
 
 
 def start_run(train_cfg: TrainConfig, out: str | Path) -> Accelerator:
@@ -67,11 +67,11 @@ def with_epochs(cfg, batches_per_epoch: int, steps_per_batch: int = 1):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
 
 
-def lora_policy(model, cfg, base: dict) -> dict:
+def apply_lora(model, cfg, base: dict) -> dict:
     """With cfg.lora.r > 0, LoRA adapters in `model`, in place (`sprout.model.lora.add_adapters`,
     from train.seed), and the meta.json fields of a LoRA run: `lora` (its settings) and
     frozen_models' `base` (the init checkpoint of meta `base`, which its checkpoints need);
-    with r 0, nothing: {}. The stage's reference is then `AdaptersOff(model)`."""
+    with r 0, nothing: {}. The stage's reference is then `AdaptersOff(model)` (`reference_model`)."""
     if cfg.lora.off:
         return {}
     targets = add_adapters(model, cfg.lora, seed=cfg.train.seed)
@@ -79,6 +79,20 @@ def lora_policy(model, cfg, base: dict) -> dict:
     print_rank0(f"lora: r {cfg.lora.r}, alpha {cfg.lora.alpha:g} on {', '.join(targets)}; training {trained:,} "
                 f"of {model.num_params():,} parameters; base {base['path']}")
     return {"lora": lora_record(cfg.lora, targets), "frozen_models": {"base": frozen_model_record(base)}}
+
+
+def reference_model(policy, lora: dict, frozen_copy, adapters_off: bool = True) -> tuple[object, str]:
+    """(the reference, how it is held): the policy with its LoRA adapters off when `lora` (apply_lora's
+    fields) is not empty and `adapters_off` (its base is the reference), else `frozen_copy()`."""
+    if lora and adapters_off:
+        return AdaptersOff(policy), "the policy with its LoRA adapters off"
+    return frozen_copy(), "frozen copy"
+
+
+def lora_meta(lora: dict, **frozen: dict) -> dict:
+    """The meta.json fields of a run: apply_lora's `lora`, and `frozen_models` holding both the
+    stage's own frozen models (`frozen`: reference, reward_model, ...) and a LoRA run's base."""
+    return {**lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}
 
 
 def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Path | None = None,

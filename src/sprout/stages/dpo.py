@@ -32,11 +32,10 @@ from sprout.losses.preference import (
 )
 from sprout.losses.loss_types import REFERENCE_FREE
 from sprout.losses.tokens import sequence_logps
-from sprout.model.lora import AdaptersOff
 from sprout.model.load import uninitialised
 from sprout.model.transformer import Transformer
 from sprout.engine.trainer import all_reduce_sums
-from sprout.engine.run_stage import lora_policy, train_stage
+from sprout.engine.run_stage import apply_lora, lora_meta, reference_model, train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
 from sprout.stages.packing import loss_forward
 from sprout.stages.preference_stage import PreferenceStage, open_preference_run, pair_groups
@@ -177,24 +176,26 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
     policy = uninitialised(Transformer, run.model_config)  # the init checkpoint's weights, or the resumed run's
     if run.resume is None or not cfg.lora.off:  # a LoRA resume loads its adapters onto the base
         load_weights(policy, run.base["path"], run.base)
-    lora = lora_policy(policy, cfg, run.base)
+    lora = apply_lora(policy, cfg, run.base)
     ref_model, ref_path = None, None
     if needs_reference(cfg.dpo):
         ref_meta = read_meta(cfg.dpo.ref) if cfg.dpo.ref else run.base
         if ref_meta["model_config"] != run.base["model_config"] or ref_meta["architecture"] != "lm":
             raise SproutError(f"{ref_meta['path']}: dpo.ref must be an LM with the init checkpoint's model config")
         ref_path = ref_meta["path"]
-        if lora and ref_meta["files"] == run.base["files"]:  # the base itself: the policy with its adapters off
-            ref_model, how = AdaptersOff(policy), "the policy with its LoRA adapters off"
-        else:
-            ref_model, how = uninitialised(Transformer, run.model_config), "frozen copy"
-            load_weights(ref_model, ref_path, ref_meta)
+
+        def frozen_copy():
+            copy = uninitialised(Transformer, run.model_config)
+            load_weights(copy, ref_path, ref_meta)
+            return copy
+        # a LoRA policy whose base is the reference: the policy with its adapters off
+        ref_model, how = reference_model(policy, lora, frozen_copy, ref_meta["files"] == run.base["files"])
         acc.print(f"dpo: reference {ref_path}" + (" (log-probs precomputed)" if cfg.dpo.precompute_ref_logps
                                                  else f" ({how})"))
     stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
                      run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val), **run.batching())
     del ref_model  # the stage holds it (and frees it once its log-probs are precomputed)
     frozen = {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}
-    meta = {**run.provenance(), **lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}
+    meta = {**run.provenance(), **lora_meta(lora, **frozen)}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=None if cfg.batch.micro_batch_tokens else run.accum_steps, extra_meta=meta)

@@ -23,7 +23,7 @@ from sprout.losses.preference import reward_pair_loss
 from sprout.model.heads import last_index, padding_inputs, score_at
 from sprout.model.load import init_from_lm
 from sprout.engine.trainer import all_reduce_sums
-from sprout.engine.run_stage import lora_policy, train_stage
+from sprout.engine.run_stage import apply_lora, train_stage
 from sprout.stages.configs import RewardConfig, RewardLossConfig
 from sprout.stages.packing import PackedRows
 from sprout.stages.preference_stage import (
@@ -155,7 +155,7 @@ def run_reward(cfg: RewardConfig, resume: str | None = None) -> dict:
     cfg, acc = run.cfg, run.accelerator
     logprob = c.score == "logprob"
     model, _ = init_from_lm(run.base["path"], "lm" if logprob else "reward", seed=cfg.train.seed)
-    lora = lora_policy(model, cfg, run.base)  # the score head trains in full beside the adapters
+    lora = apply_lora(model, cfg, run.base)  # the score head trains in full beside the adapters
     acc.print(f"reward: score {'beta ' + str(c.beta) + ' x the summed response log-prob' if logprob else 'head'}")
     stage = RewardStage(acc, run.loader, run.val, run.accum_steps, c, pair_groups(run.val_path, run.val),
                         **run.batching())

@@ -43,7 +43,7 @@ from sprout.formats.verify_inputs import verify_sft_pair
 from sprout.ranges import check_ranges
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.stage import TokenStage, micro_steps
-from sprout.engine.run_stage import lora_policy, start_run, train_stage, with_epochs
+from sprout.engine.run_stage import apply_lora, start_run, train_stage, with_epochs
 from sprout.engine.cli import is_rank0, print_rank0, resolve_resume
 from sprout.stages.configs import SFTConfig
 from sprout.tokenizer_files import load_recorded
@@ -271,7 +271,7 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     model = uninitialised(Transformer, model_cfg)  # the base's weights, or the resumed run's
     if resume_path is None or not cfg.lora.off:  # a LoRA resume loads its adapters onto the base
         load_weights(model, base["path"], base)
-    lora = lora_policy(model, cfg, base)
+    lora = apply_lora(model, cfg, base)
     cfg = with_epochs(cfg, loader.steps_per_epoch)
     acc.print(f"sft: {data} ({loader.num_rows:,} rows of {row_len}, {loader.steps_per_epoch} steps per epoch), "
               f"val {val} ({val_loader.num_rows:,} rows); base {base['path']} (step {base.get('step')})")
