@@ -18,18 +18,21 @@ holds tensors already freed; --mmap-threshold sets MALLOC_MMAP_THRESHOLD_ in the
 131072: every tensor of 128 KiB or more is mapped on its own and returned when freed), so that
 RSS follows the live tensors.
 
-Part a: DPO at SmolLM2-135M's shape, full and LoRA, both measured. Part c: GRPO at SmolLM2-135M's
-shape and the smollm2 preset's batch (16 prompts x 8 samples, micro-batches of 32 completions,
-beta 0: no reference phase), full, LoRA, and LoRA with gradient checkpointing, all measured. Part b: a model of over 1e9
+Part a: DPO at SmolLM2-135M's shape, full and LoRA, both measured. Part b: a model of over 1e9
 parameters in the Llama layout (TinyLlama-1.1B's shape: d_model 2048, 22 layers, 32 heads, 8 KV
 heads, SwiGLU hidden 5632, vocab 32000), SFT, DPO and GRPO with LoRA, measured; beside each,
 full fine-tuning's estimate: per phase, the LoRA run's resident + 12 bytes per parameter (its
 gradient and AdamW's two moments; 8 in phases without gradients, which `Trainer.step` frees after
 its optimizer step) + 4 per parameter for the reference copy where the stage has one + the
 working memory measured with LoRA; the largest over phases. Part a prints the same estimate
-beside its measured full run.
+beside its measured full run. Part c (not run by default): GRPO at SmolLM2-135M's shape and the
+smollm2 preset's batch (16 prompts x 8 samples of 64 new tokens, micro-batches of 32 completions,
+beta 0: no reference phase; the prompt length, 48 tokens by default, is an assumption: the preset
+only caps it at 96), full, LoRA, and LoRA with gradient checkpointing, all measured; the same
+first rollout shows LoRA starts at the full model, the same gradient norms that checkpointing
+changes nothing.
 
-    python benchmarks/lora_memory.py [--parts a,b,c] [--warmup 1] [--steps 2] [--b-steps 1]
+    python benchmarks/lora_memory.py [--parts a,b] [--warmup 1] [--steps 2] [--b-steps 1]
                                      [--gradient-checkpointing] [--mmap-threshold BYTES] [--tiny]
 """
 
@@ -70,6 +73,7 @@ def reset_peak() -> None:
 def child(spec: dict) -> dict:
     import copy
     import gc
+    import hashlib
     from importlib.metadata import version
     from types import SimpleNamespace
 
@@ -87,6 +91,7 @@ def child(spec: dict) -> dict:
     from sprout.model.transformer import ModelConfig, Transformer
 
     start_kib = proc_status_kib("VmRSS")
+    checks: dict = {}  # what shows two configurations computed the same thing (part c)
     torch.manual_seed(0)
     cfg = ModelConfig(**SHAPES[spec["shape"]], max_seq_len=spec["seq"])
     policy = Transformer(cfg)
@@ -140,6 +145,8 @@ def child(spec: dict) -> dict:
 
         def rollout():
             held["rollout"] = stage.sample(np.arange(B), ids=prompts)
+            checks.setdefault("first_rollout_sha256", hashlib.sha256(
+                held["rollout"]["completion_ids"].numpy().tobytes()).hexdigest())
 
         def reference():
             held["rollout"]["ref_logps"] = stage.logps_of(stage.ref_model, held["rollout"])
@@ -160,7 +167,7 @@ def child(spec: dict) -> dict:
     gc.collect()
     resident_kib, setup_peak_kib = proc_status_kib("VmRSS"), proc_status_kib("VmHWM")
     phase_peak: dict[str, int] = {}
-    step_times, losses, phase_times = [], [], {}
+    step_times, losses, grad_norms, phase_times = [], [], [], {}
     for i in range(steps):
         t_step = 0.0
         for name, fn in phases(i).items():
@@ -172,12 +179,13 @@ def child(spec: dict) -> dict:
             phase_peak[name] = max(phase_peak.get(name, 0), proc_status_kib("VmHWM"))
             if isinstance(out, dict) and "loss" in out:
                 losses.append(float(out["loss"]))
+                grad_norms.append(float(out["grad_norm"]))
         if i >= spec["warmup"]:
             step_times.append(t_step)
     return {**spec, "params": params, "trained": trained, "start_kib": start_kib, "resident_kib": resident_kib,
             "peak_kib": max(setup_peak_kib, *phase_peak.values()), "phase_peak_kib": phase_peak,
             "step_s": statistics.median(step_times), "step_times": step_times, "phase_times": phase_times,
-            "losses": losses,
+            "losses": losses, "grad_norms": grad_norms, **checks,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "peft": version("peft")}
 
 
@@ -230,34 +238,6 @@ def part_a(args) -> None:
           f"(measured: {gib(full['peak_kib'] * 1024)} GiB)")
 
 
-def part_c(args) -> None:
-    shape = "tiny" if args.tiny else "smollm2"
-    base = {"stage": "grpo", "shape": shape, "seq": args.c_prompt_length + args.c_new_tokens, "rows": args.c_prompts * 8,
-            "prompts": args.c_prompts, "prompt_length": args.c_prompt_length, "micro_completions": args.c_micro,
-            "beta": 0.0, "warmup": args.warmup, "steps": args.steps}
-    runs = [run_child({**base, "name": "full", "lora": 0, "gradient_checkpointing": False}, args.mmap_threshold),
-            run_child({**base, "name": f"LoRA r {args.r}", "lora": args.r, "gradient_checkpointing": False},
-                      args.mmap_threshold),
-            run_child({**base, "name": f"LoRA r {args.r}, gradient checkpointing", "lora": args.r,
-                       "gradient_checkpointing": True}, args.mmap_threshold)]
-    full = runs[0]
-    print(f"\n## c. GRPO at {'a tiny model' if args.tiny else 'SmolLM2-135M'}'s shape and the smollm2 preset's batch "
-          f"({full['params']:,} params, random weights)\n")
-    print(f"{args.c_prompts} prompts of {args.c_prompt_length} tokens x 8 samples of {args.c_new_tokens} new tokens, "
-          f"micro-batches of {args.c_micro} completions, beta 0 (no reference phase); GRPOStage + Trainer.step, AdamW, "
-          f"fp32, {full['threads']} threads, torch {full['torch']}, peft {full['peft']}; step time the median of "
-          f"{args.steps} steps after {args.warmup} untimed (rollout + update); the children ran one after the other.\n")
-    print("| GRPO | trained params | resident GiB | peak RSS GiB | step s | rollout s | update s | x full step | "
-          "x full peak RSS |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in runs:
-        ph = {k: statistics.median(v[args.warmup:]) for k, v in r["phase_times"].items()}
-        print(f"| {r['name']} | {r['trained']:,} | {gib(r['resident_kib'] * 1024)} | {gib(r['peak_kib'] * 1024)} | "
-              f"{r['step_s']:.2f} | {ph['rollout']:.2f} | {ph['update']:.2f} | {r['step_s'] / full['step_s']:.2f}x | "
-              f"{r['peak_kib'] / full['peak_kib']:.2f}x |")
-    print("\nlosses: " + "; ".join(f"{r['name']}: " + ", ".join(f"{x:.4f}" for x in r["losses"]) for r in runs))
-
-
 def part_b(args) -> None:
     shape = "tiny" if args.tiny else "1b"
     rows, seq = args.b_rows, args.b_seq
@@ -301,6 +281,38 @@ def part_b(args) -> None:
           f"the phase's working memory measured with LoRA")
 
 
+def part_c(args) -> None:
+    shape = "tiny" if args.tiny else "smollm2"
+    base = {"stage": "grpo", "shape": shape, "seq": args.c_prompt_length + args.c_new_tokens,
+            "rows": args.c_prompts * args.c_generations,
+            "prompts": args.c_prompts, "prompt_length": args.c_prompt_length, "micro_completions": args.c_micro,
+            "beta": 0.0, "warmup": args.warmup, "steps": args.steps}
+    runs = [run_child({**base, "name": "full", "lora": 0, "gradient_checkpointing": False}, args.mmap_threshold),
+            run_child({**base, "name": f"LoRA r {args.r}", "lora": args.r, "gradient_checkpointing": False},
+                      args.mmap_threshold),
+            run_child({**base, "name": f"LoRA r {args.r}, gradient checkpointing", "lora": args.r,
+                       "gradient_checkpointing": True}, args.mmap_threshold)]
+    full = runs[0]
+    print(f"\n## c. GRPO at {'a tiny model' if args.tiny else 'SmolLM2-135M'}'s shape and the smollm2 preset's batch "
+          f"({full['params']:,} params, random weights)\n")
+    print(f"{args.c_prompts} prompts of {args.c_prompt_length} tokens x {args.c_generations} samples of {args.c_new_tokens} new tokens, "
+          f"micro-batches of {args.c_micro} completions, beta 0 (no reference phase); GRPOStage + Trainer.step, AdamW, "
+          f"fp32, {full['threads']} threads, torch {full['torch']}, peft {full['peft']}; step time the median of "
+          f"{args.steps} steps after {args.warmup} untimed (rollout + update); the children ran one after the other.\n")
+    print("| GRPO | trained params | resident GiB | peak RSS GiB | step s | rollout s | update s | x full step | "
+          "x full peak RSS |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in runs:
+        ph = {k: statistics.median(v[args.warmup:]) for k, v in r["phase_times"].items()}
+        print(f"| {r['name']} | {r['trained']:,} | {gib(r['resident_kib'] * 1024)} | {gib(r['peak_kib'] * 1024)} | "
+              f"{r['step_s']:.2f} | {ph['rollout']:.2f} | {ph['update']:.2f} | {r['step_s'] / full['step_s']:.2f}x | "
+              f"{r['peak_kib'] / full['peak_kib']:.2f}x |")
+    print("\nfirst rollout's tokens (sha256) and gradient norms per step (the losses are -mean(advantages), "
+          "random, alike in every run):")
+    for r in runs:
+        print(f"  {r['name']}: {r['first_rollout_sha256'][:16]}; " + ", ".join(f"{x:.6g}" for x in r["grad_norms"]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="a,b", help="comma-separated, of: a, b, c")
@@ -314,7 +326,8 @@ def main() -> None:
     p.add_argument("--b-prompts", type=int, default=2, help="part b: GRPO prompts (rows / prompts samples each)")
     p.add_argument("--b-prompt-length", type=int, default=64, help="part b: GRPO prompt tokens")
     p.add_argument("--b-steps", type=int, default=1, help="part b: steps per stage (all timed)")
-    p.add_argument("--c-prompts", type=int, default=16, help="part c: GRPO prompts (8 samples each)")
+    p.add_argument("--c-prompts", type=int, default=16, help="part c: GRPO prompts")
+    p.add_argument("--c-generations", type=int, default=8, help="part c: samples per prompt")
     p.add_argument("--c-prompt-length", type=int, default=48, help="part c: GRPO prompt tokens")
     p.add_argument("--c-new-tokens", type=int, default=64, help="part c: new tokens per sample")
     p.add_argument("--c-micro", type=int, default=32, help="part c: completions per micro-batch")
@@ -322,7 +335,7 @@ def main() -> None:
                    help="train.gradient_checkpointing in every run of parts a and b (part c runs both ways)")
     p.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
                    help="MALLOC_MMAP_THRESHOLD_ of the children (0: glibc's default, a threshold that rises)")
-    p.add_argument("--tiny", action="store_true", help="a tiny model in both parts (a smoke run of the code)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model in every part (a smoke run of the code)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:

@@ -3,7 +3,10 @@
 A script resolves its stage's config and checks the run folder first (`sprout.engine.cli`, no
 torch). A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`),
 the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchilla
-budget; `with_epochs`: data.epochs), then calls `train_stage`, which in this order: holds the
+budget; `with_epochs`: data.epochs), with LoRA adds the adapters (`apply_lora`), takes its
+reference as the policy with its adapters off or a frozen copy (`reference_model`) and records
+the frozen models its checkpoints need (`frozen_models_meta`), then calls `train_stage`, which in
+this order: holds the
 run folder (`sprout.engine.cli.run_lock`: a setup that ends before the first step leaves it as
 it was) and, after --overwrite, moves the old run's files aside now that the inputs are checked
 (deleted at the first step); builds the optimizer over the stage's parameter groups; on a
@@ -71,7 +74,7 @@ def apply_lora(model, cfg, base: dict) -> dict:
     """With cfg.lora.r > 0, LoRA adapters in `model`, in place (`sprout.model.lora.add_adapters`,
     from train.seed), and the meta.json fields of a LoRA run: `lora` (its settings) and
     frozen_models' `base` (the init checkpoint of meta `base`, which its checkpoints need);
-    with r 0, nothing: {}. The stage's reference is then `AdaptersOff(model)` (`reference_model`)."""
+    with r 0, nothing: {}. A reference that is the base is then `AdaptersOff(model)` (`reference_model`)."""
     if cfg.lora.off:
         return {}
     targets = add_adapters(model, cfg.lora, seed=cfg.train.seed)
@@ -81,15 +84,15 @@ def apply_lora(model, cfg, base: dict) -> dict:
     return {"lora": lora_record(cfg.lora, targets), "frozen_models": {"base": frozen_model_record(base)}}
 
 
-def reference_model(policy, lora: dict, frozen_copy, adapters_off: bool = True) -> tuple[object, str]:
+def reference_model(policy, lora: dict, frozen_copy, *, base_is_reference: bool) -> tuple[object, str]:
     """(the reference, how it is held): the policy with its LoRA adapters off when `lora` (apply_lora's
-    fields) is not empty and `adapters_off` (its base is the reference), else `frozen_copy()`."""
-    if lora and adapters_off:
+    fields) is not empty and the reference is the policy's base, else `frozen_copy()`."""
+    if lora and base_is_reference:
         return AdaptersOff(policy), "the policy with its LoRA adapters off"
     return frozen_copy(), "frozen copy"
 
 
-def lora_meta(lora: dict, **frozen: dict) -> dict:
+def frozen_models_meta(lora: dict, **frozen: dict) -> dict:
     """The meta.json fields of a run: apply_lora's `lora`, and `frozen_models` holding both the
     stage's own frozen models (`frozen`: reference, reward_model, ...) and a LoRA run's base."""
     return {**lora, "frozen_models": {**frozen, **lora.get("frozen_models", {})}}

@@ -35,7 +35,7 @@ from sprout.losses.tokens import sequence_logps
 from sprout.model.load import uninitialised
 from sprout.model.transformer import Transformer
 from sprout.engine.trainer import all_reduce_sums
-from sprout.engine.run_stage import apply_lora, lora_meta, reference_model, train_stage
+from sprout.engine.run_stage import apply_lora, frozen_models_meta, reference_model, train_stage
 from sprout.stages.configs import DPOConfig, DPOLossConfig
 from sprout.stages.packing import loss_forward
 from sprout.stages.preference_stage import PreferenceStage, open_preference_run, pair_groups
@@ -189,13 +189,14 @@ def run_dpo(cfg: DPOConfig, resume: str | None = None) -> dict:
             load_weights(copy, ref_path, ref_meta)
             return copy
         # a LoRA policy whose base is the reference: the policy with its adapters off
-        ref_model, how = reference_model(policy, lora, frozen_copy, ref_meta["files"] == run.base["files"])
+        ref_model, how = reference_model(policy, lora, frozen_copy,
+                                         base_is_reference=ref_meta["files"] == run.base["files"])
         acc.print(f"dpo: reference {ref_path}" + (" (log-probs precomputed)" if cfg.dpo.precompute_ref_logps
                                                  else f" ({how})"))
     stage = DPOStage(acc, run.loader, run.val, run.accum_steps, cfg.dpo, ref_model, ref_path,
                      run.tokenizer.fingerprint(), pair_groups(run.val_path, run.val), **run.batching())
     del ref_model  # the stage holds it (and frees it once its log-probs are precomputed)
     frozen = {"reference": frozen_model_record(ref_meta)} if ref_path is not None else {}
-    meta = {**run.provenance(), **lora_meta(lora, **frozen)}
+    meta = {**run.provenance(), **frozen_models_meta(lora, **frozen)}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=None if cfg.batch.micro_batch_tokens else run.accum_steps, extra_meta=meta)

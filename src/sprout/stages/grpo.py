@@ -29,7 +29,7 @@ from sprout.rl.advantages import (DEFAULT_SCALE, STD_EPS, batch_normalize, group
 from sprout.rl.kl import kl_estimate
 from sprout.rl.verifiers import reward_metrics
 from sprout.engine.trainer import all_reduce_sums
-from sprout.engine.run_stage import apply_lora, lora_meta, reference_model, train_stage
+from sprout.engine.run_stage import apply_lora, frozen_models_meta, reference_model, train_stage
 from sprout.stages.configs import GRPOConfig, GRPOLossConfig
 from sprout.stages.rl_rewards import build_rewards
 from sprout.stages.rl_stage import RLStage, completion_logps, concat_rollouts, open_rl_run
@@ -239,13 +239,13 @@ def run_grpo(cfg: GRPOConfig, resume: str | None = None) -> dict:
     lora = apply_lora(policy, cfg, run.base)
     ref = None
     if cfg.grpo.beta > 0:
-        ref, how = reference_model(policy, lora, run.init_lm)
+        ref, how = reference_model(policy, lora, run.init_lm, base_is_reference=True)
         acc.print(f"grpo: reference {run.base['path']} ({how}), beta {cfg.grpo.beta}, KL in the {cfg.grpo.kl_in}")
     stage = GRPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, grpo=cfg.grpo,
                       ref_model=ref, seed=cfg.train.seed, eval_batch=cfg.data.eval_batch,
                       eval_generations=cfg.data.eval_num_generations)
     frozen = {"reference": frozen_model_record(run.base)} if ref is not None else {}
-    meta = {**run.provenance(), **lora_meta(lora, **frozen)}
+    meta = {**run.provenance(), **frozen_models_meta(lora, **frozen)}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=None if cfg.batch.micro_batch_tokens else stage.accum_steps, extra_meta=meta)
 

@@ -32,7 +32,7 @@ from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, k
 from sprout.rl.verifiers import reward_metrics
 from sprout.engine.trainer import all_reduce_sums
 from sprout.engine.optim import decay_groups
-from sprout.engine.run_stage import apply_lora, lora_meta, reference_model, train_stage
+from sprout.engine.run_stage import apply_lora, frozen_models_meta, reference_model, train_stage
 from sprout.stages.configs import PPOBatchConfig, PPOConfig, PPOLossConfig, RolloutConfig
 from sprout.stages.reward import score_sequences
 from sprout.stages.rl_rewards import build_rewards
@@ -362,13 +362,13 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     if c.value_init == "reward" and run.resume is None:
         init_value_head(policy, rm, rm_meta["path"])
     lora = apply_lora(policy, cfg, run.base)  # the value head trains in full beside the adapters
-    ref, how = reference_model(policy, lora, run.init_lm)
+    ref, how = reference_model(policy, lora, run.init_lm, base_is_reference=True)
     acc.print(f"ppo: reference {run.base['path']} ({how}); KL {c.kl_estimator} in the {c.kl_in}, "
               f"kl_coef {c.kl_coef}{' (adaptive)' if c.adaptive_kl else ''}; value head from the {c.value_init}")
     stage = PPOStage(acc, run.tokenizer, run.loader, run.val, cfg.batch, cfg.rollout, rewards, ppo=c, ref_model=ref,
                      reward_model=rm, reward_score=kind, weight_decay=cfg.optim.weight_decay, seed=cfg.train.seed,
                      eval_batch=cfg.data.eval_batch, eval_generations=cfg.data.eval_num_generations)
     frozen = {"reward_model": frozen_model_record(rm_meta, score=kind)} if rm_meta else {}
-    meta = {**run.provenance(), **lora_meta(lora, reference=frozen_model_record(run.base), **frozen)}
+    meta = {**run.provenance(), **frozen_models_meta(lora, reference=frozen_model_record(run.base), **frozen)}
     return train_stage(acc, policy, stage, cfg, resume=run.resume, tokenizer=run.tokenizer.spec,
                        micro_steps=None if cfg.batch.micro_batch_tokens else stage.accum_steps, extra_meta=meta)
