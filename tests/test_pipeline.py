@@ -24,7 +24,7 @@ import yaml
 
 from data_fixtures import make_docs
 from sprout.errors import SproutError
-from sprout.pipeline.runner import digest, read_state
+from sprout.pipeline.runner import StageFailed, digest, read_state, run_pipeline
 from sprout.pipeline.preset import command_args, load_preset, select
 from sprout.engine.metrics import read_metrics
 
@@ -500,3 +500,30 @@ def test_another_checkout_or_a_state_recorded_with_the_repository_written_out_sk
     run_pipeline(moved, log=log.append)
     assert [line for line in log if line.startswith("==> ")] == \
         [f"==> {s.name}: done, skipped (inputs unchanged, outputs verified)" for s in moved.stages]
+
+
+def test_a_run_whose_runner_was_killed_outright_keeps_its_time_up_to_its_last_file(tmp_path, monkeypatch):
+    """A SIGKILL of the runner (a lost machine) skips the wall time it adds when its child ends: the
+    resume counts that run from its start to the last file the stage wrote."""
+    from sprout.pipeline.runner import lost_run_s, write_state
+    from tests.test_pipeline_seeds import fake_preset
+    preset = load_preset(fake_preset(tmp_path))
+    monkeypatch.setenv("FAKE_FAIL_SEED", "1337")  # sft stops after its first checkpoint
+    with pytest.raises(StageFailed, match="stage sft failed"):
+        run_pipeline(preset, log=lambda _: None)
+    monkeypatch.delenv("FAKE_FAIL_SEED")
+    state = read_state(preset.out)
+    rec = state["stages"]["sft"]
+    assert "started_at" not in rec and lost_run_s(preset.out / "sft_model", rec) == 0.0  # its time was counted
+    # what a runner killed outright leaves: its run's start, not its time
+    start = time.time() - 100
+    rec.update(wall_s=5.0, started_at=start)
+    for f in (preset.out / "sft_model").rglob("*"):
+        os.utime(f, (start + 40, start + 40))
+    write_state(preset.out, state)
+    log: list[str] = []
+    state = run_pipeline(preset, log=log.append)
+    assert any("runner was killed: 40 s of it counted" in line for line in log), log
+    rec = state["stages"]["sft"]
+    assert rec["status"] == "done" and "started_at" not in rec
+    assert 45.0 <= rec["wall_s"] < 45.0 + 60  # the lost run's 40 s, the earlier 5 and the resumed run's own

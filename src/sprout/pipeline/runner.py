@@ -3,8 +3,10 @@
 A preset (sprout.pipeline.preset: configs/pipelines/*.yaml, seeds, sweeps) lists the stages:
 a prep stage runs as a plain process, a train or eval stage under `accelerate
 launch` when the launcher is `accelerate`. `<out>/pipeline_state.json` (written atomically)
-records for each stage its input hashes (`stage_inputs`), its wall time, its peak resident
-memory (`peak_rss_mb`, `run_child`) and, once it completes, its output hashes. Same inputs and
+records for each stage its input hashes (`stage_inputs`), its wall time over every run of it
+(a run whose runner was killed outright counts up to its stage's last written file,
+`lost_run_s`), its peak resident memory (`peak_rss_mb`, `run_child`: of the runs the runner
+saw end) and, once it completes, its output hashes. Same inputs and
 outputs that verify (`outputs_verify`) -> skipped; same inputs, no completion: a train stage
 with a checkpoint resumes (`--out DIR --resume`), any other runs again; otherwise it runs
 afresh (`--overwrite` for a train stage). A missing script or config stops the pipeline with
@@ -231,6 +233,18 @@ def _exit_message(stage: Stage, code: int) -> StageFailed:
                        f"its output above says why)", 1)
 
 
+def lost_run_s(out: Path, rec: dict) -> float:
+    """Seconds of a stage's run whose runner was killed outright (SIGKILL, a lost machine), so
+    never added its wall time: from the run's start (`started_at`, wall clock) to the last
+    modification of a file under the stage's output `out` (a lower bound); 0 when none was lost."""
+    started = rec.get("started_at")
+    if started is None or not out.exists():
+        return 0.0
+    files = [out] if out.is_file() else [p for p in out.rglob("*") if p.is_file()]
+    last = max((p.stat().st_mtime for p in files), default=started)
+    return max(0.0, last - started)
+
+
 def run_stage(preset: Preset, stage: Stage, state: dict, env: dict, *, force: bool = False, log=print) -> str:
     """Bring one stage up to date; returns what was done: skipped | resumed | ran."""
     inputs = stage_inputs(preset, stage, state)
@@ -254,9 +268,13 @@ def run_stage(preset: Preset, stage: Stage, state: dict, env: dict, *, force: bo
         log(f"==> {stage.name}: {why}")
         if stage.kind == "train":
             commands = [c + ["--overwrite"] for c in commands]  # deletes only a run's own files, if any
+    lost = lost_run_s(out, rec) if resume else 0.0
+    if lost:
+        log(f"    its last run's runner was killed: {lost:.0f} s of it counted, up to its last written file")
     state["stages"][stage.name] = {"status": "running", "input_hash": input_hash, "inputs": inputs,
-                                   "wall_s": rec.get("wall_s", 0.0) if resume else 0.0,
-                                   "peak_rss_mb": rec.get("peak_rss_mb", 0.0) if resume else 0.0}
+                                   "wall_s": rec.get("wall_s", 0.0) + lost if resume else 0.0,
+                                   "peak_rss_mb": rec.get("peak_rss_mb", 0.0) if resume else 0.0,
+                                   "started_at": time.time()}
     write_state(preset.out, state)
     start = time.perf_counter()
     try:
@@ -271,6 +289,7 @@ def run_stage(preset: Preset, stage: Stage, state: dict, env: dict, *, force: bo
                 raise _exit_message(stage, code)
     finally:
         state["stages"][stage.name]["wall_s"] += time.perf_counter() - start
+        del state["stages"][stage.name]["started_at"]  # this run's time is counted
         write_state(preset.out, state)
     if stage.kind == "train":
         found = checkpoint_weights(out)
