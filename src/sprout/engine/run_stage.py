@@ -2,24 +2,16 @@
 
 A script resolves its stage's config and checks the run folder first (`sprout.engine.cli`, no
 torch). A stage's `run_*` function checks its own inputs, builds the accelerator (`start_run`),
-the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`: the Chinchilla
-budget; `with_epochs`: data.epochs), with LoRA adds the adapters (`apply_lora`), takes its
-reference as the policy with its adapters off or a frozen copy (`reference_model`) and records
-the frozen models its checkpoints need (`frozen_models_meta`), then calls `train_stage`, which in
-this order: holds the
-run folder (`sprout.engine.cli.run_lock`: a setup that ends before the first step leaves it as
-it was) and, after --overwrite, moves the old run's files aside now that the inputs are checked
-(deleted at the first step); builds the optimizer over the stage's parameter groups; on a
-resume checks the checkpoint first (`Trainer.check_resume`: sha256, the config a resume must
-match, the stage, the frozen models), then lets the stage prepare its frozen models (`setup`);
-copies the tokenizer into <out>/tokenizer/ and records it with its sha256 in each checkpoint
-(`sprout.checkpoint.bundle_tokenizer`); records the config and its resume part
-(`sprout.config.resume_config`: every field not `resume_free`); resumes (weights, optimizer, RNG,
-loader position); saves <out>/config.yaml (rank 0; a resumed run that fails before its first new
-checkpoint puts back the one it resumed from); runs `sprout.engine.training_loop.fit`. A
-SIGINT / SIGTERM ends the process with 128 + its number: during training after a checkpoint
-(printing the command that resumes it), after the last step once the report is written (the
-run is complete: resuming it has nothing to do).
+the model and its `Stage`, resolves train.max_steps when null (`with_max_steps`, `with_epochs`),
+with LoRA adds the adapters (`apply_lora`), takes its reference (`reference_model`: the policy
+with its adapters off, or a frozen copy) and the frozen-model records its checkpoints need
+(`frozen_models_meta`), then calls `train_stage` (its docstring gives the order of its steps).
+
+Invariants: the run folder is held from before its first write to the end, and inputs and a
+resumed checkpoint are checked before anything in it changes; a setup that ends before the
+first step leaves the folder as it was. A SIGINT / SIGTERM ends the process with 128 + its
+number: during training after a checkpoint (printing the command that resumes it), after the
+last step once the report is written.
 """
 
 from __future__ import annotations
@@ -101,6 +93,16 @@ def frozen_models_meta(lora: dict, **frozen: dict) -> dict:
 def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Path | None = None,
                 tokenizer: str | None = None, micro_steps: int | None = None, extra_meta: dict | None = None) -> dict:
     """Build the Trainer for `stage`, resume if asked, save/print the config, fit, report.
+
+    In this order: holds the run folder (`sprout.engine.cli.run_lock`) and, after --overwrite,
+    moves the old run's files aside (deleted at the first step); builds the optimizer over the
+    stage's parameter groups; on a resume checks the checkpoint first (`Trainer.check_resume`:
+    sha256, the config a resume must match, the stage, the frozen models), then lets the stage
+    prepare its frozen models (`setup`); copies the tokenizer into <out>/tokenizer/ and records
+    it with its sha256 (`sprout.checkpoint.bundle_tokenizer`); records the config and its resume
+    part (`sprout.config.resume_config`); resumes (weights, optimizer, RNG, loader position);
+    saves <out>/config.yaml (rank 0; a resumed run that fails before its first new checkpoint
+    puts back the one it resumed from); runs `sprout.engine.training_loop.fit`.
 
     `cfg` has a `batch` section besides StageConfig's; `extra_meta`: more fields for every
     checkpoint's meta.json (e.g. the chat-template version of an SFT run). The run folder is
