@@ -66,7 +66,8 @@ def apply_lora(model, cfg, base: dict) -> dict:
     """With cfg.lora.r > 0, LoRA adapters in `model`, in place (`sprout.model.lora.add_adapters`,
     from train.seed), and the meta.json fields of a LoRA run: `lora` (its settings) and
     frozen_models' `base` (the init checkpoint of meta `base`, which its checkpoints need);
-    with r 0, nothing: {}. A reference that is the base is then `AdaptersOff(model)` (`reference_model`)."""
+    with r 0, nothing: {}. A reference that is the base is then `AdaptersOff(model)`
+    (`reference_model`)."""
     if cfg.lora.off:
         return {}
     targets = add_adapters(model, cfg.lora, seed=cfg.train.seed)
@@ -105,8 +106,7 @@ def train_stage(acc: Accelerator, model, stage, cfg: StageConfig, *, resume: Pat
     puts back the one it resumed from); runs `sprout.engine.training_loop.fit`.
 
     `cfg` has a `batch` section besides StageConfig's; `extra_meta`: more fields for every
-    checkpoint's meta.json (e.g. the chat-template version of an SFT run). The run folder is
-    held (`run_lock`) from before its first write to the end.
+    checkpoint's meta.json (e.g. the chat-template version of an SFT run).
     """
     with run_lock(cfg.out, acc.is_main_process):
         train_cfg, out = cfg.train, Path(cfg.out)

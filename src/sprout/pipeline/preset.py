@@ -219,6 +219,7 @@ def seeded_path(rel: str, seed: int) -> str:
     """`grpo_model` -> `grpo_model_seed1337`; a file `eval/x.json` -> `eval/x_seed1337.json`."""
     return sweep.tagged_path(rel, f"seed{seed}")
 
+
 def expand_seeds(path: Path, stages: list[Stage], seeds, seed_stages) -> list[Stage]:
     """The stages with each seeded one (a stage of `seed_stages`, or one reading a seeded stage)
     replaced, in place, by one stage per seed (`Preset`)."""
