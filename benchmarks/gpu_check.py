@@ -1,4 +1,4 @@
-"""One short, prepared GPU check of every training path (for a session lent a GPU).
+"""One short, prepared GPU check of every training path, for a machine with a GPU.
 
 Every stage runs as its real CLI (bf16 on a GPU) on inputs this script makes itself
 (benchmarks/gpu_check_inputs.py), so nothing is downloaded: the matmul peak (the MFU

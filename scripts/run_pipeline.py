@@ -8,7 +8,7 @@
     python scripts/run_pipeline.py --preset smollm2 --model HuggingFaceTB/SmolLM2-135M-Instruct
     python scripts/run_pipeline.py --preset smollm2 --seeds 1337,1338,1339   # GRPO and all after it, per seed
     python scripts/run_pipeline.py --preset smollm2 --sweep grpo:optim.lr=5e-6,1e-5,2e-5 --sweep grpo:train.seed=1
-    python scripts/run_pipeline.py --preset smollm2 --set grpo:optim.lr=2e-5 --seeds 1337,1338,1339
+    python scripts/run_pipeline.py --preset smollm2 --set grpo:optim.lr=LR --seeds 1337,1338,1339   # LR: the sweep's
 
 A stage whose outputs exist and verify is skipped, an interrupted one resumes from its latest
 checkpoint, one whose inputs changed (config file, command line, an earlier stage's outputs)

@@ -4,6 +4,7 @@ own process when only what the script prints and its exit status are checked.
 `run_group` kills every descendant of the command on timeout before raising (a command under
 `accelerate launch` starts workers that would otherwise keep its port and the output pipe);
 `free_port` gives each 2-process launch a port of its own, so parallel test workers never meet.
+`run_until` starts a command and sends it (or one launched worker) SIGTERM once it prints a line.
 `run_here` runs `python SCRIPT ARGS...` inside the test's process, as `python` would: the script
 as `__main__` with that argv, working directory and environment, stdout and stderr captured, the
 exit status its `SystemExit` (1 and the traceback for any other exception), warnings printed as a
@@ -30,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -38,6 +40,7 @@ import numpy as np
 import psutil  # a dependency of accelerate
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -56,6 +59,43 @@ def run_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedP
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_until(cmd: list, marker: str, *, wait: float = 0.0, timeout: float = 300, rank: int | None = None):
+    """Start `cmd`, send SIGTERM `wait` seconds after a stdout line starts with `marker` (to the
+    launched worker of that RANK when `rank` is given, else to `cmd`); returns (the process's
+    result, seconds from the signal to its exit). Every process it started is killed after `timeout`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(marker):
+                time.sleep(wait)
+                target = proc if rank is None else worker(proc.pid, rank)
+                target.send_signal(signal.SIGTERM)
+                break
+        sent = time.perf_counter()
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        kill_tree(proc.pid)
+    took = time.perf_counter() - sent
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(seen) + stdout, stderr), took
+
+
+def worker(pid: int, rank: int) -> psutil.Process:
+    """The launched process of `pid`'s tree whose environment says RANK=`rank`."""
+    return next(p for p in psutil.Process(pid).children(recursive=True) if p.environ().get("RANK") == str(rank))
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to whatever of `pid`'s process tree still runs."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ bytes).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
@@ -17,15 +16,13 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 
-from proc import free_port, one_error, run_here, tree
+from proc import free_port, one_error, run_here, run_until, tree
 from test_run_folders import flags
 from test_train import write_data
 
@@ -162,43 +159,6 @@ def test_a_finished_setup_keeps_nothing_of_the_folder_it_recorded(data, tmp_path
         assert setup.entries["metrics.jsonl"] is not None and setup.lock_before is not None
         setup_finished(out)
         assert (setup.entries, setup.temps, setup.lock_before) == ({}, set(), None)
-
-
-def run_until(cmd: list, marker: str, *, wait: float = 0.0, timeout: float = 300, rank: int | None = None):
-    """Start `cmd`, send SIGTERM `wait` seconds after a stdout line starts with `marker` (to the
-    launched worker of that RANK when `rank` is given, else to `cmd`); returns (the process's
-    result, seconds from the signal to its exit). Every process it started is killed after `timeout`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=env)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith(marker):
-                time.sleep(wait)
-                target = proc if rank is None else worker(proc.pid, rank)
-                target.send_signal(signal.SIGTERM)
-                break
-        sent = time.perf_counter()
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        kill_tree(proc.pid)
-    took = time.perf_counter() - sent
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(seen) + stdout, stderr), took
-
-
-def worker(pid: int, rank: int) -> psutil.Process:
-    """The launched process of `pid`'s tree whose environment says RANK=`rank`."""
-    return next(p for p in psutil.Process(pid).children(recursive=True) if p.environ().get("RANK") == str(rank))
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL to whatever of `pid`'s process tree still runs."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
 
 
 @pytest.mark.slow

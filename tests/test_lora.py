@@ -5,12 +5,15 @@ bit-exact, a later stage starts from a LoRA run merged, the reference is the pol
 adapters off, bad options are refused in one line, and r 0 leaves the config hash alone."""
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from grpo_fixtures import config_dict, data  # noqa: F401 (data: a fixture)
 from preference_train_fixtures import base, resume_folder, write_lm  # noqa: F401 (base: a fixture)
+from proc import one_error, run_here
 from safetensors.torch import load_file
 
 from sprout.checkpoint import read_meta
@@ -26,6 +29,8 @@ from sprout.lora_weights import lora_scale, merge_adapters
 from sprout.model.lora import AdaptersOff, add_adapters
 from sprout.model.transformer import Transformer
 from sprout.stages.grpo import GRPOConfig, run_grpo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def adapted(seed: int = 0, r: int = 4, **model):
@@ -195,6 +200,17 @@ def test_a_changed_or_missing_base_is_refused_in_one_line(base, data, sp, tmp_pa
     shutil.rmtree(init)
     with pytest.raises(SproutError, match=r"meta.json: its LoRA base .*/base cannot be read \(.*\); the adapters need"):
         load_model(tmp_path / "run")
+    # through the scripts: the export, and a later stage started from the run, refused before
+    # anything is written
+    export = run_here([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(tmp_path / "run"),
+                       str(tmp_path / "export")], cwd=ROOT)
+    one_error(export, "its LoRA base", "cannot be read")
+    config = tmp_path / "next.yaml"
+    config.write_text(yaml.safe_dump(config_dict(data, tmp_path / "run", tmp_path / "next", max_steps=1)))
+    later = run_here([sys.executable, str(ROOT / "scripts" / "train_grpo.py"), "--config", str(config)], cwd=ROOT)
+    one_error(later, "its LoRA base", "cannot be read")
+    assert not (tmp_path / "export").exists() and not (tmp_path / "next").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["next.yaml", "run"]
 
 
 def test_a_lora_record_without_its_base_is_refused(lora_run, tmp_path):

@@ -6,6 +6,7 @@ merged weights of the one before."""
 import dataclasses
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from grpo_fixtures import config_dict as grpo_dict
 from grpo_fixtures import data as prompts  # noqa: F401 (a fixture)
 from ppo_fixtures import config_dict as ppo_dict
 from preference_train_fixtures import cli_flags, tiny_cfg, write_pairs
-from proc import free_port, run_group
+from proc import free_port, run_group, run_until
 from safetensors.torch import load_file
 from test_sft_train import base, sft_file  # noqa: F401 (fixtures)
 from test_sft_train import tiny_cfg as sft_cfg
@@ -179,6 +180,29 @@ def test_lora_resumes_bit_for_bit_in_dpo_and_in_ppo_with_its_value_head(base, pa
         assert sorted(rb)[0] == first and all(rb[s]["loss"] == ra[s]["loss"] for s in rb)
         wa, wb = load_file(final(a)), load_file(final(b))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_lora_run_with_a_checkpoint_that_resumes_bit_for_bit(base, pairs, tmp_path):
+    """DPO with adapters as its CLI runs it: SIGTERM after step 1 of 12 stops it with a checkpoint
+    (exit 143), and `--resume` ends as a run never stopped: every loss and every saved tensor."""
+    ref = tmp_path / "ref"
+    run_dpo(with_lora(tiny_cfg(DPOConfig, pairs, base, ref, lr=1e-2)))
+    out = tmp_path / "run"
+    script = ROOT / "scripts" / "train_dpo.py"
+    lora = [a for k, v in LORA.items() for a in (f"--lora.{k}", str(v))]
+    proc, _ = run_until([sys.executable, script, *cli_flags(pairs, base, out, lr=1e-2), *lora], "step 1/12")
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "SIGTERM: stopping after this step with a checkpoint" in proc.stderr
+    stopped = max(records(out))
+    assert 1 <= stopped < 12 and (out / "checkpoints" / f"step_{stopped:08d}").is_dir()
+    again = run_group([sys.executable, str(script), "--out", str(out), "--resume"], timeout=300, cwd=ROOT,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    ra, rb = records(ref), records(out)
+    assert sorted(rb) == sorted(ra) and all(rb[s]["loss"] == ra[s]["loss"] for s in ra)
+    wa, wb = load_file(final(ref)), load_file(final(out))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_dpo_with_lora_and_another_reference_keeps_a_frozen_copy_of_it(base, pairs, sp, tmp_path):

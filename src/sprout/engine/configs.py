@@ -77,10 +77,10 @@ LORA_LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters, as peft's `LoraConfig` names its fields (TRL's `lora_r`, `lora_alpha`, ...):
-    every targeted linear layer gains B A (A [r, in], B [out, r], B starting at 0), scaled by
-    alpha / r (alpha / sqrt(r) with use_rslora), and only those and the model's scalar head
-    train. r 0 trains every weight, and leaves the config hash as it was without this section."""
+    """LoRA adapters: peft's `LoraConfig` fields without their `lora_` prefix (TRL's `lora_r`,
+    `lora_alpha`, ...): every targeted linear layer gains B A (A [r, in], B [out, r], B starting
+    at 0), scaled by alpha / r (alpha / sqrt(r) with use_rslora), and only those and the model's
+    scalar head train. r 0 trains every weight, and leaves the config hash as it was without this section."""
     r: int = in_range(0, "[0, inf)")  # adapter rank; 0: full fine-tuning
     alpha: float = in_range(32.0, "(0, inf)")  # scale numerator (peft's lora_alpha)
     dropout: float = in_range(0.0, "[0, 1)")  # on the adapters' input in training (peft's lora_dropout)
