@@ -239,6 +239,50 @@ def test_the_sft_trainer_refuses_a_file_without_the_record(sp, tmp_path):
     assert not out.exists()
 
 
+def _sft_file(sp, path: Path, sources: list, seq_len: int) -> Path:
+    from sprout.prep.sft_data import SFTDataConfig, prepare
+
+    prepare(SFTDataConfig(tokenizer=sp.spec, out=str(path), seq_len=seq_len, val_fraction=0.2, sources=sources), sp,
+            log=lambda *_: None)
+    return path
+
+
+def _train_sft(data: Path, init: Path, out: Path, seq_len: int):
+    return _run("train_sft.py", "--data", data, "--init", init, "--out", out, "--batch.global_tokens", seq_len,
+                "--batch.micro_tokens", seq_len, "--train.max_steps", "1", "--train.progress", "false",
+                "--train.peak_tflops", "-1", "--sample_prompts", "[]")
+
+
+def test_the_sft_trainer_refuses_a_file_holding_a_held_out_problem(sp, tmp_path, monkeypatch):
+    """The trainer reads every packed conversation's user turns back: a prep that let an arithmetic
+    test problem or a question of GSM8K's dev slice through (its record says it left them out) is
+    refused naming the row and the set, before the run folder exists; what a prep wrote passes."""
+    from preference_train_fixtures import write_lm
+    from sprout.prep.held_out import HeldOut
+
+    chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [*_user(q), {"role": "assistant", "content": "Ten."}]}
+                                            for q in [f"Tell me story {i}." for i in range(30)]
+                                            + [p.question for p in arithmetic.generate(8, seed=0, split="test")]])
+    gsm8k = _jsonl(tmp_path / "gsm8k" / "train.jsonl", _gsm8k_rows(200))
+    sources = [{"name": "chat", "format": "chat", "path": str(chat)}, {"name": "g", "format": "gsm8k", "path": str(gsm8k)}]
+    init = write_lm(tmp_path / "lm", sp)
+    clean = _sft_file(sp, tmp_path / "clean" / "sft.h5", sources, 64)
+    proc = _train_sft(clean, init, tmp_path / "run_clean", 64)
+    assert proc.returncode == 0, proc.stderr
+    assert f"held-out problems: none in the " in proc.stdout and f"of GSM8K's dev slice, from {gsm8k}" in proc.stdout
+    monkeypatch.setattr(HeldOut, "excluded", lambda self, messages, gsm8k_file_split=None: False)  # a prep that lets them in
+    for name, found in (("chat", "arithmetic_test"), ("g", "gsm8k_dev")):
+        data = _sft_file(sp, tmp_path / name / "sft.h5", [s for s in sources if s["name"] == name], 64)
+        with h5py.File(data) as f:
+            assert json.loads(f.attrs["held_out"])["sets"] == list(SETS)  # the record says they were left out
+        proc = _train_sft(data, init, tmp_path / f"run_{name}", 64)
+        one_error(proc, f"{data}: row ", f"holds a held-out problem ({found}); a train file must not hold")
+        assert not (tmp_path / f"run_{name}").exists()
+    gsm8k.unlink()  # GSM8K's dev slice cannot be read here: the record is trusted, and the run says so
+    proc = _train_sft(tmp_path / "g" / "sft.h5", init, tmp_path / "run_trusted", 64)
+    assert proc.returncode == 0 and "GSM8K dev: GSM8K's train file not readable here" in proc.stdout, proc.stderr
+
+
 # ---- evaluate.py --split -------------------------------------------------------------------
 
 def test_task_prompts_of_each_split_are_the_preps(tmp_path):

@@ -38,7 +38,8 @@ LARGE_DATA = 256 << 20            # show a progress bar (rank 0) when hashing mo
 TOKEN_SUFFIXES = (".bin", ".h5")  # the files of a token folder, each listed in its manifest
 SKIPPED = {  # what mode "sizes" does not check, by kind of data (`DataCheck.line` names it)
     "tokens": ("token ids against the vocabulary (the manifest's max_token_id is trusted, the ids are not read)",),
-    "sft": ("the rows' layout (loss mask, segments, positions: scripts/check_loss_mask.py checks it)",),
+    "sft": ("the rows' layout (loss mask, segments, positions: scripts/check_loss_mask.py checks it)",
+            "the conversations against the held-out problems (the prep's record is trusted)"),
     "prompt": ("prompts and golds against the manifest (an edit after prep goes unnoticed)",),
     "preference": ("pairs against the manifest (an edit after prep goes unnoticed)",),
 }

@@ -10,7 +10,8 @@ The preps exclude held-out problems from train files (counted as `dropped_held_o
 what they excluded (`HeldOut.record()`: sets, rule, counts, the count and sha256 of the GSM8K dev
 slice questions read, `slice_digest`) in the manifest or HDF5 attrs; the
 trainers refuse a file that lacks the record or holds a held-out problem (`check_train_jsonl`,
-`check_record`).
+`check_record`; a packed SFT file: `check_sft_examples` on its conversations' user turns, decoded,
+GSM8K's dev slice read from the prep's own GSM8K train file where it can be read here).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
+
+import numpy as np
 
 from sprout.errors import SproutError
 from sprout.prep.arithmetic import DEV_FRACTION, TEST_FRACTION, question_split
@@ -173,3 +176,72 @@ def check_train_jsonl(path, records: Iterable[dict]) -> None:
                  for name, s in manifest.get("sources", {}).items() if s.get("format") == "gsm8k"}
         instruction = manifest.get("instruction")
     check_train_records(((r["id"], r["source"], r["prompt"]) for r in records), path, gsm8k, instruction)
+
+
+# ---- packed SFT files: the conversations themselves -------------------------------------------
+def gsm8k_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
+    """(the questions of GSM8K's dev slice, stripped, or None; where they were read, or why not)
+    from the GSM8K train file a prep's `gsm8k` source read (its recorded `path`, `${SPROUT_MIRROR}`
+    filled by the prep's `mirror` or this machine's). None when no source reads GSM8K's train split
+    (no slice to hold) or its file cannot be read here."""
+    from sprout.mirror import expand_path
+
+    sources = [s for s in prep_config.get("sources") or [] if s.get("format") == "gsm8k" and s.get("split") != "test"]
+    if not sources:
+        return None, "no GSM8K train source"
+    questions: set[str] = set()
+    for source in sources:
+        try:
+            path = Path(expand_path(source.get("path") or "", prep_config.get("mirror")))
+            lines = path.read_text(encoding="utf-8").splitlines() if source.get("path") else None
+        except (SproutError, OSError) as exc:
+            return None, f"GSM8K's train file not readable here ({exc})"
+        if lines is None:
+            return None, f"GSM8K source {source.get('name')!r} has no file path (read from the hub)"
+        for line in lines:
+            question = json.loads(line).get("question") if line.strip() else None
+            if isinstance(question, str) and gsm8k_split(question) == "dev":
+                questions.add(question.strip())
+    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {', '.join(str(s['path']) for s in sources)}"
+
+
+def sft_user_turns(path, tok, tpl) -> Iterator[tuple[int, list[dict]]]:
+    """(row, its user turns as messages) for each conversation packed in the SFT file `path`:
+    `sprout.chat.segment` with the template `tpl` it was rendered with, each user turn's content
+    decoded by `tok`. A conversation that does not parse is refused, naming the row."""
+    from sprout.chat import ChatError, segment
+    from sprout.formats.packed_sft import SFTFile
+
+    with SFTFile(path) as f:
+        for first, block in f.blocks(("tokens", "segment_ids")):
+            length = block["tokens"].shape[1]
+            for r, (ids, seg) in enumerate(zip(block["tokens"], block["segment_ids"]), start=first):
+                starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]]).tolist()
+                for a, b in zip(starts, starts[1:] + [length]):
+                    if seg[a] == 0:
+                        continue
+                    try:
+                        turns = segment(ids[a:b], tpl, allow_open_end=b == length)
+                    except ChatError as exc:
+                        raise SproutError(f"{path}: row {r}: a conversation that does not parse ({exc.detail}); "
+                                          f"check the file with scripts/check_loss_mask.py") from None
+                    yield r, [{"role": "user", "content": tok.decode(ids[a + t.content_start:a + t.end].tolist())}
+                              for t in turns if t.role == "user"]
+
+
+def check_sft_examples(path, examples: Iterable[tuple[int, list[dict]]], gsm8k_dev: set[str] | None) -> int:
+    """Refuse a packed SFT train file holding a held-out problem, naming the file, the row and
+    the set: `examples` are (row, user turns) (`sft_user_turns`); a user turn whose question is a
+    held-out arithmetic one, or a first user turn that is a question of GSM8K's dev slice
+    (`gsm8k_dev`, when it could be read: `gsm8k_dev_slice`), as the SFT prep decides. Returns the
+    number of conversations checked."""
+    n = 0
+    for row, messages in examples:
+        n += 1
+        found = messages_held_out_set(messages)
+        if found is None and gsm8k_dev and gsm8k_question(messages) in gsm8k_dev:
+            found = "gsm8k_dev"
+        if found is not None:
+            raise SproutError(f"{path}: row {row} holds a held-out problem ({found}); a train file must not hold "
+                              f"dev or test problems: prepare the data again")
+    return n

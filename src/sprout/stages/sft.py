@@ -10,8 +10,8 @@ the whole global batch (all micro-batches, all processes). Metrics, per trained 
 accuracy and mean entropy. Eval: masked loss and token accuracy over every val row, sums reduced
 over processes. `run_sft` refuses a train/val pair from different prep runs or no longer
 matching their sha256, a tokenizer file other than the one the pair records (`check_sft_tokenizer`),
-data of another tokenizer, chat template or longer context, and a row that trains nothing
-(`check_trained_rows`); each checkpoint's meta records the tokenizer, chat-template version and
+data of another tokenizer, chat template or longer context, a row that trains nothing
+(`check_trained_rows`) and a train file holding a held-out problem (`check_held_out_rows`); each checkpoint's meta records the tokenizer, chat-template version and
 base checkpoint.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from data_loader.sft_batches import SFTLoader, shift
 from sprout.atomic import check_writable
-from sprout.chat import ChatError
+from sprout.chat import ChatError, template_of
 from sprout.chat_formats import ChatFormat, format_for, format_for_spec
 from sprout.checkpoint import (TokenizerUnavailable, bundled_file, checkpoint_tokenizer, init_record, load_weights,
                                read_meta)
@@ -38,7 +38,7 @@ from sprout.model.load import uninitialised
 from sprout.model.transformer import Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.packed_sft import SFTFile
-from sprout.prep.held_out import check_record
+from sprout.prep.held_out import check_record, check_sft_examples, gsm8k_dev_slice, sft_user_turns
 from sprout.formats.verify_inputs import verify_sft_pair
 from sprout.ranges import check_ranges
 from sprout.engine.trainer import all_reduce_sums
@@ -188,8 +188,8 @@ def check_base_tokenizer(base: dict, data: Path, attrs: dict) -> None:
                           f"prepare the SFT data with --tokenizer {base_spec}")
 
 
-def check_sft_tokenizer(data: Path, val: Path, out: str) -> None:
-    """The pair's tokenizer files (its `tokenizer_spec`) must be those the train file records
+def check_sft_tokenizer(data: Path, val: Path, out: str):
+    """The pair's tokenizer (its `tokenizer_spec`), whose files must be those the train file records
     (`sprout.tokenizer_files.load_recorded`; the run folder `out`'s own copy stands in for a file
     not here), and the val file must record the same."""
     with SFTFile(data) as f:
@@ -198,7 +198,17 @@ def check_sft_tokenizer(data: Path, val: Path, out: str) -> None:
         if not f.tokenizer_record().same(record):
             raise SproutError(f"{val}: its tokenizer record (tokenizer_fingerprint, tokenizer_side_sha256) differs "
                               f"from the train file {data}'s")
-    load_recorded(spec, record, stand_in=bundled_file(spec, out), note=print_rank0)
+    return load_recorded(spec, record, stand_in=bundled_file(spec, out), note=print_rank0)
+
+
+def check_held_out_rows(data: Path, tok, fmt: ChatFormat, attrs: dict) -> None:
+    """Refuse a train file holding a held-out problem (`sprout.prep.held_out.check_sft_examples`:
+    every conversation's user turns, decoded; GSM8K's dev slice where the prep's GSM8K train file
+    can be read here), and say what was checked."""
+    dev, where = gsm8k_dev_slice(attrs.get("config") or {})
+    n = check_sft_examples(data, sft_user_turns(data, tok, template_of(tok, fmt)), dev)
+    print_rank0(f"held-out problems: none in the {n:,} conversations of {data} (arithmetic dev and test; "
+                f"GSM8K dev: {where})")
 
 
 def base_tokenizer(base: dict):
@@ -241,7 +251,7 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     model_cfg = ModelConfig(**base["model_config"])
     check = verify_sft_pair(data, val, cfg.data.verify, show_progress=is_rank0())
     print_rank0(check.report("SFT files"))
-    check_sft_tokenizer(data, val, cfg.out)
+    data_tok = check_sft_tokenizer(data, val, cfg.out)
     attrs = _attrs(data)
     check_base_tokenizer(base, data, attrs)
     sample_tok = base_tokenizer(base)
@@ -252,6 +262,8 @@ def run_sft(cfg: SFTConfig, resume: str | None = None) -> dict:
     check_sft_data(base, model_cfg, data, attrs, val, _attrs(val), fmt)
     for path in (data, val):
         check_trained_rows(path)
+    if cfg.data.verify == "full":
+        check_held_out_rows(data, data_tok, fmt, attrs)
     row_len, micro = attrs["seq_len"], cfg.batch.micro_tokens
     if micro % row_len:
         raise SproutError(f"batch.micro_tokens {micro} is not a multiple of the row length {row_len} of {data}")
