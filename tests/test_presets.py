@@ -126,6 +126,24 @@ def test_presets_in_the_repository_load_and_chain_their_stages():
     assert checks <= {s.name for s in gpt2.stages}  # the demo's audits of the data, every one
 
 
+def test_the_lora_preset_is_the_smollm2_chain_with_adapters_at_ten_times_its_rates():
+    """smollm2-lora differs from smollm2 only in its output root and in each trainer's command
+    ending with r 16, alpha 32 adapters and a learning rate 10x the one its config gives."""
+    import dataclasses
+
+    full, lora = (load_preset(ROOT / "configs" / "pipelines" / f"{n}.yaml") for n in ("smollm2", "smollm2-lora"))
+    assert (full.out.name, lora.out.name) == ("smollm2", "smollm2-lora") and len(full.stages) == len(lora.stages)
+    for a, b in zip(full.stages, lora.stages):
+        assert dataclasses.replace(a, commands=[]) == dataclasses.replace(b, commands=[])
+        if a.kind != "train":
+            assert a.commands == b.commands, a.name
+            continue
+        assert len(a.commands) == len(b.commands) == 1 and b.commands[0][:len(a.commands[0])] == a.commands[0]
+        *added, lr = b.commands[0][len(a.commands[0]):]
+        assert added == ["--lora.r", "16", "--lora.alpha", "32", "--optim.lr"], a.name
+        assert float(lr) == pytest.approx(10 * yaml.safe_load(a.config.read_text())["optim"]["lr"]), a.name
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_stage_of_a_preset_reads_its_config_dry_and_its_sizes_fit(name, tmp_path, monkeypatch, capsys):
     preset, configs = dry_configs(name, tmp_path / "runs", monkeypatch, capsys)
