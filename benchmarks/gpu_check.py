@@ -15,7 +15,7 @@ stage that failed, logged a non-finite loss, (fsdp) did not shard or resume exac
     python benchmarks/gpu_check.py --out runs/gpu_check            # on a GPU machine
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check     # dry run on CPU, a few minutes
 
-Under a 10-minute limit per command, run it as two, each with its own --out:
+As two shorter commands, each with its own --out:
 `--stages eager,compiled,fsdp,dpo,dpo_precomputed,ppo,evaluate` and
 `--stages smollm2_dpo,smollm2_ppo,smollm2_grpo,decode,trl_compare`. The `decode` stage
 (benchmarks/gpu_check_decode.py) decodes greedily eager and as a CUDA graph on random models

@@ -260,27 +260,37 @@ def test_the_sft_trainer_refuses_a_file_holding_a_held_out_problem(sp, tmp_path,
     from preference_train_fixtures import write_lm
     from sprout.prep.held_out import HeldOut
 
+    import gzip
+
+    dev = sorted(_gsm8k_dev(200))
     chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [*_user(q), {"role": "assistant", "content": "Ten."}]}
                                             for q in [f"Tell me story {i}." for i in range(30)]
-                                            + [p.question for p in arithmetic.generate(8, seed=0, split="test")]])
-    gsm8k = _jsonl(tmp_path / "gsm8k" / "train.jsonl", _gsm8k_rows(200))
+                                            + [p.question for p in arithmetic.generate(8, seed=0, split="test")]
+                                            + dev[:3]])  # GSM8K dev questions in another source
+    gsm8k = tmp_path / "gsm8k" / "train.jsonl.gz"
+    gsm8k.parent.mkdir()
+    gsm8k.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in _gsm8k_rows(200)).encode()))
     sources = [{"name": "chat", "format": "chat", "path": str(chat)}, {"name": "g", "format": "gsm8k", "path": str(gsm8k)}]
     init = write_lm(tmp_path / "lm", sp)
     clean = _sft_file(sp, tmp_path / "clean" / "sft.h5", sources, 64)
+    with h5py.File(clean) as f:  # the prep left out the dev slice's questions from the chat source too
+        assert json.loads(f.attrs["held_out"])["dropped"]["gsm8k_dev"] == len(dev) + 3
     proc = _train_sft(clean, init, tmp_path / "run_clean", 64)
     assert proc.returncode == 0, proc.stderr
-    assert f"held-out problems: none in the " in proc.stdout and f"of GSM8K's dev slice, from {gsm8k}" in proc.stdout
+    assert "held-out problems: none in the " in proc.stdout
+    assert f"{len(dev)} questions of GSM8K's dev slice, from {gsm8k}" in proc.stdout
     monkeypatch.setattr(HeldOut, "excluded", lambda self, messages, gsm8k_file_split=None: False)  # a prep that lets them in
-    for name, found in (("chat", "arithmetic_test"), ("g", "gsm8k_dev")):
+    for name, found in (("chat", "arithmetic_test"), ("g", "gsm8k_dev")):  # chat: its dev questions too
         data = _sft_file(sp, tmp_path / name / "sft.h5", [s for s in sources if s["name"] == name], 64)
         with h5py.File(data) as f:
             assert json.loads(f.attrs["held_out"])["sets"] == list(SETS)  # the record says they were left out
         proc = _train_sft(data, init, tmp_path / f"run_{name}", 64)
-        one_error(proc, f"{data}: row ", f"holds a held-out problem ({found}); a train file must not hold")
+        one_error(proc, f"{data}: row ", f"holds a held-out problem ({found}: '", "'); a train file must not hold")
         assert not (tmp_path / f"run_{name}").exists()
     gsm8k.unlink()  # GSM8K's dev slice cannot be read here: the record is trusted, and the run says so
     proc = _train_sft(tmp_path / "g" / "sft.h5", init, tmp_path / "run_trusted", 64)
-    assert proc.returncode == 0 and "GSM8K dev: GSM8K's train file not readable here" in proc.stdout, proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "GSM8K dev: GSM8K's train file not readable here (" in proc.stdout and "the prep's record trusted" in proc.stdout
 
 
 # ---- evaluate.py --split -------------------------------------------------------------------

@@ -16,6 +16,7 @@ GSM8K's dev slice read from the prep's own GSM8K train file where it can be read
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -106,9 +107,10 @@ class HeldOut:
     """Counts the held-out problems a prep left out of its train data; `record()` is what the
     prep writes (`held_out` in a manifest or in HDF5 attrs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gsm8k_dev: set[str] | None = None) -> None:
         self.dropped: Counter = Counter()
         self.gsm8k_dev: set[str] = set()  # the GSM8K dev slice questions read
+        self.dev_slice = gsm8k_dev or set()  # the slice known up front (`gsm8k_dev_questions`): held out in any source
 
     def note(self, found: str | None, messages, instruction: str | None = None) -> None:
         """Keep the question of a record in GSM8K's dev slice (`found` its held-out set)."""
@@ -127,8 +129,11 @@ class HeldOut:
         return found
 
     def excluded(self, messages, gsm8k_file_split: str | None = None) -> bool:
-        """True (and counted) when the conversation is a held-out problem (`messages_held_out_set`)."""
+        """True (and counted) when the conversation is a held-out problem (`messages_held_out_set`),
+        or its first user turn a question of `dev_slice`."""
         found = messages_held_out_set(messages, gsm8k_file_split)
+        if found is None and self.dev_slice and gsm8k_question(messages) in self.dev_slice:
+            found = "gsm8k_dev"
         self.note(found, messages)
         if found is not None:
             self.dropped[found] += 1
@@ -179,30 +184,41 @@ def check_train_jsonl(path, records: Iterable[dict]) -> None:
 
 
 # ---- packed SFT files: the conversations themselves -------------------------------------------
-def gsm8k_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
-    """(the questions of GSM8K's dev slice, stripped, or None; where they were read, or why not)
-    from the GSM8K train file a prep's `gsm8k` source read (its recorded `path`, `${SPROUT_MIRROR}`
-    filled by the prep's `mirror` or this machine's). None when no source reads GSM8K's train split
-    (no slice to hold) or its file cannot be read here."""
-    from sprout.mirror import expand_path
+def gsm8k_dev_questions(specs, mirror=None, max_examples: int | None = None, files_only: bool = False) -> set[str]:
+    """The questions (stripped) of GSM8K's dev slice among the records that an SFT prep's `gsm8k`
+    sources (`sprout.prep.chat_sources.SourceConfig`s, GSM8K's train split) read, as it reads
+    them (`read_source`); `files_only`: never the hub. Any conversation whose first user turn is
+    one of them is held out, whichever source it came from."""
+    from sprout.prep.chat_sources import read_source
 
-    sources = [s for s in prep_config.get("sources") or [] if s.get("format") == "gsm8k" and s.get("split") != "test"]
-    if not sources:
-        return None, "no GSM8K train source"
     questions: set[str] = set()
-    for source in sources:
-        try:
-            path = Path(expand_path(source.get("path") or "", prep_config.get("mirror")))
-            lines = path.read_text(encoding="utf-8").splitlines() if source.get("path") else None
-        except (SproutError, OSError) as exc:
-            return None, f"GSM8K's train file not readable here ({exc})"
-        if lines is None:
-            return None, f"GSM8K source {source.get('name')!r} has no file path (read from the hub)"
-        for line in lines:
-            question = json.loads(line).get("question") if line.strip() else None
-            if isinstance(question, str) and gsm8k_split(question) == "dev":
-                questions.add(question.strip())
-    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {', '.join(str(s['path']) for s in sources)}"
+    for spec in specs:
+        if spec.format == "gsm8k":
+            source = dataclasses.replace(spec, hub=None) if files_only else spec
+            questions |= {q for ex in read_source(source, mirror, max_examples)
+                          for q in [gsm8k_question(ex.messages)] if gsm8k_split(q) == "dev"}
+    return questions
+
+
+def gsm8k_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
+    """(GSM8K's dev slice as the SFT prep whose config is `prep_config` read it, or None; what
+    was read, or why not): `gsm8k_dev_questions` on its sources' files, `${SPROUT_MIRROR}` filled
+    by the prep's `mirror`, else this machine's. None when no source is GSM8K's (nothing to hold)
+    or a file cannot be read here."""
+    from sprout.mirror import expand_path
+    from sprout.prep.chat_sources import from_dict_source
+
+    try:
+        specs = [from_dict_source(s, i) for i, s in enumerate(prep_config.get("sources") or [])]
+        specs = [s for s in specs if s.format == "gsm8k"]
+        if not specs:
+            return None, "no GSM8K source"
+        mirror = prep_config.get("mirror")
+        questions = gsm8k_dev_questions(specs, mirror, prep_config.get("max_examples"), files_only=True)
+        files = ", ".join(expand_path(s.path, mirror) if s.path else f"{s.name} (no file)" for s in specs)
+    except (SproutError, OSError, ValueError) as exc:
+        return None, f"GSM8K's train file not readable here ({str(exc).splitlines()[0]}), the prep's record trusted"
+    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {files}"
 
 
 def sft_user_turns(path, tok, tpl) -> Iterator[tuple[int, list[dict]]]:
@@ -242,6 +258,7 @@ def check_sft_examples(path, examples: Iterable[tuple[int, list[dict]]], gsm8k_d
         if found is None and gsm8k_dev and gsm8k_question(messages) in gsm8k_dev:
             found = "gsm8k_dev"
         if found is not None:
-            raise SproutError(f"{path}: row {row} holds a held-out problem ({found}); a train file must not hold "
-                              f"dev or test problems: prepare the data again")
+            question = question_of(first_user_question(messages))
+            raise SproutError(f"{path}: row {row} holds a held-out problem ({found}: {question[:60]!r}); a train "
+                              f"file must not hold dev or test problems: prepare the data again")
     return n

@@ -30,7 +30,7 @@ from sprout.formats.data_paths import SFT_FILES
 from sprout.formats.packed_sft import val_path, write_sft_files
 from sprout.formats.shards import dtype_for_vocab
 from sprout.prep.chat_sources import SourceConfig, from_dict_source, read_source
-from sprout.prep.held_out import HeldOut
+from sprout.prep.held_out import HeldOut, gsm8k_dev_questions
 from sprout.prep.keys import conversation_key, is_val
 from sprout.prep.mixture import resample
 from sprout.prep.packing import OVERLONG_POLICIES, pack
@@ -88,7 +88,7 @@ def prepare(cfg: SFTDataConfig, tok, command: str = "", log=print, warn=print_wa
     train: dict[str, list] = {s.name: [] for s in specs}
     val: list = []
     first_drop: dict[str, str] = {}
-    held_out = HeldOut()
+    held_out = HeldOut(gsm8k_dev_questions(specs, cfg.mirror, cfg.max_examples))  # its dev slice, held out in every source
     for spec in specs:
         c = per_source[spec.name]
         rows = ((ex.where, ex) for ex in read_source(spec, cfg.mirror, cfg.max_examples, skipped=c))

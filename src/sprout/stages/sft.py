@@ -11,8 +11,8 @@ accuracy and mean entropy. Eval: masked loss and token accuracy over every val r
 over processes. `run_sft` refuses a train/val pair from different prep runs or no longer
 matching their sha256, a tokenizer file other than the one the pair records (`check_sft_tokenizer`),
 data of another tokenizer, chat template or longer context, a row that trains nothing
-(`check_trained_rows`) and a train file holding a held-out problem (`check_held_out_rows`); each checkpoint's meta records the tokenizer, chat-template version and
-base checkpoint.
+(`check_trained_rows`) and a train file holding a held-out problem (`check_held_out_rows`); each
+checkpoint's meta records the tokenizer, chat-template version and base checkpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from sprout.model.load import uninitialised
 from sprout.model.transformer import Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.packed_sft import SFTFile
-from sprout.prep.held_out import check_record, check_sft_examples, gsm8k_dev_slice, sft_user_turns
+from sprout.prep.held_out import (check_record, check_sft_examples, gsm8k_dev_slice, sft_user_turns,
+                                  slice_digest)
 from sprout.formats.verify_inputs import verify_sft_pair
 from sprout.ranges import check_ranges
 from sprout.engine.trainer import all_reduce_sums
@@ -206,6 +207,11 @@ def check_held_out_rows(data: Path, tok, fmt: ChatFormat, attrs: dict) -> None:
     every conversation's user turns, decoded; GSM8K's dev slice where the prep's GSM8K train file
     can be read here), and say what was checked."""
     dev, where = gsm8k_dev_slice(attrs.get("config") or {})
+    if dev:
+        recorded = (attrs.get("held_out") or {}).get("gsm8k_dev_slice")
+        if recorded is not None and recorded != slice_digest(dev):
+            where += " (not the slice the prep recorded: the file changed since)"
+        dev |= {tok.decode(tok.encode(q)).strip() for q in dev}  # as a tokenizer that rewrites text decodes it
     n = check_sft_examples(data, sft_user_turns(data, tok, template_of(tok, fmt)), dev)
     print_rank0(f"held-out problems: none in the {n:,} conversations of {data} (arithmetic dev and test; "
                 f"GSM8K dev: {where})")
