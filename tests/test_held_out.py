@@ -2,6 +2,7 @@
 before), GSM8K's dev slice, the preps leaving held-out problems out of train data and recording it,
 and the trainers refusing a train file that holds one or lacks the record."""
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -259,8 +260,6 @@ def test_the_sft_trainer_refuses_a_file_holding_a_held_out_problem(sp, tmp_path,
     refused naming the row and the set, before the run folder exists; what a prep wrote passes."""
     from preference_train_fixtures import write_lm
     from sprout.prep.held_out import HeldOut
-
-    import gzip
 
     dev = sorted(_gsm8k_dev(200))
     chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [*_user(q), {"role": "assistant", "content": "Ten."}]}

@@ -23,6 +23,7 @@ import numpy as np
 
 from sprout.chat import ChatError, Template, ends_turn, mask_for, segment
 from sprout.errors import SproutError
+from sprout.formats.packed_sft import conversation_spans
 from sprout.formats.maskcheck_views import CSS_CLASS, CUT, EOT_LABEL, PROMPT, TRAINED, html_head, spans, styled
 
 
@@ -172,12 +173,7 @@ def check_arrays(arrays: dict, tpl: Template, pad_id: int, vocab_size: int,
     for r in np.flatnonzero(mask.sum(axis=1) == 0):
         report.flag(r, 0, "row has no trained token")
     for r in range(n):
-        s = seg[r]
-        starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
-        ends = np.r_[starts[1:], length]
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            if s[a] == 0:
-                continue
+        for a, b in conversation_spans(seg[r]):
             report.docs += 1
             _check_document(tokens[r, a:b], mask[r, a:b], r, a, b == length, tpl, report)
     if truncated_open is not None and report.truncated_open != truncated_open:

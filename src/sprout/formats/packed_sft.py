@@ -44,6 +44,14 @@ class SFTFormatError(SproutError):
     """A file that does not follow the SFT contract; the message names the file."""
 
 
+def conversation_spans(segment_ids) -> list[tuple[int, int]]:
+    """[start, end) of each conversation packed in one row, from its segment ids (1, 2, ... k,
+    then 0 on padding); a span that ends at the row's end may be cut short there."""
+    seg = np.asarray(segment_ids)
+    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]]).tolist()
+    return [(a, b) for a, b in zip(starts, starts[1:] + [len(seg)]) if seg[a] != 0]
+
+
 def val_path(path: str | os.PathLike) -> Path:
     """`runs/x/sft.h5` -> `runs/x/sft_val.h5`."""
     path = Path(path)

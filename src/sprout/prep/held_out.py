@@ -24,8 +24,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
-
 from sprout.errors import SproutError
 from sprout.prep.arithmetic import DEV_FRACTION, TEST_FRACTION, question_split
 from sprout.prep.keys import is_val, text_key
@@ -95,6 +93,15 @@ def messages_held_out_set(messages, gsm8k_file_split: str | None = None, instruc
     return found
 
 
+def conversation_held_out_set(messages, dev_slice: set[str] | None, gsm8k_file_split: str | None = None) -> str | None:
+    """`messages_held_out_set`, else `gsm8k_dev` when the first user turn is a question of GSM8K's
+    dev slice `dev_slice` (`gsm8k_dev_questions`), whichever source the conversation came from."""
+    found = messages_held_out_set(messages, gsm8k_file_split)
+    if found is None and dev_slice and gsm8k_question(messages) in dev_slice:
+        found = "gsm8k_dev"
+    return found
+
+
 def slice_digest(questions: Iterable[str]) -> dict:
     """What identifies a set of GSM8K dev slice questions: their count and the sha256 of their
     stripped texts, deduplicated and sorted, as a UTF-8 JSON list; a changed slice changes it."""
@@ -107,10 +114,10 @@ class HeldOut:
     """Counts the held-out problems a prep left out of its train data; `record()` is what the
     prep writes (`held_out` in a manifest or in HDF5 attrs)."""
 
-    def __init__(self, gsm8k_dev: set[str] | None = None) -> None:
+    def __init__(self, dev_slice: set[str] | None = None) -> None:
         self.dropped: Counter = Counter()
         self.gsm8k_dev: set[str] = set()  # the GSM8K dev slice questions read
-        self.dev_slice = gsm8k_dev or set()  # the slice known up front (`gsm8k_dev_questions`): held out in any source
+        self.dev_slice = dev_slice  # the slice known up front (`gsm8k_dev_questions`): held out in any source
 
     def note(self, found: str | None, messages, instruction: str | None = None) -> None:
         """Keep the question of a record in GSM8K's dev slice (`found` its held-out set)."""
@@ -131,9 +138,7 @@ class HeldOut:
     def excluded(self, messages, gsm8k_file_split: str | None = None) -> bool:
         """True (and counted) when the conversation is a held-out problem (`messages_held_out_set`),
         or its first user turn a question of `dev_slice`."""
-        found = messages_held_out_set(messages, gsm8k_file_split)
-        if found is None and self.dev_slice and gsm8k_question(messages) in self.dev_slice:
-            found = "gsm8k_dev"
+        found = conversation_held_out_set(messages, self.dev_slice, gsm8k_file_split)
         self.note(found, messages)
         if found is not None:
             self.dropped[found] += 1
@@ -226,16 +231,13 @@ def sft_user_turns(path, tok, tpl) -> Iterator[tuple[int, list[dict]]]:
     `sprout.chat.segment` with the template `tpl` it was rendered with, each user turn's content
     decoded by `tok`. A conversation that does not parse is refused, naming the row."""
     from sprout.chat import ChatError, segment
-    from sprout.formats.packed_sft import SFTFile
+    from sprout.formats.packed_sft import SFTFile, conversation_spans
 
     with SFTFile(path) as f:
         for first, block in f.blocks(("tokens", "segment_ids")):
             length = block["tokens"].shape[1]
             for r, (ids, seg) in enumerate(zip(block["tokens"], block["segment_ids"]), start=first):
-                starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]]).tolist()
-                for a, b in zip(starts, starts[1:] + [length]):
-                    if seg[a] == 0:
-                        continue
+                for a, b in conversation_spans(seg):
                     try:
                         turns = segment(ids[a:b], tpl, allow_open_end=b == length)
                     except ChatError as exc:
@@ -254,9 +256,7 @@ def check_sft_examples(path, examples: Iterable[tuple[int, list[dict]]], gsm8k_d
     n = 0
     for row, messages in examples:
         n += 1
-        found = messages_held_out_set(messages)
-        if found is None and gsm8k_dev and gsm8k_question(messages) in gsm8k_dev:
-            found = "gsm8k_dev"
+        found = conversation_held_out_set(messages, gsm8k_dev)
         if found is not None:
             question = question_of(first_user_question(messages))
             raise SproutError(f"{path}: row {row} holds a held-out problem ({found}: {question[:60]!r}); a train "
