@@ -126,9 +126,10 @@ def test_presets_in_the_repository_load_and_chain_their_stages():
     assert checks <= {s.name for s in gpt2.stages}  # the demo's audits of the data, every one
 
 
-def test_the_lora_preset_is_the_smollm2_chain_with_adapters_at_ten_times_its_rates():
+def test_the_lora_preset_is_the_smollm2_chain_with_adapters_at_ten_times_its_rates_but_grpos_chosen_on_dev():
     """smollm2-lora differs from smollm2 only in its output root and in each trainer's command
-    ending with r 16, alpha 32 adapters and a learning rate 10x the one its config gives."""
+    ending with r 16, alpha 32 adapters and a learning rate 10x the one its config gives, but
+    GRPO's: the LoRA sweep's choice on dev (docs/results/2026-12-06-smollm2-grpo-lora-vs-full-dev.md)."""
     import dataclasses
 
     full, lora = (load_preset(ROOT / "configs" / "pipelines" / f"{n}.yaml") for n in ("smollm2", "smollm2-lora"))
@@ -141,7 +142,8 @@ def test_the_lora_preset_is_the_smollm2_chain_with_adapters_at_ten_times_its_rat
         assert len(a.commands) == len(b.commands) == 1 and b.commands[0][:len(a.commands[0])] == a.commands[0]
         *added, lr = b.commands[0][len(a.commands[0]):]
         assert added == ["--lora.r", "16", "--lora.alpha", "32", "--optim.lr"], a.name
-        assert float(lr) == pytest.approx(10 * yaml.safe_load(a.config.read_text())["optim"]["lr"]), a.name
+        full_lr = yaml.safe_load(a.config.read_text())["optim"]["lr"]
+        assert float(lr) == pytest.approx(2e-4 if a.name == "grpo" else 10 * full_lr), a.name
 
 
 @pytest.mark.parametrize("name", PRESETS)
