@@ -109,3 +109,40 @@ def test_the_script_prints_each_change_and_writes_the_rows(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(a), str(tmp_path / "no.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "no.json: not a readable JSON file" in bad.stderr
+
+
+def test_several_after_files_are_one_settings_seeds_compared_by_their_mean(tmp_path):
+    """The mean over seeds and its change: the seeds' mean of the per-problem differences, with
+    the two-level interval (`seeds_paired_difference_interval`); one seed is the paired change."""
+    from sprout.evaluation.compare import compare_seed_rows, seeds_change
+    from sprout.evaluation.statistics import seeds_paired_difference_interval
+
+    before = task_file([0, 1, 2, 0, 1, 0], [0, 0, 1, 0, 1, 0])
+    seeds = [task_file([4, 1, 2, 3, 1, 0], [1, 0, 1, 1, 1, 0]), task_file([2, 2, 2, 1, 1, 1], [1, 1, 1, 0, 1, 0]),
+             task_file([0, 1, 2, 0, 1, 0], [0, 0, 1, 0, 1, 0])]
+    rows = {r["figure"]: r for r in compare_seed_rows(before, seeds)}
+    assert list(rows) == ["pass@1", "greedy/accuracy"]
+    assert rows["pass@1"]["seeds"] == [s["metrics"]["pass@1"] for s in seeds]
+    assert rows["pass@1"]["after"] == pytest.approx(sum(rows["pass@1"]["seeds"]) / 3)
+    ch = rows["pass@1"]["change"]
+    assert ch["diff"] == pytest.approx(((4 + 0 + 0 + 3 + 0 + 0) + (2 + 1 + 0 + 1 + 0 + 1) + 0) / 4 / 6 / 3)
+    expected = seeds_paired_difference_interval(
+        {f"p{i}": c / 4 for i, c in enumerate([0, 1, 2, 0, 1, 0])},
+        [{p["id"]: p["correct"] / 4 for p in s["problems"]} for s in seeds])
+    assert [ch["diff"], *ch["ci"]] == pytest.approx(list(expected)) and (ch["seeds"], ch["problems"]) == (3, 6)
+    one = seeds_change(before, seeds[:1], "greedy/accuracy")
+    assert [one["diff"], *one["ci"]] == pytest.approx([change(before, seeds[0], "greedy/accuracy")["diff"],
+                                                       *change(before, seeds[0], "greedy/accuracy")["ci"]])
+    other = task_file([1, 2, 0, 0, 0, 0], [0] * 6, ids=[f"x{i}" for i in range(6)])
+    assert seeds_change(before, [seeds[0], other], "pass@1")["not_paired"].startswith("different problems")
+    files = []
+    for i, data in enumerate([before, *seeds]):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(data))
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), *map(str, files), "--json",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "the mean of 3 seeds" in proc.stdout and f"{100 * ch['diff']:+.1f} [{100 * ch['ci'][0]:+.1f}" in proc.stdout
+    written = json.loads(out.read_text())
+    assert written["after"] == list(map(str, files[1:])) and written["rows"][0]["seeds"] == rows["pass@1"]["seeds"]

@@ -6,7 +6,9 @@ right, else 0; figures `accuracy` and `by_kind/<kind>/accuracy` over that kind's
 change is the mean over the shared problems of after's score minus before's, with the paired
 bootstrap interval (`paired_difference_interval`); files pair only on the same problem ids and
 the same generation length (and temperature for pass@k), or the same preference file.
-`compare_rows` gives every figure both files hold; scripts/compare_evals.py prints them.
+`compare_rows` gives every figure both files hold; `seeds_change` and `compare_seed_rows` the
+change to the mean over one setting's seeds, with the two-level interval over seeds and problems
+(`seeds_paired_difference_interval`); scripts/compare_evals.py prints either.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from sprout.errors import SproutError
 from sprout.evaluation.evaluate import problem_scores
-from sprout.evaluation.statistics import excludes_zero, paired_difference_interval
+from sprout.evaluation.statistics import excludes_zero, paired_difference_interval, seeds_paired_difference_interval
 
 PREFERENCES = "preferences"
 
@@ -99,6 +101,29 @@ def compare_rows(before: dict, after: dict) -> list[dict]:
     mb, ma = before.get("metrics", {}), after.get("metrics", {})
     return [{"figure": f, "before": mb[f], "after": ma[f], "change": change(before, after, f)}
             for f in ma if f in mb and is_mean(before, f) and is_mean(after, f)]
+
+
+def seeds_change(before: dict, after: list[dict], figure: str) -> dict:
+    """The change of `figure` from eval file `before` (one seed) to the mean over the seeds'
+    files `after`, on the same problems: {diff, ci, real, problems, seeds}, or {not_paired: why}."""
+    scores = [paired_scores(before, a, figure) for a in after]
+    if why := next((s for s in scores if isinstance(s, str)), None):
+        return {"not_paired": why}
+    diff, lo, hi = seeds_paired_difference_interval(scores[0][0], [s[1] for s in scores])
+    return {"diff": diff, "ci": [lo, hi], "real": excludes_zero(lo, hi), "problems": len(scores[0][0]),
+            "seeds": len(after)}
+
+
+def compare_seed_rows(before: dict, after: list[dict]) -> list[dict]:
+    """`compare_rows` against the mean over the seeds' files `after` (one setting run once per
+    seed): {figure, before, after (the mean), seeds (each seed's figure), change (`seeds_change`)}
+    for every figure `before` and each of `after` hold."""
+    mb = before.get("metrics", {})
+    return [{"figure": f, "before": mb[f], "after": sum(vals) / len(vals), "seeds": vals,
+             "change": seeds_change(before, after, f)}
+            for f in after[0].get("metrics", {})
+            if f in mb and is_mean(before, f) and all(f in a.get("metrics", {}) and is_mean(a, f) for a in after)
+            for vals in [[a["metrics"][f] for a in after]]]
 
 
 def is_mean(data: dict, figure: str) -> bool:

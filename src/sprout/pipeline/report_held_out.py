@@ -8,8 +8,8 @@ accuracy and format rates in percent, test with dev beside it, strict and (where
 `flexible/` figures) flexible, each with the 95 % interval scripts/evaluate.py wrote beside it
 (`<figure>_ci`); a seeded stage adds the mean over its seeds (`seeds_figure`). Changes, on the
 same test problems, from the second evaluated stage on, against the previous and the first:
-`change`, `seeds_change` and `paired_scores` (which files pair). `rate_interval`: the Wilson
-interval of the reward model's and DPO's held-out accuracy.
+`change`, `seeds_change` and `paired_scores` (which files pair; sprout.evaluation.compare).
+`rate_interval`: the Wilson interval of the reward model's and DPO's held-out accuracy.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import json
 from pathlib import Path
 
 from sprout.errors import SproutError
-from sprout.evaluation.compare import change, paired_scores
+from sprout.evaluation.compare import change, paired_scores, seeds_change
 from sprout.evaluation.evaluate import FLEXIBLE
-from sprout.evaluation.statistics import (excludes_zero, seeds_mean_interval,
-                                          seeds_paired_difference_interval, wilson_interval)
+from sprout.evaluation.statistics import seeds_mean_interval, wilson_interval
 
 FIGURE_TITLES = {"greedy/accuracy": "greedy accuracy", "greedy/format_rate": "greedy format rate",
                  "format/rate": "format rate"}  # after every pass@k, in this order
@@ -116,17 +115,6 @@ def figure_cell(metrics: dict, figure: str) -> str:
 def interval_cell(value: float, ci) -> str:
     text = f"{100 * value:.1f}"
     return text + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
-
-
-def seeds_change(before: dict, after: list[dict], figure: str) -> dict:
-    """The change of `figure` from eval file `before` (one seed) to the mean over the seeds'
-    files `after`, on the same problems: {diff, ci, real, problems, seeds}, or {not_paired: why}."""
-    scores = [paired_scores(before, a, figure) for a in after]
-    if why := next((s for s in scores if isinstance(s, str)), None):
-        return {"not_paired": why}
-    diff, lo, hi = seeds_paired_difference_interval(scores[0][0], [s[1] for s in scores])
-    return {"diff": diff, "ci": [lo, hi], "real": excludes_zero(lo, hi), "problems": len(scores[0][0]),
-            "seeds": len(after)}
 
 
 def seeds_figure(files: list[dict], figure: str) -> dict:
