@@ -123,6 +123,40 @@ def test_rl_prompt_prep_writes_dev_and_keeps_train_free_of_held_out_problems(tmp
     check_train_jsonl(out / "prompts.jsonl", read_prompts(out / "prompts.jsonl"))  # what the prep wrote passes
 
 
+def test_gsm8k_dev_questions_in_any_rl_source_are_held_out_by_the_prep_and_the_trainers_check(tmp_path):
+    """GSM8K's dev slice is held out of an RL train file whichever source holds it: the prep drops
+    a local JSONL prompt that is a dev question (its instruction appended or not), and the trainers'
+    check (`check_train_jsonl`) refuses one added by hand, reading the slice from the GSM8K file the
+    prep's config names; with that file gone the prep's record is trusted, and it says so."""
+    from sprout.formats.prompts import read_prompts
+    from sprout.prep.rl_prompts import PromptDataConfig, prepare
+
+    gsm8k = _jsonl(tmp_path / "gsm8k" / "train.jsonl", _gsm8k_rows(200))
+    dev = sorted(_gsm8k_dev(200))
+    instruction = "Show your work."
+    mine = _jsonl(tmp_path / "mine.jsonl", [{"prompt": dev[0], "gold": "1"},
+                                            {"prompt": f"{dev[1]}\n\n{instruction}", "gold": "2"},
+                                            {"prompt": "How many pears are there?", "gold": "3"}])
+    out = tmp_path / "rl"
+    manifest = prepare(PromptDataConfig(out=str(out), dev_fraction=0.0, test_fraction=0.0, instruction=instruction,
+                                        sources=[{"name": "gsm8k", "format": "gsm8k", "path": str(gsm8k)},
+                                                 {"name": "mine", "format": "jsonl", "path": str(mine)}]),
+                       log=lambda *_: None, warn=lambda *_: None)
+    train = list(read_prompts(out / "prompts.jsonl"))
+    assert [r["prompt"][0]["content"] for r in train if r["source"] == "mine"] == ["How many pears are there?"]
+    assert manifest["sources"]["mine"]["dropped_held_out"] == 2
+    assert manifest["held_out"]["dropped"]["gsm8k_dev"] == len(dev) + 2  # gsm8k's own and mine's
+    note = check_train_jsonl(out / "prompts.jsonl", train)
+    assert note.endswith(f"{len(dev)} questions of GSM8K's dev slice, from {gsm8k})")
+    leak = {"id": "mine-leak", "source": "mine", "prompt": _user(f"{dev[2]}\n\n{instruction}"), "gold": "4",
+            "level": None}
+    with pytest.raises(SproutError) as err:
+        check_train_jsonl(out / "prompts.jsonl", [*train, leak])
+    assert str(err.value).startswith(f"{out / 'prompts.jsonl'}: record 'mine-leak' is a held-out problem (gsm8k_dev)")
+    gsm8k.unlink()
+    assert "the prep's record trusted" in check_train_jsonl(out / "prompts.jsonl", [*train, leak])
+
+
 def test_preference_prep_leaves_held_out_problems_out(tmp_path):
     from sprout.prep.preference_data import PreferenceDataConfig, prepare
 

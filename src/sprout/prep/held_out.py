@@ -10,8 +10,9 @@ The preps exclude held-out problems from train files (counted as `dropped_held_o
 what they excluded (`HeldOut.record()`: sets, rule, counts, the count and sha256 of the GSM8K dev
 slice questions read, `slice_digest`) in the manifest or HDF5 attrs; the
 trainers refuse a file that lacks the record or holds a held-out problem (`check_train_jsonl`,
-`check_record`; a packed SFT file: `check_sft_examples` on its conversations' user turns, decoded,
-GSM8K's dev slice read from the prep's own GSM8K train file where it can be read here).
+`check_record`; a packed SFT file: `check_sft_examples` on its conversations' user turns, decoded).
+GSM8K's dev slice is held out in every source, by the preps and by the trainers, which read it from
+the prep's own GSM8K train files where they can be read here.
 """
 
 from __future__ import annotations
@@ -93,11 +94,13 @@ def messages_held_out_set(messages, gsm8k_file_split: str | None = None, instruc
     return found
 
 
-def conversation_held_out_set(messages, dev_slice: set[str] | None, gsm8k_file_split: str | None = None) -> str | None:
-    """`messages_held_out_set`, else `gsm8k_dev` when the first user turn is a question of GSM8K's
-    dev slice `dev_slice` (`gsm8k_dev_questions`), whichever source the conversation came from."""
-    found = messages_held_out_set(messages, gsm8k_file_split)
-    if found is None and dev_slice and gsm8k_question(messages) in dev_slice:
+def conversation_held_out_set(messages, dev_slice: set[str] | None, gsm8k_file_split: str | None = None,
+                              instruction: str | None = None) -> str | None:
+    """`messages_held_out_set`, else `gsm8k_dev` when the first user turn (less `instruction`) is
+    a question of GSM8K's dev slice `dev_slice` (`gsm8k_dev_questions`, `gsm8k_rows_dev_questions`),
+    whichever source the conversation came from."""
+    found = messages_held_out_set(messages, gsm8k_file_split, instruction)
+    if found is None and dev_slice and gsm8k_question(messages, instruction) in dev_slice:
         found = "gsm8k_dev"
     return found
 
@@ -127,8 +130,9 @@ class HeldOut:
     def misplaced(self, messages, split: str, gsm8k_file_split: str | None = None,
                   instruction: str | None = None) -> str | None:
         """The held-out set of a record assigned to `split` when it belongs to another split's set
-        (counted as dropped), else None; a GSM8K dev question is noted either way."""
-        found = messages_held_out_set(messages, gsm8k_file_split, instruction)
+        (`conversation_held_out_set`; counted as dropped), else None; a GSM8K dev question is
+        noted either way."""
+        found = conversation_held_out_set(messages, self.dev_slice, gsm8k_file_split, instruction)
         self.note(found, messages, instruction)
         if found is None or found.endswith(f"_{split}"):
             return None
@@ -159,33 +163,73 @@ def check_record(record, where: str) -> None:
 
 
 def check_train_records(records: Iterable[tuple[str, str, list]], path, gsm8k_sources: dict[str, str] | None = None,
-                        instruction: str | None = None) -> None:
+                        instruction: str | None = None, dev_slice: set[str] | None = None) -> None:
     """Refuse a train file holding a held-out problem, naming the file and the first such record.
-    `records`: (id, source, prompt messages), checked by `messages_held_out_set`; `gsm8k_sources`:
-    GSM8K source name -> the GSM8K split its records were read from ("train" or "test")."""
+    `records`: (id, source, prompt messages), checked by `conversation_held_out_set` (`dev_slice`:
+    GSM8K's dev slice, held out in any source); `gsm8k_sources`: GSM8K source name -> the GSM8K
+    split its records were read from ("train" or "test")."""
     gsm8k_sources = gsm8k_sources or {}
     for record_id, source, messages in records:
-        found = messages_held_out_set(messages, gsm8k_sources.get(source), instruction)
+        found = conversation_held_out_set(messages, dev_slice, gsm8k_sources.get(source), instruction)
         if found is not None:
             raise SproutError(f"{path}: record {record_id!r} is a held-out problem ({found}); a train file must "
                               f"not hold dev or test problems: prepare the data again")
 
 
-def check_train_jsonl(path, records: Iterable[dict]) -> None:
+def check_train_jsonl(path, records: Iterable[dict]) -> str:
     """Refuse a JSONL train file (RL prompts, preference pairs: `id`, `source`, `prompt`) whose
     prep's manifest.json beside it has no `held_out` record, or that holds a held-out problem
     (`check_train_records`; GSM8K records are those of the manifest's `gsm8k` sources, read from
-    GSM8K's test split when the source's `split` is test, else from its train split). A file
-    without a manifest beside it (made by hand) is scanned by the arithmetic rule alone."""
+    GSM8K's test split when the source's `split` is test, else from its train split; GSM8K's dev
+    slice, held out in any source, is read from the GSM8K train files the prep's config names,
+    `gsm8k_rows_dev_questions`, where they can be read here). A file without a manifest beside it
+    (made by hand) is scanned by the arithmetic rule alone. Returns what was checked, in words."""
     manifest_path = Path(path).parent / "manifest.json"
-    gsm8k, instruction = {}, None
+    gsm8k, instruction, dev_slice, slice_note = {}, None, None, "no manifest: the arithmetic rule only"
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         check_record(manifest.get("held_out"), str(manifest_path))
         gsm8k = {name: "test" if s.get("split") == "test" else "train"
                  for name, s in manifest.get("sources", {}).items() if s.get("format") == "gsm8k"}
         instruction = manifest.get("instruction")
-    check_train_records(((r["id"], r["source"], r["prompt"]) for r in records), path, gsm8k, instruction)
+        dev_slice, slice_note = prompt_prep_dev_slice(manifest.get("config") or {})
+    check_train_records(((r["id"], r["source"], r["prompt"]) for r in records), path, gsm8k, instruction, dev_slice)
+    return f"held-out problems: none in {path} (arithmetic dev and test; GSM8K dev: {slice_note})"
+
+
+def gsm8k_rows_dev_questions(specs, mirror=None, files_only: bool = False) -> set[str]:
+    """The questions (stripped) of GSM8K's dev slice in the train split of the GSM8K sources
+    `specs` (a prompt prep's: `name`, `format`, `path`, `hub`, `split`; a `test` one is not read),
+    each row's `question` field; `files_only`: never the hub."""
+    from sprout.prep.chat_sources import file_or_hub_rows, string_field
+
+    questions: set[str] = set()
+    for spec in specs:
+        if spec.format == "gsm8k" and spec.split != "test":
+            source = dataclasses.replace(spec, split="train", **({"hub": None} if files_only else {}))
+            questions |= {q for where, row in file_or_hub_rows(source, mirror)
+                          for q in [string_field(row, "question", where).strip()] if gsm8k_split(q) == "dev"}
+    return questions
+
+
+def prompt_prep_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
+    """(GSM8K's dev slice as the prompt prep whose config is `prep_config` read it, or None;
+    what was read, or why not): `gsm8k_rows_dev_questions` on its GSM8K sources' files."""
+    from sprout.mirror import expand_path
+    from sprout.prep.rl_prompts import PromptSourceConfig
+
+    sources = [s for s in prep_config.get("sources") or [] if isinstance(s, dict) and s.get("format") == "gsm8k"
+               and s.get("split", "train") != "test"]
+    if not sources:
+        return None, "no GSM8K train-split source"
+    try:
+        specs = [PromptSourceConfig(**s) for s in sources]
+        mirror = prep_config.get("mirror")
+        questions = gsm8k_rows_dev_questions(specs, mirror, files_only=True)
+        files = ", ".join(sorted({expand_path(s.path, mirror) if s.path else f"{s.name} (no file)" for s in specs}))
+    except (SproutError, OSError, ValueError, TypeError) as exc:
+        return None, f"GSM8K's train file not readable here ({str(exc).splitlines()[0]}), the prep's record trusted"
+    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {files}"
 
 
 # ---- packed SFT files: the conversations themselves -------------------------------------------

@@ -7,7 +7,8 @@ gold is normalised by `sprout.answers.normalise_number`; records that cannot be 
 dropped and counted (`no_final_answer`, `unparsable_gold`, the chat template's reasons), never
 guessed. Dedup is exact across sources on `conversation_key(prompt)`, first wins. A source with
 `own_split: true` keeps its `split`; every other record goes to test or dev by a hash of its
-prompt, and a held-out problem (`sprout.prep.held_out`) of another split is dropped (`prepare`).
+prompt, and a held-out problem (`sprout.prep.held_out`; GSM8K's dev slice in any source) of
+another split is dropped (`prepare`).
 `prompts.jsonl`, `prompts_dev.jsonl`, `prompts_test.jsonl` and, last, `manifest.json` are
 written. A record that is not what its format (`gsm8k`, `arithmetic`, `jsonl`) says stops the
 run naming the file and line.
@@ -28,7 +29,7 @@ from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.prompts import DEV_FILE, FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
-from sprout.prep.held_out import HeldOut, held_out_set
+from sprout.prep.held_out import HeldOut, gsm8k_rows_dev_questions, held_out_set
 from sprout.prep.keys import SplitRule, conversation_key, three_way_split
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
@@ -242,7 +243,7 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
     split_keys: dict[str, set] = {split: set() for split in SPLITS}
     per_source: dict[str, Counter] = {}
     first_drop: dict[str, str] = {}
-    held_out = HeldOut()
+    held_out = HeldOut(gsm8k_rows_dev_questions(specs, cfg.mirror))  # its dev slice, held out in every source
     for spec in specs:
         c = per_source[spec.name] = Counter(dict.fromkeys(("read", *SPLITS, "duplicates"), 0))
         for item in kept_records(read_items(spec, cfg), c, first_drop, spec.name, check_content):

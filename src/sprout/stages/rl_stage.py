@@ -417,8 +417,9 @@ def open_rl_run(cfg, stage_name: str, num_iterations: int = 1, resume: str | Non
     for held_out in (val, PROMPT_FILES.sealed_of(data)):
         if held_out.is_file():  # the sealed test file too, which no stage reads but none may train on
             check_held_out(data, held_out, sealed=held_out != val)
-    check_train_jsonl(data, read_prompts(data))
+    held_out_note = check_train_jsonl(data, read_prompts(data))
     print_rank0(check.report("prompt files"))
+    print_rank0(held_out_note)
     longest = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
     if longest > model_cfg.max_seq_len:
         raise SproutError(f"data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_completion_length "
