@@ -100,7 +100,8 @@ def test_the_script_prints_each_change_and_writes_the_rows(tmp_path):
                            str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "pass@1" in proc.stdout and "+100.0 [+100.0, +100.0] ✓  (8 paired)" in proc.stdout
-    assert [r["figure"] for r in json.loads(out.read_text())["rows"]] == ["pass@1", "greedy/accuracy"]
+    written = json.loads(out.read_text())
+    assert [r["figure"] for r in written["rows"]] == ["pass@1", "greedy/accuracy"] and written["after"] == [str(b)]
     prefs = tmp_path / "prefs.json"
     prefs.write_text(json.dumps(pref_file([True], ["near_miss"])))
     none = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(a), str(prefs)],
@@ -146,3 +147,6 @@ def test_several_after_files_are_one_settings_seeds_compared_by_their_mean(tmp_p
     assert "the mean of 3 seeds" in proc.stdout and f"{100 * ch['diff']:+.1f} [{100 * ch['ci'][0]:+.1f}" in proc.stdout
     written = json.loads(out.read_text())
     assert written["after"] == list(map(str, files[1:])) and written["rows"][0]["seeds"] == rows["pass@1"]["seeds"]
+    twice = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(files[0]), str(files[1]),
+                            str(files[1])], capture_output=True, text=True, timeout=120)
+    assert twice.returncode != 0 and twice.stderr.count("\n") == 1 and "given twice as AFTER" in twice.stderr

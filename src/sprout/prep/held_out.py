@@ -11,8 +11,8 @@ what they excluded (`HeldOut.record()`: sets, rule, counts, the count and sha256
 slice questions read, `slice_digest`) in the manifest or HDF5 attrs; the
 trainers refuse a file that lacks the record or holds a held-out problem (`check_train_jsonl`,
 `check_record`; a packed SFT file: `check_sft_examples` on its conversations' user turns, decoded).
-GSM8K's dev slice is held out in every source, by the preps and by the trainers, which read it from
-the prep's own GSM8K train files where they can be read here.
+GSM8K's dev slice is held out in every source by the SFT and RL prompt preps and by the SFT, PPO and
+GRPO trainers, which read it from the prep's own GSM8K train files where they can be read here.
 """
 
 from __future__ import annotations
@@ -197,16 +197,16 @@ def check_train_jsonl(path, records: Iterable[dict]) -> str:
     return f"held-out problems: none in {path} (arithmetic dev and test; GSM8K dev: {slice_note})"
 
 
-def gsm8k_rows_dev_questions(specs, mirror=None, files_only: bool = False) -> set[str]:
-    """The questions (stripped) of GSM8K's dev slice in the train split of the GSM8K sources
-    `specs` (a prompt prep's: `name`, `format`, `path`, `hub`, `split`; a `test` one is not read),
-    each row's `question` field; `files_only`: never the hub."""
+def gsm8k_rows_dev_questions(specs, mirror=None) -> set[str]:
+    """The questions (stripped) of GSM8K's dev slice in the GSM8K sources `specs` (a prompt prep's:
+    `name`, `format`, `path`, `hub`, `split`), each row's `question` field: a `dev` source reads
+    the train split, as the prep does; a `test` one is not read."""
     from sprout.prep.chat_sources import file_or_hub_rows, string_field
 
     questions: set[str] = set()
     for spec in specs:
         if spec.format == "gsm8k" and spec.split != "test":
-            source = dataclasses.replace(spec, split="train", **({"hub": None} if files_only else {}))
+            source = dataclasses.replace(spec, split="train" if spec.split == "dev" else spec.split)
             questions |= {q for where, row in file_or_hub_rows(source, mirror)
                           for q in [string_field(row, "question", where).strip()] if gsm8k_split(q) == "dev"}
     return questions
@@ -214,22 +214,34 @@ def gsm8k_rows_dev_questions(specs, mirror=None, files_only: bool = False) -> se
 
 def prompt_prep_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
     """(GSM8K's dev slice as the prompt prep whose config is `prep_config` read it, or None;
-    what was read, or why not): `gsm8k_rows_dev_questions` on its GSM8K sources' files."""
+    what was read, or why not): `gsm8k_rows_dev_questions` on the files of its GSM8K sources,
+    never the hub. Where no file can be read here, prompts of sources other than GSM8K's are
+    trusted to the prep's record (GSM8K's own prompts are still held to the slice's rule)."""
     from sprout.mirror import expand_path
     from sprout.prep.rl_prompts import PromptSourceConfig
 
+    trusted = "other sources' prompts trusted to the prep's record"
+    if not prep_config:
+        return None, f"the manifest records no prep config: {trusted}"
     sources = [s for s in prep_config.get("sources") or [] if isinstance(s, dict) and s.get("format") == "gsm8k"
                and s.get("split", "train") != "test"]
     if not sources:
-        return None, "no GSM8K train-split source"
+        return None, "the prep's config names no GSM8K train-split source"
     try:
         specs = [PromptSourceConfig(**s) for s in sources]
-        mirror = prep_config.get("mirror")
-        questions = gsm8k_rows_dev_questions(specs, mirror, files_only=True)
-        files = ", ".join(sorted({expand_path(s.path, mirror) if s.path else f"{s.name} (no file)" for s in specs}))
-    except (SproutError, OSError, ValueError, TypeError) as exc:
-        return None, f"GSM8K's train file not readable here ({str(exc).splitlines()[0]}), the prep's record trusted"
-    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {files}"
+    except TypeError as exc:
+        return None, f"the prep's config is not this sprout's ({exc}): {trusted}"
+    on_file, from_hub = [s for s in specs if s.path], [s.name for s in specs if not s.path]
+    hub_note = f"; {', '.join(from_hub)} read from the hub, not read again" if from_hub else ""
+    if not on_file:
+        return None, f"GSM8K read from the hub by the prep, not read again: {trusted}"
+    mirror = prep_config.get("mirror")
+    try:
+        questions = gsm8k_rows_dev_questions([dataclasses.replace(s, hub=None) for s in on_file], mirror)
+    except (SproutError, OSError, ValueError) as exc:
+        return None, f"GSM8K's train file not readable here ({str(exc).splitlines()[0]}): {trusted}"
+    files = ", ".join(sorted({expand_path(s.path, mirror) for s in on_file}))
+    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {files}{hub_note}"
 
 
 # ---- packed SFT files: the conversations themselves -------------------------------------------
