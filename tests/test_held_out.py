@@ -161,7 +161,7 @@ def test_gsm8k_dev_questions_in_any_rl_source_are_held_out_by_the_prep_and_the_t
 def test_the_trainers_read_gsm8k_s_dev_slice_from_the_prep_s_files_only(tmp_path):
     """`prompt_prep_dev_slice`: a `dev` source reads the train file's slice; a source the prep read
     from the hub is not read again (the others' files are), and with no file the record is trusted;
-    a config without GSM8K, or none at all, says so."""
+    a config without GSM8K, or none at all, says so; keys it does not need are passed over."""
     from sprout.prep.held_out import prompt_prep_dev_slice
 
     gsm8k = _jsonl(tmp_path / "train.jsonl", _gsm8k_rows(200))
@@ -177,8 +177,7 @@ def test_the_trainers_read_gsm8k_s_dev_slice_from_the_prep_s_files_only(tmp_path
     test_only = {**on_file, "split": "test"}
     assert prompt_prep_dev_slice({"sources": [test_only]})[1] == "the prep's config names no GSM8K train-split source"
     assert prompt_prep_dev_slice({})[1].startswith("the manifest records no prep config")
-    assert prompt_prep_dev_slice({"sources": [{**on_file, "renamed": 1}]})[1].startswith(
-        "the prep's config is not this sprout's")
+    assert prompt_prep_dev_slice({"sources": [{**on_file, "an_earlier_key": 1}]})[0] == dev  # what it needs, read
 
 
 def test_preference_prep_leaves_held_out_problems_out(tmp_path):

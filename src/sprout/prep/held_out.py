@@ -212,13 +212,23 @@ def gsm8k_rows_dev_questions(specs, mirror=None) -> set[str]:
     return questions
 
 
+@dataclasses.dataclass(frozen=True)
+class GSM8KFileSource:
+    """What reading a GSM8K source of a prep's config needs (its `sources` entry's fields)."""
+    name: str
+    format: str = "gsm8k"
+    path: str | None = None
+    hub: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
+
+
 def prompt_prep_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
     """(GSM8K's dev slice as the prompt prep whose config is `prep_config` read it, or None;
     what was read, or why not): `gsm8k_rows_dev_questions` on the files of its GSM8K sources,
     never the hub. Where no file can be read here, prompts of sources other than GSM8K's are
     trusted to the prep's record (GSM8K's own prompts are still held to the slice's rule)."""
     from sprout.mirror import expand_path
-    from sprout.prep.rl_prompts import PromptSourceConfig
 
     trusted = "other sources' prompts trusted to the prep's record"
     if not prep_config:
@@ -227,10 +237,8 @@ def prompt_prep_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
                and s.get("split", "train") != "test"]
     if not sources:
         return None, "the prep's config names no GSM8K train-split source"
-    try:
-        specs = [PromptSourceConfig(**s) for s in sources]
-    except TypeError as exc:
-        return None, f"the prep's config is not this sprout's ({exc}): {trusted}"
+    fields = [f.name for f in dataclasses.fields(GSM8KFileSource)]
+    specs = [GSM8KFileSource(**{"name": "gsm8k", **{k: s[k] for k in fields if k in s}}) for s in sources]
     on_file, from_hub = [s for s in specs if s.path], [s.name for s in specs if not s.path]
     hub_note = f"; {', '.join(from_hub)} read from the hub, not read again" if from_hub else ""
     if not on_file:
