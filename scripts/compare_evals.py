@@ -52,16 +52,13 @@ def main() -> int:
         return 1
     if seeds:
         print(f"after: the mean of {len(after)} seeds ({', '.join(args.after)})")
-        print(f"{'figure':36s} {'before':>8s} {'seeds':>{6 * len(after)}s} {'after':>8s}  "
-              f"change, points [95 % interval over seeds and problems]")
-        for r in rows:
-            each = " ".join(f"{100 * v:5.1f}" for v in r["seeds"])
-            print(f"{r['figure']:36s} {100 * r['before']:8.1f} {each:>{6 * len(after)}s} {100 * r['after']:8.1f}  "
-                  f"{change_text(r['change'])}")
-    else:
-        print(f"{'figure':36s} {'before':>8s} {'after':>8s}  change, points [95 % interval]")
-        for r in rows:
-            print(f"{r['figure']:36s} {100 * r['before']:8.1f} {100 * r['after']:8.1f}  {change_text(r['change'])}")
+    width = 6 * len(after) + 1 if seeds else 0  # the seeds' own figures, when there are several
+    print(f"{'figure':36s} {'before':>8s}{'seeds' if seeds else '':>{width}s} {'after':>8s}  change, points "
+          f"[95 % interval{' over seeds and problems' if seeds else ''}]")
+    for r in rows:
+        each = " ".join(f"{100 * v:5.1f}" for v in r.get("seeds", []))
+        print(f"{r['figure']:36s} {100 * r['before']:8.1f}{each:>{width}s} {100 * r['after']:8.1f}  "
+              f"{change_text(r['change'])}")
     if args.json:
         write_json_atomic(args.json, {"before": args.before, "after": args.after, "rows": rows})
     return 0

@@ -155,29 +155,34 @@ def test_gsm8k_dev_questions_in_any_rl_source_are_held_out_by_the_prep_and_the_t
     assert str(err.value).startswith(f"{out / 'prompts.jsonl'}: record 'mine-leak' is a held-out problem (gsm8k_dev)")
     gsm8k.unlink()
     note = check_train_jsonl(out / "prompts.jsonl", [*train, leak])
-    assert note.endswith("other sources' prompts trusted to the prep's record)")
+    assert "GSM8K's train file not readable here (" in note and note.endswith(", the prep's record trusted)")
 
 
 def test_the_trainers_read_gsm8k_s_dev_slice_from_the_prep_s_files_only(tmp_path):
-    """`prompt_prep_dev_slice`: a `dev` source reads the train file's slice; a source the prep read
-    from the hub is not read again (the others' files are), and with no file the record is trusted;
-    a config without GSM8K, or none at all, says so; keys it does not need are passed over."""
-    from sprout.prep.held_out import prompt_prep_dev_slice
+    """`prep_dev_slice`: a `dev` source reads the train file's slice; a source the prep read from
+    the hub is not read again (the others' files are, and the slice is then not whole), and with
+    no file the record is trusted; a config without GSM8K, or none at all, says so; keys it does
+    not need are passed over; `max_examples` reads the first rows of each source, as SFT's prep."""
+    from sprout.prep.held_out import gsm8k_split, prep_dev_slice
 
-    gsm8k = _jsonl(tmp_path / "train.jsonl", _gsm8k_rows(200))
+    rows = _gsm8k_rows(200)
+    gsm8k = _jsonl(tmp_path / "train.jsonl", rows)
     dev = _gsm8k_dev(200)
     on_file = {"name": "gsm8k_dev", "format": "gsm8k", "path": str(gsm8k), "split": "dev", "own_split": True}
     hub = {"name": "gsm8k_hub", "format": "gsm8k", "hub": "openai/gsm8k", "hub_config": "main"}
-    questions, note = prompt_prep_dev_slice({"sources": [on_file]})
-    assert questions == dev and note == f"{len(dev)} questions of GSM8K's dev slice, from {gsm8k}"
-    questions, note = prompt_prep_dev_slice({"sources": [on_file, hub]})
-    assert questions == dev and note.endswith("; gsm8k_hub read from the hub, not read again")
-    assert prompt_prep_dev_slice({"sources": [hub]}) == (None, "GSM8K read from the hub by the prep, not read "
-                                                                "again: other sources' prompts trusted to the prep's record")
+    assert prep_dev_slice({"sources": [on_file]}) == (dev, f"{len(dev)} questions of GSM8K's dev slice, from {gsm8k}",
+                                                      True)
+    questions, note, whole = prep_dev_slice({"sources": [on_file, hub]})
+    assert questions == dev and note.endswith("; gsm8k_hub read from the hub, not read again") and not whole
+    assert prep_dev_slice({"sources": [hub]}) == (None, "GSM8K read from the hub by the prep, not read again, "
+                                                        "the prep's record trusted", False)
     test_only = {**on_file, "split": "test"}
-    assert prompt_prep_dev_slice({"sources": [test_only]})[1] == "the prep's config names no GSM8K train-split source"
-    assert prompt_prep_dev_slice({})[1].startswith("the manifest records no prep config")
-    assert prompt_prep_dev_slice({"sources": [{**on_file, "an_earlier_key": 1}]})[0] == dev  # what it needs, read
+    assert prep_dev_slice({"sources": [test_only]}).note == "the prep's config names no GSM8K train-split source"
+    assert prep_dev_slice({}) == (None, "no prep config recorded, the prep's record trusted", False)
+    assert prep_dev_slice({"sources": [{**on_file, "an_earlier_key": 1}]}).questions == dev  # what it needs, read
+    first = {r["question"].strip() for r in rows[:50]} & dev
+    assert 0 < len(first) < len(dev) and all(gsm8k_split(q) == "dev" for q in first)
+    assert prep_dev_slice({"sources": [on_file]}, max_examples=50).questions == first
 
 
 def test_preference_prep_leaves_held_out_problems_out(tmp_path):

@@ -129,7 +129,8 @@ def test_presets_in_the_repository_load_and_chain_their_stages():
 def test_the_lora_preset_is_the_smollm2_chain_with_adapters_at_ten_times_its_rates_but_grpos_chosen_on_dev():
     """smollm2-lora differs from smollm2 only in its output root and in each trainer's command
     ending with r 16, alpha 32 adapters and a learning rate 10x the one its config gives, but
-    GRPO's: the LoRA sweep's choice on dev (docs/results/2026-12-06-smollm2-grpo-lora-vs-full-dev.md)."""
+    GRPO's, the LoRA sweep's choice on dev (docs/results/2026-12-06-smollm2-grpo-lora-vs-full-dev.md),
+    which is only held to be above full fine-tuning's."""
     import dataclasses
 
     full, lora = (load_preset(ROOT / "configs" / "pipelines" / f"{n}.yaml") for n in ("smollm2", "smollm2-lora"))
@@ -143,7 +144,10 @@ def test_the_lora_preset_is_the_smollm2_chain_with_adapters_at_ten_times_its_rat
         *added, lr = b.commands[0][len(a.commands[0]):]
         assert added == ["--lora.r", "16", "--lora.alpha", "32", "--optim.lr"], a.name
         full_lr = yaml.safe_load(a.config.read_text())["optim"]["lr"]
-        assert float(lr) == pytest.approx(2e-4 if a.name == "grpo" else 10 * full_lr), a.name
+        if a.name == "grpo":
+            assert float(lr) > full_lr, a.name
+        else:
+            assert float(lr) == pytest.approx(10 * full_lr), a.name
 
 
 @pytest.mark.parametrize("name", PRESETS)

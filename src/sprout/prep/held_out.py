@@ -23,7 +23,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 from sprout.errors import SproutError
 from sprout.prep.arithmetic import DEV_FRACTION, TEST_FRACTION, question_split
@@ -97,7 +97,7 @@ def messages_held_out_set(messages, gsm8k_file_split: str | None = None, instruc
 def conversation_held_out_set(messages, dev_slice: set[str] | None, gsm8k_file_split: str | None = None,
                               instruction: str | None = None) -> str | None:
     """`messages_held_out_set`, else `gsm8k_dev` when the first user turn (less `instruction`) is
-    a question of GSM8K's dev slice `dev_slice` (`gsm8k_dev_questions`, `gsm8k_rows_dev_questions`),
+    a question of GSM8K's dev slice `dev_slice` (`gsm8k_dev_questions`),
     whichever source the conversation came from."""
     found = messages_held_out_set(messages, gsm8k_file_split, instruction)
     if found is None and dev_slice and gsm8k_question(messages, instruction) in dev_slice:
@@ -182,7 +182,7 @@ def check_train_jsonl(path, records: Iterable[dict]) -> str:
     (`check_train_records`; GSM8K records are those of the manifest's `gsm8k` sources, read from
     GSM8K's test split when the source's `split` is test, else from its train split; GSM8K's dev
     slice, held out in any source, is read from the GSM8K train files the prep's config names,
-    `gsm8k_rows_dev_questions`, where they can be read here). A file without a manifest beside it
+    `prep_dev_slice`, where they can be read here). A file without a manifest beside it
     (made by hand) is scanned by the arithmetic rule alone. Returns what was checked, in words."""
     manifest_path = Path(path).parent / "manifest.json"
     gsm8k, instruction, dev_slice, slice_note = {}, None, None, "no manifest: the arithmetic rule only"
@@ -192,23 +192,30 @@ def check_train_jsonl(path, records: Iterable[dict]) -> str:
         gsm8k = {name: "test" if s.get("split") == "test" else "train"
                  for name, s in manifest.get("sources", {}).items() if s.get("format") == "gsm8k"}
         instruction = manifest.get("instruction")
-        dev_slice, slice_note = prompt_prep_dev_slice(manifest.get("config") or {})
+        dev_slice, slice_note, _ = prep_dev_slice(manifest.get("config") or {})
     check_train_records(((r["id"], r["source"], r["prompt"]) for r in records), path, gsm8k, instruction, dev_slice)
     return f"held-out problems: none in {path} (arithmetic dev and test; GSM8K dev: {slice_note})"
 
 
-def gsm8k_rows_dev_questions(specs, mirror=None) -> set[str]:
-    """The questions (stripped) of GSM8K's dev slice in the GSM8K sources `specs` (a prompt prep's:
-    `name`, `format`, `path`, `hub`, `split`), each row's `question` field: a `dev` source reads
-    the train split, as the prep does; a `test` one is not read."""
+# ---- GSM8K's dev slice, as a prep read it -------------------------------------------------------
+def gsm8k_dev_questions(specs, mirror=None, max_examples: int | None = None) -> set[str]:
+    """The questions (stripped) of GSM8K's dev slice in the `gsm8k` sources among `specs` (a prep's
+    source configs: `name`, `format`, `path`, `hub`, `hub_config`, `split`), each row's `question`
+    field, the first `max_examples` rows of each source (as the SFT prep reads them): a `dev` source
+    reads GSM8K's train split, as the prompt prep does; a `test` source is not read."""
     from sprout.prep.chat_sources import file_or_hub_rows, string_field
 
     questions: set[str] = set()
     for spec in specs:
-        if spec.format == "gsm8k" and spec.split != "test":
-            source = dataclasses.replace(spec, split="train" if spec.split == "dev" else spec.split)
-            questions |= {q for where, row in file_or_hub_rows(source, mirror)
-                          for q in [string_field(row, "question", where).strip()] if gsm8k_split(q) == "dev"}
+        if spec.format != "gsm8k" or spec.split == "test":
+            continue
+        rows = file_or_hub_rows(dataclasses.replace(spec, split="train" if spec.split == "dev" else spec.split), mirror)
+        for n, (where, row) in enumerate(rows):
+            if max_examples is not None and n >= max_examples:
+                break
+            question = string_field(row, "question", where).strip()
+            if gsm8k_split(question) == "dev":
+                questions.add(question)
     return questions
 
 
@@ -223,73 +230,44 @@ class GSM8KFileSource:
     split: str = "train"
 
 
-def prompt_prep_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
-    """(GSM8K's dev slice as the prompt prep whose config is `prep_config` read it, or None;
-    what was read, or why not): `gsm8k_rows_dev_questions` on the files of its GSM8K sources,
-    never the hub. Where no file can be read here, prompts of sources other than GSM8K's are
-    trusted to the prep's record (GSM8K's own prompts are still held to the slice's rule)."""
+class DevSlice(NamedTuple):
+    """GSM8K's dev slice as a trainer read it again from a prep's files (`prep_dev_slice`)."""
+    questions: set[str] | None  # None: nothing read
+    note: str  # what was read, or why not, in words
+    whole: bool  # every GSM8K train-split source of the prep was read: its recorded digest must match
+
+
+def prep_dev_slice(prep_config: dict, max_examples: int | None = None) -> DevSlice:
+    """GSM8K's dev slice as the prep whose config is `prep_config` read it (`gsm8k_dev_questions`
+    on its GSM8K train-split sources, the first `max_examples` rows of each), from their files
+    only, `${SPROUT_MIRROR}` filled by the prep's `mirror`, else this machine's; a source the prep
+    read from the hub is named, not read again. Where no file can be read here, the prep's record
+    is trusted (GSM8K's own records are still held to the slice's rule)."""
     from sprout.mirror import expand_path
 
-    trusted = "other sources' prompts trusted to the prep's record"
+    trusted = "the prep's record trusted"
     if not prep_config:
-        return None, f"the manifest records no prep config: {trusted}"
+        return DevSlice(None, f"no prep config recorded, {trusted}", False)
     sources = [s for s in prep_config.get("sources") or [] if isinstance(s, dict) and s.get("format") == "gsm8k"
                and s.get("split", "train") != "test"]
     if not sources:
-        return None, "the prep's config names no GSM8K train-split source"
+        return DevSlice(None, "the prep's config names no GSM8K train-split source", True)
     fields = [f.name for f in dataclasses.fields(GSM8KFileSource)]
     specs = [GSM8KFileSource(**{"name": "gsm8k", **{k: s[k] for k in fields if k in s}}) for s in sources]
     on_file, from_hub = [s for s in specs if s.path], [s.name for s in specs if not s.path]
     hub_note = f"; {', '.join(from_hub)} read from the hub, not read again" if from_hub else ""
     if not on_file:
-        return None, f"GSM8K read from the hub by the prep, not read again: {trusted}"
+        return DevSlice(None, f"GSM8K read from the hub by the prep, not read again, {trusted}", False)
     mirror = prep_config.get("mirror")
     try:
-        questions = gsm8k_rows_dev_questions([dataclasses.replace(s, hub=None) for s in on_file], mirror)
+        questions = gsm8k_dev_questions([dataclasses.replace(s, hub=None) for s in on_file], mirror, max_examples)
     except (SproutError, OSError, ValueError) as exc:
-        return None, f"GSM8K's train file not readable here ({str(exc).splitlines()[0]}): {trusted}"
+        return DevSlice(None, f"GSM8K's train file not readable here ({str(exc).splitlines()[0]}), {trusted}", False)
     files = ", ".join(sorted({expand_path(s.path, mirror) for s in on_file}))
-    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {files}{hub_note}"
+    return DevSlice(questions, f"{len(questions)} questions of GSM8K's dev slice, from {files}{hub_note}", not from_hub)
 
 
 # ---- packed SFT files: the conversations themselves -------------------------------------------
-def gsm8k_dev_questions(specs, mirror=None, max_examples: int | None = None, files_only: bool = False) -> set[str]:
-    """The questions (stripped) of GSM8K's dev slice among the records that an SFT prep's `gsm8k`
-    sources (`sprout.prep.chat_sources.SourceConfig`s, GSM8K's train split) read, as it reads
-    them (`read_source`); `files_only`: never the hub. Any conversation whose first user turn is
-    one of them is held out, whichever source it came from."""
-    from sprout.prep.chat_sources import read_source
-
-    questions: set[str] = set()
-    for spec in specs:
-        if spec.format == "gsm8k":
-            source = dataclasses.replace(spec, hub=None) if files_only else spec
-            questions |= {q for ex in read_source(source, mirror, max_examples)
-                          for q in [gsm8k_question(ex.messages)] if gsm8k_split(q) == "dev"}
-    return questions
-
-
-def gsm8k_dev_slice(prep_config: dict) -> tuple[set[str] | None, str]:
-    """(GSM8K's dev slice as the SFT prep whose config is `prep_config` read it, or None; what
-    was read, or why not): `gsm8k_dev_questions` on its sources' files, `${SPROUT_MIRROR}` filled
-    by the prep's `mirror`, else this machine's. None when no source is GSM8K's (nothing to hold)
-    or a file cannot be read here."""
-    from sprout.mirror import expand_path
-    from sprout.prep.chat_sources import from_dict_source
-
-    try:
-        specs = [from_dict_source(s, i) for i, s in enumerate(prep_config.get("sources") or [])]
-        specs = [s for s in specs if s.format == "gsm8k"]
-        if not specs:
-            return None, "no GSM8K source"
-        mirror = prep_config.get("mirror")
-        questions = gsm8k_dev_questions(specs, mirror, prep_config.get("max_examples"), files_only=True)
-        files = ", ".join(expand_path(s.path, mirror) if s.path else f"{s.name} (no file)" for s in specs)
-    except (SproutError, OSError, ValueError) as exc:
-        return None, f"GSM8K's train file not readable here ({str(exc).splitlines()[0]}), the prep's record trusted"
-    return questions, f"{len(questions)} questions of GSM8K's dev slice, from {files}"
-
-
 def sft_user_turns(path, tok, tpl) -> Iterator[tuple[int, list[dict]]]:
     """(row, its user turns as messages) for each conversation packed in the SFT file `path`:
     `sprout.chat.segment` with the template `tpl` it was rendered with, each user turn's content
@@ -315,7 +293,7 @@ def check_sft_examples(path, examples: Iterable[tuple[int, list[dict]]], gsm8k_d
     """Refuse a packed SFT train file holding a held-out problem, naming the file, the row and
     the set: `examples` are (row, user turns) (`sft_user_turns`); a user turn whose question is a
     held-out arithmetic one, or a first user turn that is a question of GSM8K's dev slice
-    (`gsm8k_dev`, when it could be read: `gsm8k_dev_slice`), as the SFT prep decides. Returns the
+    (`gsm8k_dev`, when it could be read: `prep_dev_slice`), as the SFT prep decides. Returns the
     number of conversations checked."""
     n = 0
     for row, messages in examples:

@@ -29,7 +29,7 @@ from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.prompts import DEV_FILE, FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
-from sprout.prep.held_out import HeldOut, gsm8k_rows_dev_questions, held_out_set
+from sprout.prep.held_out import HeldOut, gsm8k_dev_questions, held_out_set
 from sprout.prep.keys import SplitRule, conversation_key, three_way_split
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
@@ -243,7 +243,7 @@ def prepare(cfg: PromptDataConfig, command: str = "", log=print, warn=print_warn
     split_keys: dict[str, set] = {split: set() for split in SPLITS}
     per_source: dict[str, Counter] = {}
     first_drop: dict[str, str] = {}
-    held_out = HeldOut(gsm8k_rows_dev_questions(specs, cfg.mirror))  # its dev slice, held out in every source
+    held_out = HeldOut(gsm8k_dev_questions(specs, cfg.mirror))  # its dev slice, held out in every source
     for spec in specs:
         c = per_source[spec.name] = Counter(dict.fromkeys(("read", *SPLITS, "duplicates"), 0))
         for item in kept_records(read_items(spec, cfg), c, first_drop, spec.name, check_content):

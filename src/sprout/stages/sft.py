@@ -38,7 +38,7 @@ from sprout.model.load import uninitialised
 from sprout.model.transformer import Transformer
 from sprout.formats.data_paths import SFT_FILES, resolve_data
 from sprout.formats.packed_sft import SFTFile
-from sprout.prep.held_out import (check_record, check_sft_examples, gsm8k_dev_slice, sft_user_turns,
+from sprout.prep.held_out import (check_record, check_sft_examples, prep_dev_slice, sft_user_turns,
                                   slice_digest)
 from sprout.formats.verify_inputs import verify_sft_pair
 from sprout.ranges import check_ranges
@@ -206,10 +206,11 @@ def check_held_out_rows(data: Path, tok, fmt: ChatFormat, attrs: dict) -> None:
     """Refuse a train file holding a held-out problem (`sprout.prep.held_out.check_sft_examples`:
     every conversation's user turns, decoded; GSM8K's dev slice where the prep's GSM8K train file
     can be read here), and say what was checked."""
-    dev, where = gsm8k_dev_slice(attrs.get("config") or {})
+    config = attrs.get("config") or {}
+    dev, where, whole = prep_dev_slice(config, config.get("max_examples"))
     if dev:
         recorded = (attrs.get("held_out") or {}).get("gsm8k_dev_slice")
-        if recorded is not None and recorded != slice_digest(dev):
+        if whole and recorded is not None and recorded != slice_digest(dev):
             where += " (not the slice the prep recorded: the file changed since)"
         dev |= {tok.decode(tok.encode(q)).strip() for q in dev}  # as a tokenizer that rewrites text decodes it
     n = check_sft_examples(data, sft_user_turns(data, tok, template_of(tok, fmt)), dev)
