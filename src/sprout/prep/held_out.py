@@ -234,7 +234,7 @@ class DevSlice(NamedTuple):
     """GSM8K's dev slice as a trainer read it again from a prep's files (`prep_dev_slice`)."""
     questions: set[str] | None  # None: nothing read
     note: str  # what was read, or why not, in words
-    whole: bool  # every GSM8K train-split source of the prep was read: its recorded digest must match
+    whole: bool  # every GSM8K train-split source of the prep was read from a file (True when it has none)
 
 
 def prep_dev_slice(prep_config: dict, max_examples: int | None = None) -> DevSlice:
@@ -242,7 +242,8 @@ def prep_dev_slice(prep_config: dict, max_examples: int | None = None) -> DevSli
     on its GSM8K train-split sources, the first `max_examples` rows of each), from their files
     only, `${SPROUT_MIRROR}` filled by the prep's `mirror`, else this machine's; a source the prep
     read from the hub is named, not read again. Where no file can be read here, the prep's record
-    is trusted (GSM8K's own records are still held to the slice's rule)."""
+    is trusted (PPO and GRPO still hold a GSM8K source's own prompts to the slice's rule; SFT's
+    packed rows do not name their source)."""
     from sprout.mirror import expand_path
 
     trusted = "the prep's record trusted"
