@@ -112,6 +112,24 @@ def test_the_script_prints_each_change_and_writes_the_rows(tmp_path):
     assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "no.json: not a readable JSON file" in bad.stderr
 
 
+def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
+    """`run_main`: a stdout whose reader is gone (`compare_evals.py ... | head`) ends the script
+    with SIGPIPE's status, 141, and no traceback."""
+    import os
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(task_file([0] * 8, [0] * 8)))
+    b.write_text(json.dumps(task_file([4] * 8, [1] * 8)))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(a), str(b)],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
 def test_several_after_files_are_one_settings_seeds_compared_by_their_mean(tmp_path):
     """The mean over seeds and its change: the seeds' mean of the per-problem differences, with
     the two-level interval (`seeds_paired_difference_interval`); one seed is the paired change."""

@@ -2,7 +2,8 @@
 
 Anything a user can cause (a bad path, a corrupted shard, a mismatched vocab) raises
 `SproutError`. Entry-point scripts wrap their `main` in `run_main`, which prints
-`error: <message>` on one line and exits with status 2 instead of a traceback.
+`error: <message>` on one line and exits with status 2 instead of a traceback; output cut
+short by its reader (`| head`) ends quietly with SIGPIPE's status, 141.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def run_main(main: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        # the reader of stdout went away (`... | head`): stop quietly with SIGPIPE's status, as
+        # Unix tools do; stdout goes to /dev/null so the interpreter's last flush cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + 13)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A launched worker (torchrun / accelerate launch) that finished cleanly: every file is
         # written and closed, so skip interpreter teardown, where torch's distributed C++
