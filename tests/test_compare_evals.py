@@ -114,7 +114,7 @@ def test_the_script_prints_each_change_and_writes_the_rows(tmp_path):
 
 def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
     """`run_main`: a stdout whose reader is gone (`compare_evals.py ... | head`) ends the script
-    with SIGPIPE's status, 141, and no traceback."""
+    with SIGPIPE's status, 141, and no traceback; another broken pipe is still an error."""
     import os
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
@@ -128,6 +128,10 @@ def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
     finally:
         os.close(write_end)
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+    other = ("import os\nfrom sprout.errors import run_main\ndef main():\n    r, w = os.pipe()\n    os.close(r)\n"
+             "    os.write(w, b'x')\nrun_main(main)")  # another pipe broken, stdout fine: a real error
+    proc = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "BrokenPipeError" in proc.stderr, proc.stderr
 
 
 def test_several_after_files_are_one_settings_seeds_compared_by_their_mean(tmp_path):

@@ -29,8 +29,9 @@ def run_main(main: Callable[[], int | None]) -> None:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:
-        # the reader of stdout went away (`... | head`): stop quietly with SIGPIPE's status, as
-        # Unix tools do; stdout goes to /dev/null so the interpreter's last flush cannot fail too
+        if not _stdout_reader_gone():  # another pipe broke: a real error
+            raise
+        # SIGPIPE's status, as Unix tools; stdout to /dev/null so the last flush cannot fail too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(128 + 13)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -42,3 +43,15 @@ def run_main(main: Callable[[], int | None]) -> None:
         sys.stderr.flush()
         os._exit(int(code or 0))
     sys.exit(int(code or 0))
+
+
+def _stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reader has closed it (poll reports an error on it)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is no file
+        return False
