@@ -198,6 +198,12 @@ def check_train_jsonl(path, records: Iterable[dict]) -> str:
 
 
 # ---- GSM8K's dev slice, as a prep read it -------------------------------------------------------
+def gsm8k_read_split(spec):
+    """`spec` (a prep's source config) as it is read: a `gsm8k` source with split `dev` reads GSM8K's
+    train split, where its dev slice lives."""
+    return dataclasses.replace(spec, split="train") if spec.format == "gsm8k" and spec.split == "dev" else spec
+
+
 def gsm8k_dev_questions(specs, mirror=None, max_examples: int | None = None) -> set[str]:
     """The questions (stripped) of GSM8K's dev slice in the `gsm8k` sources among `specs` (a prep's
     source configs: `name`, `format`, `path`, `hub`, `hub_config`, `split`), each row's `question`
@@ -209,7 +215,7 @@ def gsm8k_dev_questions(specs, mirror=None, max_examples: int | None = None) -> 
     for spec in specs:
         if spec.format != "gsm8k" or spec.split == "test":
             continue
-        rows = file_or_hub_rows(dataclasses.replace(spec, split="train" if spec.split == "dev" else spec.split), mirror)
+        rows = file_or_hub_rows(gsm8k_read_split(spec), mirror)
         for n, (where, row) in enumerate(rows):
             if max_examples is not None and n >= max_examples:
                 break

@@ -17,7 +17,7 @@ run naming the file and line.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sprout.answers import normalise_number, not_a_number_reason
@@ -29,7 +29,7 @@ from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.prompts import DEV_FILE, FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
-from sprout.prep.held_out import HeldOut, gsm8k_dev_questions, held_out_set
+from sprout.prep.held_out import HeldOut, gsm8k_dev_questions, gsm8k_read_split, held_out_set
 from sprout.prep.keys import SplitRule, conversation_key, three_way_split
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
@@ -157,7 +157,7 @@ def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
     convert = CONVERTERS[spec.format]
     dev_slice = spec.format == "gsm8k" and spec.split == "dev"  # GSM8K's train file, its dev slice only
     n = 0
-    for where, row in file_or_hub_rows(_hub_split(spec), cfg.mirror):
+    for where, row in file_or_hub_rows(gsm8k_read_split(spec), cfg.mirror):
         if cfg.max_examples is not None and n >= cfg.max_examples:
             break
         if dev_slice and held_out_set(string_field(row, "question", where), "train") != "gsm8k_dev":
@@ -167,11 +167,6 @@ def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
             yield where, convert(row, where, cfg.instruction, spec.split)
         except Drop as drop:
             yield where, drop
-
-
-def _hub_split(spec: PromptSourceConfig) -> PromptSourceConfig:
-    """GSM8K's dev slice is read from its train split."""
-    return replace(spec, split="train") if spec.format == "gsm8k" and spec.split == "dev" else spec
 
 
 def check_content(item: Item) -> None:
