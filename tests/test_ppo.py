@@ -1,8 +1,10 @@
 """The PPO stage: GAE by hand and in the buffer, the score on the last generated token whatever the
 padding, a log-probability reward model's score by hand and in a run, the missing-eos rule, both KL estimators logged and the adaptive coefficient, the entropy
-bonus's gradient, the value head's own lr and its init from the reward model, exact resume with the
-value head (mid-buffer and at a boundary), 2 processes equal 1 (slow), and learning: a verifier
-reward and a reward model's preference rise (slow)."""
+bonus's gradient, the value head's own lr and its init from the reward model, the value warm-up
+(the value head alone trains, its loss and normaliser), exact resume with the value head
+(mid-buffer and at a boundary, in and after the warm-up), 2 processes equal 1 (slow, one case
+with a warm-up), and learning: a verifier reward and a reward model's preference rise, and the
+warm-up lowers the value loss (slow)."""
 
 import dataclasses
 import json
@@ -25,6 +27,7 @@ from proc import free_port, run_group
 from safetensors.torch import load_file
 
 from sprout.checkpoint import read_meta
+from sprout.config import from_dict, resume_config
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import reward_score_of
 from sprout.model.heads import PolicyWithValue
@@ -34,6 +37,7 @@ from sprout.engine.metrics import read_metrics
 from sprout.engine.optim import OptimConfig, build_optimizer
 from sprout.stages.ppo import (
     PPOBatchConfig,
+    PPOConfig,
     PPOLossConfig,
     PPOStage,
     advantages_and_returns,
@@ -241,15 +245,81 @@ def test_the_value_head_has_its_own_lr_and_starts_from_the_reward_model(sp, base
     assert torch.equal(policy.value_head.weight, rm.score_head.weight)
 
 
+# ---- the value warm-up --------------------------------------------------------------------------------------------
+def weights_at(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+
+
+def test_the_value_warmup_trains_the_value_head_alone(base, data, tmp_path):
+    """With value_warmup_steps 2 (weight decay on, a fresh value head): after steps 1 and 2 every
+    weight but the value head's is the init's, bit for bit; the value head moved; each warm-up
+    step's loss is vf_coef × its value loss (the same completion-token normaliser), the logged lr
+    0 and the value head's lr its own. Step 3 moves the policy at optim.lr."""
+    out = tmp_path / "warm"
+    run_ppo(tiny_cfg(data, base, out, max_steps=3, value_warmup_steps=2, weight_decay=0.1, vf_coef=0.5,
+                     value_lr=1e-2, ckpt_every=1, keep_checkpoints=10))
+    init = load_file(str(base / "model.safetensors"))
+    policy = [k for k in init if k != "value_head.weight"]
+    w1, w2, w3 = (weights_at(out, s) for s in (1, 2, 3))
+    assert all(torch.equal(w[k], init[k]) for w in (w1, w2) for k in policy)
+    assert not torch.equal(w1["value_head.weight"], w2["value_head.weight"])
+    assert any(not torch.equal(w3[k], init[k]) for k in policy)
+    rec = train_records(out)
+    for s in (1, 2):
+        assert rec[s]["loss"] == pytest.approx(0.5 * rec[s]["val/loss"], rel=1e-5)
+        assert rec[s]["lr"] == 0.0 and rec[s]["lr/value_head"] == 1e-2
+    assert rec[3]["lr"] == 3e-3
+
+
+def test_the_value_only_loss_gives_the_policy_an_exact_zero_gradient(sp, base, data):
+    """In the warm-up every parameter gets a gradient (none is left None, as a distributed
+    backward needs), zero for all but the value head's."""
+    stage, policy = make_stage(sp, base, data, value_warmup_steps=1)
+    batch = stage.next_micro_batches(0)[0]
+    assert stage.value_only
+    loss_sum, n, _ = stage.loss(policy, batch)
+    loss_sum.backward()
+    grads = {k: p.grad for k, p in policy.named_parameters()}
+    assert all(g is not None for g in grads.values())
+    assert grads["value_head.weight"].abs().sum() > 0
+    assert all(not g.any() for k, g in grads.items() if k != "value_head.weight")
+    assert int(n) == int(batch["completion_mask"].sum())
+
+
+def test_the_value_warmup_leaves_a_default_config_hash_as_it_was():
+    """value_warmup_steps enters the resume config only once set, so a run made before the option
+    resumes; a set one is hashed (a resume must keep it)."""
+    assert "value_warmup_steps" not in resume_config(PPOConfig())["ppo"]
+    assert resume_config(from_dict(PPOConfig, {"ppo": {"value_warmup_steps": 4}}))["ppo"]["value_warmup_steps"] == 4
+    with pytest.raises(SproutError, match=r"ppo\.value_warmup_steps: got -1; expected an integer in \[0, inf\)"):
+        from_dict(PPOConfig, {"ppo": {"value_warmup_steps": -1}})
+
+
+@pytest.mark.slow
+def test_the_value_warmup_lowers_the_value_loss(base, data, tmp_path):
+    """20 warm-up steps from a fresh value head, the policy held: the mean value loss of steps
+    16-20 is below 0.6 × that of steps 1-2 (the head learns the returns of a fixed policy; what is
+    left is their spread, which a head on a held random model cannot explain)."""
+    out = tmp_path / "warm_learn"
+    run_ppo(tiny_cfg(data, base, out, max_steps=21, value_warmup_steps=20, global_prompts=16, num_generations=1,
+                     micro_completions=16, max_completion_length=8, value_lr=3e-2, vf_coef=1.0))
+    rec = train_records(out)
+    start = np.mean([rec[s]["val/loss"] for s in (1, 2)])
+    end = np.mean([rec[s]["val/loss"] for s in (16, 17, 18, 19, 20)])
+    print(f"value loss: {start:.4f} -> {end:.4f}")
+    assert end < 0.6 * start
+
+
 # ---- resume -------------------------------------------------------------------------------------------------------
 RESUME = dict(max_steps=6, num_ppo_epochs=2, num_mini_batches=2, micro_completions=2, ckpt_every=1, keep_checkpoints=10,
               value_init="reward", value_lr=1e-2, adaptive_kl=True, target_kl=0.01, horizon=100, whiten_rewards=True,
-              eval_every=3)
+              eval_every=3, value_warmup_steps=3)
 
 
 @pytest.fixture(scope="module")
 def run_a(base, data, rm_path, tmp_path_factory):
-    """6 steps; a new buffer every 4 (2 epochs × 2 mini-batches); a checkpoint after every step."""
+    """6 steps, the first 3 the value warm-up's; a new buffer every 4 (2 epochs × 2 mini-batches); a
+    checkpoint after every step."""
     out = tmp_path_factory.mktemp("ppo_a")
     run_ppo(tiny_cfg(data, base, out, rm_path, **RESUME))
     return out
@@ -325,9 +395,12 @@ def test_grpo_starts_from_a_ppo_policy_without_its_value_head(run_a, data, tmp_p
 def test_two_processes_match_one(score, base, data, rm_path, logprob_rm, tmp_path):
     """2 gloo processes × 2 micro-batches of 2 completions == 1 process × 1 of 8 (per-prompt sampling;
     rewards and advantages whitened over the global batch), with a score-head reward model (the value
-    head its copy) and with a log-probability one (the value head fresh on the policy)."""
+    head its copy) and with a log-probability one (the value head fresh on the policy, its first 2
+    steps the value warm-up)."""
     rm, value_init = (rm_path, "reward") if score == "head" else (logprob_rm, "policy")
     values = dict(max_steps=4, num_ppo_epochs=2, whiten_rewards=True, value_init=value_init, reward_model_weight=0.5)
+    if score == "logprob":
+        values["value_warmup_steps"] = 2  # a fresh value head: its warm-up, then PPO
     one = tmp_path / "one"
     run_per_prompt(tiny_cfg(data, base, one, rm, micro_completions=8, **values))
     out = tmp_path / "ddp"
@@ -393,6 +466,9 @@ def test_the_reward_models_preference_is_learnt_with_bounded_kl(base, data, rm_p
                              r"import of one's export\), not a checkpoint of stage 'sft' \(architecture 'lm'\)"),
     ({"reward_model": "logprob", "value_init": "reward"},
      r"meta.json: ppo.value_init reward copies a score head, and this log-probability reward model has none"),
+    ({"value_warmup_steps": 2, "vf_coef": 0.0}, r"ppo.value_warmup_steps trains the value loss alone, and "
+                                                r"ppo.vf_coef 0 weighs it 0: set ppo.vf_coef > 0"),
+    ({"value_warmup_steps": 4}, r"ppo.value_warmup_steps 4 leaves no policy step in train.max_steps 4"),
 ])
 def test_bad_options_are_refused_in_one_line(values, pattern, base, data, logprob_rm, tmp_path):
     values = dict(values)

@@ -30,9 +30,10 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, groups: list[dic
     trainable parameter with optim.weight_decay.
 
     A group is `{"params": [...]}` plus optionally `lr_scale` (its base lr is optim.lr ×
-    lr_scale, e.g. a value head learning faster) or `lr` (its base lr), and `weight_decay`
-    (default optim.weight_decay). The schedule multiplies every group's base lr alike
-    (`Trainer.step`). Every trainable parameter must be in exactly one group.
+    lr_scale, e.g. a value head learning faster) or `lr` (its base lr), `weight_decay`
+    (default optim.weight_decay), and `hold_steps` (its lr is 0 for the run's first hold_steps
+    optimizer steps: no update, no weight decay). The schedule multiplies every group's base lr
+    alike (`Trainer.step`). Every trainable parameter must be in exactly one group.
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = decay_groups(trainable, optim.weight_decay) if groups is None else groups

@@ -261,7 +261,8 @@ class Trainer:
             self._stop_non_finite(f"gradient norm is {grad_norm}")
         lrs = {}
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = self.schedule(self.steps_done, peak=base)
+            held = self.steps_done < group.get("hold_steps", 0)  # `build_optimizer`: no update yet
+            group["lr"] = 0.0 if held else self.schedule(self.steps_done, peak=base)
             if not lrs:
                 lrs["lr"] = group["lr"]
             elif "name" in group and base != self.base_lrs[0]:

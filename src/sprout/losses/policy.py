@@ -233,3 +233,14 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
         per_token = per_token + vf_coef * per_token_value_loss
     loss_sum, denom = aggregate(per_token, mask, loss_type, max_completion_length)
     return PolicyLoss(loss_sum, denom, metrics)
+
+
+def value_only_loss(per_token_value_loss: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor,
+                    vf_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_sum, denominator) of PPO's value warm-up: vf_coef × the per-token value loss summed
+    over the completion tokens, over the completion tokens (dapo's normaliser, as in
+    `policy_loss`). `logps` enter as 0 × their sum: every parameter they depend on gets an exact
+    zero gradient, not none, so a distributed backward sees every parameter used."""
+    m = mask.to(per_token_value_loss.dtype)
+    loss_sum = vf_coef * (per_token_value_loss * m).sum() + 0.0 * (logps * m).sum()
+    return loss_sum, denominator(mask, "dapo")

@@ -42,14 +42,16 @@ class PolicyWithValue(Transformer):
         self.value_head = _scalar_head(config)
 
     def forward(self, input_ids, *, segment_ids=None, position_ids=None, cache: KVCache | None = None,
-                return_values: bool = False, logits_to_keep: int = 0):
-        """Logits [B, T, vocab] float32; with return_values, (logits, values [B, T] float32).
-        `logits_to_keep` as in `Transformer.forward` (the values stay [B, T])."""
+                return_values: bool = False, detach_values: bool = False, logits_to_keep: int = 0):
+        """Logits [B, T, vocab] float32; with return_values, (logits, values [B, T] float32);
+        with detach_values the value head reads the hidden states detached, so a loss on the
+        values trains the head alone. `logits_to_keep` as in `Transformer.forward` (the values
+        stay [B, T])."""
         logits, h = super().forward(input_ids, segment_ids=segment_ids, position_ids=position_ids, cache=cache,
                                     return_hidden=True, logits_to_keep=logits_to_keep)
         if not return_values:
             return logits
-        return logits, self.value_head(h).squeeze(-1).float()
+        return logits, self.value_head(h.detach() if detach_values else h).squeeze(-1).float()
 
 
 class RewardModel(Transformer):

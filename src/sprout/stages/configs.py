@@ -245,6 +245,8 @@ class PPOLossConfig:
     value_init: Literal["policy", "reward"] = "policy"  # value head: fresh, or the reward model's score head
     value_lr: float | None = in_range(None, "(0, inf)")  # the value head's peak lr; None: optim.lr × vf_lr_scale
     vf_lr_scale: float = in_range(1.0, "(0, inf)")  # the value head's lr as a multiple of optim.lr
+    # the first N optimizer steps train the value head alone (value loss only, the policy's lr held at 0)
+    value_warmup_steps: int = in_range(0, "[0, inf)", metadata=HASHED_WHEN_SET)
 
 
 @dataclass

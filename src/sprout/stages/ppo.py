@@ -11,7 +11,9 @@ GAE; advantages whitened over the completion tokens of the whole global batch. T
 serves num_ppo_epochs × num_mini_batches optimizer steps. Per token: clipped surrogate
 + vf_coef × clipped value loss - entropy_coef × entropy (+ kl_coef × KL with `kl_in: loss`).
 Normaliser: the completion tokens of the global mini-batch (every micro-batch on every
-process), so the step's loss is that token mean whatever the split.
+process), so the step's loss is that token mean whatever the split. The first
+`value_warmup_steps` optimizer steps are the critic's alone: loss vf_coef × value loss, the value
+head reading the hidden states detached, every other parameter's lr held at 0 (`hold_steps`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sprout.checkpoint import frozen_model_record
 from sprout.ranges import check_ranges
 from sprout.errors import SproutError
 from sprout.formats.checkpoint_meta import META, reward_score_of
-from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss
+from sprout.losses.policy import clipped_surrogate, policy_loss, value_loss, value_only_loss
 from sprout.model.load import init_from_lm, load_model
 from sprout.rl.advantages import gae, token_rewards
 from sprout.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, kl_k1, kl_k3
@@ -72,20 +74,20 @@ class WithValues:
     """The policy called as a plain LM (what `completion_logps` calls) that keeps its values:
     after a call, `values` [B, T] holds the value head's output at every input position."""
 
-    def __init__(self, model):
-        self.model, self.values = model, None
+    def __init__(self, model, detach_values: bool = False):
+        self.model, self.values, self.detach_values = model, None, detach_values
 
     def __call__(self, input_ids, **kwargs):
-        logits, self.values = self.model(input_ids, return_values=True, **kwargs)
+        logits, self.values = self.model(input_ids, return_values=True, detach_values=self.detach_values, **kwargs)
         return logits
 
 
 def logps_and_values(model, batch: dict, temperature: float = 1.0, entropy: bool = False,
-                     entropy_grad: bool = False, padding_free: bool = False):
+                     entropy_grad: bool = False, padding_free: bool = False, detach_values: bool = False):
     """(log-probs, values, entropy) [N, L] of the completion tokens: each value is V of the state
     before its token (read at the position that predicts it); `padding_free` as in
-    `completion_logps`. Off-mask positions hold garbage."""
-    net, rows = WithValues(model), CompletionRows(batch, padding_free)
+    `completion_logps`; `detach_values` as in `PolicyWithValue`. Off-mask positions hold garbage."""
+    net, rows = WithValues(model, detach_values), CompletionRows(batch, padding_free)
     logps, ent = completion_logps(net, batch, temperature, entropy=entropy, entropy_grad=entropy_grad, rows=rows)
     return logps, rows.completion_of_all(net.values), ent
 
@@ -104,6 +106,7 @@ class PPOStage(RLStage):
         self.cfg, self.ref_model, self.reward_model, self.weight_decay = c, ref_model, reward_model, weight_decay
         self.reward_score = reward_score or {"kind": "head"}  # how the reward model scores (`reward_score_of`)
         self.M = batch.num_mini_batches
+        self.value_only = False  # this step is one of the value warm-up's (`next_micro_batches`)
         self.mini_rows = self.accum_steps * batch.micro_completions
         self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.target_kl, c.horizon) if c.adaptive_kl
                        else FixedKLController(c.kl_coef))
@@ -115,13 +118,15 @@ class PPOStage(RLStage):
             self.reward_model = trainer.prepare_frozen(self.reward_model)
 
     def param_groups(self, model) -> list[dict]:
-        """The backbone and lm_head as `decay_groups`; the value head alone at value_lr (or
-        optim.lr × vf_lr_scale), without weight decay, named for its lr in the logs."""
+        """The backbone and lm_head as `decay_groups`, held at lr 0 through the value warm-up; the
+        value head alone at value_lr (or optim.lr × vf_lr_scale), without weight decay, named for
+        its lr in the logs."""
         head = model.value_head.weight
         rest = [p for p in model.parameters() if p.requires_grad and p is not head]
         value = {"params": [head], "weight_decay": 0.0, "name": "value_head"}
         value.update({"lr": self.cfg.value_lr} if self.cfg.value_lr else {"lr_scale": self.cfg.vf_lr_scale})
-        return decay_groups(rest, self.weight_decay) + [value]
+        hold = {"hold_steps": self.cfg.value_warmup_steps} if self.cfg.value_warmup_steps else {}
+        return decay_groups(rest, self.weight_decay, **hold) + [value]
 
     # ---- the rollout batch ----
     def reward_model_scores(self, rollout: dict) -> torch.Tensor:
@@ -253,6 +258,7 @@ class PPOStage(RLStage):
     def next_micro_batches(self, step: int) -> list[dict]:
         """The next mini-batch of the buffer (pass k // M, mini-batch k % M of this rank's
         shuffled rows) in micro-batches; a new buffer (rollouts) when it is used up."""
+        self.value_only = step < self.cfg.value_warmup_steps
         b = self.serve_buffer(step)
         epoch, mini = divmod(self.served - 1, self.M)
         rows = b["order"][epoch][mini * self.mini_rows:(mini + 1) * self.mini_rows]
@@ -275,14 +281,16 @@ class PPOStage(RLStage):
         per completion token: loss/policy (the clipped surrogate), val/loss, val/clipfrac (share
         where the clipped value loss is the larger), policy/clipfrac (share where the ratio's clip
         is active), clip_ratio/low_mean|high_mean, policy/approxkl (0.5 × mean (log pi - log
-        pi_old)^2), policy/entropy, kl (kl_in: loss)."""
+        pi_old)^2), policy/entropy, kl (kl_in: loss). In the value warm-up the loss is
+        `value_only_loss` (the same normaliser) and the metrics are those of the policy it holds."""
         c = self.cfg
         mask = batch["completion_mask"]
         real = mask.bool()
         zero = torch.zeros((), device=mask.device)
         logps, values, entropy = logps_and_values(model, batch, self.rollout.temperature, entropy=True,
-                                                  entropy_grad=c.entropy_coef > 0,
-                                                  padding_free=self.batch_cfg.padding_free)
+                                                  entropy_grad=c.entropy_coef > 0 and not self.value_only,
+                                                  padding_free=self.batch_cfg.padding_free,
+                                                  detach_values=self.value_only)
         logps, values = torch.where(real, logps, zero), torch.where(real, values, zero)
         old_values, returns = batch["old_values"], batch["returns"]
         per_token_vf = value_loss(values, old_values, returns, c.cliprange_value)
@@ -306,7 +314,10 @@ class PPOStage(RLStage):
                        "policy/approxkl": ((0.5 * log_ratio ** 2 * m).sum(), tokens)}
         names = {"clip_ratio/region_mean": "policy/clipfrac", "entropy": "policy/entropy"}
         metrics.update({names.get(k, k): v for k, v in out.metrics.items()})
-        return out.loss_sum, out.denominator, {**metrics, **self.stat_metrics(batch)}
+        loss_sum, denominator = out.loss_sum, out.denominator
+        if self.value_only:
+            loss_sum, denominator = value_only_loss(per_token_vf, logps, mask, c.vf_coef)
+        return loss_sum, denominator, {**metrics, **self.stat_metrics(batch)}
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -345,10 +356,16 @@ def run_ppo(cfg: PPOConfig, resume: str | None = None) -> dict:
     c = cfg.ppo
     if c.value_init == "reward" and not cfg.reward_model:
         raise SproutError("ppo.value_init reward needs a reward model: set reward_model or pass --reward-model RUN")
+    if c.value_warmup_steps and not c.vf_coef:
+        raise SproutError("ppo.value_warmup_steps trains the value loss alone, and ppo.vf_coef 0 weighs it 0: "
+                          "set ppo.vf_coef > 0")
     M = cfg.batch.num_mini_batches
     rewards = build_rewards(cfg.rewards, cfg.rollout.max_completion_length)
     run = open_rl_run(cfg, "ppo", c.num_ppo_epochs * M, resume, mini_batches=M)
     cfg, acc = run.cfg, run.accelerator
+    if c.value_warmup_steps >= cfg.train.max_steps:
+        raise SproutError(f"ppo.value_warmup_steps {c.value_warmup_steps} leaves no policy step in "
+                          f"train.max_steps {cfg.train.max_steps}")
     rm, rm_meta, kind = None, None, None
     if cfg.reward_model:
         rm, rm_meta, kind = load_reward_model(cfg.reward_model, run.base,
