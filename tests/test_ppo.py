@@ -284,6 +284,8 @@ def test_the_value_only_loss_gives_the_policy_an_exact_zero_gradient(sp, base, d
     assert grads["value_head.weight"].abs().sum() > 0
     assert all(not g.any() for k, g in grads.items() if k != "value_head.weight")
     assert int(n) == int(batch["completion_mask"].sum())
+    stage.next_micro_batches(1)
+    assert not stage.value_only  # the warm-up is steps [0, value_warmup_steps)
 
 
 def test_the_value_warmup_leaves_a_default_config_hash_as_it_was():

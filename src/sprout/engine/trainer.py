@@ -265,7 +265,7 @@ class Trainer:
             group["lr"] = 0.0 if held else self.schedule(self.steps_done, peak=base)
             if not lrs:
                 lrs["lr"] = group["lr"]
-            elif "name" in group and base != self.base_lrs[0]:
+            elif "name" in group and (base != self.base_lrs[0] or group["lr"] != lrs["lr"]):
                 lrs[f"lr/{group['name']}"] = group["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
