@@ -250,14 +250,17 @@ def weights_at(out: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
 
 
-def test_the_value_warmup_trains_the_value_head_alone(base, data, tmp_path):
+@pytest.mark.parametrize("value_lr", [1e-2, None], ids=["own_lr", "optim_lr"])
+def test_the_value_warmup_trains_the_value_head_alone(value_lr, base, data, tmp_path):
     """With value_warmup_steps 2 (weight decay on, a fresh value head): after steps 1 and 2 every
     weight but the value head's is the init's, bit for bit; the value head moved; each warm-up
     step's loss is vf_coef × its value loss (the same completion-token normaliser), the logged lr
-    0 and the value head's lr its own. Step 3 moves the policy at optim.lr."""
+    0 and the value head's lr its own (value_lr, or optim.lr like the policy's: logged apart
+    all the same). Step 3 moves the policy at optim.lr."""
     out = tmp_path / "warm"
     run_ppo(tiny_cfg(data, base, out, max_steps=3, value_warmup_steps=2, weight_decay=0.1, vf_coef=0.5,
-                     value_lr=1e-2, ckpt_every=1, keep_checkpoints=10))
+                     value_lr=value_lr, ckpt_every=1, keep_checkpoints=10))
+    head_lr = value_lr or 3e-3  # without value_lr: optim.lr × vf_lr_scale 1
     init = load_file(str(base / "model.safetensors"))
     policy = [k for k in init if k != "value_head.weight"]
     w1, w2, w3 = (weights_at(out, s) for s in (1, 2, 3))
@@ -267,8 +270,9 @@ def test_the_value_warmup_trains_the_value_head_alone(base, data, tmp_path):
     rec = train_records(out)
     for s in (1, 2):
         assert rec[s]["loss"] == pytest.approx(0.5 * rec[s]["val/loss"], rel=1e-5)
-        assert rec[s]["lr"] == 0.0 and rec[s]["lr/value_head"] == 1e-2
+        assert rec[s]["lr"] == 0.0 and rec[s]["lr/value_head"] == head_lr
     assert rec[3]["lr"] == 3e-3
+    assert rec[3]["lr/value_head"] == head_lr  # logged at every step, also where it equals the policy's
 
 
 def test_the_value_only_loss_gives_the_policy_an_exact_zero_gradient(sp, base, data):

@@ -260,12 +260,13 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self._stop_non_finite(f"gradient norm is {grad_norm}")
         lrs = {}
+        first = (self.base_lrs[0], self.optimizer.param_groups[0].get("hold_steps", 0))
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             held = self.steps_done < group.get("hold_steps", 0)  # `build_optimizer`: no update yet
             group["lr"] = 0.0 if held else self.schedule(self.steps_done, peak=base)
             if not lrs:
                 lrs["lr"] = group["lr"]
-            elif "name" in group and (base != self.base_lrs[0] or group["lr"] != lrs["lr"]):
+            elif "name" in group and (base, group.get("hold_steps", 0)) != first:  # its own lr, every step
                 lrs[f"lr/{group['name']}"] = group["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -198,10 +198,14 @@ def check_train_jsonl(path, records: Iterable[dict]) -> str:
 
 
 # ---- GSM8K's dev slice, as a prep read it -------------------------------------------------------
+def is_gsm8k_dev(spec) -> bool:
+    """Whether `spec` (a prep's source config) is GSM8K's dev slice: a `gsm8k` source with split `dev`."""
+    return spec.format == "gsm8k" and spec.split == "dev"
+
+
 def gsm8k_read_split(spec):
-    """`spec` (a prep's source config) as it is read: a `gsm8k` source with split `dev` reads GSM8K's
-    train split, where its dev slice lives."""
-    return dataclasses.replace(spec, split="train") if spec.format == "gsm8k" and spec.split == "dev" else spec
+    """`spec` as it is read: GSM8K's dev slice (`is_gsm8k_dev`) reads GSM8K's train split, where it lives."""
+    return dataclasses.replace(spec, split="train") if is_gsm8k_dev(spec) else spec
 
 
 def gsm8k_dev_questions(specs, mirror=None, max_examples: int | None = None) -> set[str]:

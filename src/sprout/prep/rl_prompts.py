@@ -29,7 +29,7 @@ from sprout.ranges import SEED_RANGE, in_range
 from sprout.formats.prompts import DEV_FILE, FORMAT, FORMAT_VERSION, TEST_FILE, TRAIN_FILE, write_prompts
 from sprout.prep import arithmetic
 from sprout.prep.chat_sources import file_or_hub_rows, gsm8k_gold, string_field
-from sprout.prep.held_out import HeldOut, gsm8k_dev_questions, gsm8k_read_split, held_out_set
+from sprout.prep.held_out import HeldOut, gsm8k_dev_questions, gsm8k_read_split, held_out_set, is_gsm8k_dev
 from sprout.prep.keys import SplitRule, conversation_key, three_way_split
 from sprout.prep.records import (Drop, check_sources, dropped_totals, kept_records, log_first_drops, record_id,
                                  write_split_files)
@@ -155,7 +155,7 @@ def read_items(spec: PromptSourceConfig, cfg: PromptDataConfig):
             yield f"{spec.name}[{i}] (level {p.level})", Item(prompt, p.gold, p.level)
         return
     convert = CONVERTERS[spec.format]
-    dev_slice = spec.format == "gsm8k" and spec.split == "dev"  # GSM8K's train file, its dev slice only
+    dev_slice = is_gsm8k_dev(spec)  # GSM8K's train file, its dev slice only
     n = 0
     for where, row in file_or_hub_rows(gsm8k_read_split(spec), cfg.mirror):
         if cfg.max_examples is not None and n >= cfg.max_examples:
@@ -198,7 +198,7 @@ def _check_spec(spec: PromptSourceConfig, where: str) -> None:
         raise SproutError(f"{where}: split must be one of {', '.join(arithmetic.SPLITS)}, got {spec.split!r}")
     if spec.own_split and spec.split not in SPLITS:
         raise SproutError(f"{where}: own_split needs split train, dev or test, got {spec.split!r}")
-    if spec.format == "gsm8k" and spec.split == "dev" and not spec.own_split:
+    if is_gsm8k_dev(spec) and not spec.own_split:
         raise SproutError(f"{where}: GSM8K's dev slice (split dev) needs own_split: true")
 
 
