@@ -172,3 +172,56 @@ def test_several_after_files_are_one_settings_seeds_compared_by_their_mean(tmp_p
     twice = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_evals.py"), str(files[0]), str(files[1]),
                             str(files[1])], capture_output=True, text=True, timeout=120)
     assert twice.returncode != 0 and twice.stderr.count("\n") == 1 and "given twice as AFTER" in twice.stderr
+
+
+def test_each_seed_against_its_own_baseline(tmp_path):
+    """--baseline once per seed: the change is the seeds' mean of after[s][i] − before[s][i],
+    with the two-level interval over those differences; it differs from the change against one
+    shared baseline, and miscounted baselines are refused in one line."""
+    from sprout.evaluation.compare import compare_seed_rows, seeds_change
+    from sprout.evaluation.statistics import seeds_bootstrap_means, percentile_interval
+
+    bases = [task_file([0, 1, 2, 0, 1, 0], [0, 0, 1, 0, 1, 0]), task_file([2, 2, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0])]
+    seeds = [task_file([4, 1, 2, 3, 1, 0], [1, 0, 1, 1, 1, 0]), task_file([2, 3, 2, 1, 1, 1], [1, 1, 1, 0, 1, 0])]
+    d = [[(a["correct"] - b["correct"]) / 4 for a, b in zip(s["problems"], base["problems"])]
+         for s, base in zip(seeds, bases)]
+    ch = seeds_change(bases, seeds, "pass@1")
+    assert ch["diff"] == pytest.approx(sum(map(sum, d)) / 12)
+    assert ch["ci"] == pytest.approx(list(percentile_interval(seeds_bootstrap_means(d))))
+    assert ch["diff"] != pytest.approx(seeds_change(bases[0], seeds, "pass@1")["diff"])
+    assert seeds_change(bases[:1], seeds, "pass@1") == {"not_paired": "1 baselines for 2 seeds"}
+    longer = [task_file([0, 1, 2, 0, 1, 0], [0] * 6, max_new_tokens=128), task_file([1] * 6, [1] * 6, max_new_tokens=128)]
+    assert seeds_change([bases[0], longer[0]], [seeds[0], longer[1]], "pass@1") == \
+        {"not_paired": "the seeds do not pair: different max_new_tokens (64 vs 128)"}  # each pairs with its own
+    rows = {r["figure"]: r for r in compare_seed_rows(bases, seeds)}
+    assert rows["pass@1"]["before_seeds"] == [b["metrics"]["pass@1"] for b in bases]
+    assert rows["pass@1"]["before"] == pytest.approx(sum(rows["pass@1"]["before_seeds"]) / 2)
+    files = {}
+    for name, data in [("b0", bases[0]), ("b1", bases[1]), ("a0", seeds[0]), ("a1", seeds[1])]:
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(data))
+    script = [sys.executable, str(ROOT / "scripts" / "compare_evals.py")]
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([*script, "--baseline", str(files["b0"]), "--baseline", str(files["b1"]), str(files["a0"]),
+                           str(files["a1"]), "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "each seed's own baseline" in proc.stdout
+    assert f"{100 * ch['diff']:+.1f} [{100 * ch['ci'][0]:+.1f}, {100 * ch['ci'][1]:+.1f}]" in proc.stdout
+    assert json.loads(out.read_text())["before"] == [str(files["b0"]), str(files["b1"])]
+    one = subprocess.run([*script, "--baseline", str(files["b0"]), str(files["a0"])], capture_output=True, text=True,
+                         timeout=120)  # one seed against its own baseline: the paired change
+    assert one.returncode == 0 and change_text_of(change(bases[0], seeds[0], "pass@1")) in one.stdout, one.stderr
+    for argv, says in [(["--baseline", str(files["b0"]), str(files["a0"]), str(files["a1"])], "given 1 time(s) for 2"),
+                       (["--baseline", str(files["b0"]), "--baseline", str(files["b1"]), str(files["a0"]),
+                         str(tmp_path / "." / "a0.json")], "given twice as AFTER"),
+                       (["--baseline", str(files["a1"]), "--baseline", str(files["b1"]), str(files["a0"]),
+                         str(files["a1"])], "given as a baseline and as an AFTER file")]:
+        bad = subprocess.run([*script, *argv], capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and says in bad.stderr, (argv, bad.stderr)
+    plain = subprocess.run([*script, str(files["b0"]), str(files["a0"]), "--json", str(out)], capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode == 0 and json.loads(out.read_text())["before"] == str(files["b0"]), plain.stderr
+
+
+def change_text_of(ch: dict) -> str:
+    return f"{100 * ch['diff']:+.1f} [{100 * ch['ci'][0]:+.1f}, {100 * ch['ci'][1]:+.1f}]"

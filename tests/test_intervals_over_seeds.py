@@ -79,3 +79,20 @@ def test_coverage_of_a_known_mean_over_problems_and_seeds():
         lo, hi = percentile_interval(seeds_bootstrap_means(x, resamples=1000))
         covered += lo <= 0.5 <= hi
     assert 0.88 <= covered / trials <= 0.99, covered / trials
+
+
+def test_one_baseline_per_seed():
+    """Each seed against its own baseline: the seeds' differences d[s][i] = after[s][i] − before[s][i]
+    bootstrapped over seeds and problems; one list entry per seed, or refused."""
+    before = [{"a": 0.0, "b": 1.0, "c": 0.5}, {"a": 1.0, "b": 0.0, "c": 0.5}]
+    after = [{"a": 1.0, "b": 1.0, "c": 0.75}, {"a": 1.0, "b": 0.5, "c": 0.5}]
+    diff, lo, hi = seeds_paired_difference_interval(before, after)
+    d = [[1.0, 0.0, 0.25], [0.0, 0.5, 0.0]]
+    assert diff == pytest.approx(sum(map(sum, d)) / 6)
+    assert (lo, hi) == percentile_interval(seeds_bootstrap_means(d))
+    assert seeds_paired_difference_interval([before[0]], after[:1]) == seeds_paired_difference_interval(before[0],
+                                                                                                         after[:1])
+    with pytest.raises(ValueError, match="one baseline per seed, got 1 for 2"):
+        seeds_paired_difference_interval(before[:1], after)
+    with pytest.raises(ValueError, match="for seed 1 and its baseline"):
+        seeds_paired_difference_interval([before[0], {"a": 1.0}], after)

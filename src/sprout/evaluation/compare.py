@@ -7,8 +7,9 @@ change is the mean over the shared problems of after's score minus before's, wit
 bootstrap interval (`paired_difference_interval`); files pair only on the same problem ids and
 the same generation length (and temperature for pass@k), or the same preference file.
 `compare_rows` gives every figure both files hold; `seeds_change` and `compare_seed_rows` the
-change to the mean over one setting's seeds, with the two-level interval over seeds and problems
-(`seeds_paired_difference_interval`); scripts/compare_evals.py prints either.
+change to the mean over one setting's seeds, from one baseline or each seed's own, with the
+two-level interval over seeds and problems (`seeds_paired_difference_interval`);
+scripts/compare_evals.py prints either.
 """
 
 from __future__ import annotations
@@ -103,27 +104,44 @@ def compare_rows(before: dict, after: dict) -> list[dict]:
             for f in ma if f in mb and is_mean(before, f) and is_mean(after, f)]
 
 
-def seeds_change(before: dict, after: list[dict], figure: str) -> dict:
-    """The change of `figure` from eval file `before` (one seed) to the mean over the seeds'
-    files `after`, on the same problems: {diff, ci, real, problems, seeds}, or {not_paired: why}."""
-    scores = [paired_scores(before, a, figure) for a in after]
+def seeds_change(before: dict | list[dict], after: list[dict], figure: str) -> dict:
+    """The change of `figure` to the mean over the seeds' files `after` from eval file `before`
+    (the one stage every seed started from) or from a list of files, one per seed (each seed's
+    own baseline, in `after`'s order), on the same problems: {diff, ci, real, problems, seeds},
+    or {not_paired: why}. Each baseline pairs with its seed's file, and the seeds' files with
+    each other (a shared `before` pairs them already; per-seed baselines do not)."""
+    baselines = [before] * len(after) if isinstance(before, dict) else before
+    if len(baselines) != len(after):
+        return {"not_paired": f"{len(baselines)} baselines for {len(after)} seeds"}
+    scores = [paired_scores(b, a, figure) for b, a in zip(baselines, after)]
     if why := next((s for s in scores if isinstance(s, str)), None):
         return {"not_paired": why}
-    diff, lo, hi = seeds_paired_difference_interval(scores[0][0], [s[1] for s in scores])
+    if why := next((w for a in after[1:] if isinstance(w := paired_scores(after[0], a, figure), str)), None):
+        return {"not_paired": f"the seeds do not pair: {why}"}
+    diff, lo, hi = seeds_paired_difference_interval([s[0] for s in scores], [s[1] for s in scores])
     return {"diff": diff, "ci": [lo, hi], "real": excludes_zero(lo, hi), "problems": len(scores[0][0]),
             "seeds": len(after)}
 
 
-def compare_seed_rows(before: dict, after: list[dict]) -> list[dict]:
+def compare_seed_rows(before: dict | list[dict], after: list[dict]) -> list[dict]:
     """`compare_rows` against the mean over the seeds' files `after` (one setting run once per
-    seed): {figure, before, after (the mean), seeds (each seed's figure), change (`seeds_change`)}
-    for every figure `before` and each of `after` hold."""
-    mb = before.get("metrics", {})
-    return [{"figure": f, "before": mb[f], "after": sum(vals) / len(vals), "seeds": vals,
-             "change": seeds_change(before, after, f)}
-            for f in after[0].get("metrics", {})
-            if f in mb and is_mean(before, f) and all(f in a.get("metrics", {}) and is_mean(a, f) for a in after)
-            for vals in [[a["metrics"][f] for a in after]]]
+    seed), from one file or one baseline file per seed (`seeds_change`): {figure, before (the
+    baselines' mean), after (the mean), seeds (each seed's figure), change} for every figure
+    that every file holds as a mean over problems or pairs, in `after[0]`'s order; per-seed
+    baselines add `before_seeds` (each baseline's figure)."""
+    one = isinstance(before, dict)
+    baselines = [before] if one else before
+    rows = []
+    for f in after[0].get("metrics", {}):
+        if not all(f in d.get("metrics", {}) and is_mean(d, f) for d in [*baselines, *after]):
+            continue
+        vals, base = [a["metrics"][f] for a in after], [b["metrics"][f] for b in baselines]
+        row = {"figure": f, "before": sum(base) / len(base), "after": sum(vals) / len(vals), "seeds": vals,
+               "change": seeds_change(before, after, f)}
+        if not one:
+            row["before_seeds"] = base
+        rows.append(row)
+    return rows
 
 
 def is_mean(data: dict, figure: str) -> bool:

@@ -5,6 +5,7 @@
     diff, lo, hi = paired_difference_interval(before, after)  # {problem id: score} of two stages
     mean, lo, hi = seeds_mean_interval([seed_a, seed_b, seed_c])   # {problem id: score} per seed
     diff, lo, hi = seeds_paired_difference_interval(before, [seed_a, seed_b, seed_c])
+    diff, lo, hi = seeds_paired_difference_interval([before_a, before_b, before_c], [seed_a, seed_b, seed_c])
     excludes_zero(lo, hi)                                   # the change is real
 
 Every interval says how far a mean over held-out problems could move on another draw of as
@@ -154,20 +155,27 @@ def seeds_mean_interval(seeds: Sequence[Mapping[str, float]], *, z: float = Z95,
     return mean, lo, hi
 
 
-def seeds_paired_difference_interval(before: Mapping[str, float], after: Sequence[Mapping[str, float]], *,
-                                     z: float = Z95, resamples: int = RESAMPLES,
-                                     seed: int = SEED) -> tuple[float, float, float]:
-    """(diff, lo, hi): the change from a single-seed stage `before` to the mean over the seeds
-    of `after` ({problem id: score} each, the same ids in all), diff = mean over seeds s and
-    problems i of d[s][i] = after[s][i] − before[i], with the percentile interval of
-    `seeds_bootstrap_means` of d: a drawn problem brings `before`'s score with each seed's.
-    With one seed it is `paired_difference_interval`."""
-    if after and set(before) != set(after[0]):
-        shared = len(set(before) & set(after[0]))
-        raise ValueError(f"seeds_paired_difference_interval needs the same problems, got {len(before)} and "
-                         f"{len(after[0])} ({shared} shared)")
+def seeds_paired_difference_interval(before: Mapping[str, float] | Sequence[Mapping[str, float]],
+                                     after: Sequence[Mapping[str, float]], *, z: float = Z95,
+                                     resamples: int = RESAMPLES, seed: int = SEED) -> tuple[float, float, float]:
+    """(diff, lo, hi): the change to the mean over the seeds of `after` ({problem id: score}
+    each, the same ids in all) from `before`: one stage's scores that every seed started from,
+    or a list of one baseline per seed (each seed against its own earlier checkpoint). diff =
+    mean over seeds s and problems i of d[s][i] = after[s][i] − before[s][i] (before[i] for a
+    single baseline), with the percentile interval of `seeds_bootstrap_means` of d: a drawn
+    seed brings its baseline, a drawn problem its baseline scores. With one seed it is
+    `paired_difference_interval`."""
+    one = isinstance(before, Mapping)
+    baselines = [before] * len(after) if one else list(before)
+    if len(baselines) != len(after):
+        raise ValueError(f"seeds_paired_difference_interval needs one baseline per seed, got {len(baselines)} "
+                         f"for {len(after)} seeds")
+    for s, (b, a) in enumerate(zip(baselines[:1] if one else baselines, after)):  # one: _by_seed checks the rest
+        if set(b) != set(a):
+            raise ValueError(f"seeds_paired_difference_interval needs the same problems, got {len(b)} and "
+                             f"{len(a)} ({len(set(b) & set(a))} shared){'' if one else f' for seed {s} and its baseline'}")
     ids, x = _by_seed(after, "seeds_paired_difference_interval")
-    d = [[row[k] - float(before[i]) for k, i in enumerate(ids)] for row in x]
+    d = [[row[k] - float(b[i]) for k, i in enumerate(ids)] for row, b in zip(x, baselines)]
     diff = math.fsum(math.fsum(row) / len(row) for row in d) / len(d)
     lo, hi = percentile_interval(seeds_bootstrap_means(d, resamples=resamples, seed=seed), z)
     return diff, lo, hi
