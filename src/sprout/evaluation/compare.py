@@ -110,13 +110,15 @@ def seeds_change(before: dict | list[dict], after: list[dict], figure: str) -> d
     own baseline, in `after`'s order), on the same problems: {diff, ci, real, problems, seeds},
     or {not_paired: why}. Each baseline pairs with its seed's file, and the seeds' files with
     each other (a shared `before` pairs them already; per-seed baselines do not)."""
-    baselines = [before] * len(after) if isinstance(before, dict) else before
+    per_seed = not isinstance(before, dict)
+    baselines = before if per_seed else [before] * len(after)
     if len(baselines) != len(after):
         return {"not_paired": f"{len(baselines)} baselines for {len(after)} seeds"}
     scores = [paired_scores(b, a, figure) for b, a in zip(baselines, after)]
     if why := next((s for s in scores if isinstance(s, str)), None):
         return {"not_paired": why}
-    if why := next((w for a in after[1:] if isinstance(w := paired_scores(after[0], a, figure), str)), None):
+    if per_seed and (why := next((w for a in after[1:] if isinstance(w := paired_scores(after[0], a, figure), str)),
+                                 None)):
         return {"not_paired": f"the seeds do not pair: {why}"}
     diff, lo, hi = seeds_paired_difference_interval([s[0] for s in scores], [s[1] for s in scores])
     return {"diff": diff, "ci": [lo, hi], "real": excludes_zero(lo, hi), "problems": len(scores[0][0]),

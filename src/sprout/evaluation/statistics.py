@@ -170,7 +170,7 @@ def seeds_paired_difference_interval(before: Mapping[str, float] | Sequence[Mapp
     if len(baselines) != len(after):
         raise ValueError(f"seeds_paired_difference_interval needs one baseline per seed, got {len(baselines)} "
                          f"for {len(after)} seeds")
-    for s, (b, a) in enumerate(zip(baselines[:1] if one else baselines, after)):  # one: _by_seed checks the rest
+    for s, (b, a) in enumerate(zip(baselines, after)):
         if set(b) != set(a):
             raise ValueError(f"seeds_paired_difference_interval needs the same problems, got {len(b)} and "
                              f"{len(a)} ({len(set(b) & set(a))} shared){'' if one else f' for seed {s} and its baseline'}")
